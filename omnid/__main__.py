@@ -1,0 +1,3 @@
+from omnid.cli import main
+
+main()

@@ -1,0 +1,51 @@
+"""`omnid`: run the daemon in the foreground, or check a configuration.
+
+Runs in the supervisor process's main thread. `main()` parses the command
+line; `omnid.supervisor.daemon.run()` is the library call tests use.
+Exit status: 0 stopped cleanly or config OK; 1 could not start; 2 invalid config.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from omnid import __version__, paths
+from omnid.config import ConfigError, load
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-c", "--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
+              envvar="OMNID_CONFIG", help="The daemon's TOML file (default: /etc/omnid/omnid.toml for root, "
+              "$XDG_CONFIG_HOME/omnid/omnid.toml otherwise).")
+@click.option("--check", is_flag=True, help="Validate the configuration, print every problem, and exit "
+              "(0 valid, 2 invalid).")
+@click.version_option(__version__, prog_name="omnid")
+def main(config_path: Path | None, check: bool) -> None:
+    """Serve multi-stage inference pipelines on warm stage workers."""
+    path = config_path or paths.defaults().config
+    try:
+        config = load(path)
+    except ConfigError as e:
+        click.echo(f"omnid: invalid configuration {e.source}:", err=True)
+        for p in e.problems:
+            click.echo(f"  {p}", err=True)
+        sys.exit(2)
+    if check:
+        n_st, n_pl = len(config.stages), len(config.pipelines)
+        click.echo(f"{path}: OK ({n_st} stage{'s' * (n_st != 1)}, {n_pl} pipeline{'s' * (n_pl != 1)})")
+        for name, p in config.pipelines.items():
+            click.echo(f"  {name}: " + ", ".join(f"{e.src} -> {e.dst}" for e in p.edges) if p.edges
+                       else f"  {name}: {p.stages[0]}")
+        sys.exit(0)
+    from omnid import logs
+    from omnid.supervisor.daemon import run
+    logs.configure(config.daemon.log_level, config.daemon.log_format)
+    sys.exit(run(config))
+
+
+if __name__ == "__main__":
+    main()

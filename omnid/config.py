@@ -1,0 +1,557 @@
+"""The daemon's TOML configuration: parsing and validation.
+
+Runs in the supervisor (and in `omnid --check`) before anything starts; the
+parsed, frozen `Config` is also handed to every stage worker at spawn, so it
+must stay picklable and free of heavy imports. Nothing here blocks except
+reading the file.
+
+Validation collects *every* problem with its key path (`stages.draw.model`)
+instead of stopping at the first, so one `omnid --check` run shows them all.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omnid import paths
+
+ENGINES = ("vllm", "diffusers", "python")
+FULL_WINDOW = -1
+
+# Per-job parameters a caller may set, by engine. Checked at the door so a typo
+# is a 400 with the list of known names rather than a failed job. `python`
+# stages accept anything: the user's function defines its own parameters.
+VLLM_PARAMS = frozenset({
+    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+    "stop", "ignore_eos", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "include_prompt", "prompt_template",
+})
+DIFFUSERS_PARAMS = frozenset({
+    "num_inference_steps", "guidance_scale", "height", "width", "seed",
+    "negative_prompt", "eta", "guidance_rescale", "num_images_per_prompt",
+})
+ENGINE_PARAMS: dict[str, frozenset[str] | None] = {
+    "vllm": VLLM_PARAMS, "diffusers": DIFFUSERS_PARAMS, "python": None,
+}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One configuration error, located by its key path."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; `problems` lists every reason."""
+
+    def __init__(self, source: str, problems: list[Problem]) -> None:
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  {p}" for p in problems)
+        super().__init__(f"{source}: {len(problems)} problem(s)\n{lines}")
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    socket: Path
+    state_dir: Path
+    lock_dir: Path
+    max_queued_jobs: int = 256
+    default_timeout_s: float = 600.0
+    socket_mode: int = 0o660
+    socket_group: str | None = None
+    max_request_bytes: int = 64 * 1024 * 1024
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 30.0
+    startup_timeout_s: float = 900.0
+    cancel_grace_s: float = 5.0
+    stop_grace_s: float = 10.0
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 30.0
+    max_restarts: int = 5
+    restart_window_s: float = 300.0
+    log_level: str = "info"
+    log_format: str = "console"
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    name: str
+    engine: str
+    model: Path | None = None
+    function: str | None = None
+    python_path: tuple[Path, ...] = ()
+    devices: tuple[int, ...] = ()
+    exclusive: bool = False
+    max_inflight: int = 1
+    queue_capacity: int = 4
+    args: Mapping[str, Any] = field(default_factory=dict)
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def accepted_params(self) -> frozenset[str] | None:
+        """Parameter names a job may set for this stage; None means any."""
+        known = ENGINE_PARAMS[self.engine]
+        return None if known is None else known | frozenset(self.defaults)
+
+
+@dataclass(frozen=True)
+class EdgeConfig:
+    src: str
+    dst: str
+    window: int = FULL_WINDOW
+    map: Mapping[str, str] | None = None
+    transform: str | None = None
+
+    def as_api(self) -> dict[str, Any]:
+        return {"from": self.src, "to": self.dst, "window": self.window,
+                "map": dict(self.map) if self.map is not None else None,
+                "transform": self.transform}
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    name: str
+    stages: tuple[str, ...]
+    edges: tuple[EdgeConfig, ...]
+    timeout_s: float | None = None
+    retries: int = 0
+
+    def incoming(self, stage: str) -> tuple[EdgeConfig, ...]:
+        return tuple(e for e in self.edges if e.dst == stage)
+
+    def outgoing(self, stage: str) -> tuple[EdgeConfig, ...]:
+        return tuple(e for e in self.edges if e.src == stage)
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """Stages fed by the job's own inputs (no incoming edge)."""
+        return tuple(s for s in self.stages if not self.incoming(s))
+
+    @property
+    def sinks(self) -> tuple[str, ...]:
+        """Stages whose outputs are the job's outputs (no outgoing edge)."""
+        return tuple(s for s in self.stages if not self.outgoing(s))
+
+    def as_api(self) -> dict[str, Any]:
+        return {"name": self.name, "stages": list(self.stages),
+                "edges": [e.as_api() for e in self.edges],
+                "sources": list(self.sources), "sinks": list(self.sinks),
+                "timeout_s": self.timeout_s, "retries": self.retries}
+
+
+@dataclass(frozen=True)
+class Config:
+    source: Path | None
+    daemon: DaemonConfig
+    stages: Mapping[str, StageConfig]
+    pipelines: Mapping[str, PipelineConfig]
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """Every GPU index some stage uses, sorted (the lock order)."""
+        return tuple(sorted({d for s in self.stages.values() for d in s.devices}))
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+class _Checker:
+    """Collects problems while reading untrusted TOML data."""
+
+    def __init__(self) -> None:
+        self.problems: list[Problem] = []
+
+    def add(self, path: str, message: str) -> None:
+        self.problems.append(Problem(path, message))
+
+    def table(self, data: Any, path: str) -> dict[str, Any]:
+        if not isinstance(data, dict):
+            self.add(path, f"must be a table, not {_typename(data)}")
+            return {}
+        return data
+
+    def unknown(self, data: Mapping[str, Any], allowed: Iterable[str], path: str) -> None:
+        allowed = set(allowed)
+        for key in data:
+            if key not in allowed:
+                self.add(f"{path}.{key}" if path else key,
+                         f"unknown key (known: {', '.join(sorted(allowed))})")
+
+    def get(self, data: Mapping[str, Any], key: str, path: str, kind: type | tuple[type, ...],
+            default: Any = None, *, required: bool = False) -> Any:
+        full = f"{path}.{key}" if path else key
+        if key not in data:
+            if required:
+                self.add(full, "is required")
+            return default
+        value = data[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        # bool is an int in Python; a TOML `true` is never a valid number here.
+        if isinstance(value, bool) and bool not in kinds:
+            self.add(full, f"must be {_kindname(kinds)}, not a boolean")
+            return default
+        if not isinstance(value, kinds):
+            self.add(full, f"must be {_kindname(kinds)}, not {_typename(value)}")
+            return default
+        return value
+
+    def positive(self, data: Mapping[str, Any], key: str, path: str, default: float,
+                 *, integer: bool = False, allow_zero: bool = False) -> Any:
+        value = self.get(data, key, path, int if integer else (int, float), default)
+        if value is not default and (value < 0 or (value == 0 and not allow_zero)):
+            self.add(f"{path}.{key}", f"must be {'>= 0' if allow_zero else '> 0'}, not {value}")
+            return default
+        return value
+
+
+def _typename(value: Any) -> str:
+    return {dict: "a table", list: "an array", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
+
+
+def _kindname(kinds: tuple[type, ...]) -> str:
+    names = {dict: "a table", list: "an array", str: "a string", bool: "a boolean",
+             int: "an integer", float: "a number"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def _resolve(base: Path, value: str) -> Path:
+    p = Path(os.path.expandvars(os.path.expanduser(value)))
+    return p if p.is_absolute() else (base / p)
+
+
+def _parse_daemon(c: _Checker, raw: Any, base: Path) -> DaemonConfig:
+    d = c.table(raw, "daemon")
+    c.unknown(d, DaemonConfig.__dataclass_fields__, "daemon")
+    defaults = paths.defaults()
+    socket = c.get(d, "socket", "daemon", str)
+    state_dir = c.get(d, "state_dir", "daemon", str)
+    lock_dir = c.get(d, "lock_dir", "daemon", str)
+    mode_raw = c.get(d, "socket_mode", "daemon", (int, str), 0o660)
+    socket_mode = 0o660
+    if isinstance(mode_raw, str):
+        try:
+            socket_mode = int(mode_raw, 8)
+        except ValueError:
+            c.add("daemon.socket_mode", f"must be an octal string like \"0660\", not {mode_raw!r}")
+    elif isinstance(mode_raw, int):
+        socket_mode = mode_raw
+    if not 0 <= socket_mode <= 0o777:
+        c.add("daemon.socket_mode", "must be between 0000 and 0777")
+    level = c.get(d, "log_level", "daemon", str, "info")
+    if level not in ("debug", "info", "warning", "error"):
+        c.add("daemon.log_level", "must be one of debug, info, warning, error")
+    fmt = c.get(d, "log_format", "daemon", str, "console")
+    if fmt not in ("console", "json"):
+        c.add("daemon.log_format", "must be \"console\" or \"json\"")
+    return DaemonConfig(
+        socket=_resolve(base, socket) if socket else defaults.socket,
+        state_dir=_resolve(base, state_dir) if state_dir else defaults.state_dir,
+        lock_dir=_resolve(base, lock_dir) if lock_dir else defaults.lock_dir,
+        max_queued_jobs=c.positive(d, "max_queued_jobs", "daemon", 256, integer=True),
+        default_timeout_s=float(c.positive(d, "default_timeout_s", "daemon", 600.0)),
+        socket_mode=socket_mode,
+        socket_group=c.get(d, "socket_group", "daemon", str),
+        max_request_bytes=c.positive(d, "max_request_bytes", "daemon", 64 << 20, integer=True),
+        heartbeat_interval_s=float(c.positive(d, "heartbeat_interval_s", "daemon", 1.0)),
+        heartbeat_timeout_s=float(c.positive(d, "heartbeat_timeout_s", "daemon", 30.0)),
+        startup_timeout_s=float(c.positive(d, "startup_timeout_s", "daemon", 900.0)),
+        cancel_grace_s=float(c.positive(d, "cancel_grace_s", "daemon", 5.0)),
+        stop_grace_s=float(c.positive(d, "stop_grace_s", "daemon", 10.0)),
+        restart_backoff_s=float(c.positive(d, "restart_backoff_s", "daemon", 1.0)),
+        restart_backoff_max_s=float(c.positive(d, "restart_backoff_max_s", "daemon", 30.0)),
+        max_restarts=c.positive(d, "max_restarts", "daemon", 5, integer=True, allow_zero=True),
+        restart_window_s=float(c.positive(d, "restart_window_s", "daemon", 300.0)),
+        log_level=level or "info",
+        log_format=fmt or "console",
+    )
+
+
+_STAGE_KEYS = ("engine", "model", "function", "python_path", "devices", "exclusive",
+               "max_inflight", "queue_capacity", "args", "defaults", "env")
+
+
+def _check_callable_ref(c: _Checker, ref: str, path: str, python_path: tuple[Path, ...]) -> None:
+    """`package.module:function`: check the form, and that the module can be found."""
+    module, sep, func = ref.partition(":")
+    if not sep or not module or not func or not func.isidentifier() or \
+            not all(part.isidentifier() for part in module.split(".")):
+        c.add(path, f"must be \"package.module:function\", not {ref!r}")
+        return
+    saved = list(sys.path)
+    sys.path[:0] = [str(p) for p in python_path]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    finally:
+        sys.path[:] = saved
+    if not found:
+        where = f" (searched python_path and sys.path)" if python_path else ""
+        c.add(path, f"module {module!r} cannot be found{where}")
+
+
+def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | None:
+    path = f"stages.{name}"
+    s = c.table(raw, path)
+    if not s:
+        return None
+    c.unknown(s, _STAGE_KEYS, path)
+    engine = c.get(s, "engine", path, str, required=True)
+    if engine is not None and engine not in ENGINES:
+        c.add(f"{path}.engine", f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
+        engine = None
+    python_path = tuple(_resolve(base, p) for p in c.get(s, "python_path", path, list, [])
+                        if isinstance(p, str))
+    model: Path | None = None
+    model_raw = c.get(s, "model", path, str)
+    function = c.get(s, "function", path, str)
+    if engine in ("vllm", "diffusers"):
+        if model_raw is None:
+            c.add(f"{path}.model", f"is required for engine {engine!r}")
+        else:
+            model = _resolve(base, model_raw)
+            marker = "config.json" if engine == "vllm" else "model_index.json"
+            if not model.is_dir():
+                c.add(f"{path}.model", f"directory {str(model)!r} does not exist")
+            elif not (model / marker).is_file():
+                c.add(f"{path}.model", f"{str(model)!r} has no {marker}; is it a {engine} model?")
+        if function is not None:
+            c.add(f"{path}.function", f"only python stages take a function, not {engine!r}")
+    elif engine == "python":
+        if function is None:
+            c.add(f"{path}.function", "is required for engine 'python'")
+        else:
+            _check_callable_ref(c, function, f"{path}.function", python_path)
+        if model_raw is not None:
+            model = _resolve(base, model_raw)
+    devices_raw = c.get(s, "devices", path, list, [])
+    devices: list[int] = []
+    for i, d in enumerate(devices_raw):
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            c.add(f"{path}.devices[{i}]", f"must be a GPU index >= 0, not {d!r}")
+        elif d in devices:
+            c.add(f"{path}.devices[{i}]", f"device {d} is given twice")
+        else:
+            devices.append(d)
+    max_inflight = c.positive(s, "max_inflight", path, 1, integer=True)
+    if max_inflight != 1 and engine in ("diffusers", "python"):
+        c.add(f"{path}.max_inflight", f"engine {engine!r} runs one job at a time; must be 1")
+    args = c.get(s, "args", path, dict, {})
+    defaults = c.get(s, "defaults", path, dict, {})
+    env = c.get(s, "env", path, dict, {})
+    for k, v in env.items():
+        if not isinstance(v, str):
+            c.add(f"{path}.env.{k}", f"must be a string, not {_typename(v)}")
+    if engine is not None:
+        known = ENGINE_PARAMS[engine]
+        for k in defaults:
+            if known is not None and k not in known:
+                c.add(f"{path}.defaults.{k}",
+                      f"unknown parameter for engine {engine!r} (known: {', '.join(sorted(known))})")
+    if engine is None:
+        return None
+    return StageConfig(
+        name=name, engine=engine, model=model, function=function, python_path=python_path,
+        devices=tuple(devices), exclusive=bool(c.get(s, "exclusive", path, bool, False)),
+        max_inflight=max_inflight,
+        queue_capacity=c.positive(s, "queue_capacity", path, 4, integer=True),
+        args=dict(args), defaults=dict(defaults), env={k: str(v) for k, v in env.items()},
+    )
+
+
+def _parse_edge(c: _Checker, raw: Any, path: str, members: tuple[str, ...],
+                known_stages: Iterable[str]) -> EdgeConfig | None:
+    e = c.table(raw, path)
+    if not e:
+        return None
+    c.unknown(e, ("from", "to", "window", "map", "transform"), path)
+    src = c.get(e, "from", path, str, required=True)
+    dst = c.get(e, "to", path, str, required=True)
+    ok = src is not None and dst is not None
+    for key, stage in (("from", src), ("to", dst)):
+        if stage is None:
+            continue
+        if stage not in known_stages:
+            c.add(f"{path}.{key}", f"unknown stage {stage!r}")
+            ok = False
+        elif stage not in members:
+            c.add(f"{path}.{key}", f"stage {stage!r} is not in this pipeline's stages")
+            ok = False
+    if ok and src == dst:
+        c.add(path, f"an edge from {src!r} to itself is a cycle")
+        ok = False
+    window = c.get(e, "window", path, int, FULL_WINDOW)
+    if window != FULL_WINDOW:
+        if window > 0:
+            c.add(f"{path}.window", f"streaming windows (window = {window}) are not supported yet;"
+                                    " use -1 (downstream starts on the upstream's last segment)")
+        else:
+            c.add(f"{path}.window", f"must be -1 (full trigger) or a segment count > 0, not {window}")
+        ok = False
+    mapping = c.get(e, "map", path, dict)
+    if mapping is not None:
+        for k, v in mapping.items():
+            if not isinstance(v, str):
+                c.add(f"{path}.map.{k}", f"must name an upstream output (a string), not {_typename(v)}")
+                ok = False
+    transform = c.get(e, "transform", path, str)
+    if transform is not None:
+        _check_callable_ref(c, transform, f"{path}.transform", ())
+    if not ok:
+        return None
+    return EdgeConfig(src=src, dst=dst, window=window, map=mapping, transform=transform)
+
+
+def _find_cycle(stages: tuple[str, ...], edges: list[EdgeConfig]) -> list[str] | None:
+    graph = {s: [e.dst for e in edges if e.src == s] for s in stages}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in graph.get(node, []):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if state.get(nxt) is None and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for s in stages:
+        if state.get(s) is None and (found := visit(s)):
+            return found
+    return None
+
+
+def _parse_pipeline(c: _Checker, name: str, raw: Any, known_stages: Mapping[str, Any]) -> PipelineConfig | None:
+    path = f"pipelines.{name}"
+    p = c.table(raw, path)
+    if not p:
+        return None
+    c.unknown(p, ("stages", "edges", "timeout_s", "retries"), path)
+    members_raw = c.get(p, "stages", path, list, [], required=True)
+    members: list[str] = []
+    for i, s in enumerate(members_raw):
+        if not isinstance(s, str):
+            c.add(f"{path}.stages[{i}]", f"must be a stage name, not {_typename(s)}")
+        elif s not in known_stages:
+            c.add(f"{path}.stages[{i}]", f"unknown stage {s!r}")
+        elif s in members:
+            c.add(f"{path}.stages[{i}]", f"stage {s!r} is listed twice")
+        else:
+            members.append(s)
+    if "stages" in p and not members_raw:
+        c.add(f"{path}.stages", "must name at least one stage")
+    edges_raw = c.get(p, "edges", path, list)
+    edges: list[EdgeConfig] = []
+    if edges_raw is None:
+        # A plain chain: each stage feeds the next, outputs passed by name.
+        edges = [EdgeConfig(src=a, dst=b) for a, b in zip(members, members[1:])]
+    else:
+        seen: set[tuple[str, str]] = set()
+        for i, raw_edge in enumerate(edges_raw):
+            edge = _parse_edge(c, raw_edge, f"{path}.edges[{i}]", tuple(members), known_stages)
+            if edge is None:
+                continue
+            if (edge.src, edge.dst) in seen:
+                c.add(f"{path}.edges[{i}]", f"duplicate edge {edge.src} -> {edge.dst}")
+                continue
+            seen.add((edge.src, edge.dst))
+            edges.append(edge)
+        cycle = _find_cycle(tuple(members), edges)
+        if cycle:
+            c.add(f"{path}.edges", f"the edges form a cycle: {' -> '.join(cycle)}")
+        elif members and len(members) > 1:
+            linked = {e.src for e in edges} | {e.dst for e in edges}
+            for s in members:
+                if s not in linked:
+                    c.add(f"{path}.edges", f"stage {s!r} is in the pipeline but on no edge")
+    timeout = c.get(p, "timeout_s", path, (int, float))
+    if timeout is not None and timeout <= 0:
+        c.add(f"{path}.timeout_s", f"must be > 0, not {timeout}")
+        timeout = None
+    retries = c.get(p, "retries", path, int, 0)
+    if retries < 0:
+        c.add(f"{path}.retries", "must be >= 0")
+    return PipelineConfig(name=name, stages=tuple(members), edges=tuple(edges),
+                          timeout_s=float(timeout) if timeout is not None else None,
+                          retries=max(0, retries))
+
+
+def _check_devices(c: _Checker, stages: Mapping[str, StageConfig]) -> None:
+    users: dict[int, list[StageConfig]] = {}
+    for s in stages.values():
+        for d in s.devices:
+            users.setdefault(d, []).append(s)
+    for device, group in sorted(users.items()):
+        if len(group) > 1:
+            for s in group:
+                if s.exclusive:
+                    others = ", ".join(o.name for o in group if o is not s)
+                    c.add(f"stages.{s.name}.devices",
+                          f"device {device} is also given to {others}, but this stage is exclusive")
+
+
+def parse(data: Mapping[str, Any], *, base: Path, source: str = "<config>") -> Config:
+    """Validate already-parsed TOML data; raise ConfigError listing every problem."""
+    c = _Checker()
+    c.unknown(data, ("daemon", "stages", "pipelines"), "")
+    daemon = _parse_daemon(c, data.get("daemon", {}), base)
+    stages_raw = c.table(data.get("stages", {}), "stages")
+    stages: dict[str, StageConfig] = {}
+    for name, raw in stages_raw.items():
+        if not name.replace("-", "_").isidentifier():
+            c.add(f"stages.{name}", "a stage name is letters, digits, '_' and '-'")
+            continue
+        st = _parse_stage(c, name, raw, base)
+        if st is not None:
+            stages[name] = st
+    if not stages_raw:
+        c.add("stages", "no stages are defined")
+    _check_devices(c, stages)
+    pipes_raw = c.table(data.get("pipelines", {}), "pipelines")
+    pipelines: dict[str, PipelineConfig] = {}
+    for name, raw in pipes_raw.items():
+        if not name.replace("-", "_").isidentifier():
+            c.add(f"pipelines.{name}", "a pipeline name is letters, digits, '_' and '-'")
+            continue
+        pl = _parse_pipeline(c, name, raw, stages_raw)
+        if pl is not None:
+            pipelines[name] = pl
+    if not pipes_raw:
+        c.add("pipelines", "no pipelines are defined")
+    if c.problems:
+        raise ConfigError(source, c.problems)
+    return Config(source=None, daemon=daemon, stages=stages, pipelines=pipelines)
+
+
+def load(path: Path) -> Config:
+    """Read and validate a config file."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(str(path), [Problem("(file)", f"cannot read: {e.strerror or e}")]) from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(str(path), [Problem("(file)", f"not valid TOML: {e}")]) from None
+    cfg = parse(data, base=path.resolve().parent, source=str(path))
+    return Config(source=path.resolve(), daemon=cfg.daemon, stages=cfg.stages, pipelines=cfg.pipelines)

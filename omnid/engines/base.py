@@ -1,0 +1,110 @@
+"""The engine interface and the per-request context, as seen from inside a stage worker.
+
+Runs in a stage worker's main thread only (engines are not thread-safe). An
+engine is driven like vLLM's core busy loop: `add` a request, call `step`
+until the request completes through its context (`finish`, `fail` or
+`stopped`), `abort` on cancellation. A step-based interface lets engines that
+batch (vLLM, `max_inflight > 1`) and engines that run one call to the end
+(diffusers, a plain python function) share one worker loop.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Cancelled(Exception):
+    """Raised inside an engine's callbacks to stop a cancelled request at once."""
+
+
+@dataclass
+class RequestContext:
+    """One job's work inside one stage; also the `ctx` a python stage receives.
+
+    A python stage function may call `ctx.cancelled()` (stop when true) and
+    `ctx.progress(done, total)`; `ctx.job` and `ctx.stage` name the work.
+    """
+
+    job: str
+    stage: str
+    inputs: dict[str, Any]
+    params: dict[str, Any]
+    _emit: Callable[[str, dict[str, Any]], None] = field(repr=False, default=lambda kind, data: None)
+    _is_cancelled: Callable[[], bool] = field(repr=False, default=lambda: False)
+    started: float = field(default_factory=time.monotonic)
+    # set exactly once, by finish / fail / stopped
+    outcome: str | None = None          # "finished" | "failed" | "stopped"
+    outputs: dict[str, Any] | None = None
+    error: str | None = None
+    segments: int = 0
+
+    def cancelled(self) -> bool:
+        return self._is_cancelled()
+
+    def progress(self, done: int, total: int) -> None:
+        self._emit("progress", {"done": int(done), "total": int(total)})
+
+    def segment(self, outputs: dict[str, Any], is_last: bool = False) -> None:
+        """Stream one piece of output (token text, a preview, an audio chunk)."""
+        text = outputs.get("text") if isinstance(outputs.get("text"), str) else None
+        self._emit("segment", {"index": self.segments, "is_last": is_last, "text": text})
+        self.segments += 1
+
+    def finish(self, outputs: dict[str, Any]) -> None:
+        if self.outcome is None:
+            if not isinstance(outputs, dict):
+                self.fail(f"stage returned {type(outputs).__name__}, not a dict of named outputs")
+                return
+            self.outcome, self.outputs = "finished", outputs
+
+    def fail(self, error: str) -> None:
+        if self.outcome is None:
+            self.outcome, self.error = "failed", error
+
+    def stopped(self) -> None:
+        if self.outcome is None:
+            self.outcome = "stopped"
+
+    @property
+    def done(self) -> bool:
+        return self.outcome is not None
+
+
+class Engine(abc.ABC):
+    """A loaded model that turns requests into outputs."""
+
+    #: parameters a job may set (None: any); reported to the supervisor at READY
+    accepted_params: frozenset[str] | None = None
+
+    @abc.abstractmethod
+    def add(self, ctx: RequestContext) -> None:
+        """Admit one request. May complete it at once (through ctx)."""
+
+    @abc.abstractmethod
+    def step(self) -> None:
+        """Advance the in-flight requests; complete them through their contexts."""
+
+    @abc.abstractmethod
+    def abort(self, job: str) -> None:
+        """Stop a request early; it completes with `ctx.stopped()`. Idempotent."""
+
+    @abc.abstractmethod
+    def has_work(self) -> bool:
+        """True while some admitted request has not completed."""
+
+    def info(self) -> dict[str, Any]:
+        """Facts for `GET /v1/stages` (model, dtype, ...)."""
+        return {}
+
+    def close(self) -> None:
+        """Release the model (the worker exits right after)."""
+
+
+def merged_params(defaults: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    out = dict(defaults)
+    out.update(params)
+    return out

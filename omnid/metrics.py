@@ -1,0 +1,71 @@
+"""Prometheus metrics (prometheus_client), served at `GET /metrics`.
+
+Runs in the supervisor's event-loop thread. Job counters are updated by the
+scheduler; per-stage figures are read at scrape time from each stage's last
+heartbeat (queue depth, enqueue/dequeue counts, time blocked on a downstream
+watermark, window triggers), folded across worker restarts so counters never
+go backwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from omnid.supervisor.stage import StageHandle
+
+
+class _StageCollector(Collector):
+    def __init__(self, stages: Mapping[str, "StageHandle"]) -> None:
+        self.stages = stages
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        counters = {
+            "enqueued": ("omnid_stage_enqueued", "Items admitted into the stage's input queue"),
+            "dequeued": ("omnid_stage_dequeued", "Items taken from the stage's input queue"),
+            "dropped": ("omnid_stage_dropped", "Items dropped because their job had ended"),
+            "blocked_s": ("omnid_stage_blocked_seconds", "Time spent blocked on a downstream high watermark"),
+            "window_triggers": ("omnid_stage_window_triggers", "Hand-offs that triggered a downstream stage"),
+            "jobs_done": ("omnid_stage_jobs_done", "Jobs the stage finished"),
+        }
+        for field, (name, doc) in counters.items():
+            fam = CounterMetricFamily(name, doc, labels=["stage"])
+            for h in self.stages.values():
+                fam.add_metric([h.name], getattr(h.totals, field) + getattr(h.stats, field))
+            yield fam
+        depth = GaugeMetricFamily("omnid_stage_queue_depth", "Items waiting in the stage's input queue",
+                                  labels=["stage"])
+        cap = GaugeMetricFamily("omnid_stage_queue_capacity", "The input queue's high watermark", labels=["stage"])
+        up = GaugeMetricFamily("omnid_stage_up", "1 when the stage's worker is warm (ready or busy)",
+                               labels=["stage"])
+        restarts = CounterMetricFamily("omnid_stage_restarts", "Worker restarts", labels=["stage"])
+        for h in self.stages.values():
+            depth.add_metric([h.name], h.stats.depth)
+            cap.add_metric([h.name], h.stage.queue_capacity)
+            up.add_metric([h.name], 1 if h.state in ("ready", "busy") else 0)
+            restarts.add_metric([h.name], h.restarts)
+        yield from (depth, cap, up, restarts)
+
+
+class Metrics:
+    def __init__(self, stages: Mapping[str, "StageHandle"]) -> None:
+        self.registry = CollectorRegistry()
+        self.submitted = Counter("omnid_jobs_submitted", "Jobs accepted", ["pipeline"], registry=self.registry)
+        self.finished = Counter("omnid_jobs_finished", "Jobs that reached a terminal state",
+                                ["pipeline", "state"], registry=self.registry)
+        self.duration = Histogram("omnid_job_duration_seconds", "Submit-to-end time of jobs", ["pipeline"],
+                                  buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
+                                  registry=self.registry)
+        self.registry.register(_StageCollector(stages))
+
+    def job_submitted(self, pipeline: str) -> None:
+        self.submitted.labels(pipeline).inc()
+
+    def job_finished(self, pipeline: str, state: str, seconds: float) -> None:
+        self.finished.labels(pipeline, state).inc()
+        self.duration.labels(pipeline).observe(seconds)

@@ -1,0 +1,179 @@
+"""Messages between the supervisor and its stage workers (the control plane).
+
+Both processes import this module; it must stay free of heavy imports. Every
+message is a small frozen dataclass pickled over the worker's duplex control
+pipe. Payloads (a stage's inputs and outputs) never travel here: they go from
+stage to stage over the data plane (`omnid.dataplane`).
+
+Supervisor -> worker: `Cancel`, `Forget`, `Resend`, `Shutdown`.
+Worker -> supervisor: `Ready`, `LoadFailed`, `Heartbeat`, and the per-job
+events `Admitted`, `Started`, `Progress`, `Segment`, `Output`, `Finished`,
+`Failed`, `Stopped`, `Delivered`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omnid.config import Config
+
+# A worker that cannot load its engine exits with this code, so the supervisor
+# knows a restart would fail the same way (gunicorn's WORKER_BOOT_ERROR).
+EXIT_LOAD_FAILED = 3
+# A worker that saw its parent die exits with this code.
+EXIT_ORPHANED = 4
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a stage worker needs, handed over at spawn (pickled once)."""
+
+    stage: str
+    config: Config
+    data_dir: Path          # where every stage's data-plane socket lives
+    jobs_dir: Path          # where sink stages write a job's outputs
+    parent_pid: int
+    generation: int         # restart count, for logs
+
+    def socket_for(self, stage: str) -> Path:
+        return self.data_dir / f"{stage}.sock"
+
+
+# --------------------------------------------------------------- supervisor -> worker
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Stop this job: drop it if queued, abort it if running (idempotent)."""
+
+    job: str
+    reason: str = "cancelled"
+
+
+@dataclass(frozen=True)
+class Forget:
+    """The job is terminal: drop every piece of state kept for it."""
+
+    job: str
+
+
+@dataclass(frozen=True)
+class Resend:
+    """Send this job's outputs to `dst` again (`dst` lost them when its worker died)."""
+
+    job: str
+    dst: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+# --------------------------------------------------------------- worker -> supervisor
+
+
+@dataclass(frozen=True)
+class Ready:
+    pid: int
+    load_s: float
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LoadFailed:
+    error: str
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    """Cumulative counters of one worker's life (reset when it restarts)."""
+
+    enqueued: int = 0
+    dequeued: int = 0
+    dropped: int = 0
+    depth: int = 0
+    blocked_s: float = 0.0          # time this stage spent blocked on a downstream watermark
+    window_triggers: int = 0        # hand-offs sent downstream
+    jobs_done: int = 0
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    ts: float
+    stats: QueueStats
+    running: tuple[str, ...] = ()
+    gpu_memory_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """The job's input for this stage entered its input queue (from `src`)."""
+
+    job: str
+    src: str | None
+    depth: int
+
+
+@dataclass(frozen=True)
+class Started:
+    job: str
+
+
+@dataclass(frozen=True)
+class Progress:
+    job: str
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    job: str
+    index: int
+    is_last: bool
+    text: str | None = None
+
+
+@dataclass(frozen=True)
+class Output:
+    """A sink stage wrote one of the job's outputs into the job's folder."""
+
+    job: str
+    name: str
+    file: str
+    kind: str
+    content_type: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    job: str
+    elapsed_s: float
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """This stage's outputs for the job were admitted by downstream stage `dst`."""
+
+    job: str
+    dst: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A per-job error: the job fails, the engine keeps serving others."""
+
+    job: str
+    error: str
+    code: str = "stage_failed"
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """A cancelled job's work has stopped in this stage."""
+
+    job: str

@@ -1,0 +1,134 @@
+"""The job store: a sqlite database of jobs and their events, plus output folders.
+
+Runs in the supervisor's event-loop thread; every call is a short local
+sqlite transaction (WAL, synchronous=NORMAL), so it blocks for well under a
+millisecond on the write path. Layout under the state dir:
+
+  omnid.db              jobs(id, owner_uid, pipeline, state, created_at, doc)
+                        events(job, seq, doc)
+  jobs/<id>/            the job's output files and manifest.json
+
+A job's full record is the JSON document `doc`; the columns beside it exist
+for filtering. Jobs that were queued or running when the daemon stopped are
+marked failed on the next start (`recover`), never silently forgotten.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+TERMINAL = frozenset({"succeeded", "failed", "cancelled", "timed_out"})
+STATES = ("queued", "running") + tuple(sorted(TERMINAL))
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id         TEXT PRIMARY KEY,
+    owner_uid  INTEGER NOT NULL,
+    pipeline   TEXT NOT NULL,
+    state      TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    doc        TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS jobs_owner_created ON jobs(owner_uid, created_at);
+CREATE TABLE IF NOT EXISTS events (
+    job  TEXT NOT NULL,
+    seq  INTEGER NOT NULL,
+    doc  TEXT NOT NULL,
+    PRIMARY KEY (job, seq)
+);
+PRAGMA user_version = 1;
+"""
+
+
+class JobStore:
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = Path(state_dir)
+        self.jobs_dir = self.state_dir / "jobs"
+        self.jobs_dir.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(self.state_dir / "omnid.db", isolation_level=None,
+                                  check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def job_dir(self, job_id: str) -> Path:
+        return self.jobs_dir / job_id
+
+    def save(self, job: dict[str, Any]) -> None:
+        self.db.execute(
+            "INSERT INTO jobs(id, owner_uid, pipeline, state, created_at, doc) VALUES (?,?,?,?,?,?) "
+            "ON CONFLICT(id) DO UPDATE SET state=excluded.state, doc=excluded.doc",
+            (job["id"], job["owner_uid"], job["pipeline"], job["state"], job["created_at"],
+             json.dumps(job)))
+
+    def get(self, job_id: str) -> dict[str, Any] | None:
+        row = self.db.execute("SELECT doc FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def resolve(self, ref: str) -> str | None | list[str]:
+        """A job id from an id or a unique prefix of at least 4 characters.
+
+        Returns the id, None when nothing matches, or the matches when ambiguous.
+        """
+        if self.db.execute("SELECT 1 FROM jobs WHERE id = ?", (ref,)).fetchone():
+            return ref
+        if len(ref) < 4 or not ref.isalnum():
+            return None
+        rows = [r[0] for r in self.db.execute(
+            "SELECT id FROM jobs WHERE id >= ? AND id < ? LIMIT 5", (ref, ref + "\x7f"))]
+        if not rows:
+            return None
+        return rows[0] if len(rows) == 1 else rows
+
+    def list(self, owner_uid: int | None = None, state: str | None = None,
+             pipeline: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+        sql, args = "SELECT doc FROM jobs WHERE 1=1", []
+        if owner_uid is not None:
+            sql += " AND owner_uid = ?"
+            args.append(owner_uid)
+        if state is not None:
+            sql += " AND state = ?"
+            args.append(state)
+        if pipeline is not None:
+            sql += " AND pipeline = ?"
+            args.append(pipeline)
+        sql += " ORDER BY created_at DESC LIMIT ?"
+        args.append(limit)
+        return [json.loads(r[0]) for r in self.db.execute(sql, args)]
+
+    def append_event(self, job_id: str, seq: int, event: dict[str, Any]) -> None:
+        self.db.execute("INSERT OR REPLACE INTO events(job, seq, doc) VALUES (?,?,?)",
+                        (job_id, seq, json.dumps(event)))
+
+    def events(self, job_id: str) -> list[dict[str, Any]]:
+        return [json.loads(r[0]) for r in self.db.execute(
+            "SELECT doc FROM events WHERE job = ? ORDER BY seq", (job_id,))]
+
+    def delete(self, job_id: str) -> None:
+        self.db.execute("BEGIN")
+        self.db.execute("DELETE FROM events WHERE job = ?", (job_id,))
+        self.db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+        self.db.execute("COMMIT")
+        shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
+
+    def recover(self) -> list[str]:
+        """Mark jobs left queued or running by a previous daemon as failed."""
+        now = time.time()
+        ids = []
+        for (doc,) in self.db.execute("SELECT doc FROM jobs WHERE state IN ('queued', 'running')").fetchall():
+            job = json.loads(doc)
+            job["state"] = "failed"
+            job["finished_at"] = now
+            job["error"] = {"code": "daemon_restarted",
+                            "message": "the daemon stopped before this job finished; submit it again"}
+            self.save(job)
+            ids.append(job["id"])
+        return ids

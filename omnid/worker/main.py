@@ -1,0 +1,352 @@
+"""A stage worker: the process that owns one stage's engine.
+
+Entry point `worker_main(spec, conn)`, started by the supervisor with the
+spawn method (non-daemonic: engines may start children of their own).
+
+Threads in this process:
+- main: loads the engine, then runs `StageWorker.run`, the busy loop
+  (1. take input, 2. step the engine, 3. emit outputs). It blocks in the
+  engine, on the input queue (briefly) and on a downstream stage's watermark.
+- control: reads the supervisor's control pipe (cancel, forget, resend,
+  shutdown); exits the process when the supervisor is gone.
+- heartbeat: sends a heartbeat every interval, whatever the engine does, so
+  the supervisor can tell a hung worker from a busy one.
+- data-accept / data-conn: the stage's data-plane listener (`dataplane.Listener`).
+
+The worker dies with its parent: PR_SET_PDEATHSIG, plus EOF on the control pipe.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections import OrderedDict
+from multiprocessing.connection import Connection
+from typing import Any
+
+from omnid import protocol as P
+from omnid.dataplane import Listener, Sender, WorkItem
+
+_PR_SET_PDEATHSIG = 1
+_DEAD_JOBS_KEPT = 4096
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGKILL us when the supervisor dies (even by SIGKILL)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:   # the parent died before prctl took effect
+        os._exit(P.EXIT_ORPHANED)
+
+
+def _setup_environment(spec: P.WorkerSpec) -> None:
+    """Device visibility and quiet, offline libraries, before any heavy import."""
+    stage = spec.config.stages[spec.stage]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in stage.devices)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if stage.engine == "vllm":
+        # Keep the engine core inside this process: one stage = one process tree we own.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    for k, v in stage.env.items():
+        os.environ[k] = v
+
+
+class StageWorker:
+    """The busy loop of one stage, and the per-job state it keeps (and cleans)."""
+
+    def __init__(self, spec: P.WorkerSpec, conn: Connection) -> None:
+        self.spec = spec
+        self.config = spec.config
+        self.stage = spec.config.stages[spec.stage]
+        self.conn = conn
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()          # guards the dicts below (control thread vs main)
+        self.inbox: queue.Queue[WorkItem] = queue.Queue(maxsize=self.stage.queue_capacity)
+        self.dead: OrderedDict[str, str] = OrderedDict()     # job -> reason; bounded LRU
+        self.partial: dict[str, list[WorkItem]] = {}         # fan-in parts waiting for the rest
+        self.outbox: dict[tuple[str, str], WorkItem] = {}    # (job, dst) -> what we sent, until Forget
+        self.received: set[tuple[str, str | None]] = set()   # (job, src) parts taken, until Forget
+        self.resends: queue.Queue[P.Resend] = queue.Queue()
+        self.inflight: dict[str, Any] = {}           # job -> RequestContext, in the engine
+        self.items: dict[str, WorkItem] = {}             # job -> the item that started it
+        self.shutting_down = threading.Event()
+        self.sender = Sender(spec.socket_for)
+        self.engine: Any = None
+        self.enqueued = self.dequeued = self.dropped = self.triggers = self.jobs_done = 0
+
+    # ------------------------------------------------------------------ plumbing
+
+    def send(self, msg: object) -> None:
+        with self._send_lock:
+            try:
+                self.conn.send(msg)
+            except (OSError, EOFError, BrokenPipeError):
+                os._exit(P.EXIT_ORPHANED)
+
+    def is_dead(self, job: str) -> bool:
+        return job in self.dead
+
+    def stats(self) -> P.QueueStats:
+        return P.QueueStats(enqueued=self.enqueued, dequeued=self.dequeued, dropped=self.dropped,
+                            depth=self.inbox.qsize(), blocked_s=self.sender.blocked_s,
+                            window_triggers=self.triggers, jobs_done=self.jobs_done)
+
+    def admit(self, item: WorkItem) -> bool:
+        """Data-plane callback (a data-conn thread): queue the item, blocking at the watermark."""
+        while not self.shutting_down.is_set():
+            if self.is_dead(item.job):
+                self.dropped += 1
+                return False
+            with self._lock:
+                if (item.job, item.src) in self.received:
+                    return True            # a resend of a part we hold already: admitted once
+            try:
+                self.inbox.put(item, timeout=0.1)
+            except queue.Full:
+                continue
+            with self._lock:
+                self.received.add((item.job, item.src))
+            self.enqueued += 1
+            self.send(P.Admitted(job=item.job, src=item.src, depth=self.inbox.qsize()))
+            return True
+        return False
+
+    def control_loop(self) -> None:
+        """Control thread: apply the supervisor's messages; exit when it is gone."""
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                os._exit(P.EXIT_ORPHANED)
+            if isinstance(msg, P.Cancel):
+                with self._lock:
+                    self.dead[msg.job] = msg.reason
+                    self._trim_dead()
+            elif isinstance(msg, P.Forget):
+                with self._lock:
+                    self.dead.setdefault(msg.job, "forgotten")
+                    self._trim_dead()
+                    self.partial.pop(msg.job, None)
+                    self.received = {k for k in self.received if k[0] != msg.job}
+                    for key in [k for k in self.outbox if k[0] == msg.job]:
+                        del self.outbox[key]
+            elif isinstance(msg, P.Resend):
+                self.resends.put(msg)
+            elif isinstance(msg, P.Shutdown):
+                self.shutting_down.set()
+
+    def _trim_dead(self) -> None:
+        while len(self.dead) > _DEAD_JOBS_KEPT:
+            self.dead.popitem(last=False)
+
+    def heartbeat_loop(self) -> None:
+        interval = self.config.daemon.heartbeat_interval_s
+        while True:
+            self.send(P.Heartbeat(ts=time.time(), stats=self.stats(),
+                                  running=tuple(self.inflight), gpu_memory_bytes=_gpu_memory()))
+            time.sleep(interval)
+
+    # ------------------------------------------------------------------ the busy loop
+
+    def run(self) -> None:
+        from omnid.engines.base import RequestContext
+
+        engine = self.engine
+        while not self.shutting_down.is_set():
+            self._handle_resends()
+            # 1. take input: block briefly only when the engine has nothing to do
+            while len(self.inflight) < self.stage.max_inflight:
+                try:
+                    item = self.inbox.get(timeout=0.05) if not engine.has_work() else self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                self.dequeued += 1
+                ctx = self._assemble(item, RequestContext)
+                if ctx is None:
+                    continue
+                self.inflight[ctx.job] = ctx
+                self.send(P.Started(job=ctx.job))
+                try:
+                    engine.add(ctx)
+                except Exception as e:                 # per-request error: the engine lives on
+                    ctx.fail(f"{type(e).__name__}: {e}")
+            # abort what was cancelled while running (idempotent in every engine)
+            for job, ctx in list(self.inflight.items()):
+                if not ctx.done and self.is_dead(job):
+                    engine.abort(job)
+                    if not ctx.done:
+                        ctx.stopped()
+            # 2. step the engine
+            if engine.has_work():
+                engine.step()
+            # 3. emit outputs of the requests that completed
+            for job, ctx in list(self.inflight.items()):
+                if ctx.done:
+                    del self.inflight[job]
+                    self._complete(ctx)
+        engine_close = getattr(engine, "close", None)
+        if engine_close:
+            engine_close()
+
+    def _assemble(self, item: WorkItem, ctx_cls: type) -> Any:
+        """Gather a job's parts (one per incoming edge); a context once all are here."""
+        if self.is_dead(item.job):
+            self.dropped += 1
+            return None
+        pipeline = self.config.pipelines[item.pipeline]
+        expected = max(1, len(pipeline.incoming(self.stage.name)))
+        with self._lock:
+            parts = self.partial.setdefault(item.job, [])
+            parts = [p for p in parts if p.src != item.src] + [item]
+            if len(parts) < expected:
+                self.partial[item.job] = parts
+                return None
+            self.partial.pop(item.job, None)
+        inputs: dict[str, Any] = {}
+        for p in parts:
+            inputs.update(p.inputs)
+        self.items[item.job] = item
+        job = item.job
+        return ctx_cls(job=job, stage=self.stage.name, inputs=inputs,
+                       params=dict(item.params.get(self.stage.name, {})),
+                       _emit=lambda kind, data, job=job: self._emit(job, kind, data),
+                       _is_cancelled=lambda job=job: self.is_dead(job))
+
+    def _emit(self, job: str, kind: str, data: dict[str, Any]) -> None:
+        if kind == "progress":
+            self.send(P.Progress(job=job, done=data["done"], total=data["total"]))
+        elif kind == "segment":
+            self.send(P.Segment(job=job, index=data["index"], is_last=data["is_last"], text=data["text"]))
+
+    def _complete(self, ctx: Any) -> None:
+        item = self.items.pop(ctx.job)
+        if ctx.outcome == "stopped":
+            self.send(P.Stopped(job=ctx.job))
+            return
+        if ctx.outcome == "failed":
+            self.send(P.Failed(job=ctx.job, error=ctx.error or "failed"))
+            return
+        elapsed = time.monotonic() - ctx.started
+        pipeline = self.config.pipelines[item.pipeline]
+        edges = pipeline.outgoing(self.stage.name)
+        if not edges:                              # a sink: the outputs are the job's
+            from omnid.worker.outputs import write_outputs
+            prefix = f"{self.stage.name}." if len(pipeline.sinks) > 1 else ""
+            try:
+                events = write_outputs(ctx.job, self.spec.jobs_dir / ctx.job, ctx.outputs or {}, prefix)
+            except Exception as e:
+                self.send(P.Failed(job=ctx.job, error=f"writing outputs failed: {type(e).__name__}: {e}",
+                                   code="output_failed"))
+                return
+            for ev in events:
+                self.send(ev)
+            self.jobs_done += 1
+            self.send(P.Finished(job=ctx.job, elapsed_s=elapsed))
+            return
+        handoffs: list[WorkItem] = []
+        for edge in edges:
+            try:
+                inputs = apply_edge(edge, self.stage.name, ctx.outputs or {})
+            except Exception as e:
+                self.send(P.Failed(job=ctx.job, error=str(e), code="edge_failed"))
+                return
+            handoffs.append(WorkItem(job=ctx.job, pipeline=item.pipeline, src=self.stage.name,
+                                     inputs=inputs, params=item.params, attempt=item.attempt))
+        self.jobs_done += 1
+        self.send(P.Finished(job=ctx.job, elapsed_s=elapsed))
+        for edge, out in zip(edges, handoffs):
+            with self._lock:
+                if self.is_dead(ctx.job):
+                    return
+                self.outbox[(ctx.job, edge.dst)] = out
+            self._deliver(edge.dst, out)
+
+    def _deliver(self, dst: str, item: WorkItem) -> None:
+        """Hand one job's outputs to a downstream stage; blocks at its watermark."""
+        ok = self.sender.send(dst, item, abandon=lambda: self.is_dead(item.job) or self.shutting_down.is_set())
+        if ok:
+            self.triggers += 1
+            self.send(P.Delivered(job=item.job, dst=dst))
+
+    def _handle_resends(self) -> None:
+        while True:
+            try:
+                msg = self.resends.get_nowait()
+            except queue.Empty:
+                return
+            with self._lock:
+                item = self.outbox.get((msg.job, msg.dst))
+            if item is not None and not self.is_dead(msg.job):
+                self._deliver(msg.dst, item)
+
+
+def apply_edge(edge: Any, src: str, outputs: dict[str, Any]) -> dict[str, Any]:
+    """Map upstream outputs to downstream inputs: by `map`, through `transform`, or by name."""
+    if edge.transform:
+        from omnid.engines.python_engine import import_ref
+        result = import_ref(edge.transform)(dict(outputs))
+        if not isinstance(result, dict):
+            raise TypeError(f"edge {src} -> {edge.dst}: transform {edge.transform} returned "
+                            f"{type(result).__name__}, not a dict")
+        outputs = result
+    if edge.map is None:
+        return dict(outputs)
+    missing = [up for up in edge.map.values() if up not in outputs]
+    if missing:
+        raise KeyError(f"edge {src} -> {edge.dst} maps {', '.join(repr(m) for m in missing)}, but stage "
+                       f"{src!r} gave only {', '.join(repr(k) for k in outputs) or 'nothing'}")
+    return {down: outputs[up] for down, up in edge.map.items()}
+
+
+def _gpu_memory() -> int | None:
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            return int(sum(torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count())))
+    except Exception:
+        return None
+    return None
+
+
+def worker_main(spec: P.WorkerSpec, conn: Connection) -> None:
+    """Process entry point (spawned)."""
+    _die_with_parent(spec.parent_pid)
+    os.setpgrp()                                   # our own group: the supervisor signals the whole tree
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the supervisor's to handle
+    _setup_environment(spec)
+    from omnid import logs
+    logs.configure(spec.config.daemon.log_level, spec.config.daemon.log_format, process=f"stage:{spec.stage}")
+    worker = StageWorker(spec, conn)
+    threading.Thread(target=worker.control_loop, name="control", daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        from omnid.engines import load_engine
+        worker.engine = load_engine(worker.stage)
+        listener = Listener(spec.socket_for(spec.stage), worker.admit)
+    except BaseException as e:
+        tb = traceback.format_exc(limit=-3)
+        worker.send(P.LoadFailed(error=f"{type(e).__name__}: {e}\n{tb}"))
+        conn.close()
+        os._exit(P.EXIT_LOAD_FAILED)
+    info = dict(worker.engine.info())
+    listener.start()
+    worker.send(P.Ready(pid=os.getpid(), load_s=time.monotonic() - t0, info=info))
+    threading.Thread(target=worker.heartbeat_loop, name="heartbeat", daemon=True).start()
+    try:
+        worker.run()
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)

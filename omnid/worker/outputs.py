@@ -1,0 +1,97 @@
+"""Writing a job's final outputs into its folder, from inside a sink stage's worker.
+
+Runs in the worker's main thread; blocks on disk writes. Each value becomes
+one file, named after the output, written atomically (temp file + rename):
+
+  str                      -> NAME.txt   text/plain       kind "text"
+  PIL image                -> NAME.png   image/png        kind "image"
+  list of PIL images       -> NAME-K.png image/png        kind "image"
+  bytes (PNG / WAV / other)-> NAME.png / NAME.wav / NAME.bin
+  torch tensor, ndarray    -> NAME.npy   application/x-npy kind "tensor"
+  dict, list, number, bool -> NAME.json  application/json kind "json"
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from omnid.protocol import Output
+
+
+def _write(path: Path, data: bytes) -> int:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(data)
+
+
+def _is_pil(value: Any) -> bool:
+    return hasattr(value, "save") and hasattr(value, "mode") and hasattr(value, "size")
+
+
+def _png(image: Any) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _sniff(data: bytes) -> tuple[str, str, str]:
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "png", "image/png", "image"
+    if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
+        return "wav", "audio/wav", "audio"
+    if data[:3] == b"ID3" or data[:2] == b"\xff\xfb":
+        return "mp3", "audio/mpeg", "audio"
+    if data[:3] == b"\xff\xd8\xff":
+        return "jpg", "image/jpeg", "image"
+    return "bin", "application/octet-stream", "file"
+
+
+def encode_value(value: Any) -> Iterator[tuple[str, bytes, str, str]]:
+    """(suffix, bytes, content type, kind) for each file one output value becomes."""
+    if isinstance(value, str):
+        yield "txt", value.encode("utf-8"), "text/plain; charset=utf-8", "text"
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        data = bytes(value)
+        ext, ctype, kind = _sniff(data)
+        yield ext, data, ctype, kind
+    elif _is_pil(value):
+        yield "png", _png(value), "image/png", "image"
+    elif isinstance(value, (list, tuple)) and value and all(_is_pil(v) for v in value):
+        for i, img in enumerate(value):
+            yield f"{i}.png", _png(img), "image/png", "image"
+    elif hasattr(value, "detach") and hasattr(value, "cpu"):          # a torch tensor
+        yield from encode_value(value.detach().cpu().numpy())
+    elif type(value).__module__ == "numpy" and hasattr(value, "dtype"):
+        import numpy as np
+        buf = io.BytesIO()
+        np.save(buf, value, allow_pickle=False)
+        yield "npy", buf.getvalue(), "application/x-npy", "tensor"
+    else:
+        yield "json", json.dumps(value, default=str).encode(), "application/json", "json"
+
+
+def write_outputs(job: str, job_dir: Path, outputs: dict[str, Any], prefix: str = "") -> list[Output]:
+    """Write every output of a sink stage; return one `Output` event per file."""
+    job_dir.mkdir(parents=True, exist_ok=True)
+    events: list[Output] = []
+    for name, value in outputs.items():
+        base = f"{prefix}{name}"
+        for suffix, data, ctype, kind in encode_value(value):
+            if "." in suffix:                      # one of several images: name-K.png
+                index, ext = suffix.split(".", 1)
+                out_name, file = f"{base}-{index}", f"{base}-{index}.{ext}"
+            else:
+                out_name, file = base, f"{base}.{suffix}"
+            size = _write(job_dir / file, data)
+            events.append(Output(job=job, name=out_name, file=file, kind=kind,
+                                 content_type=ctype, size=size))
+    return events
