@@ -179,7 +179,11 @@ class StageHandle:
         elif isinstance(msg, P.LoadFailed):
             self._load_error = msg.error.strip()
         elif isinstance(msg, P.Started):
-            self.state = "busy"
+            self.running = tuple(dict.fromkeys(self.running + (msg.job,)))
+        elif isinstance(msg, (P.Finished, P.Failed, P.Stopped)):
+            self.running = tuple(j for j in self.running if j != msg.job)
+        if self.state in ("ready", "busy") and isinstance(msg, (P.Started, P.Finished, P.Failed, P.Stopped)):
+            self.state = "busy" if self.running else "ready"
         self.on_message(self, msg)
 
     def _detach_conn(self) -> None:
@@ -196,7 +200,8 @@ class StageHandle:
         if proc is None:
             return
         asyncio.get_running_loop().remove_reader(proc.sentinel)
-        proc.join(timeout=0)
+        # The sentinel fires as the process closes its fds; reaping follows within moments.
+        proc.join(timeout=5)
         self._on_readable()             # drain what it said before dying (LoadFailed, Failed ...)
         self._detach_conn()
         self._kill_group(proc.pid)      # anything the engine started dies with it

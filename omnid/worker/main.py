@@ -55,10 +55,13 @@ def _setup_environment(spec: P.WorkerSpec) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if stage.engine == "vllm":
         # Keep the engine core inside this process: one stage = one process tree we own.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     for k, v in stage.env.items():
         os.environ[k] = v
 

@@ -1,0 +1,422 @@
+"""The ``omnictl`` command line: click parses arguments and formats results, nothing more.
+
+Where it runs: in the omnictl process's main thread, one command per process. It blocks on the
+daemon's socket through :class:`omnictl.client.Client` (30 s per request; without limit while
+following a job's events) and on writing output files. The requests live in ``client.py``, the
+formatting in ``render.py``.
+
+Exit codes (the public contract): 0 success; 1 the job ended failed, cancelled or timed out (or a
+local file could not be written); 2 usage error; 3 daemon unreachable; 4 the daemon refused the
+request, its message printed to stderr as ``omnictl: <message> (<code>)``; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+from typing import Any, NoReturn, TextIO, TypeVar
+
+import click
+
+from omnictl import render
+from omnictl.client import (
+    JOB_STATES,
+    TERMINAL_STATES,
+    ApiError,
+    Client,
+    ClientError,
+    DaemonUnreachable,
+    file_input,
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    JOB_FAILED = 1
+    USAGE = 2
+    UNREACHABLE = 3
+    REFUSED = 4
+    INTERRUPTED = 130
+
+
+@dataclass
+class Settings:
+    """The global options, shared by every command through the click context."""
+
+    socket: str | None = None
+    json: bool = False
+
+    def client(self) -> Client:
+        return Client(self.socket)
+
+
+pass_settings = click.make_pass_decorator(Settings, ensure=True)
+
+
+def _fail(message: str, code: ExitCode) -> NoReturn:
+    click.echo(f"omnictl: {message}", err=True)
+    raise click.exceptions.Exit(int(code))
+
+
+class OmnictlGroup(click.Group):
+    """Maps the client's exceptions to the documented exit codes, in one place for every command."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ApiError as exc:
+            _fail(f"{exc.message} ({exc.code})", ExitCode.REFUSED)
+        except DaemonUnreachable as exc:
+            _fail(str(exc), ExitCode.UNREACHABLE)
+        except ClientError as exc:
+            # The daemon answered, but not with the API (a bug on one side); it did not do the work.
+            _fail(str(exc), ExitCode.REFUSED)
+        except KeyboardInterrupt:
+            click.echo("", err=True)
+            raise click.exceptions.Exit(int(ExitCode.INTERRUPTED)) from None
+        except BrokenPipeError:
+            raise  # stdout went away (`| head`); click's main exits quietly
+        except OSError as exc:
+            # Requests never raise OSError (the client wraps them); this is a local file we wrote or read.
+            where = f": {exc.filename}" if exc.filename else ""
+            _fail(f"{exc.strerror or exc}{where}", ExitCode.JOB_FAILED)
+
+
+# --- shared options, defined once ------------------------------------------------------------
+
+
+def _enable_json(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value:
+        ctx.ensure_object(Settings).json = True
+
+
+json_option = click.option(
+    "--json",
+    "json_output",
+    is_flag=True,
+    expose_value=False,
+    callback=_enable_json,
+    help="Print the API's JSON instead of text (also accepted before the command).",
+)
+
+output_dir_option = click.option(
+    "-o",
+    "--output-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Write the outputs here (default: ./<job id>/).",
+)
+
+job_ids_argument = click.argument("job_ids", metavar="JOB...", nargs=-1, required=True)
+
+
+def command(*options: Callable[[F], F]) -> Callable[[F], click.Command]:
+    """Register a command with ``--json`` and the given options, passing it the Settings."""
+
+    def decorate(fn: F) -> click.Command:
+        wrapped: Any = pass_settings(fn)
+        for option in reversed(options):
+            wrapped = option(wrapped)
+        return cli.command(name=fn.__name__.rstrip("_").replace("_", "-"))(json_option(wrapped))
+
+    return decorate
+
+
+# --- parsing KEY=VALUE arguments ---------------------------------------------------------------
+
+
+def _split_assignment(value: str, param_hint: str) -> tuple[str, str]:
+    key, sep, rest = value.partition("=")
+    if not sep or not key:
+        raise click.BadParameter(f"{value!r} is not {param_hint}", param_hint=param_hint)
+    return key, rest
+
+
+def _reject_constant(name: str) -> NoReturn:
+    raise ValueError(name)  # NaN and Infinity are not JSON; take such values as strings
+
+
+def parse_param_value(text: str) -> Any:
+    """A ``--param`` value: JSON when it parses (numbers, true/false, null, lists, objects), else the string."""
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except ValueError:
+        return text
+
+
+def _parse_inputs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, str]:
+    return dict(_split_assignment(value, "KEY=VALUE") for value in values)
+
+
+def _parse_files(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, Any]:
+    files: dict[str, Any] = {}
+    for value in values:
+        key, path = _split_assignment(value, "KEY=PATH")
+        if not path:
+            raise click.BadParameter(f"{value!r} names no file", param_hint="KEY=PATH")
+        try:
+            files[key] = file_input(path)
+        except OSError as exc:
+            raise click.BadParameter(f"cannot read {path}: {exc.strerror or exc}", param_hint="KEY=PATH") from None
+    return files
+
+
+def _parse_params(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    params: dict[str, dict[str, Any]] = {}
+    for value in values:
+        target, text = _split_assignment(value, "STAGE.KEY=VALUE")
+        stage, dot, key = target.partition(".")
+        if not dot or not stage or not key:
+            raise click.BadParameter(f"{value!r} is not STAGE.KEY=VALUE", param_hint="STAGE.KEY=VALUE")
+        params.setdefault(stage, {})[key] = parse_param_value(text)
+    return params
+
+
+# --- output helpers ------------------------------------------------------------------------------
+
+
+def _print_json(document: Any) -> None:
+    click.echo(json.dumps(document, indent=2))
+
+
+def _print_json_line(document: Any) -> None:
+    click.echo(json.dumps(document))
+
+
+def _follow(settings: Settings, client: Client, job_id: str, stream: TextIO) -> dict[str, Any]:
+    """Follow a job to its end, printing its events (to stdout as NDJSON with --json, else
+    for humans to ``stream``, live when it is a terminal); return the final job."""
+    if settings.json:
+        return client.wait(job_id, _print_json_line)
+    printer = render.EventPrinter(stream, live=stream.isatty())
+    try:
+        return client.wait(job_id, printer.feed)
+    finally:
+        printer.close_line()
+
+
+def _write_results(settings: Settings, client: Client, job: dict[str, Any], output_dir: Path | None) -> NoReturn:
+    """Write a finished job's outputs, list them, end with its state line, and exit by its state."""
+    directory = output_dir if output_dir is not None else Path(str(job.get("id")))
+    paths = client.save_outputs(job, directory)
+    if not settings.json:
+        for path in paths:
+            click.echo(str(path))
+        click.echo(render.final_state_line(job))
+    raise click.exceptions.Exit(int(ExitCode.OK if job.get("state") == "succeeded" else ExitCode.JOB_FAILED))
+
+
+# --- commands ----------------------------------------------------------------------------------
+
+
+@click.group(
+    cls=OmnictlGroup,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog="Exit codes: 0 ok, 1 job failed/cancelled/timed out, 2 usage, 3 daemon unreachable, 4 refused.",
+)
+@click.option(
+    "--socket",
+    metavar="PATH",
+    default=None,
+    help="The daemon's socket (default: $OMNID_SOCKET, else /run/omnid/omnid.sock for root, "
+    "else $XDG_RUNTIME_DIR/omnid/omnid.sock).",
+)
+@click.option("--json", "json_output", is_flag=True, help="Print the API's JSON instead of text.")
+@click.pass_context
+def cli(ctx: click.Context, socket: str | None, json_output: bool) -> None:
+    """Control omnid, the local multi-stage model serving daemon."""
+    settings = ctx.ensure_object(Settings)
+    settings.socket = socket
+    settings.json = settings.json or json_output
+
+
+@command(
+    click.argument("pipeline"),
+    click.option("--prompt", metavar="TEXT", help="Shorthand for --input prompt=TEXT."),
+    click.option("--input", "inputs", multiple=True, metavar="KEY=VALUE", callback=_parse_inputs, help="A string input."),
+    click.option("--file", "files", multiple=True, metavar="KEY=PATH", callback=_parse_files, help="A file input."),
+    click.option(
+        "--param", "params", multiple=True, metavar="STAGE.KEY=VALUE", callback=_parse_params,
+        help="A stage parameter; VALUE is JSON if it parses, else a string.",
+    ),
+    click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), metavar="S", help="Job timeout in seconds."),
+    click.option("--wait", is_flag=True, help="Follow the job, write its outputs, exit by its final state."),
+    output_dir_option,
+)
+def submit(
+    settings: Settings,
+    pipeline: str,
+    prompt: str | None,
+    inputs: dict[str, str],
+    files: dict[str, Any],
+    params: dict[str, dict[str, Any]],
+    timeout_s: float | None,
+    wait: bool,
+    output_dir: Path | None,
+) -> None:
+    """Submit a job to PIPELINE and print its id."""
+    if output_dir is not None and not wait:
+        raise click.UsageError("-o/--output-dir needs --wait (or use `omnictl result JOB -o DIR`)")
+    all_inputs: dict[str, Any] = dict(inputs)
+    for key, value in files.items():
+        if key in all_inputs:
+            raise click.UsageError(f"input {key!r} is given twice (--input and --file)")
+        all_inputs[key] = value
+    if prompt is not None:
+        if "prompt" in all_inputs:
+            raise click.UsageError("give --prompt or --input prompt=..., not both")
+        all_inputs["prompt"] = prompt
+    if timeout_s is not None and not math.isfinite(timeout_s):
+        raise click.BadParameter("must be a finite number of seconds", param_hint="--timeout")
+
+    client = settings.client()
+    job = client.submit(pipeline, all_inputs, params, timeout_s)
+    job_id = str(job.get("id"))
+    if not wait:
+        if settings.json:
+            _print_json(job)
+        else:
+            click.echo(job_id)
+        return
+    if not settings.json:
+        click.echo(job_id)
+    try:
+        final = _follow(settings, client, job_id, sys.stderr)
+    except KeyboardInterrupt:
+        _fail(f"stopped waiting; job {job_id} keeps running (`omnictl cancel {job_id}` stops it)", ExitCode.INTERRUPTED)
+    _write_results(settings, client, final, output_dir)
+
+
+@command(
+    click.argument("job_id", metavar="[JOB]", required=False),
+    click.option("--state", type=click.Choice(JOB_STATES), help="Only jobs in this state."),
+    click.option("--pipeline", help="Only jobs of this pipeline."),
+    click.option("-n", "--limit", type=click.IntRange(min=0), default=20, show_default=True, help="How many jobs; 0 for all."),
+)
+def status(settings: Settings, job_id: str | None, state: str | None, pipeline: str | None, limit: int) -> None:
+    """Show one job in detail, or a table of your recent jobs."""
+    client = settings.client()
+    now = time.time()
+    if job_id is not None:
+        job = client.job(job_id)
+        if settings.json:
+            _print_json(job)
+        else:
+            click.echo(render.job_detail(job, now))
+        return
+    listing = client.jobs(state=state, pipeline=pipeline, limit=limit or None)
+    if settings.json:
+        _print_json(listing)
+        return
+    click.echo(render.jobs_table(listing.get("jobs") or [], now))
+
+
+def _for_each_job(
+    settings: Settings, job_ids: tuple[str, ...], action: Callable[[str], dict[str, Any]], describe: Callable[[str, dict[str, Any]], str]
+) -> None:
+    """Apply ``action`` to every job, reporting each; a refusal does not stop the others."""
+    refused = False
+    for job_id in job_ids:
+        try:
+            document = action(job_id)
+        except ApiError as exc:
+            refused = True
+            prefix = f"{job_id}: " if len(job_ids) > 1 else ""
+            click.echo(f"omnictl: {prefix}{exc.message} ({exc.code})", err=True)
+            continue
+        # One document per line, so a list of jobs stays one JSON document per job.
+        if settings.json:
+            _print_json_line(document)
+        else:
+            click.echo(describe(job_id, document))
+    if refused:
+        raise click.exceptions.Exit(int(ExitCode.REFUSED))
+
+
+@command(job_ids_argument)
+def cancel(settings: Settings, job_ids: tuple[str, ...]) -> None:
+    """Cancel queued or running jobs (cancelling a finished job changes nothing)."""
+    _for_each_job(settings, job_ids, settings.client().cancel, lambda job_id, job: f"{job.get('id') or job_id} {job.get('state')}")
+
+
+@command(job_ids_argument)
+def rm(settings: Settings, job_ids: tuple[str, ...]) -> None:
+    """Forget finished jobs and delete their output files."""
+    _for_each_job(settings, job_ids, settings.client().delete, lambda job_id, doc: str(doc.get("deleted") or job_id))
+
+
+@command(click.argument("job_id", metavar="JOB"))
+def watch(settings: Settings, job_id: str) -> None:
+    """Follow a job's events until it ends; exit 1 unless it succeeded."""
+    client = settings.client()
+    final = _follow(settings, client, job_id, sys.stdout)
+    if not settings.json:
+        click.echo(render.final_state_line(final))
+    raise click.exceptions.Exit(int(ExitCode.OK if final.get("state") == "succeeded" else ExitCode.JOB_FAILED))
+
+
+@command(click.argument("job_id", metavar="JOB"), output_dir_option)
+def result(settings: Settings, job_id: str, output_dir: Path | None) -> None:
+    """Write the outputs of a finished job into DIR; exit 1 unless it succeeded."""
+    client = settings.client()
+    job = client.job(job_id)
+    if job.get("state") not in TERMINAL_STATES:
+        _fail(f"job {job_id} is {job.get('state')}; `omnictl watch {job_id}` follows it (job_not_finished)", ExitCode.REFUSED)
+    if settings.json:
+        _print_json(job)
+    _write_results(settings, client, job, output_dir)
+
+
+@command()
+def stages(settings: Settings) -> None:
+    """Show every stage: state, process, devices, queue, work done and health."""
+    document = settings.client().stages()
+    if settings.json:
+        _print_json(document)
+    else:
+        click.echo(render.stages_table(document.get("stages") or []))
+
+
+@command()
+def pipelines(settings: Settings) -> None:
+    """Show every pipeline with its stages and edges."""
+    document = settings.client().pipelines()
+    if settings.json:
+        _print_json(document)
+    else:
+        click.echo(render.pipelines_text(document.get("pipelines") or []))
+
+
+@command()
+def health(settings: Settings) -> None:
+    """Exit 0 when every stage is ready, else 1 and name the stages that are not."""
+    ok, body = settings.client().ready()
+    if settings.json:
+        _print_json(body)
+    else:
+        click.echo(render.ready_text(ok, body))
+    raise click.exceptions.Exit(int(ExitCode.OK if ok else ExitCode.JOB_FAILED))
+
+
+@command()
+def metrics(settings: Settings) -> None:
+    """Print the daemon's Prometheus metrics."""
+    text = settings.client().metrics()
+    click.echo(text, nl=not text.endswith("\n"))
+
+
+def main() -> None:
+    """The console-script entry point."""
+    cli(prog_name="omnictl")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,463 @@
+"""A small synchronous client for the omnid socket API (HTTP/1.1 + JSON over a Unix socket).
+
+Where it runs: in the caller's process and thread -- the ``omnictl`` CLI's main thread, or any
+local program that imports ``omnictl``. It starts no threads and keeps no connection open between
+calls: every call dials the socket afresh, so one ``Client`` may be shared between threads.
+
+What it blocks on: connecting to the socket and reading each response, bounded by the client's
+``timeout`` (30 s by default). The exception is :meth:`Client.events`, which, once the response
+has started, blocks without limit until the daemon sends the next event or ends the stream.
+
+Only the standard library is imported here, so ``import omnictl`` stays fast and never pulls in
+torch, vLLM or diffusers. Nothing here prints; results are returned and failures raised as
+:class:`ClientError` subclasses.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import mimetypes
+import os
+import socket
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, BinaryIO
+from urllib.parse import quote, urlencode
+
+__all__ = [
+    "ApiError",
+    "Client",
+    "ClientError",
+    "ConnectionLost",
+    "DaemonUnreachable",
+    "DEFAULT_TIMEOUT_S",
+    "JOB_STATES",
+    "ProtocolError",
+    "TERMINAL_STATES",
+    "default_socket_path",
+    "file_input",
+]
+
+JSON = dict[str, Any]
+
+DEFAULT_TIMEOUT_S: float = 30.0
+ROOT_SOCKET_PATH = "/run/omnid/omnid.sock"
+JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled", "timed_out")
+TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "timed_out"})
+
+# Output bodies are copied to disk in pieces of this size, so a large audio file never sits in memory.
+_COPY_CHUNK = 1 << 20
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+class ClientError(Exception):
+    """Base class of every error this client raises."""
+
+
+class DaemonUnreachable(ClientError):
+    """The socket is missing, refuses connections, or the daemon did not answer in time."""
+
+    def __init__(self, socket_path: str, reason: str) -> None:
+        self.socket_path = socket_path
+        self.reason = reason
+        super().__init__(f"cannot reach omnid at {socket_path}: {reason}")
+
+
+class ConnectionLost(DaemonUnreachable):
+    """The daemon went away in the middle of a response (for example while streaming events)."""
+
+
+class ProtocolError(ClientError):
+    """The daemon answered with something that is not the API (bad JSON, a truncated event)."""
+
+
+class ApiError(ClientError):
+    """The daemon refused the request: a non-2xx status with its ``{"error": {...}}`` body."""
+
+    def __init__(self, status: int, code: str, message: str, body: Any = None) -> None:
+        self.status = status
+        self.code = code
+        self.message = message
+        self.body = body
+        super().__init__(f"{message} ({code})")
+
+
+def default_socket_path(explicit: str | os.PathLike[str] | None = None) -> str:
+    """Return the socket to dial: ``explicit`` > ``$OMNID_SOCKET`` > the per-user default.
+
+    The default is ``/run/omnid/omnid.sock`` for root, else ``$XDG_RUNTIME_DIR/omnid/omnid.sock``,
+    falling back to ``/run/user/<uid>/omnid/omnid.sock`` when ``XDG_RUNTIME_DIR`` is unset.
+    Empty strings count as unset, the way shells treat ``OMNID_SOCKET=``.
+    """
+    if explicit:
+        return os.fspath(explicit)
+    from_env = os.environ.get("OMNID_SOCKET")
+    if from_env:
+        return from_env
+    uid = os.getuid()
+    if uid == 0:
+        return ROOT_SOCKET_PATH
+    runtime_dir = os.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{uid}"
+    return os.path.join(runtime_dir, "omnid", "omnid.sock")
+
+
+def file_input(path: str | os.PathLike[str]) -> JSON:
+    """Read a local file into the API's file input shape ``{"b64": ..., "filename": ...}``."""
+    data = Path(path).read_bytes()
+    return {"b64": base64.b64encode(data).decode("ascii"), "filename": os.path.basename(os.fspath(path))}
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """An ``http.client`` connection that dials an AF_UNIX stream socket instead of TCP."""
+
+    def __init__(self, socket_path: str, timeout: float | None) -> None:
+        # The host only fills the Host header; it is what `curl --unix-socket` users write too.
+        super().__init__("omnid", timeout=timeout)
+        self.socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(self.socket_path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def _connect_reason(exc: OSError) -> str:
+    """Say in a few words why dialing the socket failed."""
+    if isinstance(exc, FileNotFoundError):
+        return "no such socket (is omnid running?)"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused (is omnid running?)"
+    if isinstance(exc, PermissionError):
+        return "permission denied (is your user in the socket's group?)"
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return "timed out"
+    return exc.strerror or str(exc)
+
+
+def _api_error(status: int, reason: str, raw: bytes) -> ApiError:
+    """Build the ApiError for a non-2xx response, tolerating bodies that are not the API's shape."""
+    try:
+        body: Any = json.loads(raw) if raw else None
+    except ValueError:
+        body = None
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        code = str(error.get("code") or f"http_{status}")
+        message = str(error.get("message") or reason or f"HTTP {status}")
+        return ApiError(status, code, message, body)
+    text = raw.decode("utf-8", "replace").strip()
+    return ApiError(status, f"http_{status}", text or reason or f"HTTP {status}", body if body is not None else text)
+
+
+def _parse_json(raw: bytes) -> Any:
+    """Parse a 2xx response body; an empty body (e.g. 204) is an empty object."""
+    if not raw.strip():
+        return {}
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise ProtocolError(f"the daemon sent a response that is not JSON: {exc}") from None
+
+
+def _safe_filename(output: Mapping[str, Any]) -> str:
+    """Pick a local file name for an output: its ``file`` basename, else its name plus an extension."""
+    candidate = os.path.basename(str(output.get("file") or ""))
+    if candidate in ("", ".", ".."):
+        name = os.path.basename(str(output.get("name") or "output")) or "output"
+        extension = mimetypes.guess_extension(str(output.get("content_type") or "").split(";")[0].strip()) or ""
+        candidate = name + ("" if name.endswith(extension) else extension)
+    return candidate
+
+
+class Client:
+    """Talks to one omnid daemon over its Unix socket. Every method returns the API's JSON, parsed.
+
+    ``socket_path`` follows :func:`default_socket_path`; ``timeout`` bounds connecting and each
+    read (``None``: wait forever). Methods raise :class:`DaemonUnreachable` when the socket cannot
+    be dialed, :class:`ApiError` when the daemon answers non-2xx, :class:`ProtocolError` when the
+    answer is not JSON.
+    """
+
+    def __init__(self, socket_path: str | os.PathLike[str] | None = None, timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
+        self.socket_path = default_socket_path(socket_path)
+        self.timeout = timeout
+
+    def __repr__(self) -> str:
+        return f"Client(socket_path={self.socket_path!r}, timeout={self.timeout!r})"
+
+    # --- transport -------------------------------------------------------------------------
+
+    def _open(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Mapping[str, Any] | None = None,
+        body: Any = None,
+    ) -> tuple[UnixHTTPConnection, http.client.HTTPResponse]:
+        """Send one request and return the connection and its response, headers read, body not.
+
+        The caller owns the connection and must close it. Only the dial can raise
+        DaemonUnreachable; a failure after the request went out raises ConnectionLost, because
+        the daemon may already have acted on it.
+        """
+        if query:
+            pairs = {key: value for key, value in query.items() if value is not None}
+            if pairs:
+                path = f"{path}?{urlencode(pairs)}"
+        headers = {"Accept": "application/json"}
+        payload: bytes | None = None
+        if body is not None:
+            payload = json.dumps(body).encode("utf-8")
+            headers["Content-Type"] = "application/json"
+        conn = UnixHTTPConnection(self.socket_path, self.timeout)
+        try:
+            conn.connect()
+        except OSError as exc:
+            conn.close()
+            raise DaemonUnreachable(self.socket_path, _connect_reason(exc)) from None
+        try:
+            conn.request(method, path, body=payload, headers=headers)
+            response = conn.getresponse()
+        except (socket.timeout, TimeoutError):
+            conn.close()
+            raise ConnectionLost(self.socket_path, f"no answer within {self.timeout} s") from None
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            raise ConnectionLost(self.socket_path, f"connection lost ({exc or type(exc).__name__})") from None
+        return conn, response
+
+    def _read_body(self, response: http.client.HTTPResponse) -> bytes:
+        """Read a whole response body, mapping a broken connection to ConnectionLost."""
+        try:
+            return response.read()
+        except (socket.timeout, TimeoutError):
+            raise ConnectionLost(self.socket_path, f"no answer within {self.timeout} s") from None
+        except (OSError, http.client.HTTPException) as exc:
+            raise ConnectionLost(self.socket_path, f"connection lost ({exc or type(exc).__name__})") from None
+
+    def _check(self, response: http.client.HTTPResponse) -> None:
+        """Raise ApiError (having read the error body) unless the response is 2xx."""
+        if not 200 <= response.status < 300:
+            raise _api_error(response.status, response.reason, self._read_body(response))
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Mapping[str, Any] | None = None,
+        body: Any = None,
+        accept_statuses: tuple[int, ...] = (),
+    ) -> tuple[int, Any]:
+        """One JSON round trip. Statuses in ``accept_statuses`` are returned instead of raised."""
+        conn, response = self._open(method, path, query=query, body=body)
+        try:
+            raw = self._read_body(response)
+        finally:
+            conn.close()
+        if not 200 <= response.status < 300 and response.status not in accept_statuses:
+            raise _api_error(response.status, response.reason, raw)
+        if 200 <= response.status < 300:
+            return response.status, _parse_json(raw)
+        try:
+            return response.status, json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            return response.status, {}
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        return self._request(method, path, **kwargs)[1]
+
+    @staticmethod
+    def _job_path(job_id: str, *rest: str) -> str:
+        parts = [quote(str(job_id), safe="")] + [quote(str(part), safe="") for part in rest]
+        return "/v1/jobs/" + "/".join(parts)
+
+    # --- daemon ----------------------------------------------------------------------------
+
+    def health(self) -> JSON:
+        """``GET /v1/health``: 200 while the daemon is alive."""
+        return self._json("GET", "/v1/health")
+
+    def ready(self) -> tuple[bool, JSON]:
+        """``GET /v1/ready``: ``(True, body)`` on 200, ``(False, body)`` on 503 (``body["not_ready"]``)."""
+        status, body = self._request("GET", "/v1/ready", accept_statuses=(503,))
+        return status == 200, body if isinstance(body, dict) else {}
+
+    def pipelines(self) -> JSON:
+        """``GET /v1/pipelines``: ``{"pipelines": [...]}``."""
+        return self._json("GET", "/v1/pipelines")
+
+    def stages(self) -> JSON:
+        """``GET /v1/stages``: ``{"stages": [...]}``."""
+        return self._json("GET", "/v1/stages")
+
+    def metrics(self) -> str:
+        """``GET /metrics``: the Prometheus text exposition."""
+        conn, response = self._open("GET", "/metrics")
+        try:
+            self._check(response)
+            return self._read_body(response).decode("utf-8", "replace")
+        finally:
+            conn.close()
+
+    # --- jobs ------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        pipeline: str,
+        inputs: Mapping[str, Any],
+        params: Mapping[str, Mapping[str, Any]] | None = None,
+        timeout_s: float | None = None,
+    ) -> JSON:
+        """``POST /v1/jobs``: submit a job and return it (state ``queued`` or later).
+
+        ``inputs`` feed the pipeline's first stage(s); a file goes in as :func:`file_input`.
+        ``params`` are per-stage overrides: ``{"draw": {"num_inference_steps": 30}}``.
+        """
+        body: JSON = {"pipeline": pipeline, "inputs": dict(inputs), "params": {k: dict(v) for k, v in (params or {}).items()}}
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        return self._json("POST", "/v1/jobs", body=body)
+
+    def jobs(self, state: str | None = None, pipeline: str | None = None, limit: int | None = None) -> JSON:
+        """``GET /v1/jobs``: ``{"jobs": [...]}``, the caller's jobs, newest first."""
+        return self._json("GET", "/v1/jobs", query={"state": state, "pipeline": pipeline, "limit": limit})
+
+    def job(self, job_id: str) -> JSON:
+        """``GET /v1/jobs/{id}``: one job with per-stage state, outputs and error."""
+        return self._json("GET", self._job_path(job_id))
+
+    def cancel(self, job_id: str) -> JSON:
+        """``POST /v1/jobs/{id}/cancel``: cancel a queued or running job (idempotent); returns the job."""
+        return self._json("POST", self._job_path(job_id, "cancel"))
+
+    def delete(self, job_id: str) -> JSON:
+        """``DELETE /v1/jobs/{id}``: forget a terminal job and its files; returns ``{"deleted": id}``."""
+        return self._json("DELETE", self._job_path(job_id))
+
+    def events(self, job_id: str) -> Iterator[JSON]:
+        """``GET /v1/jobs/{id}/events``: yield each event as it arrives, from the job's start.
+
+        The stream ends after the terminal ``state`` event. Connecting is bounded by the client's
+        timeout; waiting for events is not. Closing the generator early closes the connection.
+        Raises :class:`ConnectionLost` when the stream breaks before the terminal state.
+        """
+        conn, response = self._open("GET", self._job_path(job_id, "events"))
+        try:
+            self._check(response)
+            if conn.sock is not None:
+                # A job may think for minutes between events; only a dead daemon ends the wait.
+                conn.sock.settimeout(None)
+            while True:
+                try:
+                    line = response.readline()
+                except (OSError, http.client.HTTPException) as exc:
+                    raise ConnectionLost(self.socket_path, f"event stream broke ({exc or type(exc).__name__})") from None
+                if not line:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    raise ProtocolError(f"the daemon sent an event line that is not JSON: {line[:200]!r}") from None
+                if not isinstance(event, dict):
+                    raise ProtocolError(f"the daemon sent an event that is not an object: {line[:200]!r}")
+                yield event
+                if event.get("type") == "state" and event.get("state") in TERMINAL_STATES:
+                    # Stop here even if the daemon kept the stream open: nothing can follow the end.
+                    return
+            raise ConnectionLost(self.socket_path, "event stream ended before the job finished")
+        finally:
+            conn.close()
+
+    def wait(self, job_id: str, on_event: Callable[[JSON], None] | None = None) -> JSON:
+        """Follow the job's events until it ends, calling ``on_event`` for each; return the final job."""
+        for event in self.events(job_id):
+            if on_event is not None:
+                on_event(event)
+        return self.job(job_id)
+
+    def output(self, job_id: str, name: str) -> tuple[bytes, str]:
+        """``GET /v1/jobs/{id}/outputs/{name}``: one output's bytes and content type, in memory."""
+        conn, response = self._open("GET", self._job_path(job_id, "outputs", name))
+        try:
+            self._check(response)
+            content_type = response.getheader("Content-Type") or "application/octet-stream"
+            return self._read_body(response), content_type
+        finally:
+            conn.close()
+
+    def save_output(self, job_id: str, name: str, path: str | os.PathLike[str]) -> str:
+        """Stream one output into ``path`` (written whole or not at all); return its content type."""
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        conn, response = self._open("GET", self._job_path(job_id, "outputs", name))
+        try:
+            self._check(response)
+            content_type = response.getheader("Content-Type") or "application/octet-stream"
+            # Write beside the target and rename, so a broken download never looks like a result.
+            fd, partial = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
+            try:
+                with os.fdopen(fd, "wb") as sink:
+                    self._copy_body(response, sink)
+                os.chmod(partial, 0o666 & ~_umask())   # mkstemp makes 0600; results are ordinary files
+                os.replace(partial, target)
+            except BaseException:
+                try:
+                    os.unlink(partial)
+                except FileNotFoundError:
+                    pass
+                raise
+            return content_type
+        finally:
+            conn.close()
+
+    def _copy_body(self, response: http.client.HTTPResponse, sink: BinaryIO) -> None:
+        while True:
+            try:
+                chunk = response.read(_COPY_CHUNK)
+            except (socket.timeout, TimeoutError):
+                raise ConnectionLost(self.socket_path, f"no data within {self.timeout} s") from None
+            except (OSError, http.client.HTTPException) as exc:
+                raise ConnectionLost(self.socket_path, f"download broke ({exc or type(exc).__name__})") from None
+            if not chunk:
+                return
+            sink.write(chunk)
+
+    def save_outputs(self, job: str | Mapping[str, Any], directory: str | os.PathLike[str]) -> list[Path]:
+        """Write every output of a job into ``directory`` (created if missing); return the paths.
+
+        ``job`` is a job id or a job as returned by :meth:`job`. Files are named after each
+        output's ``file`` (its basename only, so a daemon can never write outside ``directory``).
+        """
+        job_doc = self.job(job) if isinstance(job, str) else job
+        job_id = str(job_doc.get("id"))
+        folder = Path(directory)
+        written: list[Path] = []
+        used: set[str] = set()
+        for output in job_doc.get("outputs") or []:
+            if not isinstance(output, Mapping) or not output.get("name"):
+                continue
+            filename = _safe_filename(output)
+            if filename in used:
+                filename = f"{os.path.basename(str(output['name']))}-{filename}"
+            used.add(filename)
+            target = folder / filename
+            self.save_output(job_id, str(output["name"]), target)
+            written.append(target)
+        return written

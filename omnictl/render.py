@@ -1,0 +1,381 @@
+"""Human-readable formatting for omnictl: tables, job details, and live event progress.
+
+Where it runs: in the omnictl CLI's main thread. The formatting functions are pure and return
+strings. :class:`EventPrinter` writes to the stream it is given (stderr for ``submit --wait``,
+stdout for ``watch``) and may block only on that stream. Everything reads the API's documents
+defensively with ``.get``, so a daemon that adds or omits fields never breaks the display.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, TextIO
+
+from omnictl.client import TERMINAL_STATES
+
+JSON = Mapping[str, Any]
+
+NONE = "-"
+_CLEAR_LINE = "\r\x1b[K"
+
+
+def shorten(value: Any, width: int) -> str:
+    """One line of at most ``width`` characters, with an ellipsis where it was cut."""
+    text = " ".join(str(value).split())
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
+
+
+def format_duration(seconds: float | int | None) -> str:
+    """``0.4s``, ``42s``, ``3m12s``, ``2h05m``, ``3d04h``; ``-`` when unknown."""
+    if seconds is None or not isinstance(seconds, (int, float)):
+        return NONE
+    seconds = max(float(seconds), 0.0)
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def format_age(timestamp: float | None, now: float) -> str:
+    """How long ago ``timestamp`` was, coarsely: ``12s``, ``5m``, ``2h``, ``3d``."""
+    if not isinstance(timestamp, (int, float)):
+        return NONE
+    seconds = max(now - timestamp, 0.0)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds)}s"
+
+
+def format_time(timestamp: float | None) -> str:
+    """A unix time as local ``YYYY-MM-DD HH:MM:SS``."""
+    if not isinstance(timestamp, (int, float)):
+        return NONE
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp))
+
+
+def format_bytes(size: int | float | None) -> str:
+    """``512B``, ``1.2KiB``, ``3.4GiB``."""
+    if not isinstance(size, (int, float)):
+        return NONE
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)}{unit}" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    return NONE  # unreachable; keeps the type checker content
+
+
+def _cell(value: Any) -> str:
+    return NONE if value is None or value == "" else str(value)
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """Left-aligned columns separated by two spaces, like ``docker ps``; no trailing blanks."""
+    cells = [list(headers)] + [[_cell(value) for value in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(value.ljust(widths[i]) for i, value in enumerate(row)).rstrip() for row in cells]
+    return "\n".join(lines)
+
+
+def _job_duration(job: JSON, now: float) -> float | None:
+    started = job.get("started_at")
+    if not isinstance(started, (int, float)):
+        return None
+    finished = job.get("finished_at")
+    end = finished if isinstance(finished, (int, float)) else now
+    return end - started
+
+
+def format_error(error: Any) -> str:
+    """``draw: CUDA out of memory (stage_failed)`` from the API's error object."""
+    if not isinstance(error, Mapping):
+        return str(error) if error else ""
+    message = str(error.get("message") or "")
+    code = error.get("code")
+    stage = error.get("stage")
+    text = f"{stage}: {message}" if stage else message
+    return f"{text} ({code})" if code else text
+
+
+def jobs_table(jobs: Iterable[JSON], now: float) -> str:
+    """The ``omnictl status`` table of jobs."""
+    rows = []
+    for job in jobs:
+        error = job.get("error")
+        rows.append(
+            [
+                job.get("id"),
+                job.get("pipeline"),
+                job.get("state"),
+                format_age(job.get("created_at"), now),
+                format_duration(_job_duration(job, now)),
+                shorten(format_error(error), 48) if error else None,
+            ]
+        )
+    return table(["ID", "PIPELINE", "STATE", "AGE", "DURATION", "ERROR"], rows)
+
+
+def _format_progress(progress: Any) -> str:
+    if isinstance(progress, Mapping) and progress.get("total") is not None:
+        return f"{progress.get('done', 0)}/{progress.get('total')}"
+    if isinstance(progress, Mapping) and progress.get("done") is not None:
+        return str(progress.get("done"))
+    return NONE
+
+
+def _format_input(value: Any) -> str:
+    if isinstance(value, Mapping) and "b64" in value:
+        return f"<file {value.get('filename') or '?'}>"
+    return shorten(value if isinstance(value, str) else repr(value), 60)
+
+
+def job_detail(job: JSON, now: float) -> str:
+    """The ``omnictl status JOB`` view: the job's fields, its stages, outputs and error."""
+    created = job.get("created_at")
+    fields: list[tuple[str, Any]] = [
+        ("id", job.get("id")),
+        ("pipeline", job.get("pipeline")),
+        ("state", job.get("state")),
+        ("created", f"{format_time(created)} ({format_age(created, now)} ago)" if created else None),
+        ("started", format_time(job.get("started_at"))),
+        ("finished", format_time(job.get("finished_at"))),
+        ("duration", format_duration(_job_duration(job, now))),
+        ("timeout", format_duration(job.get("timeout_s"))),
+    ]
+    inputs = job.get("inputs")
+    if isinstance(inputs, Mapping):
+        for key, value in inputs.items():
+            fields.append((f"input {key}", _format_input(value)))
+    params = job.get("params")
+    if isinstance(params, Mapping):
+        for stage, values in params.items():
+            if isinstance(values, Mapping):
+                for key, value in values.items():
+                    fields.append((f"param {stage}.{key}", shorten(repr(value), 60)))
+    if job.get("error"):
+        fields.append(("error", format_error(job.get("error"))))
+    width = max(len(name) for name, _ in fields)
+    parts = ["\n".join(f"{name.ljust(width)}  {_cell(value)}" for name, value in fields)]
+
+    stages = job.get("stages")
+    if isinstance(stages, Mapping) and stages:
+        rows = []
+        for name, info in stages.items():
+            info = info if isinstance(info, Mapping) else {}
+            rows.append(
+                [
+                    name,
+                    info.get("state"),
+                    _format_progress(info.get("progress")),
+                    format_duration(info.get("elapsed_s")),
+                    info.get("segments"),
+                ]
+            )
+        parts.append(table(["STAGE", "STATE", "PROGRESS", "ELAPSED", "SEGMENTS"], rows))
+
+    outputs = job.get("outputs")
+    if isinstance(outputs, list) and outputs:
+        rows = [
+            [o.get("name"), o.get("file"), o.get("kind"), o.get("content_type"), format_bytes(o.get("size")), o.get("stage")]
+            for o in outputs
+            if isinstance(o, Mapping)
+        ]
+        parts.append(table(["OUTPUT", "FILE", "KIND", "TYPE", "SIZE", "STAGE"], rows))
+    return "\n\n".join(parts)
+
+
+def final_state_line(job: JSON, now: float | None = None) -> str:
+    """The line a waiting command ends with: ``3f9c2a1b7d4e succeeded in 4.2s`` or the error."""
+    now = time.time() if now is None else now
+    state = job.get("state") or "unknown"
+    duration = _job_duration(job, now)
+    line = f"{job.get('id')} {state}"
+    if duration is not None:
+        line += f" {'in' if state == 'succeeded' else 'after'} {format_duration(duration)}"
+    if job.get("error"):
+        line += f": {format_error(job.get('error'))}"
+    return line
+
+
+def stages_table(stages: Iterable[JSON]) -> str:
+    """The ``omnictl stages`` table."""
+    rows = []
+    for stage in stages:
+        devices = stage.get("devices")
+        if isinstance(devices, list):
+            device_text = ",".join(str(d) for d in devices) if devices else "cpu"
+        else:
+            device_text = None
+        depth, capacity = stage.get("queue_depth"), stage.get("queue_capacity")
+        queue = None if depth is None else (f"{depth}/{capacity}" if capacity is not None else str(depth))
+        cpu = stage.get("cpu_percent")
+        rows.append(
+            [
+                stage.get("name"),
+                stage.get("engine"),
+                stage.get("state"),
+                stage.get("pid"),
+                device_text,
+                queue,
+                stage.get("jobs_done"),
+                stage.get("restarts"),
+                format_bytes(stage.get("rss_bytes")),
+                f"{cpu:.1f}" if isinstance(cpu, (int, float)) else None,
+                format_duration(stage.get("uptime_s")),
+                shorten(stage.get("last_error"), 40) if stage.get("last_error") else None,
+            ]
+        )
+    headers = ["NAME", "ENGINE", "STATE", "PID", "DEVICES", "QUEUE", "DONE", "RESTARTS", "RSS", "CPU%", "UPTIME", "LAST ERROR"]
+    return table(headers, rows)
+
+
+def _format_edge(edge: JSON) -> str:
+    window = edge.get("window")
+    if window == -1:
+        window_text = "window -1 (whole output)"
+    elif isinstance(window, int):
+        window_text = f"window {window} (every {window} segment{'s' if window != 1 else ''})"
+    else:
+        window_text = f"window {_cell(window)}"
+    text = f"{edge.get('from')} -> {edge.get('to')}  {window_text}"
+    mapping = edge.get("map")
+    if isinstance(mapping, Mapping) and mapping:
+        text += "  map " + ", ".join(f"{key}={value}" for key, value in mapping.items())
+    if edge.get("transform"):
+        text += f"  transform {edge.get('transform')}"
+    return text
+
+
+def pipelines_text(pipelines: Iterable[JSON]) -> str:
+    """The ``omnictl pipelines`` listing: each pipeline, its stages and its edges."""
+    blocks = []
+    for pipeline in pipelines:
+        header = str(pipeline.get("name"))
+        if pipeline.get("timeout_s") is not None:
+            header += f"  (timeout {format_duration(pipeline.get('timeout_s'))})"
+        lines = [header, "  stages  " + ", ".join(str(s) for s in pipeline.get("stages") or [])]
+        edges = [e for e in pipeline.get("edges") or [] if isinstance(e, Mapping)]
+        for i, edge in enumerate(edges):
+            lines.append(("  edges   " if i == 0 else "          ") + _format_edge(edge))
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def _stage_states(stages: Any) -> list[tuple[str, str]]:
+    """``[(name, state)]`` from a ready document's ``stages``, a dict or a list, whatever it holds."""
+    pairs: list[tuple[str, str]] = []
+    if isinstance(stages, Mapping):
+        for name, value in stages.items():
+            state = value.get("state") if isinstance(value, Mapping) else value
+            pairs.append((str(name), _cell(state)))
+    elif isinstance(stages, list):
+        for value in stages:
+            if isinstance(value, Mapping):
+                pairs.append((str(value.get("name")), _cell(value.get("state"))))
+    return pairs
+
+
+def ready_text(ok: bool, body: JSON) -> str:
+    """``ready`` or ``not ready: draw, expand``, followed by each stage's state when known."""
+    if ok:
+        lines = ["ready"]
+    else:
+        not_ready = body.get("not_ready")
+        names = ", ".join(str(n) for n in not_ready) if isinstance(not_ready, list) and not_ready else "unknown"
+        lines = [f"not ready: {names}"]
+    lines += [f"  {name}  {state}" for name, state in _stage_states(body.get("stages"))]
+    return "\n".join(lines)
+
+
+class EventPrinter:
+    """Renders a job's events as they arrive: stage start/finish lines, progress, streamed text.
+
+    On a terminal (``live=True``) a stage's progress rewrites one line in place; otherwise every
+    update is its own plain line, fit for logs. Text segments are written token by token on a
+    ``stage: `` line that stays open until the segment marked ``is_last``. Terminal ``state``
+    events are not printed: the caller ends with :func:`final_state_line` from the final job.
+    """
+
+    def __init__(self, stream: TextIO, live: bool) -> None:
+        self.stream = stream
+        self.live = live
+        # What the unfinished last line holds: ("text" | "progress", stage), or None.
+        self._open: tuple[str, str] | None = None
+        # Stages that stream text: their tokens already show progress, step lines would only interleave.
+        self._texting: set[str] = set()
+
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
+        self.stream.flush()
+
+    def close_line(self) -> None:
+        """End an unfinished text or progress line, so the next output starts on its own line."""
+        if self._open is not None:
+            self._write("\n")
+            self._open = None
+
+    def _line(self, text: str) -> None:
+        self.close_line()
+        self._write(text + "\n")
+
+    def feed(self, event: JSON) -> None:
+        """Render one event."""
+        kind = event.get("type")
+        stage = str(event.get("stage") or "")
+        if kind == "state":
+            if event.get("state") not in TERMINAL_STATES:
+                self._line(f"job {event.get('job')} {event.get('state')}")
+        elif kind == "stage_started":
+            self._line(f"{stage}: started")
+        elif kind == "stage_finished":
+            elapsed = event.get("elapsed_s")
+            self._line(f"{stage}: finished" + (f" in {format_duration(elapsed)}" if elapsed is not None else ""))
+        elif kind == "progress":
+            self._progress(stage, event)
+        elif kind == "segment":
+            self._segment(stage, event)
+        elif kind == "output":
+            detail = ", ".join(str(v) for v in (event.get("kind"), event.get("content_type")) if v)
+            self._line(f"{stage}: output {event.get('name')}" + (f" ({detail})" if detail else ""))
+        elif kind == "error":
+            code = event.get("code")
+            self._line(f"{stage}: error: {event.get('message')}" + (f" ({code})" if code else ""))
+
+    def _progress(self, stage: str, event: JSON) -> None:
+        if stage in self._texting:
+            return
+        total = event.get("total")
+        text = f"{stage}: step {event.get('done')}" + (f"/{total}" if total is not None else "")
+        if not self.live:
+            self._line(text)
+            return
+        if self._open == ("progress", stage):
+            self._write(_CLEAR_LINE + text)
+        else:
+            self.close_line()
+            self._write(text)
+            self._open = ("progress", stage)
+
+    def _segment(self, stage: str, event: JSON) -> None:
+        text = event.get("text")
+        if not isinstance(text, str):
+            return  # image previews and audio chunks have nothing to show in a terminal
+        self._texting.add(stage)
+        if self._open != ("text", stage):
+            self.close_line()
+            self._write(f"{stage}: ")
+            self._open = ("text", stage)
+        if text:
+            self._write(text)
+        if event.get("is_last"):
+            self.close_line()

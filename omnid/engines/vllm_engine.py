@@ -1,0 +1,133 @@
+"""The `vllm` engine: an autoregressive LLM through vLLM's `LLMEngine`.
+
+Runs in a stage worker's main thread; `step()` is one `LLMEngine.step()`
+(a few ms on the tiny CPU model) and never blocks longer than one decode
+step, so a cancel takes effect at the next step through `abort_request`.
+Several requests are in flight at once when the stage's `max_inflight > 1`
+(vLLM batches them).
+
+The engine is kept inside this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`,
+`distributed_executor_backend="uni"`): one stage, one process tree. Token
+deltas are streamed as text segments (`RequestOutputKind.DELTA`); the stage's
+output `text` is the whole generation (prefixed by the prompt when the job
+sets `include_prompt`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from omnid.config import StageConfig
+from omnid.engines.base import Engine, RequestContext, merged_params
+
+# omnid's own per-job parameters, consumed here and not passed to SamplingParams
+_OWN_PARAMS = ("include_prompt", "prompt_template")
+
+
+@dataclass
+class _Request:
+    ctx: RequestContext
+    prefix: str
+    max_tokens: int
+    pieces: list[str] = field(default_factory=list)
+    tokens: int = 0
+
+
+class VllmEngine(Engine):
+    def __init__(self, stage: StageConfig) -> None:
+        if not stage.devices:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        from vllm import EngineArgs, LLMEngine, SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self._SamplingParams = SamplingParams
+        self._delta = RequestOutputKind.DELTA
+        self.stage = stage
+        args: dict[str, Any] = {"model": str(stage.model), "distributed_executor_backend": "uni",
+                                "disable_log_stats": True}
+        if not stage.devices:
+            # CUDA graphs and torch.compile warm-up cost ~40 s on a CPU and buy nothing there.
+            args["enforce_eager"] = True
+        args.update(stage.args)
+        self.engine = LLMEngine.from_engine_args(EngineArgs(**args))
+        self.default_max_tokens = int(stage.defaults.get("max_tokens", 16))
+        self._ids = itertools.count()
+        self._requests: dict[str, _Request] = {}
+        self._by_job: dict[str, str] = {}
+        self._render = self._renderer()
+
+    def _renderer(self) -> Any:
+        """vLLM >= 0.30 wants rendered prompts; older ones take a plain string."""
+        try:
+            from vllm.renderers.inputs.preprocess import parse_model_prompt
+            renderer = self.engine.renderer
+            tok_params = renderer.default_cmpl_tok_params
+
+            def render(text: str) -> Any:
+                (rendered,) = renderer.render_cmpl([parse_model_prompt(self.engine.model_config, text)], tok_params)
+                return rendered
+            render("warm-up")
+            return render
+        except Exception:
+            return lambda text: text
+
+    def info(self) -> dict[str, Any]:
+        cfg = self.engine.model_config
+        return {"model": str(self.stage.model), "dtype": str(getattr(cfg, "dtype", "")),
+                "max_model_len": getattr(cfg, "max_model_len", None)}
+
+    def add(self, ctx: RequestContext) -> None:
+        prompt = ctx.inputs.get("prompt")
+        if not isinstance(prompt, str):
+            ctx.fail(f"a vllm stage needs a text input \"prompt\"; got {sorted(ctx.inputs) or 'no inputs'}")
+            return
+        params = merged_params(dict(self.stage.defaults), ctx.params)
+        include_prompt = bool(params.pop("include_prompt", False))
+        template = params.pop("prompt_template", None)
+        text = str(template).replace("{prompt}", prompt) if template else prompt
+        params.setdefault("max_tokens", self.default_max_tokens)
+        try:
+            sampling = self._SamplingParams(**params, output_kind=self._delta)
+            request_id = f"{ctx.job}-{next(self._ids)}"
+            self.engine.add_request(request_id, self._render(text), sampling)
+        except Exception as e:          # bad parameter values, a prompt longer than the model
+            ctx.fail(f"{type(e).__name__}: {e}")
+            return
+        prefix = prompt if include_prompt else ""
+        self._requests[request_id] = _Request(ctx, prefix, int(params["max_tokens"]))
+        self._by_job[ctx.job] = request_id
+
+    def step(self) -> None:
+        for out in self.engine.step():
+            req = self._requests.get(out.request_id)
+            if req is None:
+                continue
+            completion = out.outputs[0]
+            if completion.text:
+                req.pieces.append(completion.text)
+            req.tokens += len(completion.token_ids)
+            req.ctx.segment({"text": completion.text}, is_last=out.finished)
+            req.ctx.progress(req.tokens, req.max_tokens)
+            if out.finished:
+                del self._requests[out.request_id]
+                self._by_job.pop(req.ctx.job, None)
+                generated = "".join(req.pieces)
+                sep = " " if req.prefix and generated and not generated[0].isspace() else ""
+                req.ctx.finish({"text": (req.prefix + sep + generated).strip()})
+
+    def abort(self, job: str) -> None:
+        request_id = self._by_job.pop(job, None)
+        if request_id is None:
+            return
+        self.engine.abort_request([request_id])
+        # vLLM reports nothing more for an aborted request: complete it here.
+        req = self._requests.pop(request_id)
+        req.ctx.stopped()
+
+    def has_work(self) -> bool:
+        return bool(self._requests)

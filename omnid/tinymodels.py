@@ -1,0 +1,500 @@
+"""Build tiny random-weight models for tests and local development, offline.
+
+This is a build-time tool that runs in its own process
+(``python -m omnid.tinymodels [--force] ROOT``). It imports torch,
+transformers, tokenizers and diffusers, but only inside functions, so
+importing this module stays cheap. Nothing is downloaded: every config,
+tokenizer and weight is made here, and the Hugging Face offline switches
+are set before any of those libraries is imported.
+
+Two models are built under ROOT:
+
+``ROOT/llm``
+    A tiny ``LlamaForCausalLM`` (hidden 128, 2 heads of dim 64, 2 layers)
+    that vLLM's CPU backend can load, saved as safetensors, plus a
+    byte-level BPE tokenizer trained here on a small built-in English
+    corpus and saved as a ``PreTrainedTokenizerFast``. The weights are
+    random, but they are nudged so that sampled tokens are whole
+    space-prefixed words or punctuation: output reads as a string of
+    English words. Special tokens (EOS included) are made very unlikely,
+    so generation runs until ``max_tokens`` or a stop string.
+
+``ROOT/sd``
+    A tiny ``StableDiffusionPipeline`` (UNet, VAE, CLIP text encoder,
+    CLIP tokenizer, DDIM scheduler, no safety checker) whose default
+    output is a 64x64 image; a few steps take well under a second on CPU.
+
+Every build is seeded and deterministic. Each model is built in a
+temporary sibling folder and moved into place once complete; a marker
+file (``.omnid-tiny-ok``) then records that the folder is complete, and
+``build_all`` skips folders that have a current marker unless forced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+MARKER_NAME = ".omnid-tiny-ok"
+FORMAT_VERSION = 1
+SEED = 1234
+
+LLM_DTYPE = "bfloat16"
+LLM_HIDDEN = 128
+LLM_HEADS = 2
+LLM_HEAD_DIM = 64
+LLM_LAYERS = 2
+LLM_INTERMEDIATE = 256
+LLM_MAX_POSITIONS = 512
+LLM_VOCAB = 1000
+
+SD_SAMPLE_SIZE = 32  # latent side; the VAE doubles it, so images are 64 px
+SD_MAX_LENGTH = 77
+
+BOS, EOS, UNK, PAD = "<s>", "</s>", "<unk>", "<pad>"
+CLIP_BOS, CLIP_EOS = "<|startoftext|>", "<|endoftext|>"
+
+CORPUS = """\
+The morning was cold and clear, and the old town was quiet under a pale blue sky.
+A small boat moved slowly across the harbor while the fishermen pulled their nets.
+People walked along the river to the market, where farmers sold bread, cheese, apples and fresh fish.
+The children ran to school with their books, laughing and talking about the long summer.
+In the library, a young woman read a story about a king who lost his crown in the forest.
+She wanted to learn how the world worked, so she studied history, science, music and language.
+Her brother built a wooden table for the kitchen and painted it green and yellow.
+When the rain began to fall, everyone found a place to sit and wait for the storm to pass.
+The teacher said that a good question is often more useful than a quick answer.
+Every evening the family shared a simple meal of soup, rice, beans and warm tea.
+The city has many bridges, and each bridge has a name that tells an old story.
+A computer can follow a list of instructions very quickly, but it cannot decide what matters.
+Good software is clear, small and easy to change, and it should be tested with care.
+The engineer wrote a short program that reads a file, counts the words and prints a report.
+If the server is busy, the request waits in a queue until a worker is free to handle it.
+A model learns patterns from data, and the quality of the data shapes what the model can do.
+The garden behind the house was full of roses, tall grass, tomatoes and bright sunflowers.
+Birds sang in the trees while a gentle wind carried the smell of flowers through the window.
+On the weekend they climbed the mountain and looked down at the valley and the distant sea.
+The night was dark, but the stars were bright, and the moon rose slowly over the hills.
+He opened the door, turned on the light and saw that the room was exactly as he had left it.
+The doctor listened carefully, wrote a few notes and told him to rest for a week.
+Travel teaches patience, because trains are late, roads are long and plans often change.
+A friend is someone who listens, helps when things are hard and laughs with you when they are easy.
+The museum showed paintings of ships, horses, castles, gardens and people at work.
+Winter brings snow and short days, while spring brings rain, green leaves and new life.
+The baker wakes before dawn to make bread, cakes and sweet rolls for the whole street.
+Music filled the hall as the orchestra played a slow song that everyone seemed to know.
+She wrote a letter to her grandmother, describing the new house, the garden and the dog.
+The scientists measured the temperature of the water every hour for three months.
+Numbers such as one, two, three, ten, twenty and one hundred are easy words to learn.
+Colors like red, orange, yellow, green, blue, purple, black, white and brown are everywhere.
+The market was busy, the streets were crowded and the air was full of voices and music.
+A careful reader asks why the author chose each word and what the story means today.
+The company built a new factory near the coast and hired workers from the nearby villages.
+They planted trees along the road, and after many years the trees gave shade to travelers.
+Learning a new skill takes time, practice and the courage to make mistakes and try again.
+The cat slept in the sun on the window, and the dog waited by the door for its walk.
+At the end of the day, the lights of the houses shone softly across the quiet water.
+What do you think will happen next? Nobody knows, but we can always hope for the best.
+Please write your name, your address and the date at the top of the first page.
+The answer was simple: work together, share the tools and finish the job before night.
+"""
+
+
+def _offline_env() -> None:
+    """Make sure no library tries to reach the Hugging Face hub."""
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        os.environ.setdefault(key, "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.environ.setdefault("DIFFUSERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _quiet_env() -> None:
+    """Silence progress bars and import-time warnings (command line only)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+
+
+def _seed_all(seed: int) -> None:
+    """Seed Python, NumPy and torch random generators."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _marker(kind: str) -> dict[str, Any]:
+    """Return the marker content that a complete build of `kind` carries."""
+    return {"kind": kind, "format": FORMAT_VERSION}
+
+
+def is_built(model_dir: Path, kind: str) -> bool:
+    """Tell whether `model_dir` holds a complete, current build of `kind`."""
+    marker = Path(model_dir) / MARKER_NAME
+    try:
+        data = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and all(data.get(k) == v for k, v in _marker(kind).items())
+
+
+def _apply_umask(folder: Path) -> None:
+    """Give `folder` and everything in it ordinary permissions (mkdtemp makes 0700)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def _build_atomically(model_dir: Path, kind: str, fill: Callable[[Path], None]) -> Path:
+    """Run `fill` on a temporary sibling folder, then move it to `model_dir`.
+
+    The marker file is written last, so a crash leaves no marker behind and
+    never a half-written `model_dir`.
+    """
+    model_dir = Path(model_dir).absolute()
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.tmp-", dir=model_dir.parent))
+    try:
+        fill(tmp)
+        (tmp / MARKER_NAME).write_text(json.dumps(_marker(kind)) + "\n", encoding="utf-8")
+        _apply_umask(tmp)
+        if model_dir.exists():
+            shutil.rmtree(model_dir)
+        tmp.rename(model_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return model_dir
+
+
+# --------------------------------------------------------------------------- LLM
+
+
+def _corpus_lines() -> Iterator[str]:
+    """Yield the built-in training corpus one line at a time."""
+    yield from (line for line in CORPUS.splitlines() if line.strip())
+
+
+def _train_llm_tokenizer() -> Any:
+    """Train a byte-level BPE tokenizer and wrap it as a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=LLM_VOCAB,
+        min_frequency=1,
+        special_tokens=[UNK, BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus_lines(), trainer=trainer)
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A",
+        pair=f"{BOS} $A {BOS} $B",
+        special_tokens=[(BOS, bos_id)],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        pad_token=PAD,
+        model_max_length=LLM_MAX_POSITIONS,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _wordlike_token_ids(tokenizer: Any) -> list[int]:
+    """Return ids of tokens that decode to " word" (a whole corpus word) or punctuation."""
+    words = set(re.findall(r"[A-Za-z]+", CORPUS))
+    special = set(tokenizer.all_special_ids)
+    good = []
+    for i in range(len(tokenizer)):
+        text = tokenizer.decode([i])
+        if i in special:
+            continue
+        if text in (".", ",", "!", "?") or (text[:1] == " " and text[1:] in words):
+            good.append(i)
+    return good
+
+
+def _nudge_llm_weights(model: Any, good_ids: list[int]) -> None:
+    """Make a random Llama emit only word-like tokens.
+
+    Hidden dimension 0 of the residual stream is held at a constant 1 (set in
+    every embedding, never written by attention or MLP outputs), which turns
+    column 0 of ``lm_head`` into a per-token logit bias: 0 for word-like
+    tokens and a large negative value for everything else.
+    """
+    import torch
+
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        emb.normal_(0.0, 1.0)
+        emb[:, 0] = 1.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0, :] = 0.0
+            layer.mlp.down_proj.weight[0, :] = 0.0
+        head = model.lm_head.weight
+        head.normal_(0.0, 0.2)
+        head[:, 0] = -40.0
+        head[good_ids, 0] = 0.0
+
+
+def build_llm(model_dir: Path) -> Path:
+    """Build the tiny Llama and its tokenizer into `model_dir`; return the folder."""
+    _offline_env()
+
+    def fill(out: Path) -> None:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        _seed_all(SEED)
+        tokenizer = _train_llm_tokenizer()
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=LLM_HIDDEN,
+            intermediate_size=LLM_INTERMEDIATE,
+            num_hidden_layers=LLM_LAYERS,
+            num_attention_heads=LLM_HEADS,
+            num_key_value_heads=LLM_HEADS,
+            head_dim=LLM_HEAD_DIM,
+            max_position_embeddings=LLM_MAX_POSITIONS,
+            rms_norm_eps=1e-6,
+            initializer_range=0.1,
+            tie_word_embeddings=False,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        _seed_all(SEED)
+        model = LlamaForCausalLM(config)
+        _nudge_llm_weights(model, _wordlike_token_ids(tokenizer))
+        model = model.to(getattr(torch, LLM_DTYPE)).eval()
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+
+    return _build_atomically(model_dir, "llm", fill)
+
+
+# ---------------------------------------------------------------------------- SD
+
+CLIP_WORDS = (
+    "a an the of and in on with at by photo picture painting drawing portrait "
+    "cat dog bird horse fish tree flower house city street river mountain sea sky "
+    "sun moon star cloud rain snow forest garden car boat train robot person man woman "
+    "child red orange yellow green blue purple black white brown small big old new "
+    "bright dark beautiful happy night day morning evening style art digital oil "
+    "watercolor detailed high quality"
+).split()
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """Return GPT-2/CLIP's reversible byte-to-printable-character table."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def _clip_vocab_and_merges() -> tuple[dict[str, int], list[str]]:
+    """Make a small CLIP BPE vocabulary: all bytes, a few whole words, specials."""
+    base = list(_bytes_to_unicode().values())
+    tokens: list[str] = base + [c + "</w>" for c in base]
+    merges: list[str] = []
+    known = set(tokens)
+    for word in CLIP_WORDS:
+        left = word[0]
+        for k in range(1, len(word)):
+            right = word[k] + ("</w>" if k == len(word) - 1 else "")
+            merged = left + right
+            if merged not in known:
+                merges.append(f"{left} {right}")
+                tokens.append(merged)
+                known.add(merged)
+            left = merged
+    tokens += [CLIP_BOS, CLIP_EOS]
+    return {t: i for i, t in enumerate(tokens)}, merges
+
+
+def _write_clip_tokenizer_files(folder: Path) -> None:
+    """Write vocab.json and merges.txt for a CLIPTokenizer into `folder`."""
+    vocab, merges = _clip_vocab_and_merges()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (folder / "merges.txt").write_text(
+        "#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8"
+    )
+
+
+def build_sd(model_dir: Path) -> Path:
+    """Build the tiny Stable Diffusion pipeline into `model_dir`; return the folder."""
+    _offline_env()
+
+    def fill(out: Path) -> None:
+        from diffusers import (
+            AutoencoderKL,
+            DDIMScheduler,
+            StableDiffusionPipeline,
+            UNet2DConditionModel,
+        )
+        from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+        with tempfile.TemporaryDirectory(prefix="omnid-clip-tok-") as tok_dir:
+            _write_clip_tokenizer_files(Path(tok_dir))
+            tokenizer = CLIPTokenizer.from_pretrained(
+                tok_dir,
+                model_max_length=SD_MAX_LENGTH,
+                bos_token=CLIP_BOS,
+                eos_token=CLIP_EOS,
+                unk_token=CLIP_EOS,
+                pad_token=CLIP_EOS,
+            )
+        for key in ("is_local", "local_files_only"):
+            tokenizer.init_kwargs.pop(key, None)
+        _seed_all(SEED)
+        text_encoder = CLIPTextModel(
+            CLIPTextConfig(
+                vocab_size=len(tokenizer),
+                hidden_size=32,
+                intermediate_size=64,
+                projection_dim=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=SD_MAX_LENGTH,
+                layer_norm_eps=1e-5,
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        )
+        _seed_all(SEED + 1)
+        unet = UNet2DConditionModel(
+            sample_size=SD_SAMPLE_SIZE,
+            in_channels=4,
+            out_channels=4,
+            layers_per_block=1,
+            block_out_channels=(32, 64),
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            cross_attention_dim=32,
+            attention_head_dim=8,
+            norm_num_groups=32,
+        )
+        _seed_all(SEED + 2)
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+            block_out_channels=(32, 64),
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=32,
+            sample_size=SD_SAMPLE_SIZE * 2,
+        )
+        scheduler = DDIMScheduler(
+            beta_start=0.00085,
+            beta_end=0.012,
+            beta_schedule="scaled_linear",
+            clip_sample=False,
+            set_alpha_to_one=False,
+            steps_offset=1,
+        )
+        pipe = StableDiffusionPipeline(
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            unet=unet,
+            scheduler=scheduler,
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+        pipe.save_pretrained(out)
+
+    return _build_atomically(model_dir, "sd", fill)
+
+
+# --------------------------------------------------------------------------- all
+
+BUILDERS: dict[str, Callable[[Path], Path]] = {"llm": build_llm, "sd": build_sd}
+
+
+def build_all(
+    root: Path,
+    force: bool = False,
+    report: Callable[[str, Path, str, float], None] | None = None,
+) -> dict[str, Path]:
+    """Build every tiny model under `root` (root/"llm", root/"sd").
+
+    A model whose folder already carries a current marker is skipped unless
+    `force` is true. `report(kind, path, "built" | "skipped", seconds)` is
+    called after each model. Returns the folder of each model by kind.
+    """
+    root = Path(root).absolute()
+    built: dict[str, Path] = {}
+    for kind, builder in BUILDERS.items():
+        target = root / kind
+        start = time.perf_counter()
+        if not force and is_built(target, kind):
+            action = "skipped"
+        else:
+            builder(target)
+            action = "built"
+        built[kind] = target
+        if report is not None:
+            report(kind, target, action, time.perf_counter() - start)
+    return built
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: ``python -m omnid.tinymodels [--force] ROOT``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m omnid.tinymodels",
+        description="Build tiny random-weight LLM and Stable Diffusion models offline.",
+    )
+    parser.add_argument("root", type=Path, help="folder to build into (ROOT/llm, ROOT/sd)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if already built")
+    args = parser.parse_args(argv)
+    _offline_env()
+    _quiet_env()
+
+    def report(kind: str, path: Path, action: str, seconds: float) -> None:
+        print(f"{kind}: {action} {path} ({seconds:.2f}s)", flush=True)
+
+    start = time.perf_counter()
+    build_all(args.root, force=args.force, report=report)
+    print(f"done in {time.perf_counter() - start:.2f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
