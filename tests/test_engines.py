@@ -40,6 +40,9 @@ def engines() -> Iterator[RunningDaemon]:
                    "defaults": {"max_tokens": 16, "temperature": 0.9, "seed": 7, "include_prompt": True}},
         "draw": {"engine": "diffusers", "model": str(MODELS / "sd"), "devices": [], "queue_capacity": 2,
                  "defaults": {"num_inference_steps": 4, "guidance_scale": 5.0, "seed": 0}},
+        "batch": {"engine": "vllm", "model": str(MODELS / "llm"), "devices": [], "max_inflight": 3,
+                  "args": {"max_model_len": 512, "dtype": "bfloat16", "seed": 0},
+                  "defaults": {"max_tokens": 48, "ignore_eos": True}},
         "frame": {"engine": "python", "function": "demo_stages:frame",
                   "python_path": [str(ROOT / "etc" / "examples")]},
     }
@@ -47,6 +50,7 @@ def engines() -> Iterator[RunningDaemon]:
         "t2i": {"stages": ["expand", "draw"],
                 "edges": [{"from": "expand", "to": "draw", "window": -1, "map": {"prompt": "text"}}]},
         "llm": {"stages": ["expand"]},
+        "batch": {"stages": ["batch"]},
         "draw": {"stages": ["draw"]},
         "t2i_framed": {"stages": ["expand", "draw", "frame"]},
     }
@@ -210,3 +214,30 @@ def test_kill_9_of_vllm_worker_mid_job(engines: RunningDaemon) -> None:
     assert after["state"] == "succeeded", after
     snap = engines.wait_stage_state("expand", ("ready",), timeout=180)
     assert snap["pid"] != pid and snap["restarts"] == 1
+
+
+def test_vllm_stage_batches_up_to_max_inflight(engines: RunningDaemon) -> None:
+    jobs = [engines.submit("batch", {"prompt": f"story {i}"}) for i in range(4)]
+    docs = [engines.wait(j) for j in jobs[:3]]
+    assert all(d["state"] == "succeeded" for d in docs), docs
+    starts = [d["stages"]["batch"]["started_at"] for d in docs]
+    ends = [d["stages"]["batch"]["finished_at"] for d in docs]
+    # the first three ran together in one vLLM batch: all started before any finished
+    assert max(starts) < min(ends)
+    fourth = engines.wait(jobs[3])
+    assert fourth["state"] == "succeeded"
+    for d in docs + [fourth]:
+        text, _ = engines.client.output(d["id"], "text")
+        assert len(text.split()) >= 20
+
+
+def test_cancel_one_request_of_a_vllm_batch(engines: RunningDaemon) -> None:
+    params = {"batch": {"max_tokens": 400}}
+    a, b = (engines.submit("batch", {"prompt": p}, params=params) for p in ("left", "right"))
+    for ev in engines.client.events(a):
+        if ev["type"] == "segment":
+            break
+    assert engines.client.cancel(a)["state"] == "cancelled"
+    doc = engines.wait(b)
+    assert doc["state"] == "succeeded"
+    assert sum(1 for e in engines.events(b) if e["type"] == "segment") == 400

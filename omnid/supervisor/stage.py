@@ -347,6 +347,7 @@ class StageHandle:
             "gpu_memory_bytes": self.gpu_memory_bytes,
             "uptime_s": round(time.time() - self.ready_at, 3) if self.ready_at and pid else None,
             "load_s": round(self.load_s, 3) if self.load_s is not None else None,
+            "spawned_at": self.started_at, "ready_at": self.ready_at,
             "last_error": self.last_error, "model": str(self.stage.model) if self.stage.model else None,
             "function": self.stage.function, "info": self.info,
         }
