@@ -308,15 +308,18 @@ def _check_callable_ref(c: _Checker, ref: str, path: str, python_path: tuple[Pat
 def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | None:
     path = f"stages.{name}"
     s = c.table(raw, path)
-    if not s:
+    if not isinstance(raw, dict):      # an empty table still needs its keys checked
         return None
     c.unknown(s, _STAGE_KEYS, path)
     engine = c.get(s, "engine", path, str, required=True)
     if engine is not None and engine not in ENGINES:
         c.add(f"{path}.engine", f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
         engine = None
-    python_path = tuple(_resolve(base, p) for p in c.get(s, "python_path", path, list, [])
-                        if isinstance(p, str))
+    python_path_raw = c.get(s, "python_path", path, list, [])
+    for i, p in enumerate(python_path_raw):
+        if not isinstance(p, str):
+            c.add(f"{path}.python_path[{i}]", f"must be a string (a directory), not {_typename(p)}")
+    python_path = tuple(_resolve(base, p) for p in python_path_raw if isinstance(p, str))
     model: Path | None = None
     model_raw = c.get(s, "model", path, str)
     function = c.get(s, "function", path, str)
@@ -377,7 +380,7 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
 def _parse_edge(c: _Checker, raw: Any, path: str, members: tuple[str, ...],
                 known_stages: Iterable[str]) -> EdgeConfig | None:
     e = c.table(raw, path)
-    if not e:
+    if not isinstance(raw, dict):
         return None
     c.unknown(e, ("from", "to", "window", "map", "transform"), path)
     src = c.get(e, "from", path, str, required=True)
@@ -443,7 +446,7 @@ def _find_cycle(stages: tuple[str, ...], edges: list[EdgeConfig]) -> list[str] |
 def _parse_pipeline(c: _Checker, name: str, raw: Any, known_stages: Mapping[str, Any]) -> PipelineConfig | None:
     path = f"pipelines.{name}"
     p = c.table(raw, path)
-    if not p:
+    if not isinstance(raw, dict):
         return None
     c.unknown(p, ("stages", "edges", "timeout_s", "retries"), path)
     members_raw = c.get(p, "stages", path, list, [], required=True)

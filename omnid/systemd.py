@@ -47,7 +47,7 @@ def listen_fds() -> list[socket.socket]:
     """The listening sockets systemd passed to this process (and forget the variables)."""
     pid = os.environ.get("LISTEN_PID")
     count = os.environ.get("LISTEN_FDS")
-    if not count or (pid and pid != str(os.getpid())):
+    if not count or pid != str(os.getpid()):      # as sd_listen_fds(): both must be set, and for us
         return []
     for var in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
         os.environ.pop(var, None)

@@ -56,7 +56,9 @@ def open_listening_socket(path: Path, mode: int, group: str | None) -> tuple[soc
     if inherited:
         return inherited[0], False
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() or path.is_socket():
+    if os.path.lexists(path):
+        if not path.is_socket():       # a typo in daemon.socket must not delete someone's file
+            raise StartupError(f"{path} exists and is not a socket; remove it or set daemon.socket")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(str(path))
@@ -141,7 +143,8 @@ class Daemon:
             runner = web.AppRunner(Api(self).app, access_log=None, handle_signals=False)
             await runner.setup()
             await web.SockSite(runner, sock).start()
-            log.info("listening", socket=str(cfg.socket), stages=len(self.stages), pid=self.pid)
+            where = str(cfg.socket) if created else f"{sock.getsockname() or 'an unnamed socket'} (from systemd)"
+            log.info("listening", socket=where, stages=len(self.stages), pid=self.pid)
             await self._start_stages()
             if self._stop.is_set():
                 return 0

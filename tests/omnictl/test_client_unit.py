@@ -1,4 +1,4 @@
-"""Unit tests of omnictl (library and CLI) against the fake daemon in conftest.py.
+"""Unit tests of omnictl (library and CLI) against the fake daemon in fake_daemon.py.
 
 Runs in the pytest process's main thread; the fake daemon serves from its own threads over a real
 Unix socket. Tests block only on that socket, each bounded by the client's timeout or a gate's.
@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from conftest import REPO_ROOT, FakeDaemon, FakeHandler
+from fake_daemon import REPO_ROOT, FakeDaemon, FakeHandler, daemon  # noqa: F401 (a fixture)
 from omnictl import ApiError, Client, ConnectionLost, DaemonUnreachable, default_socket_path
 from omnictl.cli import cli, parse_param_value
 from omnictl.render import EventPrinter, final_state_line

@@ -1,0 +1,226 @@
+"""Start-up and shutdown of a real daemon: failed loads, socket ownership, signals.
+
+Each test runs `python -m omnid` as a subprocess (tests/conftest.py). To prove
+that no child outlives the daemon, the daemon is started with a unique
+environment variable, which every process it spawns inherits; afterwards no
+live process on the machine may carry it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+from types import ModuleType
+
+import psutil
+import pytest
+
+
+def _root_conftest() -> ModuleType:
+    """tests/conftest.py, for its helpers. Imported by path: in a run of all of tests/, the
+    module name `conftest` may belong to another directory's conftest (tests/omnictl/)."""
+    path = Path(__file__).resolve().with_name("conftest.py")
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__file__", None) and Path(mod.__file__).resolve() == path:
+            return mod
+    spec = importlib.util.spec_from_file_location("omnid_tests_conftest", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_ct = _root_conftest()
+RunningDaemon = _ct.RunningDaemon
+py_stage = _ct.py_stage
+short_tmpdir = _ct.short_tmpdir
+wait_gone = _ct.wait_gone
+
+
+TOKEN_VAR = "OMNID_TEST_TOKEN"
+
+
+def token_env() -> dict[str, str]:
+    return {TOKEN_VAR: uuid.uuid4().hex}
+
+
+def processes_with(env: dict[str, str]) -> list[int]:
+    """Live (non-zombie) processes whose environment carries the token."""
+    want = env[TOKEN_VAR]
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(TOKEN_VAR) == want:
+                found.append(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+def assert_no_process_left(env: dict[str, str], timeout: float = 5) -> None:
+    deadline = time.monotonic() + timeout
+    while (left := processes_with(env)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"processes left behind: {[psutil.Process(p).cmdline() for p in left if psutil.pid_exists(p)]}"
+
+
+def spawned_pids(log: str) -> list[int]:
+    """Worker pids from the daemon's 'stage worker spawned ... pid=N' lines."""
+    return [int(m) for m in re.findall(r"stage worker spawned.*?\bpid=(\d+)", log)]
+
+
+def write_module(d: Path, name: str, body: str) -> Path:
+    (d / f"{name}.py").write_text(body)
+    return d
+
+
+# ------------------------------------------------------------------------- a stage that cannot load
+
+
+@pytest.mark.parametrize("kind", ["raises at import", "missing attribute"])
+def test_stage_dying_while_loading_stops_the_daemon(kind: str, start_daemon, tmp_path: Path) -> None:
+    if kind == "raises at import":
+        write_module(tmp_path, "boom_at_import", 'raise RuntimeError("kaboom while importing")\n')
+        broken = {"engine": "python", "function": "boom_at_import:run", "python_path": [str(tmp_path)]}
+        detail = "RuntimeError: kaboom while importing"
+    else:
+        broken = py_stage("no_such_function")
+        detail = "no attribute 'no_such_function'"
+    # a healthy stage that loads slowly is still loading when the broken one dies: it must go too
+    write_module(tmp_path, "slow_load", "import time\ntime.sleep(1.0)\n\ndef run(i, p, ctx):\n    return {}\n")
+    healthy = {"engine": "python", "function": "slow_load:run", "python_path": [str(tmp_path)]}
+    env = token_env()
+    t0 = time.monotonic()
+    d: RunningDaemon = start_daemon({"healthy": healthy, "broken": broken},
+                                    {"p": {"stages": ["healthy", "broken"]}}, wait=False, env=env)
+    code = d.proc.wait(30)
+    elapsed = time.monotonic() - t0
+    out = d.log()
+    assert code == 1, out
+    assert elapsed < 15, f"took {elapsed:.1f} s to give up"
+    assert "stage 'broken' failed to start" in out, out
+    assert "could not load its engine (exit status 3)" in out, out
+    assert detail in out, out
+    workers = spawned_pids(out)
+    assert len(workers) == 2, out
+    assert wait_gone(workers, 5) == []
+    assert_no_process_left(env)
+    assert not d.socket.exists(), "the socket must be removed when the start fails"
+
+
+def test_stage_exiting_during_load_reports_its_exit_status(start_daemon, tmp_path: Path) -> None:
+    write_module(tmp_path, "exit_at_import", "import os\nos._exit(42)\n")
+    env = token_env()
+    d: RunningDaemon = start_daemon(
+        {"quits": {"engine": "python", "function": "exit_at_import:run", "python_path": [str(tmp_path)]}},
+        {"p": {"stages": ["quits"]}}, wait=False, env=env)
+    assert d.proc.wait(30) == 1
+    out = d.log()
+    assert "stage 'quits' failed to start" in out and "exited with status 42" in out, out
+    assert_no_process_left(env)
+
+
+# ------------------------------------------------------------------------- the socket
+
+
+def test_second_daemon_on_the_same_socket_refuses(start_daemon) -> None:
+    stages, pipes = {"s": py_stage("echo")}, {"p": {"stages": ["s"]}}
+    first: RunningDaemon = start_daemon(stages, pipes)
+    inode = first.socket.stat().st_ino
+    env = token_env()
+    second: RunningDaemon = start_daemon(stages, pipes, {"socket": str(first.socket)}, wait=False, env=env)
+    assert second.proc.wait(30) == 1
+    assert f"another omnid is already listening on {first.socket}" in second.log()
+    assert_no_process_left(env)
+    # the first daemon's socket is still its own
+    assert first.socket.stat().st_ino == inode
+    assert first.client.health()["pid"] == first.proc.pid
+
+
+def test_stale_socket_file_is_replaced(start_daemon) -> None:
+    d = short_tmpdir()
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(d / "omnid.sock"))          # bound, never listening, then gone: a dead daemon's socket
+    stale.close()
+    rd: RunningDaemon = start_daemon({"s": py_stage("echo")}, {"p": {"stages": ["s"]}}, dir=d)
+    assert rd.socket.is_socket()
+    assert rd.client.health()["pid"] == rd.proc.pid
+
+
+def test_a_regular_file_at_the_socket_path_is_not_deleted(start_daemon) -> None:
+    d = short_tmpdir()
+    precious = d / "omnid.sock"
+    precious.write_text("not a socket\n")
+    rd: RunningDaemon = start_daemon({"s": py_stage("echo")}, {"p": {"stages": ["s"]}}, dir=d, wait=False)
+    assert rd.proc.wait(30) == 1
+    assert "is not a socket" in rd.log(), rd.log()
+    assert precious.read_text() == "not a socket\n"
+
+
+# ------------------------------------------------------------------------- signals
+
+
+def test_sigterm_exits_0_and_removes_the_socket(start_daemon) -> None:
+    env = token_env()
+    d: RunningDaemon = start_daemon({"a": py_stage("echo"), "b": py_stage("echo")},
+                                    {"p": {"stages": ["a", "b"]}}, env=env)
+    workers = d.worker_pids()          # the stage workers (and multiprocessing's resource tracker)
+    assert {d.stage_pid("a"), d.stage_pid("b")} <= set(workers)
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(30) == 0, d.log()
+    assert not d.socket.exists()
+    assert wait_gone(workers, 5) == []
+    assert_no_process_left(env)
+    assert "stopped" in d.log()
+
+
+def test_sigint_stops_like_sigterm(start_daemon) -> None:
+    d: RunningDaemon = start_daemon({"a": py_stage("echo")}, {"p": {"stages": ["a"]}})
+    d.proc.send_signal(signal.SIGINT)
+    assert d.proc.wait(30) == 0, d.log()
+    assert not d.socket.exists()
+
+
+def test_sigterm_while_stages_load_exits_0(start_daemon, tmp_path: Path) -> None:
+    write_module(tmp_path, "very_slow", "import time\ntime.sleep(30)\n\ndef run(i, p, ctx):\n    return {}\n")
+    env = token_env()
+    d: RunningDaemon = start_daemon(
+        {"slow": {"engine": "python", "function": "very_slow:run", "python_path": [str(tmp_path)]}},
+        {"p": {"stages": ["slow"]}}, {"stop_grace_s": 1.0}, wait=False, env=env)
+    deadline = time.monotonic() + 30
+    while "stage worker spawned" not in d.log():
+        assert d.proc.poll() is None and time.monotonic() < deadline, d.log()
+        time.sleep(0.05)
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(15) == 0, d.log()
+    assert not d.socket.exists()
+    assert_no_process_left(env)
+
+
+def test_kill_9_of_the_supervisor_leaves_no_worker(start_daemon) -> None:
+    env = token_env()
+    d: RunningDaemon = start_daemon({"a": py_stage("echo", devices=[0]), "b": py_stage("sleep")},
+                                    {"p": {"stages": ["a", "b"]}}, env=env)
+    workers = d.worker_pids()
+    assert len(workers) >= 2 and d.stage_pid("a") in workers and d.stage_pid("b") in workers
+    busy = d.submit("p", {"text": "x"}, {"b": {"seconds": 30}})   # one worker is mid-job
+    d.wait_stage_state("b", ("busy",), timeout=30)
+    os.kill(d.proc.pid, signal.SIGKILL)
+    assert d.proc.wait(10) == -signal.SIGKILL
+    assert wait_gone(workers, 5) == [], "workers outlived a SIGKILLed supervisor (PR_SET_PDEATHSIG)"
+    assert_no_process_left(env)
+    # What it leaves: a stale socket and a released GPU lock. A new daemon in the same place
+    # takes both, and the interrupted job is not forgotten.
+    assert d.socket.is_socket()
+    again: RunningDaemon = start_daemon({"a": py_stage("echo", devices=[0]), "b": py_stage("sleep")},
+                                        {"p": {"stages": ["a", "b"]}}, dir=d.dir)
+    doc = again.client.job(busy)
+    assert doc["state"] == "failed", doc
