@@ -7,7 +7,6 @@ Exit status: 0 stopped cleanly or config OK; 1 could not start; 2 invalid config
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 

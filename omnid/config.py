@@ -301,7 +301,7 @@ def _check_callable_ref(c: _Checker, ref: str, path: str, python_path: tuple[Pat
     finally:
         sys.path[:] = saved
     if not found:
-        where = f" (searched python_path and sys.path)" if python_path else ""
+        where = " (searched python_path and sys.path)" if python_path else ""
         c.add(path, f"module {module!r} cannot be found{where}")
 
 
@@ -378,7 +378,7 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
 
 
 def _parse_edge(c: _Checker, raw: Any, path: str, members: tuple[str, ...],
-                known_stages: Iterable[str]) -> EdgeConfig | None:
+                known_stages: Mapping[str, Any]) -> EdgeConfig | None:
     e = c.table(raw, path)
     if not isinstance(raw, dict):
         return None
@@ -414,7 +414,10 @@ def _parse_edge(c: _Checker, raw: Any, path: str, members: tuple[str, ...],
                 ok = False
     transform = c.get(e, "transform", path, str)
     if transform is not None:
-        _check_callable_ref(c, transform, f"{path}.transform", ())
+        # A transform runs in the upstream stage's worker, with that stage's python_path.
+        src_stage = known_stages.get(src) if isinstance(known_stages, Mapping) else None
+        src_path = src_stage.python_path if isinstance(src_stage, StageConfig) else ()
+        _check_callable_ref(c, transform, f"{path}.transform", src_path)
     if not ok:
         return None
     return EdgeConfig(src=src, dst=dst, window=window, map=mapping, transform=transform)
@@ -443,7 +446,8 @@ def _find_cycle(stages: tuple[str, ...], edges: list[EdgeConfig]) -> list[str] |
     return None
 
 
-def _parse_pipeline(c: _Checker, name: str, raw: Any, known_stages: Mapping[str, Any]) -> PipelineConfig | None:
+def _parse_pipeline(c: _Checker, name: str, raw: Any, known_stages: Mapping[str, Any],
+                    parsed: Mapping[str, StageConfig]) -> PipelineConfig | None:
     path = f"pipelines.{name}"
     p = c.table(raw, path)
     if not isinstance(raw, dict):
@@ -470,7 +474,8 @@ def _parse_pipeline(c: _Checker, name: str, raw: Any, known_stages: Mapping[str,
     else:
         seen: set[tuple[str, str]] = set()
         for i, raw_edge in enumerate(edges_raw):
-            edge = _parse_edge(c, raw_edge, f"{path}.edges[{i}]", tuple(members), known_stages)
+            edge = _parse_edge(c, raw_edge, f"{path}.edges[{i}]", tuple(members),
+                               {k: parsed.get(k, v) for k, v in known_stages.items()})
             if edge is None:
                 continue
             if (edge.src, edge.dst) in seen:
@@ -535,7 +540,7 @@ def parse(data: Mapping[str, Any], *, base: Path, source: str = "<config>") -> C
         if not name.replace("-", "_").isidentifier():
             c.add(f"pipelines.{name}", "a pipeline name is letters, digits, '_' and '-'")
             continue
-        pl = _parse_pipeline(c, name, raw, stages_raw)
+        pl = _parse_pipeline(c, name, raw, stages_raw, stages)
         if pl is not None:
             pipelines[name] = pl
     if not pipes_raw:

@@ -9,37 +9,19 @@ resolved paths).
 from __future__ import annotations
 
 import copy
-import importlib.util
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
 from omnid import config as C
+from conftest import FIXTURES, toml_dumps
 
 
-def _root_conftest() -> ModuleType:
-    """tests/conftest.py, for its helpers. Imported by path: in a run of all of tests/, the
-    module name `conftest` may belong to another directory's conftest (tests/omnictl/)."""
-    path = Path(__file__).resolve().with_name("conftest.py")
-    for mod in list(sys.modules.values()):
-        if getattr(mod, "__file__", None) and Path(mod.__file__).resolve() == path:
-            return mod
-    spec = importlib.util.spec_from_file_location("omnid_tests_conftest", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
-
-_ct = _root_conftest()
-FIXTURES = _ct.FIXTURES
-toml_dumps = _ct.toml_dumps
 
 # ------------------------------------------------------------------------- helpers
 

@@ -9,7 +9,6 @@ machine there are no GPUs: devices are only lock and visibility indices, and
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -17,31 +16,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from omnid.locks import DeviceBusy, DeviceLocks, lock_path, read_holder
+from conftest import RunningDaemon, py_stage
 
 
-def _root_conftest() -> ModuleType:
-    """tests/conftest.py, for its helpers. Imported by path: in a run of all of tests/, the
-    module name `conftest` may belong to another directory's conftest (tests/omnictl/)."""
-    path = Path(__file__).resolve().with_name("conftest.py")
-    for mod in list(sys.modules.values()):
-        if getattr(mod, "__file__", None) and Path(mod.__file__).resolve() == path:
-            return mod
-    spec = importlib.util.spec_from_file_location("omnid_tests_conftest", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
-
-_ct = _root_conftest()
-RunningDaemon = _ct.RunningDaemon
-py_stage = _ct.py_stage
 
 # A process that takes the given devices and holds them until its stdin closes.
 HOLDER = r"""

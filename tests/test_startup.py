@@ -8,41 +8,20 @@ live process on the machine may carry it.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import signal
 import socket
-import sys
 import time
 import uuid
 from pathlib import Path
-from types import ModuleType
 
 import psutil
 import pytest
+from conftest import RunningDaemon, py_stage, short_tmpdir, wait_gone
 
 
-def _root_conftest() -> ModuleType:
-    """tests/conftest.py, for its helpers. Imported by path: in a run of all of tests/, the
-    module name `conftest` may belong to another directory's conftest (tests/omnictl/)."""
-    path = Path(__file__).resolve().with_name("conftest.py")
-    for mod in list(sys.modules.values()):
-        if getattr(mod, "__file__", None) and Path(mod.__file__).resolve() == path:
-            return mod
-    spec = importlib.util.spec_from_file_location("omnid_tests_conftest", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
-
-_ct = _root_conftest()
-RunningDaemon = _ct.RunningDaemon
-py_stage = _ct.py_stage
-short_tmpdir = _ct.short_tmpdir
-wait_gone = _ct.wait_gone
 
 
 TOKEN_VAR = "OMNID_TEST_TOKEN"

@@ -9,7 +9,6 @@ systemd's side of Type=notify by binding the AF_UNIX datagram socket that
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import signal
@@ -19,35 +18,16 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
 from omnictl.client import Client
 from omnid import systemd
+from conftest import ROOT, daemon_config, py_stage, short_tmpdir
 
 
-def _root_conftest() -> ModuleType:
-    """tests/conftest.py, for its helpers. Imported by path: in a run of all of tests/, the
-    module name `conftest` may belong to another directory's conftest (tests/omnictl/)."""
-    path = Path(__file__).resolve().with_name("conftest.py")
-    for mod in list(sys.modules.values()):
-        if getattr(mod, "__file__", None) and Path(mod.__file__).resolve() == path:
-            return mod
-    spec = importlib.util.spec_from_file_location("omnid_tests_conftest", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
-
-_ct = _root_conftest()
-ROOT = _ct.ROOT
-daemon_config = _ct.daemon_config
-py_stage = _ct.py_stage
-short_tmpdir = _ct.short_tmpdir
 
 UNITS = ROOT / "systemd"
 VENV_OMNID = Path(sys.executable).parent / "omnid"

@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+import structlog
 from aiohttp import web
 
 from omnid.store import STATES, TERMINAL
@@ -30,9 +31,12 @@ from omnid.supervisor.scheduler import Refused
 if TYPE_CHECKING:
     from omnid.supervisor.daemon import Daemon
 
+log = structlog.get_logger("omnid.api")
+
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 _JOB_KEYS = {"pipeline", "inputs", "params", "timeout_s"}
 DAEMON_KEY = web.AppKey("daemon", object)
+MAX_BYTES_KEY = web.AppKey("max_request_bytes", int)
 
 
 def error(status: int, code: str, message: str, **extra: Any) -> web.Response:
@@ -56,8 +60,11 @@ async def errors_middleware(request: web.Request,
         return await handler(request)
     except Refused as e:
         return error(e.status, e.code, e.message, **e.extra)
-    except web.HTTPRequestEntityTooLarge as e:
-        return error(413, "too_large", f"the request body is larger than {e.max_size} bytes")
+    except web.HTTPRequestEntityTooLarge:
+        # (aiohttp's exception keeps no max_size attribute: the limit is the app's.)
+        limit = request.app[MAX_BYTES_KEY]
+        return error(413, "too_large", f"the request body is larger than {limit} bytes "
+                     "(daemon.max_request_bytes)", max_bytes=limit)
     except web.HTTPNotFound:
         return error(404, "not_found", f"no such endpoint: {request.method} {request.path}")
     except web.HTTPMethodNotAllowed as e:
@@ -65,6 +72,12 @@ async def errors_middleware(request: web.Request,
                      f"use {', '.join(sorted(e.allowed_methods))}")
     except web.HTTPException as e:
         return error(e.status, "http_error", e.reason)
+    except ConnectionError:
+        raise                          # the caller went away (mid-stream): nobody to answer
+    except Exception as e:
+        # Still a JSON error, and the daemon keeps serving; the log has the traceback.
+        log.exception("request failed", method=request.method, path=request.path)
+        return error(500, "internal_error", f"the daemon failed on this request: {type(e).__name__}: {e}")
 
 
 class Api:
@@ -72,6 +85,7 @@ class Api:
         self.d = daemon
         app = web.Application(middlewares=[errors_middleware],
                               client_max_size=daemon.config.daemon.max_request_bytes)
+        app[MAX_BYTES_KEY] = daemon.config.daemon.max_request_bytes
         app.add_routes([
             web.post("/v1/jobs", self.submit),
             web.get("/v1/jobs", self.list_jobs),
@@ -110,9 +124,12 @@ class Api:
     async def _json_body(self, request: web.Request) -> Any:
         raw = await request.read()
         try:
-            return json.loads(raw)
+            # NaN and Infinity are not JSON: refused here, they could never be answered as JSON.
+            return json.loads(raw, parse_constant=_no_constant)
         except (ValueError, UnicodeDecodeError) as e:
             raise Refused(400, "bad_json", f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise Refused(400, "bad_json", "the request body is nested too deeply") from None
 
     # ------------------------------------------------------------------ jobs
 
@@ -135,8 +152,9 @@ class Api:
         params = self._params(body.get("params", {}), pipeline)
         timeout = body.get("timeout_s")
         if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
-                    or timeout <= 0 or timeout > MAX_TIMEOUT_S:
+            # A range check, not math.isfinite: that overflows on a 400-digit integer.
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+                    or not 0 < timeout <= MAX_TIMEOUT_S:
                 raise Refused(400, "invalid_request", f"\"timeout_s\" must be a number of seconds in "
                               f"(0, {MAX_TIMEOUT_S:.0f}], not {timeout!r}")
             timeout = float(timeout)
@@ -286,6 +304,10 @@ class Api:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
         data = generate_latest(self.d.metrics.registry)
         return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def _plain_json(value: Any) -> bool:

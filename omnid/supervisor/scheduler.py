@@ -29,7 +29,7 @@ import structlog
 from omnid import protocol as P
 from omnid.config import Config, PipelineConfig
 from omnid.dataplane import Sender, WorkItem
-from omnid.store import TERMINAL, JobStore
+from omnid.store import JobStore
 from omnid.supervisor.stage import StageDead, StageHandle
 
 log = structlog.get_logger("omnid.scheduler")
@@ -242,7 +242,9 @@ class Scheduler:
             st.update(state="succeeded", finished_at=time.time(), elapsed_s=round(msg.elapsed_s, 4))
             self._event(job, "stage_finished", stage=name, elapsed_s=round(msg.elapsed_s, 4))
             self.store.save(job.doc)
-            if all(job.stage_state(s) == "succeeded" for s in job.pipeline.sinks):
+            # Every stage, not only the sinks: workers report on separate pipes, so a sink's
+            # Finished may be read before an upstream's (fan-in), which must not be left "running".
+            if all(job.stage_state(s) == "succeeded" for s in job.pipeline.stages):
                 self._finish(job, "succeeded")
         elif isinstance(msg, P.Delivered):
             job.delivered.add((name, msg.dst))

@@ -295,7 +295,7 @@ class StageHandle:
         timeout = self.config.daemon.heartbeat_timeout_s
         if self.state in ("ready", "busy") and self.alive and \
                 time.monotonic() - self.last_heartbeat > timeout:
-            self.kill(f"hung: no heartbeat for {timeout:.0f} s")
+            self.kill(f"hung: no heartbeat for {timeout:g} s")
 
     async def stop(self, grace: float) -> None:
         """Shutdown: ask politely, wait `grace` seconds, then SIGKILL the process group."""

@@ -52,6 +52,8 @@ def _setup_environment(spec: P.WorkerSpec) -> None:
     """Device visibility and quiet, offline libraries, before any heavy import."""
     stage = spec.config.stages[spec.stage]
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in stage.devices)
+    for var in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):   # systemd talks to the supervisor only
+        os.environ.pop(var, None)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -64,6 +66,8 @@ def _setup_environment(spec: P.WorkerSpec) -> None:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     for k, v in stage.env.items():
         os.environ[k] = v
+    # The stage's python_path serves its function and the transforms of its outgoing edges.
+    sys.path[:0] = [str(p) for p in stage.python_path if str(p) not in sys.path]
 
 
 class StageWorker:
@@ -263,7 +267,9 @@ class StageWorker:
             try:
                 inputs = apply_edge(edge, self.stage.name, ctx.outputs or {})
             except Exception as e:
-                self.send(P.Failed(job=ctx.job, error=str(e), code="edge_failed"))
+                error = str(e) if isinstance(e, EdgeError) else \
+                    f"edge {self.stage.name} -> {edge.dst}: {type(e).__name__}: {e}"
+                self.send(P.Failed(job=ctx.job, error=error, code="edge_failed"))
                 return
             handoffs.append(WorkItem(job=ctx.job, pipeline=item.pipeline, src=self.stage.name,
                                      inputs=inputs, params=item.params, attempt=item.attempt))
@@ -295,21 +301,30 @@ class StageWorker:
                 self._deliver(msg.dst, item)
 
 
+class EdgeError(Exception):
+    """An edge could not turn a stage's outputs into the next stage's inputs; the message names it."""
+
+
 def apply_edge(edge: Any, src: str, outputs: dict[str, Any]) -> dict[str, Any]:
     """Map upstream outputs to downstream inputs: by `map`, through `transform`, or by name."""
+    where = f"edge {src} -> {edge.dst}"
     if edge.transform:
-        from omnid.engines.python_engine import import_ref
-        result = import_ref(edge.transform)(dict(outputs))
+        from omnid.engines.python_engine import import_ref, user_error
+        try:
+            result = import_ref(edge.transform)(dict(outputs))
+        except Exception as e:      # the user's code (or its import): a per-job error naming the edge
+            raise EdgeError(f"{where}: transform {edge.transform} failed: {user_error(e)}") from e
         if not isinstance(result, dict):
-            raise TypeError(f"edge {src} -> {edge.dst}: transform {edge.transform} returned "
+            raise EdgeError(f"{where}: transform {edge.transform} returned "
                             f"{type(result).__name__}, not a dict")
         outputs = result
     if edge.map is None:
         return dict(outputs)
     missing = [up for up in edge.map.values() if up not in outputs]
     if missing:
-        raise KeyError(f"edge {src} -> {edge.dst} maps {', '.join(repr(m) for m in missing)}, but stage "
-                       f"{src!r} gave only {', '.join(repr(k) for k in outputs) or 'nothing'}")
+        # Not a KeyError: its str() would wrap the whole message in quotes.
+        raise EdgeError(f"{where} maps {', '.join(repr(m) for m in missing)}, but stage "
+                        f"{src!r} gave only {', '.join(repr(k) for k in outputs) or 'nothing'}")
     return {down: outputs[up] for down, up in edge.map.items()}
 
 

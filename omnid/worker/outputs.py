@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -79,18 +80,36 @@ def encode_value(value: Any) -> Iterator[tuple[str, bytes, str, str]]:
         yield "json", json.dumps(value, default=str).encode(), "application/json", "json"
 
 
+def _file_stem(name: str, taken: set[str]) -> str:
+    """A file name for an output name that stays inside the job's folder.
+
+    Output names may come from a job's inputs (a stage that passes its inputs on), so
+    they are never trusted as paths: no separators, no leading dot, nothing but
+    [A-Za-z0-9_.-]; a clash with an earlier output gets a numeric suffix.
+    """
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", name).lstrip(".")[:100] or "output"
+    candidate, n = stem, 1
+    while candidate in taken:
+        n += 1
+        candidate = f"{stem}_{n}"
+    taken.add(candidate)
+    return candidate
+
+
 def write_outputs(job: str, job_dir: Path, outputs: dict[str, Any], prefix: str = "") -> list[Output]:
     """Write every output of a sink stage; return one `Output` event per file."""
     job_dir.mkdir(parents=True, exist_ok=True)
     events: list[Output] = []
+    taken: set[str] = {"manifest"}        # the scheduler writes manifest.json beside the outputs
     for name, value in outputs.items():
         base = f"{prefix}{name}"
+        stem = _file_stem(str(base), taken)
         for suffix, data, ctype, kind in encode_value(value):
             if "." in suffix:                      # one of several images: name-K.png
                 index, ext = suffix.split(".", 1)
-                out_name, file = f"{base}-{index}", f"{base}-{index}.{ext}"
+                out_name, file = f"{base}-{index}", f"{stem}-{index}.{ext}"
             else:
-                out_name, file = base, f"{base}.{suffix}"
+                out_name, file = base, f"{stem}.{suffix}"
             size = _write(job_dir / file, data)
             events.append(Output(job=job, name=out_name, file=file, kind=kind,
                                  content_type=ctype, size=size))

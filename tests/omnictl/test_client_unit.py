@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from fake_daemon import REPO_ROOT, FakeDaemon, FakeHandler, daemon  # noqa: F401 (a fixture)
+from fake_daemon import REPO_ROOT, FakeDaemon, FakeHandler
+from fake_daemon import daemon  # noqa: F401  (the fixture)
 from omnictl import ApiError, Client, ConnectionLost, DaemonUnreachable, default_socket_path
 from omnictl.cli import cli, parse_param_value
 from omnictl.render import EventPrinter, final_state_line
