@@ -106,6 +106,7 @@ class Heartbeat:
     stats: QueueStats
     running: tuple[str, ...] = ()
     gpu_memory_bytes: int | None = None
+    tracked_jobs: int = 0           # jobs this worker still keeps state for (0 once all are forgotten)
 
 
 @dataclass(frozen=True)

@@ -291,8 +291,10 @@ class Api:
         return web.json_response({"stages": [h.snapshot() for h in self.d.stages.values()]})
 
     async def health(self, request: web.Request) -> web.Response:
+        sched = self.d.scheduler
         return web.json_response({"status": "ok", "pid": self.d.pid, "uptime_s": round(time.time() - self.d.started, 3),
-                                  "version": self.d.version})
+                                  "version": self.d.version, "live_jobs": len(sched.live) if sched else 0,
+                                  "stopping_jobs": len(sched.stopping) if sched else 0})
 
     async def ready(self, request: web.Request) -> web.Response:
         states = {name: h.state for name, h in self.d.stages.items()}

@@ -84,6 +84,7 @@ class StageHandle:
         self.totals = P.QueueStats()        # counters of earlier incarnations, for metrics
         self.running: tuple[str, ...] = ()
         self.gpu_memory_bytes: int | None = None
+        self.tracked_jobs = 0
         self.ready_event = asyncio.Event()
         self._load_error: str | None = None
         self._ps: psutil.Process | None = None
@@ -165,6 +166,7 @@ class StageHandle:
             self.stats = msg.stats
             self.running = msg.running
             self.gpu_memory_bytes = msg.gpu_memory_bytes
+            self.tracked_jobs = msg.tracked_jobs
             if self.state in ("ready", "busy"):
                 self.state = "busy" if msg.running else "ready"
             return
@@ -199,9 +201,20 @@ class StageHandle:
         proc = self.process
         if proc is None:
             return
-        asyncio.get_running_loop().remove_reader(proc.sentinel)
-        # The sentinel fires as the process closes its fds; reaping follows within moments.
-        proc.join(timeout=5)
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(proc.sentinel)
+        self._reap(proc, time.monotonic() + 5.0)
+
+    def _reap(self, proc: Any, deadline: float) -> None:
+        """The sentinel fires as the worker closes its fds; its exit status follows within
+        moments. Poll for it without blocking the event loop."""
+        proc.join(timeout=0)
+        if proc.exitcode is None and time.monotonic() < deadline:
+            asyncio.get_running_loop().call_later(0.005, self._reap, proc, deadline)
+            return
+        self._on_exit_status(proc)
+
+    def _on_exit_status(self, proc: Any) -> None:
         self._on_readable()             # drain what it said before dying (LoadFailed, Failed ...)
         self._detach_conn()
         self._kill_group(proc.pid)      # anything the engine started dies with it
@@ -347,7 +360,7 @@ class StageHandle:
             "gpu_memory_bytes": self.gpu_memory_bytes,
             "uptime_s": round(time.time() - self.ready_at, 3) if self.ready_at and pid else None,
             "load_s": round(self.load_s, 3) if self.load_s is not None else None,
-            "spawned_at": self.started_at, "ready_at": self.ready_at,
+            "spawned_at": self.started_at, "ready_at": self.ready_at, "tracked_jobs": self.tracked_jobs,
             "last_error": self.last_error, "model": str(self.stage.model) if self.stage.model else None,
             "function": self.stage.function, "info": self.info,
         }

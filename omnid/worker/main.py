@@ -110,6 +110,16 @@ class StageWorker:
                             depth=self.inbox.qsize(), blocked_s=self.sender.blocked_s,
                             window_triggers=self.triggers, jobs_done=self.jobs_done)
 
+    def tracked_jobs(self) -> int:
+        """How many jobs this worker keeps any state for (the bounded `dead` LRU aside)."""
+        while True:
+            try:        # `items`/`inflight` belong to the main thread: retry if it changed them meanwhile
+                with self._lock:
+                    jobs = {j for j, _ in self.outbox} | set(self.partial) | {j for j, _ in self.received}
+                return len(jobs | set(self.items) | set(self.inflight))
+            except RuntimeError:
+                continue
+
     def admit(self, item: WorkItem) -> bool:
         """Data-plane callback (a data-conn thread): queue the item, blocking at the watermark."""
         while not self.shutting_down.is_set():
@@ -161,8 +171,8 @@ class StageWorker:
     def heartbeat_loop(self) -> None:
         interval = self.config.daemon.heartbeat_interval_s
         while True:
-            self.send(P.Heartbeat(ts=time.time(), stats=self.stats(),
-                                  running=tuple(self.inflight), gpu_memory_bytes=_gpu_memory()))
+            self.send(P.Heartbeat(ts=time.time(), stats=self.stats(), running=tuple(self.inflight),
+                                  gpu_memory_bytes=_gpu_memory(), tracked_jobs=self.tracked_jobs()))
             time.sleep(interval)
 
     # ------------------------------------------------------------------ the busy loop
