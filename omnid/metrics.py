@@ -31,7 +31,6 @@ class _StageCollector(Collector):
             "dropped": ("omnid_stage_dropped", "Items dropped because their job had ended"),
             "blocked_s": ("omnid_stage_blocked_seconds", "Time spent blocked on a downstream high watermark"),
             "window_triggers": ("omnid_stage_window_triggers", "Hand-offs that triggered a downstream stage"),
-            "jobs_done": ("omnid_stage_jobs_done", "Jobs the stage finished"),
         }
         for field, (name, doc) in counters.items():
             fam = CounterMetricFamily(name, doc, labels=["stage"])
@@ -44,12 +43,14 @@ class _StageCollector(Collector):
         up = GaugeMetricFamily("omnid_stage_up", "1 when the stage's worker is warm (ready or busy)",
                                labels=["stage"])
         restarts = CounterMetricFamily("omnid_stage_restarts", "Worker restarts", labels=["stage"])
+        done = CounterMetricFamily("omnid_stage_jobs_done", "Jobs the stage finished", labels=["stage"])
         for h in self.stages.values():
             depth.add_metric([h.name], h.stats.depth)
             cap.add_metric([h.name], h.stage.queue_capacity)
             up.add_metric([h.name], 1 if h.state in ("ready", "busy") else 0)
             restarts.add_metric([h.name], h.restarts)
-        yield from (depth, cap, up, restarts)
+            done.add_metric([h.name], h.jobs_done)
+        yield from (depth, cap, up, restarts, done)
 
 
 class Metrics:

@@ -97,7 +97,6 @@ class QueueStats:
     depth: int = 0
     blocked_s: float = 0.0          # time this stage spent blocked on a downstream watermark
     window_triggers: int = 0        # hand-offs sent downstream
-    jobs_done: int = 0
 
 
 @dataclass(frozen=True)

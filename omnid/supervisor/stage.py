@@ -85,6 +85,7 @@ class StageHandle:
         self.running: tuple[str, ...] = ()
         self.gpu_memory_bytes: int | None = None
         self.tracked_jobs = 0
+        self.jobs_done = 0                  # counted here, on each Finished: exact, and kept across restarts
         self.ready_event = asyncio.Event()
         self._load_error: str | None = None
         self._ps: psutil.Process | None = None
@@ -132,6 +133,7 @@ class StageHandle:
         child.close()
         self.process, self.conn = proc, parent
         self.started_at = time.time()
+        self.ready_at = None
         self.last_heartbeat = time.monotonic()
         self._ps = None
         loop.add_reader(parent.fileno(), self._on_readable)
@@ -183,6 +185,8 @@ class StageHandle:
         elif isinstance(msg, P.Started):
             self.running = tuple(dict.fromkeys(self.running + (msg.job,)))
         elif isinstance(msg, (P.Finished, P.Failed, P.Stopped)):
+            if isinstance(msg, P.Finished):
+                self.jobs_done += 1
             self.running = tuple(j for j in self.running if j != msg.job)
         if self.state in ("ready", "busy") and isinstance(msg, (P.Started, P.Finished, P.Failed, P.Stopped)):
             self.state = "busy" if self.running else "ready"
@@ -228,7 +232,7 @@ class StageHandle:
         # Fold this incarnation's counters into the totals, for monotonic metrics.
         self.totals = P.QueueStats(**{k: getattr(self.totals, k) + getattr(self.stats, k)
                                       for k in ("enqueued", "dequeued", "dropped", "blocked_s",
-                                                "window_triggers", "jobs_done")})
+                                                "window_triggers")})
         self.stats = P.QueueStats()
         if self._stopping:
             self.state = "stopped"
@@ -355,7 +359,7 @@ class StageHandle:
             "name": self.name, "engine": self.stage.engine, "state": self.state, "pid": pid,
             "devices": list(self.stage.devices), "queue_depth": self.stats.depth,
             "queue_capacity": self.stage.queue_capacity, "max_inflight": self.stage.max_inflight,
-            "running": list(self.running), "jobs_done": self.totals.jobs_done + self.stats.jobs_done,
+            "running": list(self.running), "jobs_done": self.jobs_done,
             "restarts": self.restarts, "rss_bytes": rss, "cpu_percent": cpu,
             "gpu_memory_bytes": self.gpu_memory_bytes,
             "uptime_s": round(time.time() - self.ready_at, 3) if self.ready_at and pid else None,

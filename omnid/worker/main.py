@@ -91,7 +91,7 @@ class StageWorker:
         self.shutting_down = threading.Event()
         self.sender = Sender(spec.socket_for)
         self.engine: Any = None
-        self.enqueued = self.dequeued = self.dropped = self.triggers = self.jobs_done = 0
+        self.enqueued = self.dequeued = self.dropped = self.triggers = 0
 
     # ------------------------------------------------------------------ plumbing
 
@@ -108,7 +108,7 @@ class StageWorker:
     def stats(self) -> P.QueueStats:
         return P.QueueStats(enqueued=self.enqueued, dequeued=self.dequeued, dropped=self.dropped,
                             depth=self.inbox.qsize(), blocked_s=self.sender.blocked_s,
-                            window_triggers=self.triggers, jobs_done=self.jobs_done)
+                            window_triggers=self.triggers)
 
     def tracked_jobs(self) -> int:
         """How many jobs this worker keeps any state for (the bounded `dead` LRU aside)."""
@@ -269,7 +269,6 @@ class StageWorker:
                 return
             for ev in events:
                 self.send(ev)
-            self.jobs_done += 1
             self.send(P.Finished(job=ctx.job, elapsed_s=elapsed))
             return
         handoffs: list[WorkItem] = []
@@ -283,7 +282,6 @@ class StageWorker:
                 return
             handoffs.append(WorkItem(job=ctx.job, pipeline=item.pipeline, src=self.stage.name,
                                      inputs=inputs, params=item.params, attempt=item.attempt))
-        self.jobs_done += 1
         self.send(P.Finished(job=ctx.job, elapsed_s=elapsed))
         for edge, out in zip(edges, handoffs):
             with self._lock:
