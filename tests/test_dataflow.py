@@ -14,23 +14,10 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
-from conftest import RunningDaemon, py_stage
-
-
+from conftest import RunningDaemon, py_stage, wait_for
 
 
 T = 0.3            # one stage's work in the pipelining test, seconds
-
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str, every: float = 0.02) -> Any:
-    """Poll `cond` until it returns something truthy; fail naming `what` after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def metric(text: str, name: str, stage: str) -> float:
@@ -38,8 +25,6 @@ def metric(text: str, name: str, stage: str) -> float:
     m = re.search(rf'^{name}(?:_total)?\{{stage="{stage}"\}} (\S+)$', text, re.M)
     assert m, f"no {name} for stage {stage} in /metrics:\n{text}"
     return float(m.group(1))
-
-
 
 
 # ------------------------------------------------------------------ (a) pipelining

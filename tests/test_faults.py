@@ -19,33 +19,7 @@ import psutil
 import pytest
 
 from omnictl.client import ApiError
-from conftest import RunningDaemon, py_stage, wait_gone
-
-
-
-
-
-TERMINAL = {"succeeded", "failed", "cancelled", "timed_out"}
-
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str, every: float = 0.02) -> Any:
-    """Poll `cond` until it returns something truthy; fail naming `what` after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def wait_started(d: RunningDaemon, job: str, stage: str) -> None:
-    for ev in d.client.events(job):
-        if ev["type"] == "stage_started" and ev["stage"] == stage:
-            return
-        if ev["type"] == "state" and ev["state"] in TERMINAL:
-            raise AssertionError(f"job {job} ended ({ev}) before stage {stage} started it")
-    raise AssertionError(f"event stream of {job} ended early")
+from conftest import RunningDaemon, py_stage, wait_for, wait_gone, wait_started
 
 
 def sleeper(seconds: float, **extra: Any) -> dict[str, Any]:

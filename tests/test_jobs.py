@@ -16,34 +16,7 @@ from typing import Any
 import pytest
 
 from omnictl.client import ApiError
-from conftest import RunningDaemon, py_stage
-
-
-
-
-
-TERMINAL = {"succeeded", "failed", "cancelled", "timed_out"}
-
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str, every: float = 0.02) -> Any:
-    """Poll `cond` until it returns something truthy; fail naming `what` after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def wait_started(d: RunningDaemon, job: str, stage: str) -> float:
-    """Follow the job's events until `stage` starts it; return when that was seen."""
-    for ev in d.client.events(job):
-        if ev["type"] == "stage_started" and ev["stage"] == stage:
-            return time.monotonic()
-        if ev["type"] == "state" and ev["state"] in TERMINAL:
-            raise AssertionError(f"job {job} ended ({ev}) before stage {stage} started it")
-    raise AssertionError(f"event stream of {job} ended early")
+from conftest import RunningDaemon, py_stage, wait_for, wait_started
 
 
 def event_types(d: RunningDaemon, job: str) -> list[str]:
