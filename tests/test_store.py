@@ -1,0 +1,54 @@
+"""Jobs and their outputs are kept in sqlite and on disk across daemon restarts."""
+
+from __future__ import annotations
+
+import sqlite3
+
+from conftest import RunningDaemon, py_stage, short_tmpdir, wait_started
+
+from omnid.store import JobStore
+
+
+def test_finished_jobs_outputs_and_events_survive_a_restart(start_daemon) -> None:
+    d = short_tmpdir()
+    stages = {"a": py_stage("sleep", defaults={"seconds": 0.1}), "b": py_stage("echo"),
+              "slow": py_stage("sleep", defaults={"seconds": 30})}
+    pipelines = {"ab": {"stages": ["a", "b"]}, "slow": {"stages": ["slow"]}}
+    first: RunningDaemon = start_daemon(stages, pipelines, dir=d)
+    done = first.wait(first.submit("ab", {"text": "keep me"}))
+    assert done["state"] == "succeeded"
+    events_before = first.events(done["id"])
+    interrupted = first.submit("slow", {"text": "cut short"})
+    wait_started(first, interrupted, "slow")
+    queued = first.submit("slow", {"text": "never ran"})
+    assert first.stop() == 0
+    # the stop ended what was live, with a reason, rather than leaving it dangling
+    db = JobStore(d / "state")
+    assert {db.get(j)["state"] for j in (interrupted, queued)} == {"failed"}
+    assert db.get(interrupted)["error"]["code"] == "daemon_stopping"
+    db.close()
+
+    second: RunningDaemon = start_daemon(stages, pipelines, dir=d)
+    again = second.client.job(done["id"])
+    assert again["state"] == "succeeded" and again["outputs"] == done["outputs"]
+    data, ctype = second.client.output(done["id"], "text")
+    assert data.decode() == "echo:keep me|a" and ctype.startswith("text/plain")
+    assert second.events(done["id"]) == events_before
+    listed = [j["id"] for j in second.client.jobs()["jobs"]]
+    assert listed[:3] == [queued, interrupted, done["id"]]          # newest first
+    assert second.client.job(interrupted)["state"] == "failed"
+
+
+def test_jobs_left_running_by_a_killed_daemon_are_marked_failed(tmp_path) -> None:
+    store = JobStore(tmp_path)
+    base = {"pipeline": "p", "owner_uid": 0, "created_at": 1.0, "inputs": {}, "params": {}, "stages": {},
+            "outputs": [], "error": None, "finished_at": None}
+    for i, state in enumerate(("queued", "running", "succeeded")):
+        store.save({**base, "id": f"job{i}", "state": state})
+    assert sorted(store.recover()) == ["job0", "job1"]
+    assert store.get("job1")["error"]["code"] == "daemon_restarted"
+    assert store.get("job2")["state"] == "succeeded"
+    store.close()
+    # what recover() wrote is in the database file itself
+    rows = dict(sqlite3.connect(tmp_path / "omnid.db").execute("SELECT id, state FROM jobs"))
+    assert rows == {"job0": "failed", "job1": "failed", "job2": "succeeded"}
