@@ -36,6 +36,7 @@ log = structlog.get_logger("omnid.dataplane")
 ACK_ADMITTED = b"A"
 ACK_DROPPED = b"D"
 POLL_S = 0.1
+BUSY_POLL_S = 0.002     # while the caller has other work to step between polls
 _HEADER = struct.Struct(">Q")
 MAX_FRAME = 1 << 34
 
@@ -113,13 +114,20 @@ class Sender:
         if sock is not None:
             sock.close()
 
-    def send(self, dst: str, item: WorkItem, abandon: Callable[[], bool]) -> bool:
+    def send(self, dst: str, item: WorkItem, abandon: Callable[[], bool],
+             on_wait: Callable[[], None] | None = None, busy: Callable[[], bool] | None = None) -> bool:
         """Deliver `item` to stage `dst`, waiting while its queue is full.
 
         Retries across a restart of `dst` (its socket comes back). Returns True
         once admitted or dropped by the receiver, False if `abandon()` became
-        true first (the job ended, or this process is shutting down).
+        true first (the job ended, or this process is shutting down). While it
+        waits, `on_wait()` is called between polls, every few ms while `busy()`.
         """
+        def wait_tick() -> float:
+            if on_wait is not None:
+                on_wait()
+            return BUSY_POLL_S if busy is not None and busy() else POLL_S
+
         payload = encode(item)
         start = time.monotonic()
         try:
@@ -128,7 +136,7 @@ class Sender:
                     sock = self._connect(dst)
                     sock.settimeout(None)
                     send_frame(sock, payload)
-                    sock.settimeout(POLL_S)
+                    sock.settimeout(BUSY_POLL_S if busy is not None and busy() else POLL_S)
                     while True:
                         try:
                             ack = sock.recv(1)
@@ -137,13 +145,14 @@ class Sender:
                                 # The receiver may still admit it; it drops dead jobs itself.
                                 self._drop(dst)
                                 return False
+                            sock.settimeout(wait_tick())
                             continue
                         if not ack:
                             raise ConnectionError("receiver closed before acknowledging")
                         return True
                 except (OSError, ConnectionError):
                     self._drop(dst)
-                    time.sleep(POLL_S)
+                    time.sleep(wait_tick())
             return False
         finally:
             self.blocked_s += time.monotonic() - start

@@ -8,7 +8,7 @@ stage to stage over the data plane (`omnid.dataplane`).
 Supervisor -> worker: `Cancel`, `Forget`, `Resend`, `Shutdown`.
 Worker -> supervisor: `Ready`, `LoadFailed`, `Heartbeat`, and the per-job
 events `Admitted`, `Started`, `Progress`, `Segment`, `Output`, `Finished`,
-`Failed`, `Stopped`, `Delivered`.
+`Failed`, `Stopped`, `Delivered`, `ResendMissing`.
 """
 
 from __future__ import annotations
@@ -170,6 +170,14 @@ class Failed:
     job: str
     error: str
     code: str = "stage_failed"
+
+
+@dataclass(frozen=True)
+class ResendMissing:
+    """This worker holds no outputs of the job for `dst` (it restarted since): compute them again."""
+
+    job: str
+    dst: str
 
 
 @dataclass(frozen=True)

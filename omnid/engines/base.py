@@ -51,6 +51,8 @@ class RequestContext:
     def segment(self, outputs: dict[str, Any], is_last: bool = False) -> None:
         """Stream one piece of output (token text, a preview, an audio chunk)."""
         text = outputs.get("text") if isinstance(outputs.get("text"), str) else None
+        if text is not None and len(text) > 2000:      # the event shows it; the output keeps it whole
+            text = text[:2000] + " [...]"
         self._emit("segment", {"index": self.segments, "is_last": is_last, "text": text})
         self.segments += 1
 

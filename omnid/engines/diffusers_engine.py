@@ -53,7 +53,14 @@ class DiffusersEngine(Engine):
         ctx = self._queue.pop(0)
         params = merged_params(dict(self.stage.defaults), ctx.params)
         seed = params.pop("seed", None)
-        steps = int(params.get("num_inference_steps", 50))
+        try:
+            steps = int(params.get("num_inference_steps", 50))
+            generator = None
+            if seed is not None:
+                generator = self.torch.Generator(device=self.device).manual_seed(int(seed))
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+            ctx.fail(f"bad parameter: {type(e).__name__}: {e}")
+            return
         extra = {k: v for k, v in ctx.inputs.items() if k != "prompt" and k in self._call_args}
 
         def on_step_end(pipe: Any, step: int, timestep: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -62,7 +69,6 @@ class DiffusersEngine(Engine):
             ctx.progress(step + 1, steps)
             return kwargs
 
-        generator = self.torch.Generator(device=self.device).manual_seed(int(seed)) if seed is not None else None
         try:
             result = self.pipe(prompt=ctx.inputs["prompt"], generator=generator,
                                callback_on_step_end=on_step_end, **extra, **params)

@@ -91,6 +91,10 @@ class VllmEngine(Engine):
         template = params.pop("prompt_template", None)
         text = str(template).replace("{prompt}", prompt) if template else prompt
         params.setdefault("max_tokens", self.default_max_tokens)
+        seed = params.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+            ctx.fail(f"seed must be an integer from 0 to 2**63-1, not {seed!r}")
+            return
         try:
             sampling = self._SamplingParams(**params, output_kind=self._delta)
             request_id = f"{ctx.job}-{next(self._ids)}"

@@ -172,6 +172,8 @@ class Api:
             if not key or len(key) > 128:
                 raise Refused(400, "invalid_input", f"input name {key!r} is empty or too long")
             if isinstance(value, (str, int, float, bool)) or value is None:
+                if not _plain_json(value):
+                    raise Refused(400, "invalid_input", f"input {key!r} is not a finite number")
                 inputs[key] = summary[key] = value
             elif isinstance(value, dict) and set(value) <= {"b64", "filename"} and isinstance(value.get("b64"), str):
                 try:
@@ -180,7 +182,7 @@ class Api:
                     raise Refused(400, "invalid_input", f"input {key!r}: \"b64\" is not valid base64") from None
                 inputs[key] = data
                 summary[key] = {"filename": value.get("filename"), "size": len(data)}
-            elif isinstance(value, list) and all(isinstance(v, (str, int, float, bool)) for v in value):
+            elif isinstance(value, list) and _plain_json(value):
                 inputs[key] = summary[key] = value
             else:
                 raise Refused(400, "invalid_input", f"input {key!r} must be a string, number, boolean, list of "
@@ -318,5 +320,5 @@ def _plain_json(value: Any) -> bool:
     if isinstance(value, float):
         return math.isfinite(value)
     if isinstance(value, list):
-        return all(isinstance(v, (str, bool, int, float)) for v in value)
+        return all(_plain_json(v) and not isinstance(v, list) and v is not None for v in value)
     return False

@@ -22,6 +22,7 @@ import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -71,11 +72,10 @@ class Job:
 class Feeder:
     """A thread that delivers jobs' inputs to one first stage, in FIFO order."""
 
-    def __init__(self, stage: str, sender: Sender, is_live: Any, on_admitted: Any) -> None:
+    def __init__(self, stage: str, sender: Sender, is_live: Callable[[str], bool]) -> None:
         self.stage = stage
         self._sender = sender
         self._is_live = is_live
-        self._on_admitted = on_admitted
         self._items: deque[WorkItem] = deque()
         self._cv = threading.Condition()
         self._stop = False
@@ -122,7 +122,7 @@ class Scheduler:
         self.loop = asyncio.get_running_loop()
         self.metrics: Any = None
         sources = {s for p in config.pipelines.values() for s in p.sources}
-        self.feeders = {s: Feeder(s, Sender(data_socket), self.is_live, None) for s in sorted(sources)}
+        self.feeders = {s: Feeder(s, Sender(data_socket), self.is_live) for s in sorted(sources)}
 
     def is_live(self, job_id: str) -> bool:
         return job_id in self.live
@@ -248,6 +248,8 @@ class Scheduler:
                 self._finish(job, "succeeded")
         elif isinstance(msg, P.Delivered):
             job.delivered.add((name, msg.dst))
+        elif isinstance(msg, P.ResendMissing):
+            self._rerun(job, name)
         elif isinstance(msg, P.Failed):
             st.update(state="failed", finished_at=time.time())
             self._event(job, "error", stage=name, code=msg.code, message=msg.error)
@@ -270,7 +272,7 @@ class Scheduler:
         busy_stages = []
         for name, st in job.doc["stages"].items():
             if st["state"] in ("pending", "queued", "running"):
-                if st["state"] == "running":
+                if st["state"] in ("queued", "running"):    # queued: its Started may be on the way
                     busy_stages.append(name)
                 st["state"] = "cancelled" if state != "succeeded" else st["state"]
         if state == "succeeded":
@@ -311,7 +313,8 @@ class Scheduler:
         self.stopping.pop((stage, job_id), None)
         h = self.stages[stage]
         if job_id in h.running:
-            h.kill(f"job {job_id} did not stop within {self.config.daemon.cancel_grace_s:g} s of its cancel")
+            h.kill(f"job {job_id} did not stop within {self.config.daemon.cancel_grace_s:g} s of its cancel",
+                   counts=False)
 
     def cancel(self, job_id: str, reason: str = "cancelled") -> dict[str, Any] | None:
         """Cancel a live job (idempotent); None when it is not live."""
@@ -367,19 +370,36 @@ class Scheduler:
                 self.resend_after_restart[name].add(job.id)
 
     def _after_restart(self, handle: StageHandle) -> None:
-        """The worker is back: ask for the inputs its predecessor lost."""
+        """The worker is back: ask for the inputs its predecessor lost, oldest job first."""
         pending = self.resend_after_restart[handle.name]
         self.resend_after_restart[handle.name] = set()
-        for job_id in sorted(pending, key=lambda j: self.live[j].doc["created_at"] if j in self.live else 0):
-            job = self.live.get(job_id)
-            if job is None:
-                continue
-            incoming = job.pipeline.incoming(handle.name)
-            if not incoming:
-                self._feed(job, handle.name, front=False)
-            for edge in incoming:
-                if job.stage_state(edge.src) == "succeeded":
-                    self.stages[edge.src].send(P.Resend(job.id, handle.name))
+        jobs = sorted((self.live[j] for j in pending if j in self.live), key=lambda j: j.doc["created_at"])
+        for job in reversed(jobs):      # to the feeder's front in reverse: they keep their order
+            if not job.pipeline.incoming(handle.name):
+                self._feed(job, handle.name, front=True)
+        for job in jobs:
+            if job.pipeline.incoming(handle.name):
+                self._inputs_for(job, handle.name)
+
+    def _inputs_for(self, job: Job, stage: str) -> None:
+        """Ask again for `stage`'s inputs of `job`: from the feeder, or from its upstreams."""
+        incoming = job.pipeline.incoming(stage)
+        if not incoming:
+            self._feed(job, stage, front=True)
+        for edge in incoming:
+            if job.stage_state(edge.src) != "succeeded":
+                continue                    # not produced yet: it will be delivered when it is
+            if not self.stages[edge.src].send(P.Resend(job.id, stage)):
+                self._rerun(job, edge.src)  # that worker is down: its copy is gone with it
+
+    def _rerun(self, job: Job, stage: str) -> None:
+        """`stage`'s outputs of `job` were lost with a dead worker: compute them again."""
+        job.doc["stages"][stage]["state"] = "queued"
+        job.delivered = {d for d in job.delivered if d[0] != stage}
+        if self.stages[stage].state in ("ready", "busy"):
+            self._inputs_for(job, stage)
+        else:
+            self.resend_after_restart[stage].add(job.id)
 
     def _stage_dead(self, handle: StageHandle, error: str) -> None:
         for job in list(self.live.values()):

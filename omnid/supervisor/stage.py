@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import select
 import signal
 import time
 from collections import deque
@@ -91,6 +92,9 @@ class StageHandle:
         self._ps: psutil.Process | None = None
         self._stopping = False
         self._restart_task: asyncio.Task[None] | None = None
+        self._kill_counts = True            # False when the supervisor kills it on purpose (cancel grace)
+        self._load_failures = 0             # consecutive restarts that could not load the engine
+        self._outq: deque[object] = deque() # control messages waiting for room in the pipe
 
     # ------------------------------------------------------------------ start
 
@@ -173,6 +177,7 @@ class StageHandle:
                 self.state = "busy" if msg.running else "ready"
             return
         if isinstance(msg, P.Ready):
+            self._load_failures = 0
             self.state = "ready"
             self.ready_at = time.time()
             self.load_s = msg.load_s
@@ -190,12 +195,22 @@ class StageHandle:
             self.running = tuple(j for j in self.running if j != msg.job)
         if self.state in ("ready", "busy") and isinstance(msg, (P.Started, P.Finished, P.Failed, P.Stopped)):
             self.state = "busy" if self.running else "ready"
-        self.on_message(self, msg)
+        self._notify(self.on_message, msg)
+
+    def _notify(self, callback: Callable[["StageHandle", Any], None], arg: Any) -> None:
+        """Call the scheduler; its failure (a full disk, a bug) must not stop this handle."""
+        try:
+            callback(self, arg)
+        except Exception:
+            log.exception("handling a stage event failed", stage=self.name, event=type(arg).__name__)
 
     def _detach_conn(self) -> None:
+        self._outq.clear()
         if self.conn is not None:
             try:
-                asyncio.get_running_loop().remove_reader(self.conn.fileno())
+                loop = asyncio.get_running_loop()
+                loop.remove_reader(self.conn.fileno())
+                loop.remove_writer(self.conn.fileno())
             except (ValueError, OSError):
                 pass
             self.conn.close()
@@ -239,22 +254,28 @@ class StageHandle:
             self.ready_event.set()
             return
         log.error("stage worker died", stage=self.name, pid=proc.pid, exit=code, reason=reason)
-        self.on_exit(self, reason)
+        self._notify(self.on_exit, reason)
+        # End the start attempt that is waiting for READY (it holds the device load locks).
+        self.ready_event.set()
         if was_loading and self.generation == 0:
             self.state = "failed"          # the daemon's first start fails as a whole
-            self.ready_event.set()
             return
         self._schedule_restart(code)
 
     def _schedule_restart(self, code: int | None) -> None:
         d = self.config.daemon
         now = time.monotonic()
-        self.restart_times.append(now)
+        if self._kill_counts:              # a kill we ordered (cancel grace) is not a crash
+            self.restart_times.append(now)
+        self._kill_counts = True
         while self.restart_times and now - self.restart_times[0] > d.restart_window_s:
             self.restart_times.popleft()
         if code == P.EXIT_LOAD_FAILED:
-            self._fail_for_good(f"{self.last_error} (not restarting: loading fails)")
-            return
+            # One retry: memory held by the dead worker may take a moment to be freed.
+            self._load_failures += 1
+            if self._load_failures >= 2:
+                self._fail_for_good(f"{self.last_error} (not restarting: loading fails)")
+                return
         if len(self.restart_times) > d.max_restarts:
             self._fail_for_good(f"{self.last_error} (crashed {len(self.restart_times)} times in "
                                 f"{d.restart_window_s:.0f} s; not restarting)")
@@ -268,7 +289,7 @@ class StageHandle:
         self.last_error = error
         self.ready_event.set()
         log.error("stage failed", stage=self.name, error=error)
-        self.on_message(self, StageDead(error))
+        self._notify(self.on_message, StageDead(error))
 
     async def _restart(self, delay: float) -> None:
         await asyncio.sleep(delay)
@@ -276,18 +297,43 @@ class StageHandle:
             return
         self.generation += 1
         self.restarts += 1
-        await self.start()
+        try:
+            await self.start()
+        except Exception as e:             # e.g. spawn hit a file-descriptor limit: try again later
+            log.exception("restarting the stage worker failed", stage=self.name)
+            self.last_error = f"restart failed: {type(e).__name__}: {e}"
+            self._schedule_restart(None)
 
     # ------------------------------------------------------------------ control
 
     def send(self, msg: object) -> bool:
+        """Queue a control message; never blocks the event loop (a frozen worker's pipe fills)."""
         if self.conn is None:
             return False
+        self._outq.append(msg)
+        self._flush()
+        return True
+
+    def _flush(self) -> None:
+        conn = self.conn
+        if conn is None:
+            self._outq.clear()
+            return
+        loop = asyncio.get_running_loop()
         try:
-            self.conn.send(msg)
-            return True
+            # Writable means PIPE_BUF bytes are free: one small message goes in whole, at once.
+            while self._outq and select.select([], [conn.fileno()], [], 0)[1]:
+                conn.send(self._outq.popleft())
         except (OSError, ValueError):
-            return False
+            self._outq.clear()
+            return
+        if self._outq:
+            loop.add_writer(conn.fileno(), self._on_writable)
+
+    def _on_writable(self) -> None:
+        if self.conn is not None:
+            asyncio.get_running_loop().remove_writer(self.conn.fileno())
+        self._flush()
 
     def _kill_group(self, pid: int | None) -> None:
         if pid is None:
@@ -297,9 +343,14 @@ class StageHandle:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def kill(self, reason: str) -> None:
-        """SIGKILL the worker (hung, or ignoring a cancel); the sentinel handler restarts it."""
+    def kill(self, reason: str, counts: bool = True) -> None:
+        """SIGKILL the worker (hung, or ignoring a cancel); the sentinel handler restarts it.
+
+        `counts=False`: a kill the supervisor decided on for a job's sake (a cancel the stage
+        ignored) does not count toward `max_restarts`.
+        """
         if self.alive and self.process is not None:
+            self._kill_counts = counts
             log.warning("killing stage worker", stage=self.name, pid=self.process.pid, reason=reason)
             self._load_error = reason
             self._kill_group(self.process.pid)

@@ -134,6 +134,8 @@ class StageWorker:
             except queue.Full:
                 continue
             with self._lock:
+                if self.is_dead(item.job):     # cancelled while we waited for room: it is dropped
+                    return False               # when dequeued; keep no state for it
                 self.received.add((item.job, item.src))
             self.enqueued += 1
             self.send(P.Admitted(job=item.job, src=item.src, depth=self.inbox.qsize()))
@@ -184,7 +186,7 @@ class StageWorker:
         while not self.shutting_down.is_set():
             self._handle_resends()
             # 1. take input: block briefly only when the engine has nothing to do
-            while len(self.inflight) < self.stage.max_inflight:
+            while len(self.inflight) < self.stage.max_inflight and not self.shutting_down.is_set():
                 try:
                     item = self.inbox.get(timeout=0.05) if not engine.has_work() else self.inbox.get_nowait()
                 except queue.Empty:
@@ -199,15 +201,8 @@ class StageWorker:
                     engine.add(ctx)
                 except Exception as e:                 # per-request error: the engine lives on
                     ctx.fail(f"{type(e).__name__}: {e}")
-            # abort what was cancelled while running (idempotent in every engine)
-            for job, ctx in list(self.inflight.items()):
-                if not ctx.done and self.is_dead(job):
-                    engine.abort(job)
-                    if not ctx.done:
-                        ctx.stopped()
-            # 2. step the engine
-            if engine.has_work():
-                engine.step()
+            # 2. abort what was cancelled, step the engine
+            self._step()
             # 3. emit outputs of the requests that completed
             for job, ctx in list(self.inflight.items()):
                 if ctx.done:
@@ -217,14 +212,46 @@ class StageWorker:
         if engine_close:
             engine_close()
 
+    def _step(self) -> None:
+        """Abort the cancelled requests, then advance the engine by one step.
+
+        Also called while a hand-off waits at a downstream watermark, so that a batching
+        engine keeps serving (and aborting) its other requests meanwhile.
+        """
+        engine = self.engine
+        for job, ctx in list(self.inflight.items()):
+            if not ctx.done and self.is_dead(job):
+                try:
+                    engine.abort(job)          # idempotent in every engine
+                except Exception as e:
+                    ctx.fail(f"abort failed: {type(e).__name__}: {e}")
+                ctx.stopped()
+        if not engine.has_work():
+            return
+        try:
+            engine.step()
+        except Exception as e:
+            if type(e).__name__ == "EngineDeadError":
+                raise                           # sticky: this worker exits and is restarted
+            # A request the engine could not serve (a bad parameter value, say): fail what was
+            # in flight, and keep the engine for the next jobs.
+            error = _clip(f"{type(e).__name__}: {e}")
+            for job, ctx in list(self.inflight.items()):
+                if not ctx.done:
+                    ctx.fail(error)
+                    try:
+                        engine.abort(job)
+                    except Exception:
+                        pass
+
     def _assemble(self, item: WorkItem, ctx_cls: type) -> Any:
         """Gather a job's parts (one per incoming edge); a context once all are here."""
-        if self.is_dead(item.job):
-            self.dropped += 1
-            return None
         pipeline = self.config.pipelines[item.pipeline]
         expected = max(1, len(pipeline.incoming(self.stage.name)))
-        with self._lock:
+        with self._lock:                    # checked under the lock: a Forget cannot slip in between
+            if self.is_dead(item.job):
+                self.dropped += 1
+                return None
             parts = self.partial.setdefault(item.job, [])
             parts = [p for p in parts if p.src != item.src] + [item]
             if len(parts) < expected:
@@ -249,11 +276,11 @@ class StageWorker:
 
     def _complete(self, ctx: Any) -> None:
         item = self.items.pop(ctx.job)
-        if ctx.outcome == "stopped":
+        if ctx.outcome == "stopped" or self.is_dead(ctx.job):    # a job that ended meanwhile writes nothing
             self.send(P.Stopped(job=ctx.job))
             return
         if ctx.outcome == "failed":
-            self.send(P.Failed(job=ctx.job, error=ctx.error or "failed"))
+            self.send(P.Failed(job=ctx.job, error=_clip(ctx.error or "failed")))
             return
         elapsed = time.monotonic() - ctx.started
         pipeline = self.config.pipelines[item.pipeline]
@@ -264,7 +291,7 @@ class StageWorker:
             try:
                 events = write_outputs(ctx.job, self.spec.jobs_dir / ctx.job, ctx.outputs or {}, prefix)
             except Exception as e:
-                self.send(P.Failed(job=ctx.job, error=f"writing outputs failed: {type(e).__name__}: {e}",
+                self.send(P.Failed(job=ctx.job, error=_clip(f"writing outputs failed: {type(e).__name__}: {e}"),
                                    code="output_failed"))
                 return
             for ev in events:
@@ -278,7 +305,7 @@ class StageWorker:
             except Exception as e:
                 error = str(e) if isinstance(e, EdgeError) else \
                     f"edge {self.stage.name} -> {edge.dst}: {type(e).__name__}: {e}"
-                self.send(P.Failed(job=ctx.job, error=error, code="edge_failed"))
+                self.send(P.Failed(job=ctx.job, error=_clip(error), code="edge_failed"))
                 return
             handoffs.append(WorkItem(job=ctx.job, pipeline=item.pipeline, src=self.stage.name,
                                      inputs=inputs, params=item.params, attempt=item.attempt))
@@ -291,8 +318,13 @@ class StageWorker:
             self._deliver(edge.dst, out)
 
     def _deliver(self, dst: str, item: WorkItem) -> None:
-        """Hand one job's outputs to a downstream stage; blocks at its watermark."""
-        ok = self.sender.send(dst, item, abandon=lambda: self.is_dead(item.job) or self.shutting_down.is_set())
+        """Hand one job's outputs to a downstream stage; blocks at its watermark.
+
+        While it waits, the engine keeps stepping its other in-flight requests (`_step`):
+        no new input is taken, so the stage as a whole still stops at the watermark.
+        """
+        ok = self.sender.send(dst, item, abandon=lambda: self.is_dead(item.job) or self.shutting_down.is_set(),
+                              on_wait=self._step, busy=self.engine.has_work)
         if ok:
             self.triggers += 1
             self.send(P.Delivered(job=item.job, dst=dst))
@@ -305,7 +337,11 @@ class StageWorker:
                 return
             with self._lock:
                 item = self.outbox.get((msg.job, msg.dst))
-            if item is not None and not self.is_dead(msg.job):
+            if self.is_dead(msg.job):
+                continue
+            if item is None:
+                self.send(P.ResendMissing(job=msg.job, dst=msg.dst))
+            else:
                 self._deliver(msg.dst, item)
 
 
@@ -336,6 +372,11 @@ def apply_edge(edge: Any, src: str, outputs: dict[str, Any]) -> dict[str, Any]:
     return {down: outputs[up] for down, up in edge.map.items()}
 
 
+def _clip(text: str, limit: int = 2000) -> str:
+    """Keep control messages small: one write into the pipe, read whole by the supervisor."""
+    return text if len(text) <= limit else text[:limit] + " [...]"
+
+
 def _gpu_memory() -> int | None:
     torch = sys.modules.get("torch")
     try:
@@ -363,7 +404,7 @@ def worker_main(spec: P.WorkerSpec, conn: Connection) -> None:
         listener = Listener(spec.socket_for(spec.stage), worker.admit)
     except BaseException as e:
         tb = traceback.format_exc(limit=-3)
-        worker.send(P.LoadFailed(error=f"{type(e).__name__}: {e}\n{tb}"))
+        worker.send(P.LoadFailed(error=_clip(f"{type(e).__name__}: {e}\n{tb}")))
         conn.close()
         os._exit(P.EXIT_LOAD_FAILED)
     info = dict(worker.engine.info())
