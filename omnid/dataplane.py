@@ -36,7 +36,7 @@ log = structlog.get_logger("omnid.dataplane")
 ACK_ADMITTED = b"A"
 ACK_DROPPED = b"D"
 POLL_S = 0.1
-BUSY_POLL_S = 0.002     # while the caller has other work to step between polls
+BUSY_POLL_S = 0.0005    # while the caller has other work to step between polls
 _HEADER = struct.Struct(">Q")
 MAX_FRAME = 1 << 34
 

@@ -43,6 +43,8 @@ def engines() -> Iterator[RunningDaemon]:
         "batch": {"engine": "vllm", "model": str(MODELS / "llm"), "devices": [], "max_inflight": 3,
                   "args": {"max_model_len": 512, "dtype": "bfloat16", "seed": 0},
                   "defaults": {"max_tokens": 48, "ignore_eos": True}},
+        "slowsink": {"engine": "python", "function": "teststages:sleep", "python_path": [str(ROOT / "tests" / "fixtures")],
+                     "queue_capacity": 1, "defaults": {"seconds": 1.5}},
         "frame": {"engine": "python", "function": "demo_stages:frame",
                   "python_path": [str(ROOT / "etc" / "examples")]},
     }
@@ -51,6 +53,7 @@ def engines() -> Iterator[RunningDaemon]:
                 "edges": [{"from": "expand", "to": "draw", "window": -1, "map": {"prompt": "text"}}]},
         "llm": {"stages": ["expand"]},
         "batch": {"stages": ["batch"]},
+        "batch_slow": {"stages": ["batch", "slowsink"]},
         "draw": {"stages": ["draw"]},
         "t2i_framed": {"stages": ["expand", "draw", "frame"]},
     }
@@ -241,3 +244,35 @@ def test_cancel_one_request_of_a_vllm_batch(engines: RunningDaemon) -> None:
     doc = engines.wait(b)
     assert doc["state"] == "succeeded"
     assert sum(1 for e in engines.events(b) if e["type"] == "segment") == 400
+
+
+def test_bad_parameter_values_fail_the_job_not_the_worker(engines: RunningDaemon) -> None:
+    before = engines.stages()
+    bad = [engines.submit("draw", {"prompt": "x"}, params={"draw": {"seed": "abc"}}),
+           engines.submit("draw", {"prompt": "x"}, params={"draw": {"num_inference_steps": "many"}}),
+           engines.submit("llm", {"prompt": "x"}, params={"expand": {"seed": 2**70}}),
+           engines.submit("llm", {"prompt": "x"}, params={"expand": {"max_tokens": "lots"}})]
+    for job in bad:
+        doc = engines.wait(job)
+        assert doc["state"] == "failed" and doc["error"]["code"] == "stage_failed", doc
+    assert engines.wait(engines.submit("t2i", {"prompt": "still fine"}))["state"] == "succeeded"
+    after = engines.stages()
+    for name in ("expand", "draw"):
+        assert after[name]["pid"] == before[name]["pid"] and after[name]["restarts"] == before[name]["restarts"]
+
+
+def test_batch_keeps_decoding_while_a_handoff_waits_at_the_watermark(engines: RunningDaemon) -> None:
+    # `long` decodes in the same vLLM batch as three short jobs; the third short one's hand-off
+    # waits because `slowsink` (1.5 s a job, queue of 1) is full. `long` must not stall meanwhile.
+    long = engines.submit("batch_slow", {"prompt": "long"}, params={"batch": {"max_tokens": 200}})
+    short = [engines.submit("batch_slow", {"prompt": f"s{i}"}, params={"batch": {"max_tokens": 4}})
+             for i in range(3)]
+    docs = {j: engines.wait(j) for j in [long] + short}
+    assert all(d["state"] == "succeeded" for d in docs.values()), docs
+    # (a job's Finished is reported once the hand-off ahead of it is through; its tokens are not)
+    long_done = [e for e in engines.events(long) if e["type"] == "segment" and e["stage"] == "batch"][-1]["ts"]
+    # the queue only freed when slowsink finished the first short job and took the second
+    freed = docs[short[1]]["stages"]["slowsink"]["started_at"]
+    third_ready = docs[short[2]]["stages"]["batch"]["finished_at"]
+    assert third_ready < freed                     # the third hand-off really had to wait
+    assert long_done < freed, (long_done - third_ready, freed - third_ready)

@@ -41,6 +41,7 @@ class RequestContext:
     outputs: dict[str, Any] | None = None
     error: str | None = None
     segments: int = 0
+    ended: float | None = None          # when the engine completed it (hand-off time not included)
 
     def cancelled(self) -> bool:
         return self._is_cancelled()
@@ -62,6 +63,7 @@ class RequestContext:
                 self.fail(f"stage returned {type(outputs).__name__}, not a dict of named outputs")
                 return
             self.outcome, self.outputs = "finished", outputs
+            self.ended = time.monotonic()
 
     def fail(self, error: str) -> None:
         if self.outcome is None:

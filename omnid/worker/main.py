@@ -282,7 +282,7 @@ class StageWorker:
         if ctx.outcome == "failed":
             self.send(P.Failed(job=ctx.job, error=_clip(ctx.error or "failed")))
             return
-        elapsed = time.monotonic() - ctx.started
+        elapsed = (ctx.ended or time.monotonic()) - ctx.started
         pipeline = self.config.pipelines[item.pipeline]
         edges = pipeline.outgoing(self.stage.name)
         if not edges:                              # a sink: the outputs are the job's

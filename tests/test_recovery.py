@@ -1,0 +1,82 @@
+"""Recovery paths found in review: each one a real fault on real processes.
+
+- a GPU stage whose restart crashes while loading comes back (no deadlock on its device lock);
+- kills the supervisor orders for ignored cancels do not count toward `max_restarts`;
+- when an upstream and its downstream die together, a job that sat in the downstream's
+  queue is recomputed upstream instead of waiting for its timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from conftest import RunningDaemon, py_stage, wait_for, wait_started
+
+FLAKY_LOADER = '''
+import os, time
+if os.path.exists(os.environ["CRASH_MARKER"]):
+    os._exit(9)                      # dies while loading, like a CUDA init crash
+
+def work(inputs, params, ctx):
+    time.sleep(float(params.get("seconds", 0.05)))
+    return {"text": str(inputs.get("text", "")) + "|flaky"}
+'''
+
+
+def test_restart_that_crashes_while_loading_comes_back(start_daemon, tmp_path: Path) -> None:
+    marker = tmp_path / "crash"
+    (tmp_path / "flaky.py").write_text(FLAKY_LOADER)
+    stage = {"engine": "python", "function": "flaky:work", "python_path": [str(tmp_path)], "devices": [0],
+             "env": {"CRASH_MARKER": str(marker)}}
+    d: RunningDaemon = start_daemon({"flaky": stage, "peer": {**stage, "devices": [0]}},
+                                    {"p": {"stages": ["flaky"]}, "q": {"stages": ["peer"]}},
+                                    {"restart_backoff_s": 0.3, "max_restarts": 10})
+    first_pid = d.stage_pid("flaky")
+    marker.touch()                              # the next load of this stage crashes
+    os.kill(first_pid, signal.SIGKILL)
+    wait_for(lambda: d.stages()["flaky"]["restarts"] >= 2, 20, "a reload that crashed, and another try")
+    marker.unlink()                             # the fault clears
+    snap = d.wait_stage_state("flaky", ("ready",), timeout=30)
+    assert snap["pid"] != first_pid
+    assert "exited with status 9" in snap["last_error"]
+    assert d.wait(d.submit("p", {"text": "back"}))["state"] == "succeeded"
+    # the stage that shares GPU 0 was never blocked by it
+    assert d.wait(d.submit("q", {"text": "peer"}))["state"] == "succeeded"
+
+
+def test_cancel_grace_kills_do_not_count_as_crashes(start_daemon) -> None:
+    d: RunningDaemon = start_daemon({"stubborn": py_stage("stubborn", defaults={"seconds": 30})},
+                                    {"p": {"stages": ["stubborn"]}},
+                                    {"cancel_grace_s": 0.3, "max_restarts": 1, "restart_backoff_s": 0.1})
+    for i in range(3):
+        job = d.submit("p", {"text": str(i)})
+        wait_started(d, job, "stubborn")
+        assert d.client.cancel(job)["state"] == "cancelled"
+        wait_for(lambda: d.stages()["stubborn"]["restarts"] == i + 1, 20, f"restart {i + 1}")
+        d.wait_stage_state("stubborn", ("ready",), timeout=30)
+    snap = d.stages()["stubborn"]
+    assert snap["state"] == "ready", snap            # three kills of ours, max_restarts = 1: still serving
+    assert "did not stop within" in snap["last_error"]
+
+
+def test_upstream_and_downstream_die_together(start_daemon) -> None:
+    def sleeper(seconds: float, **extra: Any) -> dict[str, Any]:
+        return py_stage("sleep", defaults={"seconds": seconds}, **extra)
+
+    d: RunningDaemon = start_daemon({"u": sleeper(0.05), "d": sleeper(0.5, queue_capacity=2)},
+                                    {"p": {"stages": ["u", "d"]}}, {"restart_backoff_s": 0.1})
+    jobs = [d.submit("p", {"text": f"j{k}"}) for k in range(3)]
+    wait_started(d, jobs[0], "d")
+    # jobs 1 and 2 sit in d's queue, already handed over by u (idle now)
+    wait_for(lambda: all(d.client.job(j)["stages"]["d"]["state"] == "queued" for j in jobs[1:]), 10,
+             "jobs 1 and 2 queued in d")
+    u_pid, d_pid = d.stage_pid("u"), d.stage_pid("d")
+    os.kill(u_pid, signal.SIGKILL)
+    os.kill(d_pid, signal.SIGKILL)
+    assert d.wait(jobs[0], timeout=30)["state"] == "failed"          # it was running in d
+    rest = [d.wait(j, timeout=60) for j in jobs[1:]]
+    assert [r["state"] for r in rest] == ["succeeded", "succeeded"], [(r["state"], r["error"]) for r in rest]
+    assert [d.client.output(j, "text")[0].decode() for j in jobs[1:]] == ["j1|u|d", "j2|u|d"]
