@@ -325,16 +325,16 @@ class Scheduler:
         self._finish(job, reason, {"code": reason, "stage": where[0] if where else None,
                                    "message": "cancelled by request" if reason == "cancelled" else
                                    f"timed out after {job.doc['timeout_s']:g} s"
-                                   + (f" while {where[1]} in stage {where[0]!r}" if where else "")})
+                                   + (f" while {where[1]} stage {where[0]!r}" if where else "")})
         return job.doc
 
     def _where(self, job: Job) -> tuple[str, str] | None:
-        for wanted, verb in (("running", "running"), ("queued", "queued")):
+        for wanted, verb in (("running", "running in"), ("queued", "queued for")):
             for s in job.pipeline.stages:
                 if job.stage_state(s) == wanted:
                     return s, verb
         if job.pipeline.sources:
-            return job.pipeline.sources[0], "waiting"
+            return job.pipeline.sources[0], "waiting for"
         return None
 
     def _timed_out(self, job_id: str) -> None:
