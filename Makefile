@@ -38,6 +38,10 @@ models: setup .models/.built
 	touch $@
 
 demo: setup models
+	rc=0; $(VENV)/bin/omnictl --socket .run/omnid.sock health >/dev/null 2>&1 || rc=$$?
+	if [ $$rc -ne 3 ]; then
+	  echo "an omnid is already serving .run/omnid.sock (the demo's socket): stop it first" >&2; exit 1
+	fi
 	rm -rf demo-out .run
 	mkdir -p .run demo-out
 	export OMNID_SOCKET="$(CURDIR)/.run/omnid.sock"

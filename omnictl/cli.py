@@ -147,9 +147,12 @@ def _reject_constant(name: str) -> NoReturn:
 def parse_param_value(text: str) -> Any:
     """A ``--param`` value: JSON when it parses (numbers, true/false, null, lists, objects), else the string."""
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        value = json.loads(text, parse_constant=_reject_constant)
     except ValueError:
         return text
+    if isinstance(value, float) and not math.isfinite(value):        # 1e400 parses as inf
+        raise click.BadParameter(f"{text!r} is not a finite number", param_hint="STAGE.KEY=VALUE")
+    return value
 
 
 def _parse_inputs(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, str]:
@@ -299,7 +302,8 @@ def submit(
     click.argument("job_id", metavar="[JOB]", required=False),
     click.option("--state", type=click.Choice(JOB_STATES), help="Only jobs in this state."),
     click.option("--pipeline", help="Only jobs of this pipeline."),
-    click.option("-n", "--limit", type=click.IntRange(min=0), default=20, show_default=True, help="How many jobs; 0 for all."),
+    click.option("-n", "--limit", type=click.IntRange(0, 1000), default=20, show_default=True,
+                 help="How many jobs, newest first (0: as many as the daemon lists, 1000)."),
 )
 def status(settings: Settings, job_id: str | None, state: str | None, pipeline: str | None, limit: int) -> None:
     """Show one job in detail, or a table of your recent jobs."""
@@ -312,7 +316,7 @@ def status(settings: Settings, job_id: str | None, state: str | None, pipeline: 
         else:
             click.echo(render.job_detail(job, now))
         return
-    listing = client.jobs(state=state, pipeline=pipeline, limit=limit or None)
+    listing = client.jobs(state=state, pipeline=pipeline, limit=limit or 1000)
     if settings.json:
         _print_json(listing)
         return

@@ -386,11 +386,23 @@ class Client:
             conn.close()
 
     def wait(self, job_id: str, on_event: Callable[[JSON], None] | None = None) -> JSON:
-        """Follow the job's events until it ends, calling ``on_event`` for each; return the final job."""
+        """Follow the job's events until it ends, calling ``on_event`` for each; return the final job.
+
+        If the daemon is gone right after the job's last event (it was stopped, and that
+        ended the job), the job is rebuilt from that terminal event rather than lost.
+        """
+        last: JSON = {}
         for event in self.events(job_id):
+            last = event
             if on_event is not None:
                 on_event(event)
-        return self.job(job_id)
+        try:
+            return self.job(job_id)
+        except DaemonUnreachable:
+            if last.get("type") != "state":
+                raise
+            return {"id": last.get("job", job_id), "state": last.get("state"), "error": last.get("error"),
+                    "finished_at": last.get("ts"), "outputs": [], "stages": {}}
 
     def output(self, job_id: str, name: str) -> tuple[bytes, str]:
         """``GET /v1/jobs/{id}/outputs/{name}``: one output's bytes and content type, in memory."""

@@ -15,7 +15,9 @@ marked failed on the next start (`recover`), never silently forgotten.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
 import sqlite3
 import time
@@ -45,11 +47,25 @@ PRAGMA user_version = 1;
 """
 
 
+class StateDirBusy(Exception):
+    """Another daemon uses this state dir."""
+
+
 class JobStore:
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = Path(state_dir)
         self.jobs_dir = self.state_dir / "jobs"
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
+        # One daemon per state dir: a second one would mark the first one's live jobs failed.
+        self._lock_fd = os.open(self.state_dir / "omnid.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._lock_fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self._lock_fd)
+            raise StateDirBusy(f"the state dir {self.state_dir} is in use by another omnid (pid {holder})") from None
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
         self.db = sqlite3.connect(self.state_dir / "omnid.db", isolation_level=None,
                                   check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
@@ -58,6 +74,7 @@ class JobStore:
 
     def close(self) -> None:
         self.db.close()
+        os.close(self._lock_fd)            # releases the state dir's lock
 
     def job_dir(self, job_id: str) -> Path:
         return self.jobs_dir / job_id

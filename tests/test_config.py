@@ -130,6 +130,12 @@ def _both(*mutations: Mutation) -> Mutation:
 
 
 CASES: dict[str, tuple[Mutation, list[tuple[str, str]]]] = {
+    "bad default value": (_set("stages.draw.defaults", {"num_inference_steps": 0, "width": 100}),
+                          [("stages.draw.defaults.num_inference_steps", "must be from 1 to 1000, not 0"),
+                           ("stages.draw.defaults.width", "must be a multiple of 8, not 100")]),
+    "queue_capacity checked beside an unknown engine": (
+        _both(_set("stages.post.engine", "onnx"), _set("stages.post.queue_capacity", 0)),
+        [("stages.post.engine", "unknown engine"), ("stages.post.queue_capacity", "must be > 0")]),
     "unknown engine": (_set("stages.post.engine", "onnx"),
                        [("stages.post.engine", "unknown engine 'onnx'")]),
     "vllm model dir missing": (_set("stages.expand.model", "no-such-dir"),

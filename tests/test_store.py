@@ -52,3 +52,16 @@ def test_jobs_left_running_by_a_killed_daemon_are_marked_failed(tmp_path) -> Non
     # what recover() wrote is in the database file itself
     rows = dict(sqlite3.connect(tmp_path / "omnid.db").execute("SELECT id, state FROM jobs"))
     assert rows == {"job0": "failed", "job1": "failed", "job2": "succeeded"}
+
+
+def test_one_daemon_per_state_dir(start_daemon) -> None:
+    stages, pipelines = {"a": py_stage("echo")}, {"p": {"stages": ["a"]}}
+    first: RunningDaemon = start_daemon(stages, pipelines)
+    other = short_tmpdir()
+    second: RunningDaemon = start_daemon(stages, pipelines, {"state_dir": str(first.state_dir),
+                                                             "socket": str(other / "omnid.sock"),
+                                                             "lock_dir": str(other / "lock")},
+                                         wait=False, dir=other)
+    assert second.proc.wait(30) == 1
+    assert f"the state dir {first.state_dir} is in use by another omnid (pid {first.proc.pid})" in second.log()
+    assert first.wait(first.submit("p", {"text": "still mine"}))["state"] == "succeeded"

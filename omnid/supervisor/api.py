@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from aiohttp import web
 
+from omnid.config import check_param
 from omnid.store import STATES, TERMINAL
 from omnid.supervisor.scheduler import Refused
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("omnid.api")
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+SUMMARY_CHARS = 1000          # how much of a long text input the job document shows
 _JOB_KEYS = {"pipeline", "inputs", "params", "timeout_s"}
 DAEMON_KEY = web.AppKey("daemon", object)
 MAX_BYTES_KEY = web.AppKey("max_request_bytes", int)
@@ -122,6 +124,10 @@ class Api:
         return doc
 
     async def _json_body(self, request: web.Request) -> Any:
+        limit = request.app[MAX_BYTES_KEY]
+        if request.content_length is not None and request.content_length > limit:
+            raise Refused(413, "too_large", f"the request body is larger than {limit} bytes "
+                          "(daemon.max_request_bytes)", max_bytes=limit)
         raw = await request.read()
         try:
             # NaN and Infinity are not JSON: refused here, they could never be answered as JSON.
@@ -175,6 +181,8 @@ class Api:
                 if not _plain_json(value):
                     raise Refused(400, "invalid_input", f"input {key!r} is not a finite number")
                 inputs[key] = summary[key] = value
+                if isinstance(value, str) and len(value) > SUMMARY_CHARS:   # listings stay small
+                    summary[key] = value[:SUMMARY_CHARS] + f"... ({len(value)} characters)"
             elif isinstance(value, dict) and set(value) <= {"b64", "filename"} and isinstance(value.get("b64"), str):
                 try:
                     data = base64.b64decode(value["b64"], validate=True)
@@ -212,6 +220,9 @@ class Api:
                 if not _plain_json(value):
                     raise Refused(400, "invalid_param", f"params.{stage_name}.{key} must be a string, number, "
                                   "boolean, or a list of those")
+                why = check_param(self.d.config.stages[stage_name].engine, key, value)
+                if why is not None:
+                    raise Refused(400, "invalid_param", f"params.{stage_name}.{key} {why}, not {value!r}")
             out[stage_name] = dict(values)
         return out
 

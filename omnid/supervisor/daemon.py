@@ -35,7 +35,7 @@ from omnid import __version__, systemd
 from omnid.config import Config
 from omnid.locks import DeviceBusy, DeviceLocks
 from omnid.metrics import Metrics
-from omnid.store import JobStore
+from omnid.store import JobStore, StateDirBusy
 from omnid.supervisor.api import Api
 from omnid.supervisor.scheduler import Scheduler
 from omnid.supervisor.stage import StageHandle
@@ -122,6 +122,8 @@ class Daemon:
                 raise StartupError(f"cannot create lock files in {cfg.lock_dir}: {e.strerror}") from None
             try:
                 self.store = JobStore(cfg.state_dir)
+            except StateDirBusy as e:
+                raise StartupError(str(e)) from None
             except OSError as e:
                 raise StartupError(f"cannot open the state dir {cfg.state_dir}: {e.strerror or e}") from None
             recovered = self.store.recover()

@@ -137,7 +137,8 @@ class Scheduler:
             h = self.stages[name]
             if h.state == "failed":
                 raise Refused(503, "stage_failed", f"stage {name!r} of pipeline {pipeline_name!r} has failed "
-                              f"and is not restarted: {h.last_error}", stage=name)
+                              f"and is not restarted: {h.last_error}. Fix the cause, then restart omnid "
+                              "(systemctl restart omnid)", stage=name)
         queued = sum(1 for j in self.live.values() if j.pipeline.name == pipeline_name and j.state == "queued")
         limit = self.config.daemon.max_queued_jobs
         if queued >= limit:

@@ -375,6 +375,8 @@ class StageHandle:
             self.state = "stopped"
             return
         self.send(P.Shutdown())
+        if self.state not in ("ready", "busy"):
+            grace = 0.0                    # still loading (or waiting to): nothing to finish, no wait
         deadline = time.monotonic() + grace
         while proc.exitcode is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -34,6 +34,7 @@ from omnid import protocol as P
 from omnid.dataplane import Listener, Sender, WorkItem
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 _DEAD_JOBS_KEPT = 4096
 
 
@@ -46,6 +47,15 @@ def _die_with_parent(parent_pid: int) -> None:
         pass
     if os.getppid() != parent_pid:   # the parent died before prctl took effect
         os._exit(P.EXIT_ORPHANED)
+
+
+def _set_process_name(name: str) -> None:
+    """The name `ps -o comm`, `top` and `pgrep omnid` show (15 bytes at most)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _setup_environment(spec: P.WorkerSpec) -> None:
@@ -390,6 +400,8 @@ def _gpu_memory() -> int | None:
 def worker_main(spec: P.WorkerSpec, conn: Connection) -> None:
     """Process entry point (spawned)."""
     _die_with_parent(spec.parent_pid)
+    _set_process_name(f"omnid:{spec.stage}")
+    os.dup2(2, 1)                                  # engines log to stdout: keep one stream, the daemon's stderr
     os.setpgrp()                                   # our own group: the supervisor signals the whole tree
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the supervisor's to handle
     _setup_environment(spec)
