@@ -197,6 +197,9 @@ class Api:
                               "those, or a file {\"b64\": ..., \"filename\": ...}")
         for src in pipeline.sources:
             stage = self.d.config.stages[src]
+            if stage.engine in ("vllm", "diffusers") and isinstance(inputs.get("prompt"), bytes):
+                raise Refused(400, "invalid_input", f"input \"prompt\" of {stage.engine} stage {src!r} must be "
+                              "text, not a file (use --prompt or --input prompt=...)")
             if stage.engine in ("vllm", "diffusers") and not isinstance(inputs.get("prompt"), str):
                 raise Refused(400, "missing_input", f"pipeline {pipeline.name!r} starts with {stage.engine} stage "
                               f"{src!r}, which needs a text input \"prompt\"")

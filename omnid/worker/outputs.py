@@ -77,7 +77,11 @@ def encode_value(value: Any) -> Iterator[tuple[str, bytes, str, str]]:
         np.save(buf, value, allow_pickle=False)
         yield "npy", buf.getvalue(), "application/x-npy", "tensor"
     else:
-        yield "json", json.dumps(value, default=str).encode(), "application/json", "json"
+        try:
+            text = json.dumps(value, default=str, allow_nan=False)
+        except ValueError:                          # NaN or Infinity: not JSON; keep the Python text
+            text = json.dumps(repr(value))
+        yield "json", text.encode(), "application/json", "json"
 
 
 def _file_stem(name: str, taken: set[str]) -> str:
