@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -112,7 +113,7 @@ def new_job_id() -> str:
 
 class Scheduler:
     def __init__(self, config: Config, store: JobStore, stages: dict[str, StageHandle],
-                 data_socket: Any) -> None:
+                 data_socket: Callable[[str], Path]) -> None:
         self.config = config
         self.store = store
         self.stages = stages
