@@ -80,3 +80,28 @@ def test_upstream_and_downstream_die_together(start_daemon) -> None:
     rest = [d.wait(j, timeout=60) for j in jobs[1:]]
     assert [r["state"] for r in rest] == ["succeeded", "succeeded"], [(r["state"], r["error"]) for r in rest]
     assert [d.client.output(j, "text")[0].decode() for j in jobs[1:]] == ["j1|u|d", "j2|u|d"]
+
+
+def test_pipeline_retries_a_job_whose_worker_died(start_daemon) -> None:
+    d: RunningDaemon = start_daemon({"up": py_stage("echo"), "victim": py_stage("sleep", defaults={"seconds": 0.5})},
+                                    {"p": {"stages": ["up", "victim"], "retries": 1}}, {"restart_backoff_s": 0.1})
+    job = d.submit("p", {"text": "again"})
+    wait_started(d, job, "victim")
+    first_pid = d.stage_pid("victim")
+    os.kill(first_pid, signal.SIGKILL)
+    doc = d.wait(job, timeout=60)
+    assert doc["state"] == "succeeded", doc
+    assert d.client.output(job, "text")[0].decode() == "echo:again|victim"
+    retry = [e for e in d.events(job) if e["type"] == "error"]
+    assert len(retry) == 1 and "retrying (attempt 2)" in retry[0]["message"] and "SIGKILL" in retry[0]["message"]
+    assert d.stage_pid("victim") != first_pid
+    # a second death of the same job is not retried again: retries = 1
+    job2 = d.submit("p", {"text": "twice"})
+    wait_started(d, job2, "victim")
+    pid = d.stage_pid("victim")
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: d.stages()["victim"]["pid"] not in (None, pid) and job2 in d.stages()["victim"]["running"],
+             30, "the retry to run in a new worker")
+    os.kill(d.stage_pid("victim"), signal.SIGKILL)
+    doc2 = d.wait(job2, timeout=60)
+    assert doc2["state"] == "failed" and doc2["error"]["code"] == "worker_died"
