@@ -103,7 +103,8 @@ def format_error(error: Any) -> str:
     message = str(error.get("message") or "")
     code = error.get("code")
     stage = error.get("stage")
-    text = f"{stage}: {message}" if stage else message
+    # The daemon's messages usually name the stage already ("stage 'draw': ..."): say it once.
+    text = f"{stage}: {message}" if stage and f"'{stage}'" not in message else message
     return f"{text} ({code})" if code else text
 
 
