@@ -50,7 +50,6 @@ class WorkItem:
     src: str | None
     inputs: dict[str, Any]
     params: dict[str, dict[str, Any]] = field(default_factory=dict)
-    attempt: int = 0
 
 
 def encode(item: WorkItem) -> bytes:

@@ -35,7 +35,6 @@ class WorkerSpec:
     data_dir: Path          # where every stage's data-plane socket lives
     jobs_dir: Path          # where sink stages write a job's outputs
     parent_pid: int
-    generation: int         # restart count, for logs
 
     def socket_for(self, stage: str) -> Path:
         return self.data_dir / f"{stage}.sock"

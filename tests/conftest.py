@@ -71,6 +71,11 @@ def py_stage(function: str, **extra: Any) -> dict[str, Any]:
     return {"engine": "python", "function": f"teststages:{function}", "python_path": [str(FIXTURES)], **extra}
 
 
+def sleeper(seconds: float, **extra: Any) -> dict[str, Any]:
+    """A python stage that works `seconds` per job (teststages.sleep), cancellable."""
+    return py_stage("sleep", defaults={"seconds": seconds}, **extra)
+
+
 # ------------------------------------------------------------------------- daemons
 
 

@@ -13,17 +13,13 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import psutil
 import pytest
 
 from omnictl.client import ApiError
-from conftest import RunningDaemon, py_stage, wait_for, wait_gone, wait_started
+from conftest import RunningDaemon, py_stage, sleeper, wait_for, wait_gone, wait_started
 
-
-def sleeper(seconds: float, **extra: Any) -> dict[str, Any]:
-    return py_stage("sleep", defaults={"seconds": seconds}, **extra)
 
 
 # ------------------------------------------------------------------ a worker killed mid-job

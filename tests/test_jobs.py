@@ -11,20 +11,16 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
 from omnictl.client import ApiError
-from conftest import RunningDaemon, py_stage, wait_for, wait_started
+from conftest import RunningDaemon, py_stage, sleeper, wait_for, wait_started
 
 
 def event_types(d: RunningDaemon, job: str) -> list[str]:
     return [ev["type"] for ev in d.events(job)]
 
-
-def sleeper(seconds: float, **extra: Any) -> dict[str, Any]:
-    return py_stage("sleep", defaults={"seconds": seconds}, **extra)
 
 
 # ------------------------------------------------------------------ cancel

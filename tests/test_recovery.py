@@ -11,9 +11,8 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
-from typing import Any
 
-from conftest import RunningDaemon, py_stage, wait_for, wait_started
+from conftest import RunningDaemon, py_stage, sleeper, wait_for, wait_started
 
 FLAKY_LOADER = '''
 import os, time
@@ -63,9 +62,6 @@ def test_cancel_grace_kills_do_not_count_as_crashes(start_daemon) -> None:
 
 
 def test_upstream_and_downstream_die_together(start_daemon) -> None:
-    def sleeper(seconds: float, **extra: Any) -> dict[str, Any]:
-        return py_stage("sleep", defaults={"seconds": seconds}, **extra)
-
     d: RunningDaemon = start_daemon({"u": sleeper(0.05), "d": sleeper(0.5, queue_capacity=2)},
                                     {"p": {"stages": ["u", "d"]}}, {"restart_backoff_s": 0.1})
     jobs = [d.submit("p", {"text": f"j{k}"}) for k in range(3)]

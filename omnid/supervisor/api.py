@@ -37,7 +37,6 @@ log = structlog.get_logger("omnid.api")
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 SUMMARY_CHARS = 1000          # how much of a long text input the job document shows
 _JOB_KEYS = {"pipeline", "inputs", "params", "timeout_s"}
-DAEMON_KEY = web.AppKey("daemon", object)
 MAX_BYTES_KEY = web.AppKey("max_request_bytes", int)
 
 

@@ -168,8 +168,7 @@ class Scheduler:
 
     def _feed(self, job: Job, stage: str, front: bool = False) -> None:
         self.feeders[stage].push(WorkItem(job=job.id, pipeline=job.pipeline.name, src=None,
-                                          inputs=job.inputs, params=job.doc["params"],
-                                          attempt=job.attempts), front=front)
+                                          inputs=job.inputs, params=job.doc["params"]), front=front)
 
     # ------------------------------------------------------------------ events
 

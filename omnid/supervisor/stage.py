@@ -126,7 +126,7 @@ class StageHandle:
         loop = asyncio.get_running_loop()
         parent, child = _SPAWN.Pipe(duplex=True)
         spec = P.WorkerSpec(stage=self.name, config=self.config, data_dir=self.data_dir,
-                            jobs_dir=self.jobs_dir, parent_pid=os.getpid(), generation=self.generation)
+                            jobs_dir=self.jobs_dir, parent_pid=os.getpid())
         from omnid.worker.main import worker_main
         proc = _SPAWN.Process(target=worker_main, args=(spec, child), name=f"omnid-stage-{self.name}",
                               daemon=False)

@@ -318,7 +318,7 @@ class StageWorker:
                 self.send(P.Failed(job=ctx.job, error=_clip(error), code="edge_failed"))
                 return
             handoffs.append(WorkItem(job=ctx.job, pipeline=item.pipeline, src=self.stage.name,
-                                     inputs=inputs, params=item.params, attempt=item.attempt))
+                                     inputs=inputs, params=item.params))
         self.send(P.Finished(job=ctx.job, elapsed_s=elapsed))
         for edge, out in zip(edges, handoffs):
             with self._lock:
