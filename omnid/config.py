@@ -21,86 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from omnid import paths
+from omnid.params import ENGINE_PARAMS, check_param, stage_accepts
 
 ENGINES = ("vllm", "diffusers", "python")
 FULL_WINDOW = -1
-
-# Per-job parameters a caller may set, by engine. Checked at the door so a typo
-# is a 400 with the list of known names rather than a failed job. `python`
-# stages accept anything: the user's function defines its own parameters.
-VLLM_PARAMS = frozenset({
-    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-    "stop", "ignore_eos", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "include_prompt", "prompt_template",
-})
-DIFFUSERS_PARAMS = frozenset({
-    "num_inference_steps", "guidance_scale", "height", "width", "seed",
-    "negative_prompt", "eta", "guidance_rescale", "num_images_per_prompt",
-})
-ENGINE_PARAMS: dict[str, frozenset[str] | None] = {
-    "vllm": VLLM_PARAMS, "diffusers": DIFFUSERS_PARAMS, "python": None,
-}
-
-_SEED_MAX = 2**63
-
-
-def _integer(lo: int | None = None, hi: int | None = None, multiple: int = 1) -> Callable[[Any], str | None]:
-    def check(v: Any) -> str | None:
-        if isinstance(v, bool) or not isinstance(v, int):
-            return "must be an integer"
-        if (lo is not None and v < lo) or (hi is not None and v > hi):
-            return f"must be from {lo} to {hi}" if hi is not None else f"must be >= {lo}"
-        if v % multiple:
-            return f"must be a multiple of {multiple}"
-        return None
-    return check
-
-
-def _number(lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> Callable[[Any], str | None]:
-    def check(v: Any) -> str | None:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")):
-            return "must be a finite number"
-        if lo is not None and (v < lo or (lo_open and v == lo)):
-            return f"must be {'>' if lo_open else '>='} {lo}"
-        if hi is not None and v > hi:
-            return f"must be <= {hi}"
-        return None
-    return check
-
-
-def _of_type(kind: type, name: str) -> Callable[[Any], str | None]:
-    return lambda v: None if isinstance(v, kind) and not (kind is int and isinstance(v, bool)) else f"must be {name}"
-
-
-def _stop(v: Any) -> str | None:
-    ok = isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v))
-    return None if ok else "must be a string or a list of strings"
-
-
-# Value rules for the known parameters, checked at the door (400) rather than in the engine.
-PARAM_RULES: dict[str, dict[str, Callable[[Any], str | None]]] = {
-    "vllm": {
-        "max_tokens": _integer(1), "min_tokens": _integer(0), "temperature": _number(0),
-        "top_p": _number(0, 1, lo_open=True), "top_k": _integer(-1), "min_p": _number(0, 1),
-        "seed": _integer(0, _SEED_MAX - 1), "stop": _stop, "ignore_eos": _of_type(bool, "true or false"),
-        "repetition_penalty": _number(0, lo_open=True), "presence_penalty": _number(-2, 2),
-        "frequency_penalty": _number(-2, 2), "include_prompt": _of_type(bool, "true or false"),
-        "prompt_template": _of_type(str, "a string"),
-    },
-    "diffusers": {
-        "num_inference_steps": _integer(1, 1000), "guidance_scale": _number(0),
-        "height": _integer(8, 4096, multiple=8), "width": _integer(8, 4096, multiple=8),
-        "seed": _integer(0, _SEED_MAX - 1), "negative_prompt": _of_type(str, "a string"),
-        "eta": _number(0, 1), "guidance_rescale": _number(0), "num_images_per_prompt": _integer(1, 16),
-    },
-}
-
-
-def check_param(engine: str, key: str, value: Any) -> str | None:
-    """Why `value` is not valid for a known parameter of `engine`, or None."""
-    rule = PARAM_RULES.get(engine, {}).get(key)
-    return rule(value) if rule is not None else None
-
 
 @dataclass(frozen=True)
 class Problem:
@@ -164,8 +88,7 @@ class StageConfig:
     @property
     def accepted_params(self) -> frozenset[str] | None:
         """Parameter names a job may set for this stage; None means any."""
-        known = ENGINE_PARAMS[self.engine]
-        return None if known is None else known | frozenset(self.defaults)
+        return stage_accepts(self.engine, self.defaults)
 
 
 @dataclass(frozen=True)

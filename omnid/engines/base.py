@@ -5,7 +5,8 @@ engine is driven like vLLM's core busy loop: `add` a request, call `step`
 until the request completes through its context (`finish`, `fail` or
 `stopped`), `abort` on cancellation. A step-based interface lets engines that
 batch (vLLM, `max_inflight > 1`) and engines that run one call to the end
-(diffusers, a plain python function) share one worker loop.
+(diffusers, a plain python function) share one worker loop. Which parameters a
+job may pass an engine, and their rules, live in `omnid.params`.
 """
 
 from __future__ import annotations
@@ -81,9 +82,6 @@ class RequestContext:
 class Engine(abc.ABC):
     """A loaded model that turns requests into outputs."""
 
-    #: parameters a job may set (None: any); reported to the supervisor at READY
-    accepted_params: frozenset[str] | None = None
-
     @abc.abstractmethod
     def add(self, ctx: RequestContext) -> None:
         """Admit one request. May complete it at once (through ctx)."""
@@ -107,8 +105,3 @@ class Engine(abc.ABC):
     def close(self) -> None:
         """Release the model (the worker exits right after)."""
 
-
-def merged_params(defaults: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    out = dict(defaults)
-    out.update(params)
-    return out

@@ -14,7 +14,8 @@ import warnings
 from typing import Any
 
 from omnid.config import StageConfig
-from omnid.engines.base import Cancelled, Engine, RequestContext, merged_params
+from omnid.params import merged
+from omnid.engines.base import Cancelled, Engine, RequestContext
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
            "bfloat16": "bfloat16", "bf16": "bfloat16"}
@@ -51,7 +52,7 @@ class DiffusersEngine(Engine):
 
     def step(self) -> None:
         ctx = self._queue.pop(0)
-        params = merged_params(dict(self.stage.defaults), ctx.params)
+        params = merged(self.stage.defaults, ctx.params)
         seed = params.pop("seed", None)
         try:
             steps = int(params.get("num_inference_steps", 50))

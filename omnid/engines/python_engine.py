@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from omnid.config import StageConfig
-from omnid.engines.base import Cancelled, Engine, RequestContext, merged_params
+from omnid.params import merged
+from omnid.engines.base import Cancelled, Engine, RequestContext
 
 
 def import_ref(ref: str, python_path: tuple[str, ...] = ()) -> Callable[..., Any]:
@@ -61,14 +62,13 @@ class PythonEngine(Engine):
     def __init__(self, stage: StageConfig) -> None:
         self.stage = stage
         self.fn = import_ref(stage.function or "", tuple(str(p) for p in stage.python_path))
-        self.accepted_params = None
         self._gens: dict[str, tuple[RequestContext, Iterator[dict[str, Any]], dict[str, Any]]] = {}
 
     def info(self) -> dict[str, Any]:
         return {"function": self.stage.function}
 
     def add(self, ctx: RequestContext) -> None:
-        params = merged_params(dict(self.stage.defaults), ctx.params)
+        params = merged(self.stage.defaults, ctx.params)
         try:
             result = self.fn(ctx.inputs, params, ctx)
         except Cancelled:

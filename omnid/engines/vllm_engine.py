@@ -22,10 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnid.config import StageConfig
-from omnid.engines.base import Engine, RequestContext, merged_params
-
-# omnid's own per-job parameters, consumed here and not passed to SamplingParams
-_OWN_PARAMS = ("include_prompt", "prompt_template")
+from omnid.params import VLLM_OMNID_PARAMS, check_param, merged
+from omnid.engines.base import Engine, RequestContext
 
 
 @dataclass
@@ -86,15 +84,17 @@ class VllmEngine(Engine):
         if not isinstance(prompt, str):
             ctx.fail(f"a vllm stage needs a text input \"prompt\"; got {sorted(ctx.inputs) or 'no inputs'}")
             return
-        params = merged_params(dict(self.stage.defaults), ctx.params)
-        include_prompt = bool(params.pop("include_prompt", False))
-        template = params.pop("prompt_template", None)
+        params = merged(self.stage.defaults, ctx.params)
+        # The door checked the job's values and --check the defaults; this guards what reaches vLLM.
+        for key, value in params.items():
+            if (why := check_param("vllm", key, value)) is not None:
+                ctx.fail(f"{key} {why}, not {value!r}")
+                return
+        own = {key: params.pop(key) for key in VLLM_OMNID_PARAMS if key in params}
+        include_prompt = bool(own.get("include_prompt", False))
+        template = own.get("prompt_template")
         text = str(template).replace("{prompt}", prompt) if template else prompt
         params.setdefault("max_tokens", self.default_max_tokens)
-        seed = params.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-            ctx.fail(f"seed must be an integer from 0 to 2**63-1, not {seed!r}")
-            return
         try:
             sampling = self._SamplingParams(**params, output_kind=self._delta)
             request_id = f"{ctx.job}-{next(self._ids)}"

@@ -1,0 +1,218 @@
+"""The words omnid and its clients share: states, event types, error codes, and the job record.
+
+Imported by the supervisor, the stage workers and `omnictl`'s client library alike, so it uses
+the standard library only and does no work at import. Nothing here runs in a thread of its own
+or blocks.
+
+Where to add things:
+- a job state, a stage-run state or a worker state: the enums below (their values are the
+  strings the API, the database and `omnictl` show);
+- an event type: `EventType` (the scheduler emits it, `omnictl` renders it);
+- an API error code: `ErrorCode` (the socket API answers it, `omnictl` and tests match on it);
+- a field of a job: `JobRecord` / `StageRun`, and `to_doc` / `from_doc` beside them.
+
+Every state change of a job or of a stage run goes through `JobRecord.set_state` /
+`StageRun.set_state`, which also stamp the times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class JobState(StrEnum):
+    """A job's state. The last four are terminal: a job in one of them never changes again."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_JOB_STATES
+
+
+TERMINAL_JOB_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.TIMED_OUT})
+LIVE_JOB_STATES = frozenset({JobState.QUEUED, JobState.RUNNING})
+
+
+class StageRunState(StrEnum):
+    """One job's progress through one stage of its pipeline."""
+
+    PENDING = "pending"          # its inputs are not there yet
+    QUEUED = "queued"            # in the stage's input queue (or being re-sent after a restart)
+    RUNNING = "running"          # in the engine
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"      # stopped because the job ended (cancel, timeout, a failure elsewhere)
+
+    @property
+    def busy(self) -> bool:
+        """The stage may be working on the job (or about to: a queued item's Started may be on its way)."""
+        return self in (StageRunState.QUEUED, StageRunState.RUNNING)
+
+    @property
+    def open(self) -> bool:
+        """Not finished in this stage, one way or another."""
+        return self in (StageRunState.PENDING, StageRunState.QUEUED, StageRunState.RUNNING)
+
+
+class WorkerState(StrEnum):
+    """A stage worker's life cycle, as `GET /v1/stages` and `/v1/ready` report it.
+
+    starting -> waiting_for_device -> loading -> ready <-> busy; on death: restarting
+    (backoff) -> loading ..., or failed when it keeps crashing or cannot load; stopped at shutdown.
+    """
+
+    STARTING = "starting"
+    WAITING_FOR_DEVICE = "waiting_for_device"
+    LOADING = "loading"
+    READY = "ready"
+    BUSY = "busy"
+    RESTARTING = "restarting"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+    @property
+    def warm(self) -> bool:
+        """The engine is loaded and the worker takes jobs."""
+        return self in WARM_WORKER_STATES
+
+
+WARM_WORKER_STATES = frozenset({WorkerState.READY, WorkerState.BUSY})
+
+
+class EventType(StrEnum):
+    """The `type` of a job's events (`GET /v1/jobs/{id}/events`)."""
+
+    STATE = "state"                      # state (and error, when it ended badly)
+    STAGE_STARTED = "stage_started"      # stage
+    PROGRESS = "progress"                # stage, done, total
+    SEGMENT = "segment"                  # stage, index, is_last, text?
+    OUTPUT = "output"                    # name, file, kind, content_type, size, stage
+    STAGE_FINISHED = "stage_finished"    # stage, elapsed_s
+    ERROR = "error"                      # stage, code, message
+
+
+class ErrorCode(StrEnum):
+    """`error.code` of API replies, and of a failed job's `error`."""
+
+    # requests the API refuses
+    BAD_JSON = "bad_json"
+    INVALID_REQUEST = "invalid_request"
+    INVALID_INPUT = "invalid_input"
+    MISSING_INPUT = "missing_input"
+    INVALID_PARAM = "invalid_param"
+    UNKNOWN_PIPELINE = "unknown_pipeline"
+    UNKNOWN_JOB = "unknown_job"
+    AMBIGUOUS_JOB = "ambiguous_job"
+    UNKNOWN_OUTPUT = "unknown_output"
+    OUTPUT_GONE = "output_gone"
+    JOB_NOT_FINISHED = "job_not_finished"
+    NOT_YOURS = "not_yours"
+    NO_CREDENTIALS = "no_credentials"
+    TOO_LARGE = "too_large"
+    QUEUE_FULL = "queue_full"
+    SHUTTING_DOWN = "shutting_down"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    HTTP_ERROR = "http_error"
+    INTERNAL_ERROR = "internal_error"
+    # why a job ended badly (also STAGE_FAILED: a stage given up for good refuses new jobs with it)
+    STAGE_FAILED = "stage_failed"
+    WORKER_DIED = "worker_died"
+    EDGE_FAILED = "edge_failed"
+    OUTPUT_FAILED = "output_failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+    DAEMON_STOPPING = "daemon_stopping"
+    DAEMON_RESTARTED = "daemon_restarted"
+
+
+# ------------------------------------------------------------------------------ the job record
+
+
+@dataclass
+class StageRun:
+    """One job's run through one stage: `stages.NAME` in the job document."""
+
+    state: StageRunState = StageRunState.PENDING
+    progress: dict[str, int] | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    elapsed_s: float | None = None
+    segments: int = 0
+
+    def set_state(self, state: StageRunState, now: float) -> None:
+        """Change state, stamping `started_at` on running and `finished_at` when it ends."""
+        self.state = state
+        if state is StageRunState.RUNNING:
+            self.started_at = now
+        elif not state.open:
+            self.finished_at = now
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"state": str(self.state), "progress": self.progress, "started_at": self.started_at,
+                "finished_at": self.finished_at, "elapsed_s": self.elapsed_s, "segments": self.segments}
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> StageRun:
+        return cls(state=StageRunState(doc["state"]), progress=doc.get("progress"),
+                   started_at=doc.get("started_at"), finished_at=doc.get("finished_at"),
+                   elapsed_s=doc.get("elapsed_s"), segments=int(doc.get("segments", 0)))
+
+
+@dataclass
+class JobRecord:
+    """A job as the API shows it and the store keeps it (`to_doc` is the API's JSON object)."""
+
+    id: str
+    pipeline: str
+    owner_uid: int
+    created_at: float
+    timeout_s: float
+    inputs: dict[str, Any]                      # a summary: long texts clipped, files as name and size
+    params: dict[str, dict[str, Any]]
+    stages: dict[str, StageRun]
+    state: JobState = JobState.QUEUED
+    started_at: float | None = None
+    finished_at: float | None = None
+    outputs: list[dict[str, Any]] = field(default_factory=list)
+    error: dict[str, Any] | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.state.terminal
+
+    def set_state(self, state: JobState, now: float, error: dict[str, Any] | None = None) -> None:
+        """Change state, stamping `started_at` on running and `finished_at` (and `error`) at the end."""
+        self.state = state
+        if state is JobState.RUNNING:
+            self.started_at = now
+        elif state.terminal:
+            self.finished_at = now
+            self.error = error
+
+    def to_doc(self) -> dict[str, Any]:
+        # Key order is part of the API's bytes: keep it as it is.
+        return {
+            "id": self.id, "pipeline": self.pipeline, "state": str(self.state), "owner_uid": self.owner_uid,
+            "created_at": self.created_at, "started_at": self.started_at, "finished_at": self.finished_at,
+            "timeout_s": self.timeout_s, "inputs": self.inputs, "params": self.params,
+            "stages": {name: run.to_doc() for name, run in self.stages.items()},
+            "outputs": self.outputs, "error": self.error,
+        }
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> JobRecord:
+        return cls(id=doc["id"], pipeline=doc["pipeline"], owner_uid=int(doc["owner_uid"]),
+                   created_at=doc["created_at"], timeout_s=doc["timeout_s"], inputs=doc["inputs"],
+                   params=doc["params"], stages={n: StageRun.from_doc(s) for n, s in doc["stages"].items()},
+                   state=JobState(doc["state"]), started_at=doc.get("started_at"),
+                   finished_at=doc.get("finished_at"), outputs=list(doc.get("outputs") or []),
+                   error=doc.get("error"))
