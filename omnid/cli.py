@@ -36,9 +36,9 @@ def main(config_path: Path | None, check: bool) -> None:
     if check:
         n_st, n_pl = len(config.stages), len(config.pipelines)
         click.echo(f"{path}: OK ({n_st} stage{'s' * (n_st != 1)}, {n_pl} pipeline{'s' * (n_pl != 1)})")
-        for name, p in config.pipelines.items():
-            click.echo(f"  {name}: " + ", ".join(f"{e.src} -> {e.dst}" for e in p.edges) if p.edges
-                       else f"  {name}: {p.stages[0]}")
+        for name, pipeline in config.pipelines.items():
+            click.echo(f"  {name}: " + ", ".join(f"{e.src} -> {e.dst}" for e in pipeline.edges) if pipeline.edges
+                       else f"  {name}: {pipeline.stages[0]}")
         sys.exit(0)
     from omnid import logs
     from omnid.supervisor.daemon import run

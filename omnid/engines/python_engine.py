@@ -18,7 +18,7 @@ import importlib
 import inspect
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 from omnid.config import StageConfig
@@ -34,7 +34,7 @@ def import_ref(ref: str, python_path: tuple[str, ...] = ()) -> Callable[..., Any
     module_name, _, func_name = ref.partition(":")
     module = importlib.import_module(module_name)
     try:
-        fn = getattr(module, func_name)
+        fn: Callable[..., Any] = getattr(module, func_name)
     except AttributeError:
         raise ImportError(f"module {module_name!r} has no attribute {func_name!r}") from None
     if not callable(fn):
@@ -52,7 +52,9 @@ def user_error(e: BaseException) -> str:
 def merge_segment(acc: dict[str, Any], seg: dict[str, Any]) -> None:
     for k, v in seg.items():
         prev = acc.get(k)
-        if isinstance(v, str) and isinstance(prev, str) or isinstance(v, bytes) and isinstance(prev, bytes):
+        if isinstance(v, str) and isinstance(prev, str):
+            acc[k] = prev + v
+        elif isinstance(v, bytes) and isinstance(prev, bytes):
             acc[k] = prev + v
         else:
             acc[k] = v
@@ -62,7 +64,8 @@ class PythonEngine(Engine):
     def __init__(self, stage: StageConfig) -> None:
         self.stage = stage
         self.fn = import_ref(stage.function or "", tuple(str(p) for p in stage.python_path))
-        self._gens: dict[str, tuple[RequestContext, Iterator[dict[str, Any]], dict[str, Any]]] = {}
+        # job -> (its context, the user's generator, the outputs merged so far)
+        self._gens: dict[str, tuple[RequestContext, Generator[Any, Any, Any], dict[str, Any]]] = {}
 
     def info(self) -> dict[str, Any]:
         return {"function": self.stage.function}

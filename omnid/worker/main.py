@@ -27,11 +27,14 @@ import threading
 import time
 import traceback
 from collections import OrderedDict
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 from omnid import protocol as P
+from omnid.config import EdgeConfig
 from omnid.dataplane import Listener, Sender, WorkItem
+from omnid.engines.base import Engine, RequestContext
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -96,11 +99,11 @@ class StageWorker:
         self.outbox: dict[tuple[str, str], WorkItem] = {}    # (job, dst) -> what we sent, until Forget
         self.received: set[tuple[str, str | None]] = set()   # (job, src) parts taken, until Forget
         self.resends: queue.Queue[P.Resend] = queue.Queue()
-        self.inflight: dict[str, Any] = {}           # job -> RequestContext, in the engine
+        self.inflight: dict[str, RequestContext] = {}    # job -> its request, in the engine
         self.items: dict[str, WorkItem] = {}             # job -> the item that started it
         self.shutting_down = threading.Event()
         self.sender = Sender(spec.socket_for)
-        self.engine: Any = None
+        self.engine: Engine = _NoEngine()          # until load_engine() returns
         self.enqueued = self.dequeued = self.dropped = self.triggers = 0
 
     # ------------------------------------------------------------------ plumbing
@@ -153,28 +156,39 @@ class StageWorker:
         return False
 
     def control_loop(self) -> None:
-        """Control thread: apply the supervisor's messages; exit when it is gone."""
+        """Control thread: apply the supervisor's messages (one handler each); exit when it is gone."""
+        handlers: dict[type, Callable[[Any], None]] = {
+            P.Cancel: self.on_cancel, P.Forget: self.on_forget, P.Resend: self.on_resend,
+            P.Shutdown: self.on_shutdown,
+        }
         while True:
             try:
                 msg = self.conn.recv()
             except (EOFError, OSError):
                 os._exit(P.EXIT_ORPHANED)
-            if isinstance(msg, P.Cancel):
-                with self._lock:
-                    self.dead[msg.job] = msg.reason
-                    self._trim_dead()
-            elif isinstance(msg, P.Forget):
-                with self._lock:
-                    self.dead.setdefault(msg.job, "forgotten")
-                    self._trim_dead()
-                    self.partial.pop(msg.job, None)
-                    self.received = {k for k in self.received if k[0] != msg.job}
-                    for key in [k for k in self.outbox if k[0] == msg.job]:
-                        del self.outbox[key]
-            elif isinstance(msg, P.Resend):
-                self.resends.put(msg)
-            elif isinstance(msg, P.Shutdown):
-                self.shutting_down.set()
+            handler = handlers.get(type(msg))
+            if handler is not None:
+                handler(msg)
+
+    def on_cancel(self, msg: P.Cancel) -> None:
+        with self._lock:
+            self.dead[msg.job] = msg.reason
+            self._trim_dead()
+
+    def on_forget(self, msg: P.Forget) -> None:
+        with self._lock:
+            self.dead.setdefault(msg.job, "forgotten")
+            self._trim_dead()
+            self.partial.pop(msg.job, None)
+            self.received = {k for k in self.received if k[0] != msg.job}
+            for key in [k for k in self.outbox if k[0] == msg.job]:
+                del self.outbox[key]
+
+    def on_resend(self, msg: P.Resend) -> None:
+        self.resends.put(msg)           # served by the main thread, between engine steps
+
+    def on_shutdown(self, msg: P.Shutdown) -> None:
+        self.shutting_down.set()
 
     def _trim_dead(self) -> None:
         while len(self.dead) > _DEAD_JOBS_KEPT:
@@ -190,8 +204,6 @@ class StageWorker:
     # ------------------------------------------------------------------ the busy loop
 
     def run(self) -> None:
-        from omnid.engines.base import RequestContext
-
         engine = self.engine
         while not self.shutting_down.is_set():
             self._handle_resends()
@@ -202,7 +214,7 @@ class StageWorker:
                 except queue.Empty:
                     break
                 self.dequeued += 1
-                ctx = self._assemble(item, RequestContext)
+                ctx = self._assemble(item)
                 if ctx is None:
                     continue
                 self.inflight[ctx.job] = ctx
@@ -218,9 +230,7 @@ class StageWorker:
                 if ctx.done:
                     del self.inflight[job]
                     self._complete(ctx)
-        engine_close = getattr(engine, "close", None)
-        if engine_close:
-            engine_close()
+        engine.close()
 
     def _step(self) -> None:
         """Abort the cancelled requests, then advance the engine by one step.
@@ -254,7 +264,7 @@ class StageWorker:
                     except Exception:
                         pass
 
-    def _assemble(self, item: WorkItem, ctx_cls: type) -> Any:
+    def _assemble(self, item: WorkItem) -> RequestContext | None:
         """Gather a job's parts (one per incoming edge); a context once all are here."""
         pipeline = self.config.pipelines[item.pipeline]
         expected = max(1, len(pipeline.incoming(self.stage.name)))
@@ -273,10 +283,13 @@ class StageWorker:
             inputs.update(p.inputs)
         self.items[item.job] = item
         job = item.job
-        return ctx_cls(job=job, stage=self.stage.name, inputs=inputs,
-                       params=dict(item.params.get(self.stage.name, {})),
-                       _emit=lambda kind, data, job=job: self._emit(job, kind, data),
-                       _is_cancelled=lambda job=job: self.is_dead(job))
+
+        def emit(kind: str, data: dict[str, Any]) -> None:
+            self._emit(job, kind, data)
+
+        return RequestContext(job=job, stage=self.stage.name, inputs=inputs,
+                              params=dict(item.params.get(self.stage.name, {})),
+                              _emit=emit, _is_cancelled=lambda: self.is_dead(job))
 
     def _emit(self, job: str, kind: str, data: dict[str, Any]) -> None:
         if kind == "progress":
@@ -284,7 +297,7 @@ class StageWorker:
         elif kind == "segment":
             self.send(P.Segment(job=job, index=data["index"], is_last=data["is_last"], text=data["text"]))
 
-    def _complete(self, ctx: Any) -> None:
+    def _complete(self, ctx: RequestContext) -> None:
         item = self.items.pop(ctx.job)
         if ctx.outcome == "stopped" or self.is_dead(ctx.job):    # a job that ended meanwhile writes nothing
             self.send(P.Stopped(job=ctx.job))
@@ -355,11 +368,27 @@ class StageWorker:
                 self._deliver(msg.dst, item)
 
 
+class _NoEngine(Engine):
+    """Stands in for the engine while it loads: has no work, takes none."""
+
+    def add(self, ctx: RequestContext) -> None:
+        ctx.fail("the engine is not loaded")
+
+    def step(self) -> None:
+        pass
+
+    def abort(self, job: str) -> None:
+        pass
+
+    def has_work(self) -> bool:
+        return False
+
+
 class EdgeError(Exception):
     """An edge could not turn a stage's outputs into the next stage's inputs; the message names it."""
 
 
-def apply_edge(edge: Any, src: str, outputs: dict[str, Any]) -> dict[str, Any]:
+def apply_edge(edge: EdgeConfig, src: str, outputs: dict[str, Any]) -> dict[str, Any]:
     """Map upstream outputs to downstream inputs: by `map`, through `transform`, or by name."""
     where = f"edge {src} -> {edge.dst}"
     if edge.transform:
