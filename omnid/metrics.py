@@ -47,7 +47,7 @@ class _StageCollector(Collector):
         for h in self.stages.values():
             depth.add_metric([h.name], h.stats.depth)
             cap.add_metric([h.name], h.stage.queue_capacity)
-            up.add_metric([h.name], 1 if h.state in ("ready", "busy") else 0)
+            up.add_metric([h.name], 1 if h.state.warm else 0)
             restarts.add_metric([h.name], h.restarts)
             done.add_metric([h.name], h.jobs_done)
         yield from (depth, cap, up, restarts, done)

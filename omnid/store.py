@@ -8,13 +8,14 @@ millisecond on the write path. Layout under the state dir:
                         events(job, seq, doc)
   jobs/<id>/            the job's output files and manifest.json
 
-A job's full record is the JSON document `doc`; the columns beside it exist
-for filtering. Jobs that were queued or running when the daemon stopped are
+A job's full record is the JSON document `doc` (`JobRecord.to_doc()`, the API's
+JSON); the columns beside it exist for filtering. Jobs that were queued or running when the daemon stopped are
 marked failed on the next start (`recover`), never silently forgotten.
 """
 
 from __future__ import annotations
 
+import builtins
 import fcntl
 import json
 import os
@@ -24,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-TERMINAL = frozenset({"succeeded", "failed", "cancelled", "timed_out"})
-STATES = ("queued", "running") + tuple(sorted(TERMINAL))
+from omnid.vocabulary import ErrorCode, JobRecord, JobState
+
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -79,18 +80,17 @@ class JobStore:
     def job_dir(self, job_id: str) -> Path:
         return self.jobs_dir / job_id
 
-    def save(self, job: dict[str, Any]) -> None:
+    def save(self, job: JobRecord) -> None:
         self.db.execute(
             "INSERT INTO jobs(id, owner_uid, pipeline, state, created_at, doc) VALUES (?,?,?,?,?,?) "
             "ON CONFLICT(id) DO UPDATE SET state=excluded.state, doc=excluded.doc",
-            (job["id"], job["owner_uid"], job["pipeline"], job["state"], job["created_at"],
-             json.dumps(job)))
+            (job.id, job.owner_uid, job.pipeline, str(job.state), job.created_at, json.dumps(job.to_doc())))
 
-    def get(self, job_id: str) -> dict[str, Any] | None:
+    def get(self, job_id: str) -> JobRecord | None:
         row = self.db.execute("SELECT doc FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return json.loads(row[0]) if row else None
+        return JobRecord.from_doc(json.loads(row[0])) if row else None
 
-    def resolve(self, ref: str) -> str | None | list[str]:
+    def resolve(self, ref: str) -> str | None | builtins.list[str]:
         """A job id from an id or a unique prefix of at least 4 characters.
 
         Returns the id, None when nothing matches, or the matches when ambiguous.
@@ -105,27 +105,28 @@ class JobStore:
             return None
         return rows[0] if len(rows) == 1 else rows
 
-    def list(self, owner_uid: int | None = None, state: str | None = None,
-             pipeline: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
-        sql, args = "SELECT doc FROM jobs WHERE 1=1", []
+    def list(self, owner_uid: int | None = None, state: JobState | None = None,
+             pipeline: str | None = None, limit: int = 50) -> list[JobRecord]:
+        sql = "SELECT doc FROM jobs WHERE 1=1"
+        args: builtins.list[Any] = []
         if owner_uid is not None:
             sql += " AND owner_uid = ?"
             args.append(owner_uid)
         if state is not None:
             sql += " AND state = ?"
-            args.append(state)
+            args.append(str(state))
         if pipeline is not None:
             sql += " AND pipeline = ?"
             args.append(pipeline)
         sql += " ORDER BY created_at DESC LIMIT ?"
         args.append(limit)
-        return [json.loads(r[0]) for r in self.db.execute(sql, args)]
+        return [JobRecord.from_doc(json.loads(r[0])) for r in self.db.execute(sql, args)]
 
     def append_event(self, job_id: str, seq: int, event: dict[str, Any]) -> None:
         self.db.execute("INSERT OR REPLACE INTO events(job, seq, doc) VALUES (?,?,?)",
                         (job_id, seq, json.dumps(event)))
 
-    def events(self, job_id: str) -> list[dict[str, Any]]:
+    def events(self, job_id: str) -> builtins.list[dict[str, Any]]:
         return [json.loads(r[0]) for r in self.db.execute(
             "SELECT doc FROM events WHERE job = ? ORDER BY seq", (job_id,))]
 
@@ -136,16 +137,16 @@ class JobStore:
         self.db.execute("COMMIT")
         shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
 
-    def recover(self) -> list[str]:
+    def recover(self) -> builtins.list[str]:
         """Mark jobs left queued or running by a previous daemon as failed."""
         now = time.time()
-        ids = []
-        for (doc,) in self.db.execute("SELECT doc FROM jobs WHERE state IN ('queued', 'running')").fetchall():
-            job = json.loads(doc)
-            job["state"] = "failed"
-            job["finished_at"] = now
-            job["error"] = {"code": "daemon_restarted",
-                            "message": "the daemon stopped before this job finished; submit it again"}
+        ids: builtins.list[str] = []
+        live = tuple(str(s) for s in (JobState.QUEUED, JobState.RUNNING))
+        for (doc,) in self.db.execute("SELECT doc FROM jobs WHERE state IN (?, ?)", live).fetchall():
+            job = JobRecord.from_doc(json.loads(doc))
+            job.set_state(JobState.FAILED, now, {
+                "code": str(ErrorCode.DAEMON_RESTARTED),
+                "message": "the daemon stopped before this job finished; submit it again"})
             self.save(job)
-            ids.append(job["id"])
+            ids.append(job.id)
         return ids

@@ -7,6 +7,7 @@ import sqlite3
 from conftest import RunningDaemon, py_stage, short_tmpdir, wait_started
 
 from omnid.store import JobStore
+from omnid.vocabulary import JobRecord, JobState
 
 
 def test_finished_jobs_outputs_and_events_survive_a_restart(start_daemon) -> None:
@@ -24,8 +25,9 @@ def test_finished_jobs_outputs_and_events_survive_a_restart(start_daemon) -> Non
     assert first.stop() == 0
     # the stop ended what was live, with a reason, rather than leaving it dangling
     db = JobStore(d / "state")
-    assert {db.get(j)["state"] for j in (interrupted, queued)} == {"failed"}
-    assert db.get(interrupted)["error"]["code"] == "daemon_stopping"
+    records = {j: db.get(j) for j in (interrupted, queued)}
+    assert {r.state for r in records.values() if r} == {"failed"} and None not in records.values()
+    assert records[interrupted].error["code"] == "daemon_stopping"
     db.close()
 
     second: RunningDaemon = start_daemon(stages, pipelines, dir=d)
@@ -41,13 +43,12 @@ def test_finished_jobs_outputs_and_events_survive_a_restart(start_daemon) -> Non
 
 def test_jobs_left_running_by_a_killed_daemon_are_marked_failed(tmp_path) -> None:
     store = JobStore(tmp_path)
-    base = {"pipeline": "p", "owner_uid": 0, "created_at": 1.0, "inputs": {}, "params": {}, "stages": {},
-            "outputs": [], "error": None, "finished_at": None}
     for i, state in enumerate(("queued", "running", "succeeded")):
-        store.save({**base, "id": f"job{i}", "state": state})
+        store.save(JobRecord(id=f"job{i}", pipeline="p", owner_uid=0, created_at=1.0, timeout_s=60.0, inputs={},
+                             params={}, stages={}, state=JobState(state)))
     assert sorted(store.recover()) == ["job0", "job1"]
-    assert store.get("job1")["error"]["code"] == "daemon_restarted"
-    assert store.get("job2")["state"] == "succeeded"
+    assert store.get("job1").error["code"] == "daemon_restarted"
+    assert store.get("job2").state == "succeeded"
     store.close()
     # what recover() wrote is in the database file itself
     rows = dict(sqlite3.connect(tmp_path / "omnid.db").execute("SELECT id, state FROM jobs"))

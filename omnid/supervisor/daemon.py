@@ -3,7 +3,9 @@
 Runs in the supervisor process's main thread, in one asyncio event loop
 (stage handles, scheduler and API all live on it). The recipe:
 
-1. take the GPU lock files (fail at once, naming the holder, if taken);
+1. take the GPU lock files (fail at once, naming the holder, if taken) and the
+   state dir; build the parts in dependency order (stage handles, metrics,
+   scheduler, API);
 2. open the socket (or take it from systemd) and serve the API, so
    `/v1/health` answers while models load and `/v1/ready` says which are not warm;
 3. start every stage worker in parallel (one loader per device at a time);
@@ -36,9 +38,10 @@ from omnid.config import Config
 from omnid.locks import DeviceBusy, DeviceLocks
 from omnid.metrics import Metrics
 from omnid.store import JobStore, StateDirBusy
-from omnid.supervisor.api import Api
+from omnid.supervisor.api import Api, DaemonInfo
 from omnid.supervisor.scheduler import Scheduler
 from omnid.supervisor.stage import StageHandle
+from omnid.vocabulary import WorkerState
 
 log = structlog.get_logger("omnid.daemon")
 
@@ -85,120 +88,121 @@ def open_listening_socket(path: Path, mode: int, group: str | None) -> tuple[soc
 
 
 class Daemon:
+    """The supervisor. `run()` is its five steps (see the module docstring), each one method."""
+
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.pid = os.getpid()
-        self.started = time.time()
-        self.version = __version__
-        self.stopping = False
+        self.info = DaemonInfo(pid=os.getpid(), started=time.time(), version=__version__)
+        self.device_locks = DeviceLocks(config.daemon.lock_dir, owner=f"omnid {config.source or ''}".strip())
+        self.data_dir = Path(tempfile.mkdtemp(prefix="omnid-data-"))
         self.stages: dict[str, StageHandle] = {}
-        self.store: JobStore = None  # type: ignore[assignment]
-        self.scheduler: Scheduler = None  # type: ignore[assignment]
-        self.metrics: Metrics = None  # type: ignore[assignment]
+        self.store: JobStore | None = None
+        self.scheduler: Scheduler | None = None
+        self._runner: web.AppRunner | None = None
+        self._socket_path: Path | None = None      # the socket file we created (and remove at exit)
         self._stop = asyncio.Event()
-
-    def accepted_params(self, stage: str) -> frozenset[str] | None:
-        return self.config.stages[stage].accepted_params
 
     def request_stop(self) -> None:
         self._stop.set()
 
     async def run(self) -> int:
         """Run until SIGTERM/SIGINT. Returns the exit status."""
-        cfg = self.config.daemon
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
-        locks = DeviceLocks(cfg.lock_dir, owner=f"omnid {self.config.source or ''}".strip())
-        data_dir = Path(tempfile.mkdtemp(prefix="omnid-data-"))
-        runner: web.AppRunner | None = None
-        sock_path: Path | None = None
         try:
-            try:
-                locks.acquire(self.config.devices)
-            except DeviceBusy as e:
-                raise StartupError(f"{e}; another omnid or GPU job holds it") from None
-            except OSError as e:
-                raise StartupError(f"cannot create lock files in {cfg.lock_dir}: {e.strerror}") from None
-            try:
-                self.store = JobStore(cfg.state_dir)
-            except StateDirBusy as e:
-                raise StartupError(str(e)) from None
-            except OSError as e:
-                raise StartupError(f"cannot open the state dir {cfg.state_dir}: {e.strerror or e}") from None
-            recovered = self.store.recover()
-            if recovered:
-                log.warning("jobs interrupted by the last shutdown marked failed", count=len(recovered))
-            device_locks = {d: asyncio.Lock() for d in self.config.devices}
-            for name, stage in self.config.stages.items():
-                self.stages[name] = StageHandle(self.config, stage, data_dir, self.store.jobs_dir, device_locks,
-                                                self._on_message, self._on_exit)
-            self.scheduler = Scheduler(self.config, self.store, self.stages,
-                                       lambda stage: data_dir / f"{stage}.sock")
-            self.metrics = Metrics(self.stages)
-            self.scheduler.metrics = self.metrics
-            try:
-                sock, created = open_listening_socket(cfg.socket, cfg.socket_mode, cfg.socket_group)
-            except OSError as e:
-                raise StartupError(f"cannot listen on {cfg.socket}: {e.strerror or e}") from None
-            sock_path = cfg.socket if created else None
-            runner = web.AppRunner(Api(self).app, access_log=None, handle_signals=False)
-            await runner.setup()
-            await web.SockSite(runner, sock).start()
-            where = str(cfg.socket) if created else f"{sock.getsockname() or 'an unnamed socket'} (from systemd)"
-            log.info("listening", socket=where, stages=len(self.stages), pid=self.pid)
-            await self._start_stages()
-            if self._stop.is_set():
+            store = self._take_locks()                              # 1
+            api = self._build(store)
+            await self._serve(api)                                  # 2
+            if not await self._start_stages():                      # 3
                 return 0
             systemd.notify(f"READY=1\nSTATUS=serving {len(self.config.pipelines)} pipelines")
-            log.info("ready", startup_s=round(time.time() - self.started, 3))
-            await self._main_loop()
+            log.info("ready", startup_s=round(time.time() - self.info.started, 3))
+            await self._main_loop()                                 # 4
             return 0
         except StartupError as e:
             log.error("cannot start", error=str(e))
             print(f"omnid: {e}", flush=True, file=sys.stderr)
             return 1
         finally:
-            self.stopping = True
-            systemd.notify("STOPPING=1")
-            if self.scheduler is not None:
-                self.scheduler.shutdown()
-            if runner is not None:
-                await runner.cleanup()
-            await asyncio.gather(*(h.stop(cfg.stop_grace_s) for h in self.stages.values()))
-            locks.release()
-            shutil.rmtree(data_dir, ignore_errors=True)
-            if sock_path is not None:
-                try:
-                    sock_path.unlink()
-                except FileNotFoundError:
-                    pass
-            if self.store is not None:
-                self.store.close()
-            log.info("stopped")
+            await self._shutdown()                                  # 5
 
-    async def _start_stages(self) -> None:
-        """Start every worker; abort at the first one that dies while loading."""
+    # ------------------------------------------------------------------ 1. locks and state
+
+    def _take_locks(self) -> JobStore:
+        """The GPU lock files, then the state dir (its lock, its database)."""
+        cfg = self.config.daemon
+        try:
+            self.device_locks.acquire(self.config.devices)
+        except DeviceBusy as e:
+            raise StartupError(f"{e}; another omnid or GPU job holds it") from None
+        except OSError as e:
+            raise StartupError(f"cannot create lock files in {cfg.lock_dir}: {e.strerror}") from None
+        try:
+            self.store = JobStore(cfg.state_dir)
+        except StateDirBusy as e:
+            raise StartupError(str(e)) from None
+        except OSError as e:
+            raise StartupError(f"cannot open the state dir {cfg.state_dir}: {e.strerror or e}") from None
+        recovered = self.store.recover()
+        if recovered:
+            log.warning("jobs interrupted by the last shutdown marked failed", count=len(recovered))
+        return self.store
+
+    def _build(self, store: JobStore) -> Api:
+        """The parts, each built after what it uses: stage handles, metrics, scheduler, API."""
+        load_locks = {d: asyncio.Lock() for d in self.config.devices}   # one loader per device at a time
+        self.stages = {name: StageHandle(self.config, stage, self.data_dir, store.jobs_dir, load_locks)
+                       for name, stage in self.config.stages.items()}
+        metrics = Metrics(self.stages)
+        self.scheduler = Scheduler(self.config, store, self.stages, lambda stage: self.data_dir / f"{stage}.sock",
+                                   metrics)
+        return Api(self.config, store, self.scheduler, self.stages, metrics, self.info)
+
+    # ------------------------------------------------------------------ 2. the socket
+
+    async def _serve(self, api: Api) -> None:
+        cfg = self.config.daemon
+        try:
+            sock, created = open_listening_socket(cfg.socket, cfg.socket_mode, cfg.socket_group)
+        except OSError as e:
+            raise StartupError(f"cannot listen on {cfg.socket}: {e.strerror or e}") from None
+        self._socket_path = cfg.socket if created else None
+        self._runner = web.AppRunner(api.app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        await web.SockSite(self._runner, sock).start()
+        where = str(cfg.socket) if created else f"{sock.getsockname() or 'an unnamed socket'} (from systemd)"
+        log.info("listening", socket=where, stages=len(self.stages), pid=self.info.pid)
+
+    # ------------------------------------------------------------------ 3. the stage workers
+
+    async def _start_stages(self) -> bool:
+        """Start every worker; abort at the first one that dies while loading.
+
+        Returns False when a stop was asked for meanwhile.
+        """
         tasks = {asyncio.create_task(h.start(), name=f"start-{h.name}"): h for h in self.stages.values()}
         stop = asyncio.create_task(self._stop.wait())
-        pending = set(tasks) | {stop}
+        pending: set[asyncio.Task[Any]] = set(tasks) | {stop}
         try:
-            while len(pending) > 1 or stop not in pending:
+            while pending != {stop}:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 if stop in done:
-                    return
+                    return False
                 for t in done:
                     h = tasks[t]
                     t.result()
-                    if h.state == "failed":
+                    if h.state is WorkerState.FAILED:
                         raise StartupError(f"stage {h.name!r} failed to start: {h.last_error}")
-                if pending == {stop}:
-                    return
+            return not self._stop.is_set()
         finally:
             for t in pending:
                 t.cancel()
 
+    # ------------------------------------------------------------------ 4. serving
+
     async def _main_loop(self) -> None:
+        """Every second: heartbeat checks; the systemd watchdog ping when it is on."""
         watchdog = systemd.watchdog_interval()
         last_ping = 0.0
         while not self._stop.is_set():
@@ -212,13 +216,27 @@ class Daemon:
                 systemd.notify("WATCHDOG=1")
                 last_ping = time.monotonic()
 
-    def _on_message(self, handle: StageHandle, msg: Any) -> None:
-        if self.scheduler is not None:
-            self.scheduler.on_message(handle, msg)
+    # ------------------------------------------------------------------ 5. shutdown
 
-    def _on_exit(self, handle: StageHandle, reason: str) -> None:
+    async def _shutdown(self) -> None:
+        """Fail what is live, close the API, stop the workers, release the locks, remove the socket."""
+        self.info.stopping = True
+        systemd.notify("STOPPING=1")
         if self.scheduler is not None:
-            self.scheduler.on_exit(handle, reason)
+            self.scheduler.shutdown()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await asyncio.gather(*(h.stop(self.config.daemon.stop_grace_s) for h in self.stages.values()))
+        self.device_locks.release()
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+        if self._socket_path is not None:
+            try:
+                self._socket_path.unlink()
+            except FileNotFoundError:
+                pass
+        if self.store is not None:
+            self.store.close()
+        log.info("stopped")
 
 
 def run(config: Config) -> int:

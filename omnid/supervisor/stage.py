@@ -1,15 +1,20 @@
-"""The supervisor's side of one stage worker: spawn, handshake, watch, restart.
+"""The supervisor's side of one stage worker: spawn, handshake, watch, restart, stop.
 
-Runs in the supervisor's event-loop thread (the main thread: the kernel's
-parent-death signal is tied to the thread that forked, so workers must be
-spawned from a thread that lives as long as the daemon). Nothing here blocks:
-the worker's control pipe and its process sentinel are watched with
-`loop.add_reader`, so a worker that dies, during its load or later, is noticed
-at once.
+Runs in the supervisor process's event-loop thread (the main thread: the kernel's
+parent-death signal is tied to the thread that forked, so workers must be spawned
+from a thread that lives as long as the daemon). Nothing here blocks: the worker's
+control pipe (`ControlPipe`) and its process sentinel are watched with
+`loop.add_reader`, so a worker that dies, during its load or later, is noticed at
+once; `start` and `stop` only await (device load locks, READY, the worker's exit).
 
-States: starting -> waiting_for_device -> loading -> ready <-> busy;
-on death: restarting (backoff) -> loading ..., or failed when it keeps
-crashing or cannot load; stopped at shutdown.
+`StageHandle` keeps the life cycle and composes its parts: `ControlPipe` (the
+control pipe's I/O), `RestartPolicy` (whether and when to restart),
+`ProcessSampler` (RSS and CPU for snapshots). It tells what happens to one
+`StageListener` (the scheduler), attached once both exist.
+
+States (`WorkerState`): starting -> waiting_for_device -> loading -> ready <-> busy;
+on death: restarting (backoff) -> loading ..., or failed when it keeps crashing or
+cannot load; stopped at shutdown.
 """
 
 from __future__ import annotations
@@ -17,27 +22,40 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
-import select
 import signal
 import time
-from collections import deque
 from collections.abc import Callable
-from multiprocessing.connection import Connection
-from typing import Any
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any, Protocol
 
-import psutil
 import structlog
 
 from omnid import protocol as P
 from omnid.config import Config, StageConfig
+from omnid.supervisor.control_pipe import ControlPipe
+from omnid.supervisor.process_stats import ProcessSampler
+from omnid.supervisor.restart_policy import GiveUp, RestartPolicy
+from omnid.vocabulary import WorkerState
 
 log = structlog.get_logger("omnid.stage")
 
 _SPAWN = multiprocessing.get_context("spawn")
 
 
-class StageDead(Exception):
-    """The stage is failed for good (sticky, like vLLM's EngineDeadError)."""
+class StageListener(Protocol):
+    """Who hears what a stage's worker does (the scheduler). Called in the event-loop thread;
+    an exception it raises is logged and does not disturb the handle."""
+
+    def on_message(self, handle: StageHandle, msg: object) -> None:
+        """A message from the worker (any but `Heartbeat`, `Ready` included), after the handle
+        updated its own state from it."""
+
+    def on_exit(self, handle: StageHandle, reason: str) -> None:
+        """The worker died (not on a planned stop); called before its restart is scheduled."""
+
+    def on_failed(self, handle: StageHandle, error: str) -> None:
+        """The stage is given up for good (sticky, like vLLM's EngineDeadError)."""
 
 
 def describe_exit(code: int | None) -> str:
@@ -54,27 +72,30 @@ def describe_exit(code: int | None) -> str:
     return f"exited with status {code}"
 
 
+def _kill_group(pid: int | None) -> None:
+    """SIGKILL the worker's process group: anything its engine started dies with it."""
+    if pid is None:
+        return
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 class StageHandle:
     """One stage worker process and its life cycle."""
 
-    def __init__(self, config: Config, stage: StageConfig, data_dir: Any, jobs_dir: Any,
-                 device_locks: dict[int, asyncio.Lock],
-                 on_message: Callable[["StageHandle", object], None],
-                 on_exit: Callable[["StageHandle", str], None]) -> None:
+    def __init__(self, config: Config, stage: StageConfig, data_dir: Path, jobs_dir: Path,
+                 device_locks: dict[int, asyncio.Lock]) -> None:
         self.config = config
         self.stage = stage
         self.name = stage.name
         self.data_dir = data_dir
         self.jobs_dir = jobs_dir
         self.device_locks = device_locks
-        self.on_message = on_message
-        self.on_exit = on_exit
-        self.state = "starting"
-        self.process: multiprocessing.process.BaseProcess | None = None
-        self.conn: Connection | None = None
-        self.generation = 0
+        self.state = WorkerState.STARTING
+        self.process: BaseProcess | None = None
         self.restarts = 0
-        self.restart_times: deque[float] = deque()
         self.last_error: str | None = None
         self.started_at: float | None = None
         self.ready_at: float | None = None
@@ -87,16 +108,19 @@ class StageHandle:
         self.gpu_memory_bytes: int | None = None
         self.tracked_jobs = 0
         self.jobs_done = 0                  # counted here, on each Finished: exact, and kept across restarts
-        self.ready_event = asyncio.Event()
+        self._listener: StageListener | None = None
+        self._pipe: ControlPipe | None = None
+        self._policy = RestartPolicy.from_config(config.daemon)
+        self._sampler = ProcessSampler()
+        self._attempt_over = asyncio.Event()  # the start attempt ended: READY, death, failure or stop
+        self._became_ready = False          # this incarnation sent READY
         self._load_error: str | None = None
-        self._ps: psutil.Process | None = None
         self._stopping = False
         self._restart_task: asyncio.Task[None] | None = None
-        self._kill_counts = True            # False when the supervisor kills it on purpose (cancel grace)
-        self._load_failures = 0             # consecutive restarts that could not load the engine
-        self._outq: deque[object] = deque() # control messages waiting for room in the pipe
 
-    # ------------------------------------------------------------------ start
+    def attach(self, listener: StageListener) -> None:
+        """From now on, tell `listener` what the worker says and does."""
+        self._listener = listener
 
     @property
     def pid(self) -> int | None:
@@ -106,84 +130,82 @@ class StageHandle:
     def alive(self) -> bool:
         return self.process is not None and self.process.exitcode is None
 
+    # ------------------------------------------------------------------ start
+
     async def start(self) -> None:
-        """Spawn the worker and wait for READY (or its death), loading one per device at a time."""
+        """Spawn the worker and wait until the attempt is over (READY, or its death),
+        loading one per device at a time."""
         locks = [self.device_locks[d] for d in sorted(self.stage.devices)]
         if any(lock.locked() for lock in locks):
-            self.state = "waiting_for_device"
+            self.state = WorkerState.WAITING_FOR_DEVICE
         for lock in locks:                 # sorted order: overlapping device sets cannot deadlock
             await lock.acquire()
         try:
             if self._stopping:
                 return
             self._spawn()
-            await self._wait_ready()
+            await self._wait_attempt()
         finally:
             for lock in reversed(locks):
                 lock.release()
 
     def _spawn(self) -> None:
-        loop = asyncio.get_running_loop()
         parent, child = _SPAWN.Pipe(duplex=True)
         spec = P.WorkerSpec(stage=self.name, config=self.config, data_dir=self.data_dir,
                             jobs_dir=self.jobs_dir, parent_pid=os.getpid())
         from omnid.worker.main import worker_main
         proc = _SPAWN.Process(target=worker_main, args=(spec, child), name=f"omnid-stage-{self.name}",
                               daemon=False)
-        self.state = "loading"
-        self.ready_event.clear()
+        self.state = WorkerState.LOADING
+        self._attempt_over.clear()
+        self._became_ready = False
         self._load_error = None
-        proc.start()
+        try:
+            proc.start()
+        except BaseException:
+            parent.close()
+            child.close()
+            raise
         child.close()
-        self.process, self.conn = proc, parent
+        self.process = proc
         self.started_at = time.time()
         self.ready_at = None
         self.last_heartbeat = time.monotonic()
-        self._ps = None
-        loop.add_reader(parent.fileno(), self._on_readable)
-        loop.add_reader(proc.sentinel, self._on_sentinel)
+        self._sampler.reset()
+        self._pipe = ControlPipe(parent, self._on_message)
+        asyncio.get_running_loop().add_reader(proc.sentinel, self._on_sentinel)
         log.info("stage worker spawned", stage=self.name, pid=proc.pid, devices=list(self.stage.devices),
-                 generation=self.generation)
+                 restarts=self.restarts)
 
-    async def _wait_ready(self) -> None:
+    async def _wait_attempt(self) -> None:
         timeout = self.config.daemon.startup_timeout_s
         try:
-            await asyncio.wait_for(self.ready_event.wait(), timeout)
+            await asyncio.wait_for(self._attempt_over.wait(), timeout)
         except asyncio.TimeoutError:
             self.kill(f"did not become ready within {timeout:.0f} s")
-            await self.ready_event.wait()
+            await self._attempt_over.wait()
 
-    # ------------------------------------------------------------------ events
+    # ------------------------------------------------------------------ what the worker says
 
-    def _on_readable(self) -> None:
-        conn = self.conn
-        if conn is None:
-            return
-        try:
-            while conn.poll():
-                msg = conn.recv()
-                self._handle(msg)
-        except (EOFError, OSError):
-            self._detach_conn()
-
-    def _handle(self, msg: object) -> None:
+    def _on_message(self, msg: object) -> None:
         if isinstance(msg, P.Heartbeat):
             self.last_heartbeat = time.monotonic()
             self.stats = msg.stats
             self.running = msg.running
             self.gpu_memory_bytes = msg.gpu_memory_bytes
             self.tracked_jobs = msg.tracked_jobs
-            if self.state in ("ready", "busy"):
-                self.state = "busy" if msg.running else "ready"
+            if self.state.warm:
+                self.state = WorkerState.BUSY if msg.running else WorkerState.READY
             return
         if isinstance(msg, P.Ready):
-            self._load_failures = 0
-            self.state = "ready"
+            self._policy.on_ready()
+            self.state = WorkerState.READY
             self.ready_at = time.time()
             self.load_s = msg.load_s
             self.info = msg.info
             self.last_heartbeat = time.monotonic()
-            self.ready_event.set()
+            self._became_ready = True
+            self._attempt_over.set()
             log.info("stage ready", stage=self.name, pid=msg.pid, load_s=round(msg.load_s, 3))
         elif isinstance(msg, P.LoadFailed):
             self._load_error = msg.error.strip()
@@ -193,38 +215,30 @@ class StageHandle:
             if isinstance(msg, P.Finished):
                 self.jobs_done += 1
             self.running = tuple(j for j in self.running if j != msg.job)
-        if self.state in ("ready", "busy") and isinstance(msg, (P.Started, P.Finished, P.Failed, P.Stopped)):
-            self.state = "busy" if self.running else "ready"
-        self._notify(self.on_message, msg)
+        if self.state.warm and isinstance(msg, (P.Started, P.Finished, P.Failed, P.Stopped)):
+            self.state = WorkerState.BUSY if self.running else WorkerState.READY
+        self._notify(type(msg).__name__, lambda listener: listener.on_message(self, msg))
 
-    def _notify(self, callback: Callable[["StageHandle", Any], None], arg: Any) -> None:
-        """Call the scheduler; its failure (a full disk, a bug) must not stop this handle."""
+    def _notify(self, what: str, call: Callable[[StageListener], None]) -> None:
+        """Tell the listener; its failure (a full disk, a bug) must not stop this handle."""
+        if self._listener is None:
+            return
         try:
-            callback(self, arg)
+            call(self._listener)
         except Exception:
-            log.exception("handling a stage event failed", stage=self.name, event=type(arg).__name__)
+            # Not `event=`: that is the name of structlog's message argument.
+            log.exception("handling a stage event failed", stage=self.name, what=what)
 
-    def _detach_conn(self) -> None:
-        self._outq.clear()
-        if self.conn is not None:
-            try:
-                loop = asyncio.get_running_loop()
-                loop.remove_reader(self.conn.fileno())
-                loop.remove_writer(self.conn.fileno())
-            except (ValueError, OSError):
-                pass
-            self.conn.close()
-            self.conn = None
+    # ------------------------------------------------------------------ death and restart
 
     def _on_sentinel(self) -> None:
         proc = self.process
         if proc is None:
             return
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(proc.sentinel)
+        asyncio.get_running_loop().remove_reader(proc.sentinel)
         self._reap(proc, time.monotonic() + 5.0)
 
-    def _reap(self, proc: Any, deadline: float) -> None:
+    def _reap(self, proc: BaseProcess, deadline: float) -> None:
         """The sentinel fires as the worker closes its fds; its exit status follows within
         moments. Poll for it without blocking the event loop."""
         proc.join(timeout=0)
@@ -233,12 +247,13 @@ class StageHandle:
             return
         self._on_exit_status(proc)
 
-    def _on_exit_status(self, proc: Any) -> None:
-        self._on_readable()             # drain what it said before dying (LoadFailed, Failed ...)
-        self._detach_conn()
-        self._kill_group(proc.pid)      # anything the engine started dies with it
+    def _on_exit_status(self, proc: BaseProcess) -> None:
+        pipe, self._pipe = self._pipe, None
+        if pipe is not None:
+            pipe.drain()                # what it said before dying (LoadFailed, Failed ...)
+            pipe.close()
+        _kill_group(proc.pid)           # anything the engine started dies with it
         code = proc.exitcode
-        was_loading = not self.ready_event.is_set()
         reason = f"worker (pid {proc.pid}) {describe_exit(code)}"
         if self._load_error:
             reason += f": {self._load_error.splitlines()[0]}"
@@ -250,52 +265,37 @@ class StageHandle:
                                                 "window_triggers")})
         self.stats = P.QueueStats()
         if self._stopping:
-            self.state = "stopped"
-            self.ready_event.set()
+            self.state = WorkerState.STOPPED
+            self._attempt_over.set()
             return
         log.error("stage worker died", stage=self.name, pid=proc.pid, exit=code, reason=reason)
-        self._notify(self.on_exit, reason)
-        # End the start attempt that is waiting for READY (it holds the device load locks).
-        self.ready_event.set()
-        if was_loading and self.generation == 0:
-            self.state = "failed"          # the daemon's first start fails as a whole
+        self._notify("exit", lambda listener: listener.on_exit(self, reason))
+        # End the start attempt that is waiting (it holds the device load locks).
+        self._attempt_over.set()
+        if not self._became_ready and self.restarts == 0:
+            self.state = WorkerState.FAILED     # the daemon's first start fails as a whole
             return
         self._schedule_restart(code)
 
     def _schedule_restart(self, code: int | None) -> None:
-        d = self.config.daemon
-        now = time.monotonic()
-        if self._kill_counts:              # a kill we ordered (cancel grace) is not a crash
-            self.restart_times.append(now)
-        self._kill_counts = True
-        while self.restart_times and now - self.restart_times[0] > d.restart_window_s:
-            self.restart_times.popleft()
-        if code == P.EXIT_LOAD_FAILED:
-            # One retry: memory held by the dead worker may take a moment to be freed.
-            self._load_failures += 1
-            if self._load_failures >= 2:
-                self._fail_for_good(f"{self.last_error} (not restarting: loading fails)")
-                return
-        if len(self.restart_times) > d.max_restarts:
-            self._fail_for_good(f"{self.last_error} (crashed {len(self.restart_times)} times in "
-                                f"{d.restart_window_s:.0f} s; not restarting)")
+        decision = self._policy.on_exit(time.monotonic(), code)
+        if isinstance(decision, GiveUp):
+            self._fail_for_good(f"{self.last_error} ({decision.reason})")
             return
-        delay = min(d.restart_backoff_s * 2 ** (len(self.restart_times) - 1), d.restart_backoff_max_s)
-        self.state = "restarting"
-        self._restart_task = asyncio.get_running_loop().create_task(self._restart(delay))
+        self.state = WorkerState.RESTARTING
+        self._restart_task = asyncio.get_running_loop().create_task(self._restart(decision.delay_s))
 
     def _fail_for_good(self, error: str) -> None:
-        self.state = "failed"
+        self.state = WorkerState.FAILED
         self.last_error = error
-        self.ready_event.set()
+        self._attempt_over.set()
         log.error("stage failed", stage=self.name, error=error)
-        self._notify(self.on_message, StageDead(error))
+        self._notify("failed", lambda listener: listener.on_failed(self, error))
 
     async def _restart(self, delay: float) -> None:
         await asyncio.sleep(delay)
         if self._stopping:
             return
-        self.generation += 1
         self.restarts += 1
         try:
             await self.start()
@@ -307,41 +307,8 @@ class StageHandle:
     # ------------------------------------------------------------------ control
 
     def send(self, msg: object) -> bool:
-        """Queue a control message; never blocks the event loop (a frozen worker's pipe fills)."""
-        if self.conn is None:
-            return False
-        self._outq.append(msg)
-        self._flush()
-        return True
-
-    def _flush(self) -> None:
-        conn = self.conn
-        if conn is None:
-            self._outq.clear()
-            return
-        loop = asyncio.get_running_loop()
-        try:
-            # Writable means PIPE_BUF bytes are free: one small message goes in whole, at once.
-            while self._outq and select.select([], [conn.fileno()], [], 0)[1]:
-                conn.send(self._outq.popleft())
-        except (OSError, ValueError):
-            self._outq.clear()
-            return
-        if self._outq:
-            loop.add_writer(conn.fileno(), self._on_writable)
-
-    def _on_writable(self) -> None:
-        if self.conn is not None:
-            asyncio.get_running_loop().remove_writer(self.conn.fileno())
-        self._flush()
-
-    def _kill_group(self, pid: int | None) -> None:
-        if pid is None:
-            return
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        """Queue a control message; never blocks the event loop. False when there is no pipe."""
+        return self._pipe is not None and self._pipe.send(msg)
 
     def kill(self, reason: str, counts: bool = True) -> None:
         """SIGKILL the worker (hung, or ignoring a cancel); the sentinel handler restarts it.
@@ -349,20 +316,21 @@ class StageHandle:
         `counts=False`: a kill the supervisor decided on for a job's sake (a cancel the stage
         ignored) does not count toward `max_restarts`.
         """
-        if self.alive and self.process is not None:
-            self._kill_counts = counts
-            log.warning("killing stage worker", stage=self.name, pid=self.process.pid, reason=reason)
+        proc = self.process
+        if proc is not None and self.alive:
+            self._policy.note_kill(counts)
+            log.warning("killing stage worker", stage=self.name, pid=proc.pid, reason=reason)
             self._load_error = reason
-            self._kill_group(self.process.pid)
-            try:
-                os.kill(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_group(proc.pid)
+            if proc.pid is not None:
+                try:
+                    os.kill(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def check_heartbeat(self) -> None:
         timeout = self.config.daemon.heartbeat_timeout_s
-        if self.state in ("ready", "busy") and self.alive and \
-                time.monotonic() - self.last_heartbeat > timeout:
+        if self.state.warm and self.alive and time.monotonic() - self.last_heartbeat > timeout:
             self.kill(f"hung: no heartbeat for {timeout:g} s")
 
     async def stop(self, grace: float) -> None:
@@ -372,48 +340,33 @@ class StageHandle:
             self._restart_task.cancel()
         proc = self.process
         if proc is None or proc.exitcode is not None:
-            self.state = "stopped"
+            self.state = WorkerState.STOPPED
             return
         self.send(P.Shutdown())
-        if self.state not in ("ready", "busy"):
+        if not self.state.warm:
             grace = 0.0                    # still loading (or waiting to): nothing to finish, no wait
         deadline = time.monotonic() + grace
         while proc.exitcode is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if proc.exitcode is None:
-            self._kill_group(proc.pid)
+            _kill_group(proc.pid)
             proc.kill()
             while proc.exitcode is None:
                 await asyncio.sleep(0.02)
-        self._kill_group(proc.pid)
-        self.state = "stopped"
+        _kill_group(proc.pid)
+        self.state = WorkerState.STOPPED
 
     # ------------------------------------------------------------------ inspection
 
     def snapshot(self) -> dict[str, Any]:
-        rss = cpu = None
         pid = self.pid
-        if pid is not None:
-            try:
-                if self._ps is None or self._ps.pid != pid:
-                    self._ps = psutil.Process(pid)
-                    self._ps.cpu_percent(None)
-                with self._ps.oneshot():
-                    rss = self._ps.memory_info().rss
-                    cpu = self._ps.cpu_percent(None)
-                    for child in self._ps.children(recursive=True):
-                        try:
-                            rss += child.memory_info().rss
-                        except psutil.Error:
-                            pass
-            except psutil.Error:
-                pass
+        usage = self._sampler.sample(pid)
         return {
-            "name": self.name, "engine": self.stage.engine, "state": self.state, "pid": pid,
+            "name": self.name, "engine": self.stage.engine, "state": str(self.state), "pid": pid,
             "devices": list(self.stage.devices), "queue_depth": self.stats.depth,
             "queue_capacity": self.stage.queue_capacity, "max_inflight": self.stage.max_inflight,
             "running": list(self.running), "jobs_done": self.jobs_done,
-            "restarts": self.restarts, "rss_bytes": rss, "cpu_percent": cpu,
+            "restarts": self.restarts, "rss_bytes": usage.rss_bytes, "cpu_percent": usage.cpu_percent,
             "gpu_memory_bytes": self.gpu_memory_bytes,
             "uptime_s": round(time.time() - self.ready_at, 3) if self.ready_at and pid else None,
             "load_s": round(self.load_s, 3) if self.load_s is not None else None,

@@ -1,0 +1,53 @@
+"""Feeders: the threads that deliver jobs' own inputs to the first stages of their pipelines.
+
+Runs in the supervisor process, one thread per source stage (`feeder-STAGE`). A feeder blocks on
+the stage's data-plane watermark (`dataplane.Sender.send`) so that the event loop never does; the
+event loop only pushes items (`push`, non-blocking) and reads `is_live` through a callable that
+looks a job id up in a dict (safe from another thread: a single dict lookup).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from omnid.dataplane import Sender, WorkItem
+
+
+class Feeder:
+    """A thread that delivers jobs' inputs to one first stage, in FIFO order."""
+
+    def __init__(self, stage: str, sender: Sender, is_live: Callable[[str], bool]) -> None:
+        self.stage = stage
+        self._sender = sender
+        self._is_live = is_live
+        self._items: deque[WorkItem] = deque()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=f"feeder-{stage}", daemon=True)
+        self._thread.start()
+
+    def push(self, item: WorkItem, front: bool = False) -> None:
+        """Queue an item; `front` for a resend after a restart, which keeps its place in line."""
+        with self._cv:
+            (self._items.appendleft if front else self._items.append)(item)
+            self._cv.notify()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._items and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    self._sender.close()
+                    return
+                item = self._items.popleft()
+            if not self._is_live(item.job):
+                continue
+            self._sender.send(self.stage, item, abandon=lambda: self._stop or not self._is_live(item.job))

@@ -1,0 +1,70 @@
+"""A live job inside the supervisor: its record, its event stream, and run-time bookkeeping.
+
+Runs in the supervisor's event-loop thread only. Emitting an event appends one row to the job
+store (a short sqlite write) and puts the event on each subscriber's asyncio queue (never blocks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from omnid.config import PipelineConfig
+from omnid.store import JobStore
+from omnid.vocabulary import EventType, JobRecord, StageRun
+
+# What a subscriber receives: an event, or None once the stream is over.
+EventQueue = asyncio.Queue[dict[str, Any] | None]
+
+
+class EventStream:
+    """One job's events: numbered, stored, and fanned out to the live subscribers."""
+
+    def __init__(self, job_id: str, store: JobStore) -> None:
+        self.job_id = job_id
+        self._store = store
+        self._seq = 0
+        self._subscribers: set[EventQueue] = set()
+
+    def emit(self, type_: EventType, **fields: Any) -> None:
+        event = {"type": str(type_), "job": self.job_id, "ts": time.time(), **fields}
+        self._seq += 1
+        self._store.append_event(self.job_id, self._seq, event)
+        for q in self._subscribers:
+            q.put_nowait(event)
+
+    def subscribe(self) -> EventQueue:
+        q: EventQueue = asyncio.Queue()
+        self._subscribers.add(q)
+        return q
+
+    def unsubscribe(self, q: EventQueue) -> None:
+        self._subscribers.discard(q)
+
+    def close(self) -> None:
+        """The job is over: end every subscriber's stream."""
+        for q in self._subscribers:
+            q.put_nowait(None)
+        self._subscribers.clear()
+
+
+class LiveJob:
+    """A job that is queued or running: what the API shows (`record`) plus what only the scheduler needs."""
+
+    def __init__(self, record: JobRecord, pipeline: PipelineConfig, inputs: dict[str, Any],
+                 store: JobStore) -> None:
+        self.record = record
+        self.pipeline = pipeline
+        self.inputs = inputs                    # decoded (file inputs as bytes); the record keeps a summary
+        self.events = EventStream(record.id, store)
+        self.timer: asyncio.TimerHandle | None = None
+        self.delivered: set[tuple[str, str]] = set()    # (src, dst) hand-offs the downstream admitted
+        self.attempts = 0                       # retries used (pipeline `retries`)
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    def stage(self, name: str) -> StageRun:
+        return self.record.stages[name]

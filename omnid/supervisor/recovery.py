@@ -1,0 +1,121 @@
+"""Recovery from dead workers: which jobs fail, which are retried, which inputs are asked for again.
+
+Runs in the supervisor's event-loop thread, called by the scheduler when a stage worker dies, comes
+back (READY after a restart), or is given up for good. Nothing here blocks: resends are control
+messages (non-blocking sends) or items pushed to a feeder thread.
+
+The rules:
+- the job a dead worker was running fails, unless its pipeline's `retries` allows another attempt;
+- jobs queued in the dead worker, and outputs it had produced but not yet handed downstream, are
+  asked for again once the worker is back: from the feeder (the job's own inputs) or from the
+  upstream worker's kept copy (`Resend`); if that copy is gone too, the upstream computes it again;
+- a stage given up for good fails every live job that needs it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+from omnid import protocol as P
+from omnid.supervisor.live_job import LiveJob
+from omnid.vocabulary import ErrorCode, EventType, JobState, StageRunState
+
+if TYPE_CHECKING:
+    from omnid.supervisor.stage import StageHandle
+
+
+class JobControl(Protocol):
+    """What recovery needs of the scheduler."""
+
+    live: dict[str, LiveJob]
+    stages: Mapping[str, StageHandle]
+
+    def feed(self, job: LiveJob, stage: str, front: bool = False) -> None: ...
+
+    def finish(self, job: LiveJob, state: JobState, error: dict[str, Any] | None = None) -> None: ...
+
+
+class Recovery:
+    def __init__(self, jobs: JobControl) -> None:
+        self._jobs = jobs
+        # stage -> jobs whose input for that stage must be asked for again once its worker is back
+        self.resend_after_restart: dict[str, set[str]] = {s: set() for s in jobs.stages}
+
+    def forget(self, job_id: str) -> None:
+        """The job ended: nothing is to be resent for it."""
+        for pending in self.resend_after_restart.values():
+            pending.discard(job_id)
+
+    def pending(self) -> int:
+        """Jobs waiting for a resend (per-job state this class holds)."""
+        return sum(len(p) for p in self.resend_after_restart.values())
+
+    def worker_died(self, handle: StageHandle, reason: str) -> None:
+        """Fail (or retry) the jobs the worker ran; remember what it held, to ask for it again."""
+        name = handle.name
+        now = time.time()
+        for job in list(self._jobs.live.values()):
+            if name not in job.record.stages:
+                continue
+            run = job.stage(name)
+            undelivered = run.state is StageRunState.SUCCEEDED and any(
+                (name, e.dst) not in job.delivered for e in job.pipeline.outgoing(name))
+            if run.state is StageRunState.RUNNING:
+                if job.attempts < job.pipeline.retries:
+                    job.attempts += 1
+                    job.events.emit(EventType.ERROR, stage=name, code=str(ErrorCode.WORKER_DIED),
+                                    message=f"stage {name!r} {reason}; retrying (attempt {job.attempts + 1})")
+                    run.set_state(StageRunState.QUEUED, now)
+                    self.resend_after_restart[name].add(job.id)
+                else:
+                    run.set_state(StageRunState.FAILED, now)
+                    msg = f"stage {name!r} {reason} while running this job"
+                    job.events.emit(EventType.ERROR, stage=name, code=str(ErrorCode.WORKER_DIED), message=msg)
+                    self._jobs.finish(job, JobState.FAILED,
+                                      {"code": str(ErrorCode.WORKER_DIED), "message": msg, "stage": name})
+            elif run.state is StageRunState.QUEUED or undelivered:
+                run.set_state(StageRunState.QUEUED, now)
+                self.resend_after_restart[name].add(job.id)
+
+    def worker_back(self, handle: StageHandle) -> None:
+        """The worker is READY again: ask for the inputs its predecessor lost, oldest job first."""
+        pending = self.resend_after_restart[handle.name]
+        self.resend_after_restart[handle.name] = set()
+        live = self._jobs.live
+        jobs = sorted((live[j] for j in pending if j in live), key=lambda j: j.record.created_at)
+        for job in reversed(jobs):      # to the feeder's front in reverse: they keep their order
+            if not job.pipeline.incoming(handle.name):
+                self._jobs.feed(job, handle.name, front=True)
+        for job in jobs:
+            if job.pipeline.incoming(handle.name):
+                self.inputs_for(job, handle.name)
+
+    def inputs_for(self, job: LiveJob, stage: str) -> None:
+        """Ask again for `stage`'s inputs of `job`: from the feeder, or from its upstreams."""
+        incoming = job.pipeline.incoming(stage)
+        if not incoming:
+            self._jobs.feed(job, stage, front=True)
+        for edge in incoming:
+            if job.stage(edge.src).state is not StageRunState.SUCCEEDED:
+                continue                    # not produced yet: it will be delivered when it is
+            if not self._jobs.stages[edge.src].send(P.Resend(job.id, stage)):
+                self.rerun(job, edge.src)   # that worker is down: its copy is gone with it
+
+    def rerun(self, job: LiveJob, stage: str) -> None:
+        """`stage`'s outputs of `job` were lost with a dead worker: compute them again."""
+        job.stage(stage).set_state(StageRunState.QUEUED, time.time())
+        job.delivered = {d for d in job.delivered if d[0] != stage}
+        if self._jobs.stages[stage].state.warm:
+            self.inputs_for(job, stage)
+        else:
+            self.resend_after_restart[stage].add(job.id)
+
+    def stage_failed(self, handle: StageHandle, error: str) -> None:
+        """The stage is given up for good: every live job that needs it fails."""
+        for job in list(self._jobs.live.values()):
+            if handle.name in job.record.stages:
+                msg = f"stage {handle.name!r} has failed: {error}"
+                self._jobs.finish(job, JobState.FAILED,
+                                  {"code": str(ErrorCode.STAGE_FAILED), "message": msg, "stage": handle.name})
