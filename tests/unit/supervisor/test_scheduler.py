@@ -1,0 +1,373 @@
+"""The scheduler, in-process: driven with fake stage handles, a real job store and a real data plane.
+
+No daemon and no worker process: each test builds a `Scheduler` on an asyncio loop, plays the
+workers' messages (`protocol.Started`, `Finished`, ...) into `on_message` / `on_exit` /
+`on_failed`, and checks the job records, the events, and the control messages the scheduler sent
+back to each stage. The first stages' inputs travel through real `Feeder` threads to a real
+data-plane `Listener` that records what it admits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import shutil
+import tempfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omnid import protocol as P
+from omnid.config import Config, parse
+from omnid.dataplane import Listener, WorkItem
+from omnid.store import JobStore
+from omnid.supervisor import scheduler as scheduler_module
+from omnid.supervisor.errors import Refused
+from omnid.supervisor.scheduler import Scheduler
+from omnid.vocabulary import ErrorCode, EventType, JobState, StageRunState, WorkerState
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+
+
+class FakeStage:
+    """What the scheduler uses of a `StageHandle`: a name, a state, `send`, `kill`, `running`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.state = WorkerState.READY
+        self.running: tuple[str, ...] = ()
+        self.last_error: str | None = None
+        self.sent: list[object] = []
+        self.kills: list[tuple[str, bool]] = []
+        self.listener: Any = None
+        self.pipe_open = True
+
+    def attach(self, listener: Any) -> None:
+        self.listener = listener
+
+    def send(self, msg: object) -> bool:
+        if not self.pipe_open:
+            return False
+        self.sent.append(msg)
+        return True
+
+    def kill(self, reason: str, counts: bool = True) -> None:
+        self.kills.append((reason, counts))
+
+    def sent_of(self, kind: type, job: str) -> list[Any]:
+        return [m for m in self.sent if isinstance(m, kind) and getattr(m, "job", None) == job]
+
+
+def make_config(tmp: Path, pipelines: dict[str, Any], stages: tuple[str, ...] = ("a", "b"),
+                **daemon: Any) -> Config:
+    stage = {"engine": "python", "function": "teststages:echo", "python_path": [str(FIXTURES)]}
+    return parse({"daemon": {"socket": str(tmp / "s.sock"), "state_dir": str(tmp / "state"),
+                             "lock_dir": str(tmp / "lock"), **daemon},
+                  "stages": {s: dict(stage) for s in stages}, "pipelines": pipelines}, base=tmp)
+
+
+class Harness:
+    """A scheduler on a running loop, its fake stages, and the items its feeders delivered."""
+
+    def __init__(self, tmp: Path, config: Config) -> None:
+        self.tmp = tmp
+        self.config = config
+        self.store = JobStore(config.daemon.state_dir)
+        self.stages = {name: FakeStage(name) for name in config.stages}
+        self.fed: queue.Queue[tuple[str, WorkItem]] = queue.Queue()
+        self.listeners = [Listener(tmp / f"{name}.sock", self._admit(name)) for name in config.stages]
+        for listener in self.listeners:
+            listener.start()
+        self.sched = Scheduler(config, self.store, self.stages,
+                               lambda stage: tmp / f"{stage}.sock")
+
+    def _admit(self, stage: str) -> Callable[[WorkItem], bool]:
+        def admit(item: WorkItem) -> bool:
+            self.fed.put((stage, item))
+            return True
+        return admit
+
+    def next_fed(self, timeout: float = 5.0) -> tuple[str, WorkItem]:
+        return self.fed.get(timeout=timeout)
+
+    def say(self, stage: str, msg: object) -> None:
+        """A worker message, as the stage handle passes it on."""
+        self.sched.on_message(self.stages[stage], msg)
+
+    def submit(self, pipeline: str = "p", inputs: dict[str, Any] | None = None, timeout_s: float | None = None,
+               uid: int = 1000) -> str:
+        inputs = inputs or {"text": "hi"}
+        return self.sched.submit(uid, pipeline, inputs, {}, timeout_s, dict(inputs)).id
+
+    def events(self, job: str) -> list[dict[str, Any]]:
+        return self.store.events(job)
+
+    def close(self) -> None:
+        self.sched.shutdown()
+        self.store.close()
+
+
+def run(tmp_path: Path, pipelines: dict[str, Any], test: Callable[[Harness], Awaitable[None]],
+        **daemon: Any) -> None:
+    """Run `test` on a fresh loop with a scheduler for `pipelines` (stages a and b)."""
+    short = Path(tempfile.mkdtemp(prefix="omnid-u-", dir="/tmp"))   # AF_UNIX paths are short
+
+    async def main() -> None:
+        h = Harness(short, make_config(short, pipelines, **daemon))
+        try:
+            await test(h)
+        finally:
+            h.close()
+    try:
+        asyncio.run(main())
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
+CHAIN = {"p": {"stages": ["a", "b"]}}
+ONE = {"p": {"stages": ["a"]}}
+
+
+def test_submit_records_the_job_and_feeds_the_first_stage(tmp_path: Path) -> None:
+    async def test(h: Harness) -> None:
+        job = h.submit(inputs={"text": "hello"})
+        record = h.sched.job(job)
+        assert record is not None and record.state is JobState.QUEUED
+        assert {n: r.state for n, r in record.stages.items()} == {"a": StageRunState.PENDING,
+                                                                   "b": StageRunState.PENDING}
+        stage, item = await asyncio.to_thread(h.next_fed)
+        assert stage == "a" and item.job == job and item.inputs == {"text": "hello"} and item.src is None
+        stored = h.store.get(job)
+        assert stored is not None and stored.to_doc() == record.to_doc()
+        assert [e["type"] for e in h.events(job)] == ["state"]
+    run(tmp_path, CHAIN, test)
+
+
+def test_a_job_runs_through_its_stages_to_success(tmp_path: Path) -> None:
+    async def test(h: Harness) -> None:
+        job = h.submit()
+        h.say("a", P.Admitted(job, None, 1))
+        assert h.sched.job(job).stages["a"].state is StageRunState.QUEUED
+        h.say("a", P.Started(job))
+        record = h.sched.job(job)
+        assert record is not None and record.state is JobState.RUNNING and record.started_at is not None
+        assert record.stages["a"].state is StageRunState.RUNNING and record.stages["a"].started_at
+        h.say("a", P.Progress(job, 3, 10))
+        h.say("a", P.Segment(job, 0, False, text="tok"))
+        h.say("a", P.Finished(job, 0.123456))
+        h.say("a", P.Delivered(job, "b"))
+        assert record.stages["a"].elapsed_s == 0.1235 and record.state is JobState.RUNNING
+        h.say("b", P.Started(job))
+        h.say("b", P.Output(job, "text", "text.txt", "text", "text/plain", 3))
+        h.say("b", P.Finished(job, 0.5))
+        assert record.state is JobState.SUCCEEDED and record.finished_at is not None
+        assert job not in h.sched.live
+        assert record.outputs == [{"name": "text", "file": "text.txt", "kind": "text",
+                                   "content_type": "text/plain", "size": 3, "stage": "b"}]
+        manifest = json.loads((h.store.job_dir(job) / "manifest.json").read_text())
+        assert manifest["outputs"] == record.outputs and manifest["id"] == job
+        types = [e["type"] for e in h.events(job)]
+        assert types == ["state", "stage_started", "state", "progress", "segment", "stage_finished",
+                         "stage_started", "output", "stage_finished", "state"]
+        assert h.events(job)[4]["text"] == "tok"
+        assert h.events(job)[-1] == {**h.events(job)[-1], "type": "state", "state": "succeeded"}
+        for stage in h.stages.values():          # every worker told to forget it; nobody cancelled
+            assert len(stage.sent_of(P.Forget, job)) == 1 and not stage.sent_of(P.Cancel, job)
+        assert h.store.get(job).to_doc() == record.to_doc()
+    run(tmp_path, CHAIN, test)
+
+
+def test_a_stage_failure_fails_the_job_and_cancels_the_rest(tmp_path: Path) -> None:
+    async def test(h: Harness) -> None:
+        job = h.submit()
+        h.say("a", P.Started(job))
+        h.say("a", P.Failed(job, "boom", code="stage_failed"))
+        record = h.sched.job(job)
+        assert record is not None and record.state is JobState.FAILED
+        assert record.error == {"code": "stage_failed", "message": "stage 'a': boom", "stage": "a"}
+        assert record.stages["a"].state is StageRunState.FAILED
+        assert record.stages["b"].state is StageRunState.CANCELLED
+        for stage in h.stages.values():
+            assert [type(m) for m in stage.sent if getattr(m, "job", None) == job] == [P.Cancel, P.Forget]
+        assert h.events(job)[-2]["type"] == "error" and h.events(job)[-2]["message"] == "boom"
+    run(tmp_path, CHAIN, test)
+
+
+def test_cancel_is_idempotent_and_kills_a_stage_that_ignores_it(tmp_path: Path) -> None:
+    async def test(h: Harness) -> None:
+        stubborn, polite = h.submit(), h.submit()
+        for job in (stubborn, polite):
+            h.say("a", P.Started(job))
+        h.stages["a"].running = (stubborn, polite)
+        assert h.sched.cancel(stubborn) is not None
+        assert h.sched.cancel(stubborn) is None                        # not live any more: a no-op
+        h.sched.cancel(polite)
+        h.say("a", P.Stopped(polite))                                  # this one stops at once
+        h.stages["a"].running = (stubborn,)
+        record = h.sched.job(stubborn)
+        assert record is not None and record.state is JobState.CANCELLED
+        assert record.error == {"code": "cancelled", "stage": "a", "message": "cancelled by request"}
+        assert [m.reason for m in h.stages["a"].sent_of(P.Cancel, stubborn)] == ["cancelled"]
+        assert h.stages["a"].kills == []
+        await asyncio.sleep(0.35)                                      # cancel_grace_s = 0.2
+        assert len(h.stages["a"].kills) == 1
+        reason, counts = h.stages["a"].kills[0]
+        assert stubborn in reason and counts is False                 # a kill for a cancel is no crash
+        assert h.sched.stopping == {}
+    run(tmp_path, ONE, test, cancel_grace_s=0.2)
+
+
+def test_a_timeout_says_where_the_job_was(tmp_path: Path) -> None:
+    async def test(h: Harness) -> None:
+        job = h.submit(timeout_s=0.1)
+        h.say("a", P.Started(job))
+        h.say("a", P.Finished(job, 0.01))
+        h.say("b", P.Admitted(job, "a", 1))
+        await asyncio.sleep(0.3)
+        record = h.sched.job(job)
+        assert record is not None and record.state is JobState.TIMED_OUT
+        assert record.error == {"code": "timed_out", "stage": "b",
+                                "message": "timed out after 0.1 s while queued for stage 'b'"}
+        assert [m.reason for m in h.stages["b"].sent_of(P.Cancel, job)] == ["timed_out"]
+    run(tmp_path, CHAIN, test)
+
+
+def test_admission_refuses_a_full_queue_and_a_failed_stage(tmp_path: Path) -> None:
+    async def test(h: Harness) -> None:
+        h.submit()
+        h.submit()
+        with pytest.raises(Refused) as full:
+            h.submit()
+        assert (full.value.status, full.value.code, full.value.extra) == (429, ErrorCode.QUEUE_FULL, {"queued": 2})
+        h.stages["a"].state = WorkerState.FAILED
+        h.stages["a"].last_error = "it broke"
+        with pytest.raises(Refused) as failed:
+            h.submit()
+        assert failed.value.status == 503 and failed.value.code is ErrorCode.STAGE_FAILED
+        assert "it broke" in failed.value.message
+    run(tmp_path, ONE, test, max_queued_jobs=2)
+
+
+def test_a_worker_death_fails_its_running_job_and_requeues_the_rest(tmp_path: Path) -> None:
+    async def test(h: Harness) -> None:
+        running, queued, done_upstream = h.submit(), h.submit(), h.submit()
+        for _ in range(3):
+            await asyncio.to_thread(h.next_fed)
+        h.say("a", P.Started(running))
+        h.say("a", P.Admitted(queued, None, 1))
+        h.say("a", P.Started(done_upstream))
+        h.say("a", P.Finished(done_upstream, 0.1))         # produced, but not yet handed to b
+        h.sched.on_exit(h.stages["a"], "worker (pid 1) was killed by SIGKILL")
+        failed = h.sched.job(running)
+        assert failed is not None and failed.state is JobState.FAILED
+        assert failed.error == {"code": "worker_died", "stage": "a",
+                                "message": "stage 'a' worker (pid 1) was killed by SIGKILL while running this job"}
+        assert h.sched.recovery.resend_after_restart["a"] == {queued, done_upstream}
+        h.say("a", P.Ready(pid=2, load_s=0.1))                  # back: the lost inputs are asked for again
+        refed = {(await asyncio.to_thread(h.next_fed))[1].job for _ in range(2)}
+        assert refed == {queued, done_upstream}
+        assert h.sched.recovery.pending() == 0
+    run(tmp_path, CHAIN, test)
+
+
+def test_pipeline_retries_rerun_a_job_whose_worker_died(tmp_path: Path) -> None:
+    async def test(h: Harness) -> None:
+        job = h.submit()
+        await asyncio.to_thread(h.next_fed)
+        h.say("a", P.Started(job))
+        h.sched.on_exit(h.stages["a"], "exited with status 1")
+        record = h.sched.job(job)
+        assert record is not None and record.state is JobState.RUNNING
+        assert record.stages["a"].state is StageRunState.QUEUED
+        assert h.events(job)[-1]["code"] == "worker_died" and "retrying" in h.events(job)[-1]["message"]
+        h.say("a", P.Ready(pid=2, load_s=0.1))
+        assert (await asyncio.to_thread(h.next_fed))[1].job == job
+        h.say("a", P.Started(job))
+        h.sched.on_exit(h.stages["a"], "exited with status 1")
+        assert record.state is JobState.FAILED                  # one retry, not two
+    run(tmp_path, {"p": {"stages": ["a"], "retries": 1}}, test)
+
+
+def test_a_downstream_restart_asks_the_upstream_to_resend(tmp_path: Path) -> None:
+    async def test(h: Harness) -> None:
+        job = h.submit()
+        h.say("a", P.Started(job))
+        h.say("a", P.Finished(job, 0.1))
+        h.say("a", P.Delivered(job, "b"))
+        h.say("b", P.Started(job))
+        h.sched.on_exit(h.stages["b"], "exited")   # (it retries: retries = 1)
+        h.say("b", P.Ready(pid=3, load_s=0.1))
+        assert h.stages["a"].sent_of(P.Resend, job) == [P.Resend(job, "b")]
+        h.say("a", P.ResendMissing(job, "b"))                  # a restarted too: its copy is gone
+        record = h.sched.job(job)
+        assert record is not None and record.stages["a"].state is StageRunState.QUEUED
+        assert (await asyncio.to_thread(h.next_fed))[1].job == job   # fed once at submit...
+        assert (await asyncio.to_thread(h.next_fed))[1].job == job   # ...and again, to recompute
+    run(tmp_path, {"p": {"stages": ["a", "b"], "retries": 1}}, test)
+
+
+def test_a_stage_given_up_fails_every_job_that_needs_it(tmp_path: Path) -> None:
+    async def test(h: Harness) -> None:
+        jobs = [h.submit("p"), h.submit("p")]
+        other = h.submit("q")
+        h.sched.on_failed(h.stages["b"], "crashed 6 times")
+        for job in jobs:
+            record = h.sched.job(job)
+            assert record is not None and record.state is JobState.FAILED
+            assert record.error == {"code": "stage_failed", "stage": "b",
+                                    "message": "stage 'b' has failed: crashed 6 times"}
+        assert h.sched.job(other).state is JobState.QUEUED
+    run(tmp_path, {"p": {"stages": ["a", "b"]}, "q": {"stages": ["a"]}}, test)
+
+
+def test_late_messages_of_an_ended_job_change_nothing_and_no_state_is_kept(tmp_path: Path) -> None:
+    async def test(h: Harness) -> None:
+        job = h.submit()
+        h.say("a", P.Started(job))
+        h.sched.cancel(job)
+        before = h.sched.job(job).to_doc()
+        n_events = len(h.events(job))
+        for msg in (P.Progress(job, 1, 2), P.Segment(job, 1, True), P.Finished(job, 1.0), P.Failed(job, "x"),
+                    P.Output(job, "o", "o.txt", "text", "text/plain", 1), P.Stopped(job)):
+            h.say("a", msg)
+        assert h.sched.job(job).to_doc() == before
+        assert len(h.events(job)) == n_events
+        assert h.sched.live == {} and h.sched.stopping == {} and h.sched.recovery.pending() == 0
+    run(tmp_path, ONE, test)
+
+
+def test_subscribers_get_the_past_then_the_live_events_then_the_end(tmp_path: Path) -> None:
+    async def test(h: Harness) -> None:
+        job = h.submit()
+        past, q = h.sched.subscribe(job)
+        assert [e["type"] for e in past] == ["state"] and q is not None
+        h.say("a", P.Started(job))
+        h.say("a", P.Finished(job, 0.1))
+        got = []
+        while (event := q.get_nowait()) is not None:
+            got.append(event["type"])
+        assert got == ["stage_started", "state", "stage_finished", "state"]
+        assert h.sched.subscribe(job)[1] is None                  # over: the past only
+    run(tmp_path, ONE, test)
+
+
+def test_shutdown_fails_what_is_live(tmp_path: Path) -> None:
+    async def test(h: Harness) -> None:
+        job = h.submit()
+        h.sched.shutdown()
+        record = h.store.get(job)
+        assert record is not None and record.state is JobState.FAILED
+        assert record.error is not None and record.error["code"] == ErrorCode.DAEMON_STOPPING
+    run(tmp_path, ONE, test)
+
+
+def test_every_per_job_worker_message_has_a_handler() -> None:
+    per_job = {cls for cls in vars(P).values()
+               if isinstance(cls, type) and cls.__module__ == P.__name__ and "job" in getattr(cls, "__annotations__", {})
+               and cls not in (P.Cancel, P.Forget, P.Resend)}          # those go the other way
+    assert per_job == set(scheduler_module._HANDLERS)
+    for cls, handler in scheduler_module._HANDLERS.items():
+        assert handler.__name__.startswith("on_"), (cls, handler)

@@ -1,0 +1,406 @@
+"""`omnid.config.parse` in-process: what the parser hands the daemon, and every problem it reports.
+
+No TOML file, no subprocess: the parsed dict goes straight to `parse(data, base=...)`. Model
+directories are fakes (only their marker file matters); python stages use tests/fixtures/teststages.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import pickle
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import FIXTURES
+from omnid import config as C
+from omnid import paths
+from omnid.params import DIFFUSERS_PARAMS, VLLM_PARAMS
+
+
+@pytest.fixture
+def models(tmp_path: Path) -> Path:
+    (tmp_path / "llm").mkdir()
+    (tmp_path / "llm" / "config.json").write_text("{}")
+    (tmp_path / "sd").mkdir()
+    (tmp_path / "sd" / "model_index.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    return tmp_path
+
+
+def py(function: str = "sleep", **extra: Any) -> dict[str, Any]:
+    return {"engine": "python", "function": f"teststages:{function}", "python_path": [str(FIXTURES)], **extra}
+
+
+def edge(src: str, dst: str, **extra: Any) -> dict[str, Any]:
+    return {"from": src, "to": dst, **extra}
+
+
+def minimal(**pipeline: Any) -> dict[str, Any]:
+    return {"stages": {"a": py(), "b": py(), "c": py()},
+            "pipelines": {"p": {"stages": ["a", "b", "c"], **pipeline}}}
+
+
+def parse(data: dict[str, Any], base: Path) -> C.Config:
+    return C.parse(copy.deepcopy(data), base=base)
+
+
+def problems(data: dict[str, Any], base: Path) -> dict[str, list[str]]:
+    """Every reported problem's messages, by key path (the parse must fail)."""
+    with pytest.raises(C.ConfigError) as err:
+        parse(data, base)
+    found: dict[str, list[str]] = {}
+    for p in err.value.problems:
+        found.setdefault(p.path, []).append(p.message)
+    return found
+
+
+def reported(data: dict[str, Any], base: Path, path: str, fragment: str) -> None:
+    found = problems(data, base)
+    assert any(fragment in m for m in found.get(path, [])), f"no {path!r} containing {fragment!r} in {found}"
+
+
+# ------------------------------------------------------------------------- valid configs
+
+
+def test_minimal_valid_config(tmp_path: Path) -> None:
+    cfg = parse({"stages": {"a": py()}, "pipelines": {"p": {"stages": ["a"]}}}, tmp_path)
+    assert cfg.source is None
+    a = cfg.stages["a"]
+    assert (a.name, a.engine, a.function, a.model) == ("a", "python", "teststages:sleep", None)
+    assert a.python_path == (FIXTURES,)
+    assert (a.devices, a.exclusive, a.max_inflight, a.queue_capacity) == ((), False, 1, 4)
+    assert (dict(a.args), dict(a.defaults), dict(a.env)) == ({}, {}, {})
+    p = cfg.pipelines["p"]
+    assert (p.name, p.stages, p.edges, p.sources, p.sinks) == ("p", ("a",), (), ("a",), ("a",))
+    assert (p.timeout_s, p.retries) == (None, 0)
+    d = paths.defaults()
+    assert (cfg.daemon.socket, cfg.daemon.state_dir, cfg.daemon.lock_dir) == (d.socket, d.state_dir, d.lock_dir)
+    assert cfg.devices == ()
+    assert pickle.loads(pickle.dumps(cfg)) == cfg           # handed to every worker at spawn
+
+
+def test_daemon_defaults(tmp_path: Path) -> None:
+    daemon = parse(minimal(), tmp_path).daemon
+    expected = {
+        "max_queued_jobs": 256, "default_timeout_s": 600.0, "socket_mode": 0o660, "socket_group": None,
+        "max_request_bytes": 64 * 1024 * 1024, "heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 30.0,
+        "startup_timeout_s": 900.0, "cancel_grace_s": 5.0, "stop_grace_s": 10.0, "restart_backoff_s": 1.0,
+        "restart_backoff_max_s": 30.0, "max_restarts": 5, "restart_window_s": 300.0,
+        "log_level": "info", "log_format": "console",
+    }
+    got = {k: getattr(daemon, k) for k in expected}
+    assert got == expected
+    assert daemon.socket_mode == 0o660, "the socket is group-accessible by default"
+    # The dataclass's own defaults agree with the parser's.
+    bare = C.DaemonConfig(socket=Path("/s"), state_dir=Path("/d"), lock_dir=Path("/l"))
+    assert {k: getattr(bare, k) for k in expected} == expected
+
+
+def test_daemon_values(tmp_path: Path) -> None:
+    data = minimal()
+    data["daemon"] = {"socket_mode": "0600", "socket_group": "omnid", "max_queued_jobs": 3,
+                      "default_timeout_s": 30, "max_restarts": 0, "log_level": "debug", "log_format": "json"}
+    d = parse(data, tmp_path).daemon
+    assert (d.socket_mode, d.socket_group, d.max_queued_jobs, d.max_restarts) == (0o600, "omnid", 3, 0)
+    assert d.default_timeout_s == 30.0 and type(d.default_timeout_s) is float
+    assert (d.log_level, d.log_format) == ("debug", "json")
+    data["daemon"] = {"socket_mode": 0o640}
+    assert parse(data, tmp_path).daemon.socket_mode == 0o640
+
+
+@pytest.mark.parametrize(("key", "value", "fragment"), [
+    ("socket_mode", "rw-rw----", "octal string"),
+    ("socket_mode", "0999", "octal string"),
+    ("socket_mode", 0o1000, "between 0000 and 0777"),
+    ("socket_mode", -1, "between 0000 and 0777"),
+    ("max_queued_jobs", 0, "must be > 0, not 0"),
+    ("max_queued_jobs", 1.5, "must be an integer, not a number"),
+    ("max_queued_jobs", True, "not a boolean"),
+    ("heartbeat_timeout_s", -1, "must be > 0"),
+    ("max_restarts", -1, "must be >= 0"),
+    ("log_level", "trace", "must be one of"),
+    ("log_format", "xml", "must be \"console\" or \"json\""),
+    ("socket", 3, "must be a string"),
+    ("sockett", "/x", "unknown key"),
+])
+def test_daemon_problems(tmp_path: Path, key: str, value: Any, fragment: str) -> None:
+    data = minimal()
+    data["daemon"] = {key: value}
+    reported(data, tmp_path, f"daemon.{key}", fragment)
+
+
+def test_chain_gets_implicit_edges(tmp_path: Path) -> None:
+    p = parse(minimal(), tmp_path).pipelines["p"]
+    assert p.edges == (C.EdgeConfig("a", "b"), C.EdgeConfig("b", "c"))
+    assert all((e.window, e.map, e.transform) == (C.FULL_WINDOW, None, None) for e in p.edges)
+    assert (p.sources, p.sinks) == (("a",), ("c",))
+    assert p.incoming("b") == (C.EdgeConfig("a", "b"),) and p.outgoing("b") == (C.EdgeConfig("b", "c"),)
+    assert p.as_api()["edges"] == [{"from": "a", "to": "b", "window": -1, "map": None, "transform": None},
+                                   {"from": "b", "to": "c", "window": -1, "map": None, "transform": None}]
+
+
+def test_explicit_edges_replace_the_chain(tmp_path: Path) -> None:
+    p = parse(minimal(edges=[edge("a", "c", map={"prompt": "text"}), edge("b", "c", window=-1)]),
+              tmp_path).pipelines["p"]
+    assert [(e.src, e.dst) for e in p.edges] == [("a", "c"), ("b", "c")]
+    assert p.edges[0].map == {"prompt": "text"}
+    assert (p.sources, p.sinks) == (("a", "b"), ("c",))
+
+
+def test_an_empty_edge_list_is_not_a_chain(tmp_path: Path) -> None:
+    found = problems(minimal(edges=[]), tmp_path)
+    assert sorted(found["pipelines.p.edges"]) == [f"stage {s!r} is in the pipeline but on no edge" for s in "abc"]
+
+
+# ------------------------------------------------------------------------- graph problems
+
+
+def test_cycle(tmp_path: Path) -> None:
+    reported(minimal(edges=[edge("a", "b"), edge("b", "c"), edge("c", "a")]), tmp_path,
+             "pipelines.p.edges", "the edges form a cycle: a -> b -> c -> a")
+
+
+def test_self_edge(tmp_path: Path) -> None:
+    reported(minimal(edges=[edge("a", "b"), edge("b", "b"), edge("b", "c")]), tmp_path,
+             "pipelines.p.edges[1]", "an edge from 'b' to itself is a cycle")
+
+
+def test_unknown_stages(tmp_path: Path) -> None:
+    data = minimal(edges=[edge("a", "b"), edge("b", "ghost"), edge("spook", "c")])
+    data["pipelines"]["q"] = {"stages": ["a", "phantom", "a"]}
+    found = problems(data, tmp_path)
+    assert found["pipelines.p.edges[1].to"] == ["unknown stage 'ghost'"]
+    assert found["pipelines.p.edges[2].from"] == ["unknown stage 'spook'"]
+    assert found["pipelines.q.stages[1]"] == ["unknown stage 'phantom'"]
+    assert found["pipelines.q.stages[2]"] == ["stage 'a' is listed twice"]
+
+
+def test_edge_to_a_stage_outside_the_pipeline(tmp_path: Path) -> None:
+    data = minimal(edges=[edge("a", "b"), edge("b", "c")])
+    data["stages"]["d"] = py()
+    data["pipelines"]["p"]["edges"].append(edge("c", "d"))
+    reported(data, tmp_path, "pipelines.p.edges[2].to", "stage 'd' is not in this pipeline's stages")
+
+
+def test_duplicate_edges(tmp_path: Path) -> None:
+    found = problems(minimal(edges=[edge("a", "b"), edge("b", "c"), edge("a", "b", window=-1)]), tmp_path)
+    assert found == {"pipelines.p.edges[2]": ["duplicate edge a -> b"]}
+
+
+@pytest.mark.parametrize(("window", "fragment"), [
+    (1, "streaming windows (window = 1) are not supported yet"),
+    (4, "streaming windows (window = 4) are not supported yet"),
+    (0, "must be -1 (full trigger) or a segment count > 0, not 0"),
+    (-2, "must be -1 (full trigger) or a segment count > 0, not -2"),
+    (-100, "not -100"),
+    (True, "must be an integer, not a boolean"),
+    ("full", "must be an integer, not a string"),
+])
+def test_window_other_than_minus_one_is_refused(tmp_path: Path, window: Any, fragment: str) -> None:
+    reported(minimal(edges=[edge("a", "b", window=window), edge("b", "c")]), tmp_path,
+             "pipelines.p.edges[0].window", fragment)
+
+
+def test_window_minus_one_is_the_full_trigger(tmp_path: Path) -> None:
+    p = parse(minimal(edges=[edge("a", "b", window=-1), edge("b", "c")]), tmp_path).pipelines["p"]
+    assert [e.window for e in p.edges] == [-1, -1] and C.FULL_WINDOW == -1
+
+
+def test_pipeline_problems(tmp_path: Path) -> None:
+    data = minimal(timeout_s=0, retries=-1, stage=["a"])
+    data["pipelines"]["empty"] = {"stages": []}
+    data["pipelines"]["nostages"] = {}
+    data["pipelines"]["bad name!"] = {"stages": ["a"]}
+    found = problems(data, tmp_path)
+    assert found["pipelines.p.timeout_s"] == ["must be > 0, not 0"]
+    assert found["pipelines.p.retries"] == ["must be >= 0"]
+    assert any("unknown key" in m for m in found["pipelines.p.stage"])
+    assert found["pipelines.empty.stages"] == ["must name at least one stage"]
+    assert found["pipelines.nostages.stages"] == ["is required"]
+    assert "pipelines.bad name!" in found
+
+
+def test_nothing_defined(tmp_path: Path) -> None:
+    found = problems({}, tmp_path)
+    assert found == {"stages": ["no stages are defined"], "pipelines": ["no pipelines are defined"]}
+
+
+# ------------------------------------------------------------------------- every problem at once
+
+
+def test_every_problem_is_reported_at_once_with_its_key_path(tmp_path: Path, models: Path) -> None:
+    data = {
+        "extras": 1,
+        "daemon": {"socket_mode": "x", "log_level": "loud"},
+        "stages": {
+            "gen": {"engine": "vllm", "model": "empty", "max_inflight": 0, "defaults": {"max_tokenz": 1}},
+            "draw": {"engine": "diffusers", "model": "nowhere", "defaults": {"width": 100}},
+            "post": py(devices=[0, 0], colour="red", queue_capacity="4"),
+            "bad": {"engine": "onnx"},
+            "fn": {**py(env={"A": 1}), "function": "teststages.sleep"},
+        },
+        "pipelines": {
+            "loop": {"stages": ["post", "fn"], "edges": [edge("post", "fn"), edge("fn", "post")]},
+            "p": {"stages": ["gen", "draw"], "edges": [edge("gen", "draw", window=4)]},
+        },
+    }
+    expected = {
+        "extras": "unknown key",
+        "daemon.socket_mode": "octal string",
+        "daemon.log_level": "must be one of",
+        "stages.gen.model": "has no config.json",
+        "stages.gen.max_inflight": "must be > 0",
+        "stages.gen.defaults.max_tokenz": "unknown parameter for engine 'vllm'",
+        "stages.draw.model": "does not exist",
+        "stages.draw.defaults.width": "must be a multiple of 8, not 100",
+        "stages.post.devices[1]": "device 0 is given twice",
+        "stages.post.colour": "unknown key",
+        "stages.post.queue_capacity": "must be an integer, not a string",
+        "stages.bad.engine": "unknown engine 'onnx'",
+        "stages.fn.function": "must be \"package.module:function\"",
+        "stages.fn.env.A": "must be a string, not an integer",
+        "pipelines.loop.edges": "cycle",
+        "pipelines.p.edges[0].window": "not supported yet",
+    }
+    with pytest.raises(C.ConfigError) as err:
+        C.parse(data, base=tmp_path, source="omnid.toml")
+    found: dict[str, list[str]] = {}
+    for p in err.value.problems:
+        found.setdefault(p.path, []).append(p.message)
+    for path, fragment in expected.items():
+        assert any(fragment in m for m in found.get(path, [])), f"{path}: {fragment!r} not in {found}"
+    text = str(err.value)
+    assert text.startswith(f"omnid.toml: {len(err.value.problems)} problem(s)\n")
+    assert "\n  stages.draw.defaults.width: must be a multiple of 8, not 100" in text
+    assert err.value.source == "omnid.toml"
+    assert str(C.Problem("a.b", "msg")) == "a.b: msg"
+
+
+# ------------------------------------------------------------------------- stages
+
+
+def test_accepted_params_by_engine(tmp_path: Path, models: Path) -> None:
+    data = {"stages": {"gen": {"engine": "vllm", "model": "llm", "defaults": {"max_tokens": 8}},
+                       "draw": {"engine": "diffusers", "model": "sd", "defaults": {"num_inference_steps": 2}},
+                       "post": py(defaults={"seconds": 0.1})},
+            "pipelines": {"p": {"stages": ["gen", "draw", "post"]}}}
+    cfg = parse(data, tmp_path)
+    assert cfg.stages["gen"].accepted_params == VLLM_PARAMS
+    assert cfg.stages["draw"].accepted_params == DIFFUSERS_PARAMS
+    assert cfg.stages["post"].accepted_params is None                # any name
+    assert dict(cfg.stages["post"].defaults) == {"seconds": 0.1}
+    assert cfg.stages["gen"].model == tmp_path / "llm" and cfg.stages["draw"].model == tmp_path / "sd"
+
+
+def test_model_dirs_are_checked(tmp_path: Path, models: Path) -> None:
+    data = {"stages": {"gen": {"engine": "vllm", "model": "sd"},                     # a diffusers dir
+                       "draw": {"engine": "diffusers", "model": "llm"},             # a vllm dir
+                       "gen2": {"engine": "vllm", "model": str(tmp_path / "nope")},
+                       "draw2": {"engine": "diffusers"},
+                       "gen3": {"engine": "vllm", "model": "llm", "function": "teststages:sleep"}},
+            "pipelines": {"p": {"stages": ["gen"]}}}
+    found = problems(data, tmp_path)
+    assert found["stages.gen.model"] == [f"{str(tmp_path / 'sd')!r} has no config.json; is it a vllm model?"]
+    assert found["stages.draw.model"] == [f"{str(tmp_path / 'llm')!r} has no model_index.json; is it a diffusers model?"]
+    assert found["stages.gen2.model"] == [f"directory {str(tmp_path / 'nope')!r} does not exist"]
+    assert found["stages.draw2.model"] == ["is required for engine 'diffusers'"]
+    assert found["stages.gen3.function"] == ["only python stages take a function, not 'vllm'"]
+
+
+def test_python_stage_function(tmp_path: Path) -> None:
+    saved = list(sys.path)
+    data = {"stages": {"nofn": {"engine": "python"},
+                       "form": py(function="sleep:too:many"),
+                       "missing": {"engine": "python", "function": "no_such_module_omnid_u:run",
+                                   "python_path": [str(FIXTURES)]},
+                       "ok": py()},
+            "pipelines": {"p": {"stages": ["ok"]}}}
+    found = problems(data, tmp_path)
+    assert found["stages.nofn.function"] == ["is required for engine 'python'"]
+    assert found["stages.form.function"] == ["must be \"package.module:function\", not 'teststages:sleep:too:many'"]
+    assert found["stages.missing.function"] == \
+        ["module 'no_such_module_omnid_u' cannot be found (searched python_path and sys.path)"]
+    assert "stages.ok.function" not in found
+    assert sys.path == saved, "python_path must not stay on sys.path"
+
+
+def test_python_path_is_where_the_module_is_found(tmp_path: Path) -> None:
+    if importlib.util.find_spec("teststages") is not None:
+        pytest.skip("teststages is importable from sys.path in this process")
+    data = {"stages": {"a": {"engine": "python", "function": "teststages:sleep"}},
+            "pipelines": {"p": {"stages": ["a"]}}}
+    assert problems(data, tmp_path) == {"stages.a.function": ["module 'teststages' cannot be found"]}
+    data["stages"]["a"]["python_path"] = [str(FIXTURES)]
+    assert parse(data, tmp_path).stages["a"].python_path == (FIXTURES,)
+
+
+def test_stage_fields(tmp_path: Path) -> None:
+    data = minimal()
+    data["stages"]["a"] = py(devices=[3, 1], exclusive=True, queue_capacity=2, env={"X": "1"},
+                             args={"k": [1, 2]}, model="weights")
+    data["stages"]["b"] = py(devices=[0])
+    cfg = parse(data, tmp_path)
+    a = cfg.stages["a"]
+    assert (a.devices, a.exclusive, a.queue_capacity) == ((3, 1), True, 2)
+    assert (dict(a.env), dict(a.args)) == ({"X": "1"}, {"k": [1, 2]})
+    assert a.model == tmp_path / "weights"             # a python stage's model is not checked
+    assert cfg.devices == (0, 1, 3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.engine = "vllm"      # type: ignore[misc]
+
+
+def test_stage_problems(tmp_path: Path, models: Path) -> None:
+    data = minimal()
+    data["stages"].update({
+        "one": py(max_inflight=2),
+        "sd": {"engine": "diffusers", "model": "sd", "max_inflight": 2},
+        "many": {"engine": "vllm", "model": "llm", "max_inflight": 8},
+        "ex": py(devices=[0, 1], exclusive=True),
+        "shared": py(devices=[1, -1, True]),
+        "bad-name!": py(),
+        "notable": "python",
+    })
+    found = problems(data, tmp_path)
+    assert found["stages.one.max_inflight"] == ["engine 'python' runs one job at a time; must be 1"]
+    assert found["stages.sd.max_inflight"] == ["engine 'diffusers' runs one job at a time; must be 1"]
+    assert "stages.many.max_inflight" not in found
+    assert found["stages.ex.devices"] == ["device 1 is also given to shared, but this stage is exclusive"]
+    assert found["stages.shared.devices[1]"] == ["must be a GPU index >= 0, not -1"]
+    assert found["stages.shared.devices[2]"] == ["must be a GPU index >= 0, not True"]
+    assert "stages.shared.devices" not in found                 # only the exclusive stage complains
+    assert "stages.bad-name!" in found
+    assert found["stages.notable"] == ["must be a table, not a string"]
+
+
+# ------------------------------------------------------------------------- paths
+
+
+def test_paths_resolve_relative_to_base(tmp_path: Path, models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    base = tmp_path / "etc"
+    (base / "mods").mkdir(parents=True)
+    (base / "mods" / "mystage_omnid_u.py").write_text("def run(inputs, params, ctx):\n    return {}\n")
+    monkeypatch.setenv("OMNID_U_DIR", str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir("/")                                  # the process's cwd must not matter
+    data = {
+        "daemon": {"socket": "run/omnid.sock", "state_dir": "~/state", "lock_dir": "$OMNID_U_DIR/lock"},
+        "stages": {"gen": {"engine": "vllm", "model": "../llm"},
+                   "draw": {"engine": "diffusers", "model": str(tmp_path / "sd")},
+                   "post": {"engine": "python", "function": "mystage_omnid_u:run", "python_path": ["mods"]}},
+        "pipelines": {"p": {"stages": ["gen", "draw", "post"]}},
+    }
+    cfg = parse(data, base)
+    assert cfg.daemon.socket == base / "run" / "omnid.sock"
+    assert cfg.daemon.state_dir == tmp_path / "home" / "state"
+    assert cfg.daemon.lock_dir == tmp_path / "lock"
+    assert cfg.stages["gen"].model == base / ".." / "llm"
+    assert cfg.stages["draw"].model == tmp_path / "sd"       # absolute stays as it is
+    assert cfg.stages["post"].python_path == (base / "mods",)
+    # Relative to base only: the same data with another base finds no model.
+    found = problems(data, tmp_path / "elsewhere")
+    assert set(found) == {"stages.gen.model", "stages.post.function"}
