@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from omnid.dataplane import Sender, WorkItem
 
@@ -28,10 +28,14 @@ class Feeder:
         self._thread = threading.Thread(target=self._run, name=f"feeder-{stage}", daemon=True)
         self._thread.start()
 
-    def push(self, item: WorkItem, front: bool = False) -> None:
-        """Queue an item; `front` for a resend after a restart, which keeps its place in line."""
+    def push(self, items: Sequence[WorkItem], front: bool = False) -> None:
+        """Queue items in their order; `front`: ahead of the others (resends after a restart keep
+        their place in line). One lock for all of them: the thread never sees half of a batch."""
         with self._cv:
-            (self._items.appendleft if front else self._items.append)(item)
+            if front:
+                self._items.extendleft(reversed(items))
+            else:
+                self._items.extend(items)
             self._cv.notify()
 
     def stop(self) -> None:

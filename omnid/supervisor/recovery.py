@@ -32,7 +32,7 @@ class JobControl(Protocol):
     live: dict[str, LiveJob]
     stages: Mapping[str, StageHandle]
 
-    def feed(self, job: LiveJob, stage: str, front: bool = False) -> None: ...
+    def feed(self, jobs: list[LiveJob], stage: str, front: bool = False) -> None: ...
 
     def finish(self, job: LiveJob, state: JobState, error: dict[str, Any] | None = None) -> None: ...
 
@@ -85,9 +85,9 @@ class Recovery:
         self.resend_after_restart[handle.name] = set()
         live = self._jobs.live
         jobs = sorted((live[j] for j in pending if j in live), key=lambda j: j.record.created_at)
-        for job in reversed(jobs):      # to the feeder's front in reverse: they keep their order
-            if not job.pipeline.incoming(handle.name):
-                self._jobs.feed(job, handle.name, front=True)
+        fed_by_the_feeder = [job for job in jobs if not job.pipeline.incoming(handle.name)]
+        if fed_by_the_feeder:               # ahead of newer jobs, in their own order
+            self._jobs.feed(fed_by_the_feeder, handle.name, front=True)
         for job in jobs:
             if job.pipeline.incoming(handle.name):
                 self.inputs_for(job, handle.name)
@@ -96,7 +96,7 @@ class Recovery:
         """Ask again for `stage`'s inputs of `job`: from the feeder, or from its upstreams."""
         incoming = job.pipeline.incoming(stage)
         if not incoming:
-            self._jobs.feed(job, stage, front=True)
+            self._jobs.feed([job], stage, front=True)
         for edge in incoming:
             if job.stage(edge.src).state is not StageRunState.SUCCEEDED:
                 continue                    # not produced yet: it will be delivered when it is

@@ -102,13 +102,13 @@ class Scheduler:
         if self.metrics:
             self.metrics.job_submitted(pipeline_name)
         for src in pipeline.sources:
-            self.feed(job, src)
+            self.feed([job], src)
         return record
 
-    def feed(self, job: LiveJob, stage: str, front: bool = False) -> None:
-        """Send the job's own inputs to one of its pipeline's first stages."""
-        self.feeders[stage].push(WorkItem(job=job.id, pipeline=job.pipeline.name, src=None,
-                                          inputs=job.inputs, params=job.record.params), front=front)
+    def feed(self, jobs: list[LiveJob], stage: str, front: bool = False) -> None:
+        """Send jobs' own inputs, in this order, to one of their pipelines' first stages."""
+        self.feeders[stage].push([WorkItem(job=job.id, pipeline=job.pipeline.name, src=None, inputs=job.inputs,
+                                           params=job.record.params) for job in jobs], front=front)
 
     # ------------------------------------------------------------------ events to clients
 

@@ -371,3 +371,28 @@ def test_every_per_job_worker_message_has_a_handler() -> None:
     assert per_job == set(scheduler_module._HANDLERS)
     for cls, handler in scheduler_module._HANDLERS.items():
         assert handler.__name__.startswith("on_"), (cls, handler)
+
+
+def test_a_cancel_of_a_job_still_queued_in_a_stage_is_watched_too(tmp_path: Path) -> None:
+    async def test(h: Harness) -> None:
+        job = h.submit()
+        h.say("a", P.Admitted(job, None, 1))
+        h.sched.cancel(job)
+        h.stages["a"].running = (job,)               # its Started was already on the way: it runs anyway
+        await asyncio.sleep(0.35)
+        assert [counts for _, counts in h.stages["a"].kills] == [False]
+    run(tmp_path, ONE, test, cancel_grace_s=0.2)
+
+
+def test_inputs_asked_for_again_keep_the_jobs_order(tmp_path: Path) -> None:
+    async def test(h: Harness) -> None:
+        jobs = [h.submit(inputs={"text": str(k)}) for k in range(4)]
+        for _ in jobs:
+            await asyncio.to_thread(h.next_fed)
+        for job in jobs:
+            h.say("a", P.Admitted(job, None, 1))
+        h.sched.on_exit(h.stages["a"], "exited with status 1")
+        h.say("a", P.Ready(pid=2, load_s=0.1))
+        refed = [(await asyncio.to_thread(h.next_fed))[1].job for _ in jobs]
+        assert refed == jobs                                          # oldest first, as submitted
+    run(tmp_path, ONE, test)
