@@ -25,6 +25,12 @@ from omnid.params import ENGINE_PARAMS, check_param, stage_accepts
 
 ENGINES = ("vllm", "diffusers", "python")
 FULL_WINDOW = -1
+# Engines a streaming edge (window = N > 0) may feed, and why the others cannot be.
+STREAM_ENGINES = ("python",)
+_WHOLE_INPUT = {
+    "vllm": "it needs its whole prompt before it can start generating",
+    "diffusers": "it needs its whole prompt (a diffusion model conditions every step on all of it)",
+}
 
 @dataclass(frozen=True)
 class Problem:
@@ -335,7 +341,7 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
         else:
             devices.append(d)
     max_inflight = c.positive(s, "max_inflight", path, 1, integer=True)
-    if max_inflight != 1 and engine in ("diffusers", "python"):
+    if max_inflight != 1 and engine == "diffusers":
         c.add(f"{path}.max_inflight", f"engine {engine!r} runs one job at a time; must be 1")
     args = c.get(s, "args", path, dict, {})
     defaults = c.get(s, "defaults", path, dict, {})
@@ -385,12 +391,14 @@ def _parse_edge(c: _Checker, raw: Any, path: str, members: tuple[str, ...],
         c.add(path, f"an edge from {src!r} to itself is a cycle")
         ok = False
     window = c.get(e, "window", path, int, FULL_WINDOW)
-    if window != FULL_WINDOW:
-        if window > 0:
-            c.add(f"{path}.window", f"streaming windows (window = {window}) are not supported yet;"
-                                    " use -1 (downstream starts on the upstream's last segment)")
-        else:
-            c.add(f"{path}.window", f"must be -1 (full trigger) or a segment count > 0, not {window}")
+    if window != FULL_WINDOW and window <= 0:
+        c.add(f"{path}.window", f"must be -1 (full trigger) or a segment count > 0, not {window}")
+        ok = False
+    dst_stage = known_stages.get(dst) if isinstance(dst, str) else None
+    if window > 0 and isinstance(dst_stage, StageConfig) and dst_stage.engine not in STREAM_ENGINES:
+        c.add(f"{path}.window", f"stage {dst!r} ({dst_stage.engine}) cannot be fed by a window edge: "
+                                f"{_WHOLE_INPUT[dst_stage.engine]}. Only {', '.join(STREAM_ENGINES)} stages take "
+                                "streamed inputs; use window = -1")
         ok = False
     mapping = c.get(e, "map", path, dict)
     if mapping is not None:
@@ -469,6 +477,12 @@ def _parse_pipeline(c: _Checker, name: str, raw: Any, known_stages: Mapping[str,
                 continue
             seen.add((edge.src, edge.dst))
             edges.append(edge)
+        for edge in edges:
+            others = [e.src for e in edges if e.dst == edge.dst and e is not edge]
+            if edge.window > 0 and others:
+                c.add(f"{path}.edges", f"stage {edge.dst!r} is fed by a window edge from {edge.src!r} and also by "
+                                       f"{', '.join(repr(o) for o in others)}: a stage fed by a window edge "
+                                       "takes no other input (merge them upstream, or use window = -1)")
         cycle = _find_cycle(tuple(members), edges)
         if cycle:
             c.add(f"{path}.edges", f"the edges form a cycle: {' -> '.join(cycle)}")

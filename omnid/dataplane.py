@@ -7,6 +7,13 @@ has entered its bounded input queue (`ACK_ADMITTED`) or was dropped because
 its job is already over (`ACK_DROPPED`). So a sender is blocked exactly while
 the receiver's queue is at its high watermark: that is the backpressure.
 
+Two ways to send. `Sender.send` (a job's whole outputs, `window = -1` edges, and
+the jobs' own inputs) blocks while the receiver is full. `Sender.offer` (one
+window of a streamed job, `window = N` edges) never waits: the receiver answers
+at once, `ACK_FULL` when it has no room, and the sender offers it again later
+while it sends other jobs' windows. So a receiver busy with one job's stream can
+never block the windows that job is waiting for behind another job's.
+
 Frames are an 8-byte big-endian length and a pickle (protocol 5): a copy of
 the payload, never shared memory. A later shared-memory data plane only has
 to change `encode`/`decode` for large tensors.
@@ -35,6 +42,8 @@ log = structlog.get_logger("omnid.dataplane")
 
 ACK_ADMITTED = b"A"
 ACK_DROPPED = b"D"
+ACK_FULL = b"F"         # an offered window found no room: offer it again later
+OFFER_TIMEOUT_S = 5.0   # an offer's answer comes at once; past this the receiver is stuck or gone
 POLL_S = 0.1
 BUSY_POLL_S = 0.0005    # while the caller has other work to step between polls
 _HEADER = struct.Struct(">Q")
@@ -43,13 +52,19 @@ MAX_FRAME = 1 << 34
 
 @dataclass
 class WorkItem:
-    """One stage's input for one job, from one upstream (`src` None: the job's inputs)."""
+    """One stage's input for one job, from one upstream (`src` None: the job's inputs).
+
+    `window` is None for a whole hand-off; on a streaming edge it is the window's index
+    (0, 1, ...) and `last` marks the job's last window. Windows are offered (`Sender.offer`).
+    """
 
     job: str
     pipeline: str
     src: str | None
     inputs: dict[str, Any]
     params: dict[str, dict[str, Any]] = field(default_factory=dict)
+    window: int | None = None
+    last: bool = True
 
 
 def encode(item: WorkItem) -> bytes:
@@ -156,6 +171,25 @@ class Sender:
         finally:
             self.blocked_s += time.monotonic() - start
 
+    def offer(self, dst: str, item: WorkItem) -> bool | None:
+        """Offer one window to stage `dst` without waiting for room.
+
+        True: admitted. False: dropped (its job is over there). None: no room now, or `dst`
+        is not reachable (restarting): offer it again later.
+        """
+        try:
+            sock = self._connect(dst)
+            sock.settimeout(OFFER_TIMEOUT_S)
+            send_frame(sock, encode(item))
+            ack = sock.recv(1)
+        except (OSError, ConnectionError):
+            self._drop(dst)
+            return None
+        if not ack:
+            self._drop(dst)
+            return None
+        return None if ack == ACK_FULL else ack == ACK_ADMITTED
+
     def close(self) -> None:
         for dst in list(self._conns):
             self._drop(dst)
@@ -165,10 +199,11 @@ class Listener:
     """Accepts data connections for one stage and hands each item to `admit`.
 
     `admit(item)` blocks until the item is queued (returns True) or dropped
-    (returns False); only then is the sender acknowledged.
+    (returns False); only then is the sender acknowledged. For a window
+    (`item.window` set) it answers at once and may return None: no room, offer again.
     """
 
-    def __init__(self, path: Path, admit: Callable[[WorkItem], bool]) -> None:
+    def __init__(self, path: Path, admit: Callable[[WorkItem], bool | None]) -> None:
         self.path = path
         self._admit = admit
         try:
@@ -204,6 +239,6 @@ class Listener:
                     return
                 admitted = self._admit(item)
                 try:
-                    conn.sendall(ACK_ADMITTED if admitted else ACK_DROPPED)
+                    conn.sendall(ACK_FULL if admitted is None else ACK_ADMITTED if admitted else ACK_DROPPED)
                 except OSError:
                     return

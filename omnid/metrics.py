@@ -51,6 +51,12 @@ class _StageCollector(Collector):
             restarts.add_metric([h.name], h.restarts)
             done.add_metric([h.name], h.jobs_done)
         yield from (depth, cap, up, restarts, done)
+        windows = CounterMetricFamily("omnid_edge_windows", "Windows a streaming edge carried downstream",
+                                      labels=["src", "dst"])
+        for h in self.stages.values():
+            for dst in sorted(set(h.windows) | set(h.windows_before)):
+                windows.add_metric([h.name, dst], h.windows.get(dst, 0) + h.windows_before.get(dst, 0))
+        yield windows
 
 
 class Metrics:
@@ -62,7 +68,14 @@ class Metrics:
         self.duration = Histogram("omnid_job_duration_seconds", "Submit-to-end time of jobs", ["pipeline"],
                                   buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
                                   registry=self.registry)
+        self.first_segment_s = Histogram(
+            "omnid_first_segment_seconds", "Submit to the first segment of a pipeline's last stage",
+            ["pipeline"], buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+            registry=self.registry)
         self.registry.register(_StageCollector(stages))
+
+    def first_segment(self, pipeline: str, seconds: float) -> None:
+        self.first_segment_s.labels(pipeline).observe(seconds)
 
     def job_submitted(self, pipeline: str) -> None:
         self.submitted.labels(pipeline).inc()

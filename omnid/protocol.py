@@ -105,6 +105,7 @@ class Heartbeat:
     running: tuple[str, ...] = ()
     gpu_memory_bytes: int | None = None
     tracked_jobs: int = 0           # jobs this worker still keeps state for (0 once all are forgotten)
+    windows: tuple[tuple[str, int], ...] = ()   # (downstream stage, windows it admitted) since the start
 
 
 @dataclass(frozen=True)

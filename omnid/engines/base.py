@@ -36,6 +36,7 @@ class RequestContext:
     params: dict[str, Any]
     _emit: Callable[[str, dict[str, Any]], None] = field(repr=False, default=lambda kind, data: None)
     _is_cancelled: Callable[[], bool] = field(repr=False, default=lambda: False)
+    _on_segment: Callable[[dict[str, Any], bool], None] = field(repr=False, default=lambda outputs, is_last: None)
     started: float = field(default_factory=time.monotonic)
     # set exactly once, by finish / fail / stopped
     outcome: str | None = None          # "finished" | "failed" | "stopped"
@@ -51,7 +52,12 @@ class RequestContext:
         self._emit("progress", {"done": int(done), "total": int(total)})
 
     def segment(self, outputs: dict[str, Any], is_last: bool = False) -> None:
-        """Stream one piece of output (token text, a preview, an audio chunk)."""
+        """Stream one piece of output (token text, a preview, an audio chunk).
+
+        It feeds the job's streaming edges (`window = N`) and, in a pipeline's last stage, the
+        outputs clients read while the job runs; its text shows in the job's events.
+        """
+        self._on_segment(outputs, is_last)
         text = outputs.get("text") if isinstance(outputs.get("text"), str) else None
         if text is not None and len(text) > 2000:      # the event shows it; the output keeps it whole
             text = text[:2000] + " [...]"
@@ -97,6 +103,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def has_work(self) -> bool:
         """True while some admitted request has not completed."""
+
+    def ready(self) -> bool:
+        """A `step` now would make progress; False while every request waits for streamed input."""
+        return self.has_work()
 
     def info(self) -> dict[str, Any]:
         """Facts for `GET /v1/stages` (model, dtype, ...)."""

@@ -7,6 +7,11 @@ poll `ctx.cancelled()`); a generator is advanced one segment per `step`, so a
 cancel between segments stops it at once. A function that ignores a cancel is
 the supervisor's business: past the grace period it restarts the worker.
 
+An input fed by a streaming edge (`window = N`) is an iterable of window values
+(`omnid.worker.windows.InputStream`). With `max_inflight > 1` several jobs'
+generators are advanced in turn, each only when its next window is there, so one
+job waiting for its stream never holds up the others.
+
 A generator's final outputs are its segments merged in order: `str` and
 `bytes` values of the same name are concatenated, any other value is replaced
 by the latest one.
@@ -23,6 +28,7 @@ from typing import Any
 
 from omnid.config import StageConfig
 from omnid.params import merged
+from omnid.worker.windows import InputStream
 from omnid.engines.base import Cancelled, Engine, RequestContext
 
 
@@ -92,6 +98,8 @@ class PythonEngine(Engine):
     def step(self) -> None:
         for job in list(self._gens):
             ctx, gen, acc = self._gens[job]
+            if not _inputs_ready(ctx):
+                continue                    # its next window is not here: advance the others
             try:
                 seg = next(gen)
             except StopIteration:
@@ -127,3 +135,11 @@ class PythonEngine(Engine):
 
     def has_work(self) -> bool:
         return bool(self._gens)
+
+    def ready(self) -> bool:
+        return any(_inputs_ready(ctx) for ctx, _, _ in self._gens.values())
+
+
+def _inputs_ready(ctx: RequestContext) -> bool:
+    """Advancing the job's generator would not block on a streamed input."""
+    return all(v.ready() for v in ctx.inputs.values() if isinstance(v, InputStream))

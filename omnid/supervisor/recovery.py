@@ -62,7 +62,17 @@ class Recovery:
             run = job.stage(name)
             undelivered = run.state is StageRunState.SUCCEEDED and any(
                 (name, e.dst) not in job.delivered for e in job.pipeline.outgoing(name))
-            if run.state is StageRunState.RUNNING:
+            streams_out = any(e.window > 0 for e in job.pipeline.outgoing(name))
+            mid_stream = job.streamed or (streams_out and run.state is StageRunState.RUNNING)
+            if mid_stream and (run.state.busy or undelivered):
+                # Its windows are gone with the worker, and the other stage may have used some of
+                # them: it cannot be resent, nor retried without a cross-stage reset.
+                run.set_state(StageRunState.FAILED, now)
+                msg = f"stage {name!r} {reason} while streaming this job (a streamed job is not retried)"
+                job.events.emit(EventType.ERROR, stage=name, code=str(ErrorCode.WORKER_DIED), message=msg)
+                self._jobs.finish(job, JobState.FAILED,
+                                  {"code": str(ErrorCode.WORKER_DIED), "message": msg, "stage": name})
+            elif run.state is StageRunState.RUNNING:
                 if job.attempts < job.pipeline.retries:
                     job.attempts += 1
                     job.events.emit(EventType.ERROR, stage=name, code=str(ErrorCode.WORKER_DIED),

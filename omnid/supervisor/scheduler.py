@@ -159,6 +159,8 @@ class Scheduler:
     # ------------------------------------------------------------------ one handler per job message
 
     def on_admitted(self, job: LiveJob, stage: str, msg: P.Admitted) -> None:
+        if any(e.src == msg.src and e.window > 0 for e in job.pipeline.incoming(stage)):
+            job.streamed = True             # its first window is there: it cannot be re-sent
         run = job.stage(stage)
         if run.state in (StageRunState.PENDING, StageRunState.QUEUED):
             run.set_state(StageRunState.QUEUED, time.time())
@@ -178,6 +180,10 @@ class Scheduler:
 
     def on_segment(self, job: LiveJob, stage: str, msg: P.Segment) -> None:
         job.stage(stage).segments += 1
+        if job.first_output_segment is None and stage in job.pipeline.sinks:
+            job.first_output_segment = time.time()
+            if self.metrics:
+                self.metrics.first_segment(job.pipeline.name, job.first_output_segment - job.record.created_at)
         fields: dict[str, Any] = {"stage": stage, "index": msg.index, "is_last": msg.is_last}
         if msg.text is not None:
             fields["text"] = msg.text

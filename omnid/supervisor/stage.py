@@ -104,6 +104,8 @@ class StageHandle:
         self.last_heartbeat = 0.0
         self.stats = P.QueueStats()
         self.totals = P.QueueStats()        # counters of earlier incarnations, for metrics
+        self.windows: dict[str, int] = {}   # downstream stage -> windows it admitted from this worker
+        self.windows_before: dict[str, int] = {}    # the same, of earlier incarnations
         self.running: tuple[str, ...] = ()
         self.gpu_memory_bytes: int | None = None
         self.tracked_jobs = 0
@@ -194,6 +196,7 @@ class StageHandle:
             self.running = msg.running
             self.gpu_memory_bytes = msg.gpu_memory_bytes
             self.tracked_jobs = msg.tracked_jobs
+            self.windows = dict(msg.windows)
             if self.state.warm:
                 self.state = WorkerState.BUSY if msg.running else WorkerState.READY
             return
@@ -264,6 +267,9 @@ class StageHandle:
                                       for k in ("enqueued", "dequeued", "dropped", "blocked_s",
                                                 "window_triggers")})
         self.stats = P.QueueStats()
+        for dst, n in self.windows.items():
+            self.windows_before[dst] = self.windows_before.get(dst, 0) + n
+        self.windows = {}
         if self._stopping:
             self.state = WorkerState.STOPPED
             self._attempt_over.set()

@@ -21,12 +21,13 @@ from __future__ import annotations
 import ctypes
 import os
 import queue
+import shutil
 import signal
 import sys
 import threading
 import time
 import traceback
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -35,6 +36,8 @@ from omnid import protocol as P
 from omnid.config import EdgeConfig
 from omnid.dataplane import Listener, Sender, WorkItem
 from omnid.engines.base import Engine, RequestContext
+from omnid.worker.outputs import STREAM_DIR
+from omnid.worker.windows import EdgeStream, InputStream, WindowBuilder
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -101,6 +104,15 @@ class StageWorker:
         self.resends: queue.Queue[P.Resend] = queue.Queue()
         self.inflight: dict[str, RequestContext] = {}    # job -> its request, in the engine
         self.items: dict[str, WorkItem] = {}             # job -> the item that started it
+        # Streaming edges (window = N). Upstream side, main thread only: windows being built and
+        # windows offered downstream but not yet admitted there (in order, per job and edge).
+        self.builders: dict[tuple[str, str], WindowBuilder] = {}      # (job, dst)
+        self.unsent: dict[tuple[str, str], deque[WorkItem]] = {}      # (job, dst)
+        self.windows_sent: dict[str, int] = {}                        # dst -> windows admitted there
+        self.window_sender = Sender(spec.socket_for)     # never blocks; separate from the hand-off one
+        # Downstream side (under _lock): each streamed job's windows, read by its InputStreams.
+        self.streams: dict[tuple[str, str | None], EdgeStream] = {}   # (job, src)
+        self.wakeup = threading.Event()      # a window, an input or a cancel arrived: the loop looks again
         self.shutting_down = threading.Event()
         self.sender = Sender(spec.socket_for)
         self.engine: Engine = _NoEngine()          # until load_engine() returns
@@ -128,13 +140,20 @@ class StageWorker:
         while True:
             try:        # `items`/`inflight` belong to the main thread: retry if it changed them meanwhile
                 with self._lock:
-                    jobs = {j for j, _ in self.outbox} | set(self.partial) | {j for j, _ in self.received}
-                return len(jobs | set(self.items) | set(self.inflight))
+                    jobs = {j for j, _ in self.outbox} | set(self.partial) | {j for j, _ in self.received} \
+                        | {j for j, _ in self.streams}
+                windows = {j for j, _ in self.builders} | {j for j, _ in self.unsent}
+                return len(jobs | windows | set(self.items) | set(self.inflight))
             except RuntimeError:
                 continue
 
-    def admit(self, item: WorkItem) -> bool:
-        """Data-plane callback (a data-conn thread): queue the item, blocking at the watermark."""
+    def admit(self, item: WorkItem) -> bool | None:
+        """Data-plane callback (a data-conn thread): queue the item, blocking at the watermark.
+
+        A window of a streamed job never blocks (`_admit_window`).
+        """
+        if item.window is not None:
+            return self._admit_window(item)
         while not self.shutting_down.is_set():
             if self.is_dead(item.job):
                 self.dropped += 1
@@ -152,8 +171,55 @@ class StageWorker:
                 self.received.add((item.job, item.src))
             self.enqueued += 1
             self.send(P.Admitted(job=item.job, src=item.src, depth=self.inbox.qsize()))
+            self.wakeup.set()
             return True
         return False
+
+    def _admit_window(self, item: WorkItem) -> bool | None:
+        """A window of a streamed job (a data-conn thread); answers at once, None when there is no room.
+
+        The first window starts the job here: it takes a place in the input queue, like any input.
+        The later ones go straight to the job's stream, whose own bound is `queue_capacity` windows.
+        """
+        index = item.window or 0
+        key = (item.job, item.src)
+        with self._lock:
+            if self.is_dead(item.job):
+                self.dropped += 1
+                return False
+            stream = self.streams.get(key)
+            if stream is None:
+                if index != 0:
+                    return None                     # cannot happen: windows come in order
+                job = item.job
+                stream = EdgeStream(self._stream_keys(item), self.stage.queue_capacity,
+                                    is_cancelled=lambda: self.is_dead(job))
+                stream.put(0, item.inputs, item.last)
+                try:
+                    self.inbox.put_nowait(item)
+                except queue.Full:
+                    return None
+                self.streams[key] = stream
+                self.received.add(key)
+                first = True
+            else:
+                admitted = stream.put(index, item.inputs, item.last)
+                first = False
+        if first:
+            self.enqueued += 1
+            self.send(P.Admitted(job=item.job, src=item.src, depth=self.inbox.qsize()))
+        else:
+            if not admitted:
+                return admitted
+        self.wakeup.set()
+        return True
+
+    def _stream_keys(self, item: WorkItem) -> list[str]:
+        """The inputs a streaming edge feeds: its `map`'s names, else what the first window holds."""
+        for edge in self.config.pipelines[item.pipeline].incoming(self.stage.name):
+            if edge.src == item.src and edge.map is not None:
+                return list(edge.map)
+        return list(item.inputs)
 
     def control_loop(self) -> None:
         """Control thread: apply the supervisor's messages (one handler each); exit when it is gone."""
@@ -174,6 +240,10 @@ class StageWorker:
         with self._lock:
             self.dead[msg.job] = msg.reason
             self._trim_dead()
+            for (job, _), stream in self.streams.items():
+                if job == msg.job:
+                    stream.cancel()         # a function waiting for its next window stops now
+        self.wakeup.set()
 
     def on_forget(self, msg: P.Forget) -> None:
         with self._lock:
@@ -183,6 +253,9 @@ class StageWorker:
             self.received = {k for k in self.received if k[0] != msg.job}
             for key in [k for k in self.outbox if k[0] == msg.job]:
                 del self.outbox[key]
+            for stream_key in [k for k in self.streams if k[0] == msg.job]:
+                self.streams.pop(stream_key).cancel()
+        self.wakeup.set()                   # the main thread drops the job's unsent windows
 
     def on_resend(self, msg: P.Resend) -> None:
         self.resends.put(msg)           # served by the main thread, between engine steps
@@ -198,7 +271,8 @@ class StageWorker:
         interval = self.config.daemon.heartbeat_interval_s
         while True:
             self.send(P.Heartbeat(ts=time.time(), stats=self.stats(), running=tuple(self.inflight),
-                                  gpu_memory_bytes=_gpu_memory(), tracked_jobs=self.tracked_jobs()))
+                                  gpu_memory_bytes=_gpu_memory(), tracked_jobs=self.tracked_jobs(),
+                                  windows=tuple(self.windows_sent.items())))
             time.sleep(interval)
 
     # ------------------------------------------------------------------ the busy loop
@@ -207,8 +281,10 @@ class StageWorker:
         engine = self.engine
         while not self.shutting_down.is_set():
             self._handle_resends()
-            # 1. take input: block briefly only when the engine has nothing to do
-            while len(self.inflight) < self.stage.max_inflight and not self.shutting_down.is_set():
+            # 1. take input: block briefly only when the engine has nothing to do; take none while
+            #    a downstream has no room for a streamed job's first window (the stage's watermark)
+            while len(self.inflight) < self.stage.max_inflight and not self.shutting_down.is_set() \
+                    and not self._window_backlog():
                 try:
                     item = self.inbox.get(timeout=0.05) if not engine.has_work() else self.inbox.get_nowait()
                 except queue.Empty:
@@ -230,6 +306,11 @@ class StageWorker:
                 if ctx.done:
                     del self.inflight[job]
                     self._complete(ctx)
+            self._offer_windows()
+            # 4. every request waits for its next window: sleep until one (or a cancel) arrives
+            if engine.has_work() and not engine.ready():
+                self.wakeup.wait(0.05)
+                self.wakeup.clear()
         engine.close()
 
     def _step(self) -> None:
@@ -246,6 +327,7 @@ class StageWorker:
                 except Exception as e:
                     ctx.fail(f"abort failed: {type(e).__name__}: {e}")
                 ctx.stopped()
+        self._offer_windows()
         if not engine.has_work():
             return
         try:
@@ -281,15 +363,38 @@ class StageWorker:
         inputs: dict[str, Any] = {}
         for p in parts:
             inputs.update(p.inputs)
+        if item.window is not None:         # a streamed input: the function iterates its windows
+            with self._lock:
+                stream = self.streams.get((item.job, item.src))
+            if stream is None:              # forgotten meanwhile
+                return None
+            inputs = {key: InputStream(stream, key) for key in self._stream_keys(item)}
         self.items[item.job] = item
         job = item.job
+        outgoing = pipeline.outgoing(self.stage.name)
+        streaming = [e for e in outgoing if e.window > 0]
+        sink_dir = self.spec.jobs_dir / job if not outgoing else None
+        prefix = f"{self.stage.name}." if len(pipeline.sinks) > 1 else ""
 
         def emit(kind: str, data: dict[str, Any]) -> None:
             self._emit(job, kind, data)
 
-        return RequestContext(job=job, stage=self.stage.name, inputs=inputs,
-                              params=dict(item.params.get(self.stage.name, {})),
-                              _emit=emit, _is_cancelled=lambda: self.is_dead(job))
+        def on_segment(outputs: dict[str, Any], is_last: bool) -> None:
+            for edge in streaming:
+                builder = self.builders.setdefault((job, edge.dst), WindowBuilder(edge.window))
+                window = builder.add(outputs, is_last)
+                if window is not None:
+                    error = self._queue_window(item, edge, *window, last=builder.closed)
+                    if error is not None:
+                        ctx.fail(error)
+            if sink_dir is not None and outputs:
+                from omnid.worker.outputs import append_stream
+                append_stream(sink_dir, outputs, prefix)
+
+        ctx = RequestContext(job=job, stage=self.stage.name, inputs=inputs,
+                             params=dict(item.params.get(self.stage.name, {})),
+                             _emit=emit, _is_cancelled=lambda: self.is_dead(job), _on_segment=on_segment)
+        return ctx
 
     def _emit(self, job: str, kind: str, data: dict[str, Any]) -> None:
         if kind == "progress":
@@ -299,6 +404,11 @@ class StageWorker:
 
     def _complete(self, ctx: RequestContext) -> None:
         item = self.items.pop(ctx.job)
+        builders = {dst: self.builders.pop((j, dst)) for j, dst in list(self.builders) if j == ctx.job}
+        if not self.config.pipelines[item.pipeline].outgoing(self.stage.name):
+            # A last stage's segments were streamed to files for `?stream=1` readers (who keep their
+            # open file); from now on the job's outputs are its final files.
+            shutil.rmtree(self.spec.jobs_dir / ctx.job / STREAM_DIR, ignore_errors=True)
         if ctx.outcome == "stopped" or self.is_dead(ctx.job):    # a job that ended meanwhile writes nothing
             self.send(P.Stopped(job=ctx.job))
             return
@@ -321,8 +431,16 @@ class StageWorker:
                 self.send(ev)
             self.send(P.Finished(job=ctx.job, elapsed_s=elapsed))
             return
-        handoffs: list[WorkItem] = []
+        handoffs: list[tuple[str, WorkItem]] = []
         for edge in edges:
+            if edge.window > 0:             # streamed: what is left of it goes as the last window
+                builder = builders.get(edge.dst) or WindowBuilder(edge.window)
+                window = builder.finish(ctx.outputs or {})
+                error = self._queue_window(item, edge, *window, last=True) if window is not None else None
+                if error is not None:
+                    self.send(P.Failed(job=ctx.job, error=_clip(error), code="edge_failed"))
+                    return
+                continue
             try:
                 inputs = apply_edge(edge, self.stage.name, ctx.outputs or {})
             except Exception as e:
@@ -330,15 +448,63 @@ class StageWorker:
                     f"edge {self.stage.name} -> {edge.dst}: {type(e).__name__}: {e}"
                 self.send(P.Failed(job=ctx.job, error=_clip(error), code="edge_failed"))
                 return
-            handoffs.append(WorkItem(job=ctx.job, pipeline=item.pipeline, src=self.stage.name,
-                                     inputs=inputs, params=item.params))
+            handoffs.append((edge.dst, WorkItem(job=ctx.job, pipeline=item.pipeline, src=self.stage.name,
+                                                inputs=inputs, params=item.params)))
         self.send(P.Finished(job=ctx.job, elapsed_s=elapsed))
-        for edge, out in zip(edges, handoffs):
+        for dst, out in handoffs:
             with self._lock:
                 if self.is_dead(ctx.job):
                     return
-                self.outbox[(ctx.job, edge.dst)] = out
-            self._deliver(edge.dst, out)
+                self.outbox[(ctx.job, dst)] = out
+            self._deliver(dst, out)
+
+    # ------------------------------------------------------------------ streaming edges
+
+    def _queue_window(self, item: WorkItem, edge: EdgeConfig, index: int, values: dict[str, Any],
+                      last: bool) -> str | None:
+        """Map one window through its edge and queue it for `_offer_windows`; the error if the edge
+        cannot map it."""
+        if self.is_dead(item.job):
+            return None
+        try:
+            # An empty last window only says "that was all": nothing to map.
+            inputs = apply_edge(edge, self.stage.name, values) if values else {}
+        except Exception as e:
+            return str(e) if isinstance(e, EdgeError) else \
+                f"edge {self.stage.name} -> {edge.dst}: {type(e).__name__}: {e}"
+        window = WorkItem(job=item.job, pipeline=item.pipeline, src=self.stage.name, inputs=inputs,
+                          params=item.params, window=index, last=last)
+        self.unsent.setdefault((item.job, edge.dst), deque()).append(window)
+        return None
+
+    def _offer_windows(self) -> None:
+        """Offer each streamed job's next windows downstream, in order; never waits for room.
+
+        A window that finds no room stays first in its job's line and is offered again on a later
+        turn, while other jobs' windows go on: a downstream busy with one job's stream is never
+        blocked from the windows it waits for by another job's.
+        """
+        for key in list(self.unsent):
+            job, dst = key
+            line = self.unsent[key]
+            while line and not self.is_dead(job):
+                answer = self.window_sender.offer(dst, line[0])
+                if answer is None:
+                    break                   # no room (or restarting): later
+                window = line.popleft()
+                if not answer:
+                    line.clear()            # the job is over there
+                    break
+                self.triggers += 1
+                self.windows_sent[dst] = self.windows_sent.get(dst, 0) + 1
+                if window.last:
+                    self.send(P.Delivered(job=job, dst=dst))
+            if not line or self.is_dead(job):
+                del self.unsent[key]
+
+    def _window_backlog(self) -> bool:
+        """A downstream has no room for a streamed job's first window: take no new input."""
+        return any(line and line[0].window == 0 for line in self.unsent.values())
 
     def _deliver(self, dst: str, item: WorkItem) -> None:
         """Hand one job's outputs to a downstream stage; blocks at its watermark.

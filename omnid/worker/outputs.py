@@ -100,6 +100,29 @@ def _file_stem(name: str, taken: set[str]) -> str:
     return candidate
 
 
+STREAM_DIR = ".stream"
+
+
+def stream_file(job_dir: Path, name: str) -> Path:
+    """Where a pipeline's last stage appends an output's segments while the job runs."""
+    return job_dir / STREAM_DIR / (re.sub(r"[^A-Za-z0-9_.-]", "_", name).lstrip(".")[:100] or "output")
+
+
+def append_stream(job_dir: Path, segment: dict[str, Any], prefix: str = "") -> None:
+    """Append a segment's text and bytes values to their outputs' stream files (read with `?stream=1`)."""
+    for name, value in segment.items():
+        if isinstance(value, str):
+            data = value.encode("utf-8")
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            data = bytes(value)
+        else:
+            continue
+        path = stream_file(job_dir, f"{prefix}{name}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab") as f:
+            f.write(data)
+
+
 def write_outputs(job: str, job_dir: Path, outputs: dict[str, Any], prefix: str = "") -> list[Output]:
     """Write every output of a sink stage; return one `Output` event per file."""
     job_dir.mkdir(parents=True, exist_ok=True)

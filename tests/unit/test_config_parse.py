@@ -193,8 +193,6 @@ def test_duplicate_edges(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("window", "fragment"), [
-    (1, "streaming windows (window = 1) are not supported yet"),
-    (4, "streaming windows (window = 4) are not supported yet"),
     (0, "must be -1 (full trigger) or a segment count > 0, not 0"),
     (-2, "must be -1 (full trigger) or a segment count > 0, not -2"),
     (-100, "not -100"),
@@ -204,6 +202,28 @@ def test_duplicate_edges(tmp_path: Path) -> None:
 def test_window_other_than_minus_one_is_refused(tmp_path: Path, window: Any, fragment: str) -> None:
     reported(minimal(edges=[edge("a", "b", window=window), edge("b", "c")]), tmp_path,
              "pipelines.p.edges[0].window", fragment)
+
+
+def test_window_n_streams_into_python_stages(tmp_path: Path) -> None:
+    p = parse(minimal(edges=[edge("a", "b", window=1), edge("b", "c", window=4)]), tmp_path).pipelines["p"]
+    assert [e.window for e in p.edges] == [1, 4]
+
+
+def test_window_n_into_an_engine_that_needs_its_whole_input_is_refused(tmp_path: Path, models: Path) -> None:
+    data = minimal(edges=[edge("a", "sd", window=2), edge("a", "llm", window=8)], stages=["a", "sd", "llm"])
+    data["stages"].update({"sd": {"engine": "diffusers", "model": "sd"}, "llm": {"engine": "vllm", "model": "llm"}})
+    found = problems(data, tmp_path)
+    assert found["pipelines.p.edges[0].window"] == [
+        "stage 'sd' (diffusers) cannot be fed by a window edge: it needs its whole prompt (a diffusion model "
+        "conditions every step on all of it). Only python stages take streamed inputs; use window = -1"]
+    assert "it needs its whole prompt before it can start generating" in found["pipelines.p.edges[1].window"][0]
+
+
+def test_a_stage_fed_by_a_window_edge_takes_no_other_input(tmp_path: Path) -> None:
+    found = problems(minimal(edges=[edge("a", "c", window=2), edge("b", "c")]), tmp_path)
+    assert found["pipelines.p.edges"] == [
+        "stage 'c' is fed by a window edge from 'a' and also by 'b': a stage fed by a window edge takes no "
+        "other input (merge them upstream, or use window = -1)"]
 
 
 def test_window_minus_one_is_the_full_trigger(tmp_path: Path) -> None:
@@ -265,7 +285,7 @@ def test_every_problem_is_reported_at_once_with_its_key_path(tmp_path: Path, mod
         "stages.fn.function": "must be \"package.module:function\"",
         "stages.fn.env.A": "must be a string, not an integer",
         "pipelines.loop.edges": "cycle",
-        "pipelines.p.edges[0].window": "not supported yet",
+        "pipelines.p.edges[0].window": "cannot be fed by a window edge",
     }
     with pytest.raises(C.ConfigError) as err:
         C.parse(data, base=tmp_path, source="omnid.toml")
@@ -357,7 +377,7 @@ def test_stage_fields(tmp_path: Path) -> None:
 def test_stage_problems(tmp_path: Path, models: Path) -> None:
     data = minimal()
     data["stages"].update({
-        "one": py(max_inflight=2),
+        "one": py(max_inflight=2),     # python generators are advanced in turn
         "sd": {"engine": "diffusers", "model": "sd", "max_inflight": 2},
         "many": {"engine": "vllm", "model": "llm", "max_inflight": 8},
         "ex": py(devices=[0, 1], exclusive=True),
@@ -366,7 +386,7 @@ def test_stage_problems(tmp_path: Path, models: Path) -> None:
         "notable": "python",
     })
     found = problems(data, tmp_path)
-    assert found["stages.one.max_inflight"] == ["engine 'python' runs one job at a time; must be 1"]
+    assert "stages.one.max_inflight" not in found
     assert found["stages.sd.max_inflight"] == ["engine 'diffusers' runs one job at a time; must be 1"]
     assert "stages.many.max_inflight" not in found
     assert found["stages.ex.devices"] == ["device 1 is also given to shared, but this stage is exclusive"]
