@@ -8,7 +8,8 @@ What it blocks on: connecting to the socket and reading each response, bounded b
 ``timeout`` (30 s by default). The exception is :meth:`Client.events`, which, once the response
 has started, blocks without limit until the daemon sends the next event or ends the stream.
 
-Only the standard library is imported here, so ``import omnictl`` stays fast and never pulls in
+Only the standard library (and ``omnid.vocabulary``, which is standard-library only itself) is
+imported here, so ``import omnictl`` stays fast and never pulls in
 torch, vLLM or diffusers. Nothing here prints; results are returned and failures raised as
 :class:`ClientError` subclasses.
 """
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import quote, urlencode
 
+from omnid.vocabulary import TERMINAL_JOB_STATES, JobState
+
 __all__ = [
     "ApiError",
     "Client",
@@ -34,6 +37,7 @@ __all__ = [
     "ConnectionLost",
     "DaemonUnreachable",
     "DEFAULT_TIMEOUT_S",
+    "EventsIdleTimeout",
     "JOB_STATES",
     "ProtocolError",
     "TERMINAL_STATES",
@@ -45,8 +49,9 @@ JSON = dict[str, Any]
 
 DEFAULT_TIMEOUT_S: float = 30.0
 ROOT_SOCKET_PATH = "/run/omnid/omnid.sock"
-JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled", "timed_out")
-TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "timed_out"})
+# Plain strings (not the enums), as the JSON the daemon sends carries them.
+JOB_STATES: tuple[str, ...] = tuple(str(state) for state in JobState)
+TERMINAL_STATES: frozenset[str] = frozenset(str(state) for state in TERMINAL_JOB_STATES)
 
 # Output bodies are copied to disk in pieces of this size, so a large audio file never sits in memory.
 _COPY_CHUNK = 1 << 20
@@ -73,6 +78,21 @@ class DaemonUnreachable(ClientError):
 
 class ConnectionLost(DaemonUnreachable):
     """The daemon went away in the middle of a response (for example while streaming events)."""
+
+
+class EventsIdleTimeout(ClientError, TimeoutError):
+    """:meth:`Client.events` got no event from the daemon within its ``idle_timeout``.
+
+    The daemon answered but went quiet: the job may be stuck, or just slow between two events.
+    Also a :class:`TimeoutError`, so ``except TimeoutError`` catches it.
+    """
+
+    def __init__(self, job_id: str, idle_timeout: float, events_seen: int) -> None:
+        self.job_id = job_id
+        self.idle_timeout = idle_timeout
+        self.events_seen = events_seen
+        super().__init__(f"no event for job {job_id} within {idle_timeout:g} s "
+                         f"(after {events_seen} event{'' if events_seen == 1 else 's'})")
 
 
 class ProtocolError(ClientError):
@@ -278,8 +298,11 @@ class Client:
         except ValueError:
             return response.status, {}
 
-    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
-        return self._request(method, path, **kwargs)[1]
+    def _json(self, method: str, path: str, **kwargs: Any) -> JSON:
+        body = self._request(method, path, **kwargs)[1]
+        if not isinstance(body, dict):
+            raise ProtocolError(f"{method} {path}: the daemon answered a JSON {type(body).__name__}, not an object")
+        return body
 
     @staticmethod
     def _job_path(job_id: str, *rest: str) -> str:
@@ -349,22 +372,30 @@ class Client:
         """``DELETE /v1/jobs/{id}``: forget a terminal job and its files; returns ``{"deleted": id}``."""
         return self._json("DELETE", self._job_path(job_id))
 
-    def events(self, job_id: str) -> Iterator[JSON]:
+    def events(self, job_id: str, *, idle_timeout: float | None = None) -> Iterator[JSON]:
         """``GET /v1/jobs/{id}/events``: yield each event as it arrives, from the job's start.
 
         The stream ends after the terminal ``state`` event. Connecting is bounded by the client's
-        timeout; waiting for events is not. Closing the generator early closes the connection.
-        Raises :class:`ConnectionLost` when the stream breaks before the terminal state.
+        timeout. Waiting for events is bounded only by ``idle_timeout``: with ``None`` (the
+        default) it waits without limit; else it raises :class:`EventsIdleTimeout` (a
+        :class:`TimeoutError` too) when no event arrives for that many seconds. Closing the
+        generator early closes the connection. Raises :class:`ConnectionLost` when the stream
+        breaks before the terminal state.
         """
+        if idle_timeout is not None and not idle_timeout > 0:
+            raise ValueError(f"idle_timeout must be a positive number of seconds or None, not {idle_timeout!r}")
         conn, response = self._open("GET", self._job_path(job_id, "events"))
+        seen = 0
         try:
             self._check(response)
             if conn.sock is not None:
-                # A job may think for minutes between events; only a dead daemon ends the wait.
-                conn.sock.settimeout(None)
+                # A job may think for minutes between events; by default only a dead daemon ends the wait.
+                conn.sock.settimeout(idle_timeout)
             while True:
                 try:
                     line = response.readline()
+                except (socket.timeout, TimeoutError):
+                    raise EventsIdleTimeout(str(job_id), float(idle_timeout or 0), seen) from None
                 except (OSError, http.client.HTTPException) as exc:
                     raise ConnectionLost(self.socket_path, f"event stream broke ({exc or type(exc).__name__})") from None
                 if not line:
@@ -377,6 +408,7 @@ class Client:
                     raise ProtocolError(f"the daemon sent an event line that is not JSON: {line[:200]!r}") from None
                 if not isinstance(event, dict):
                     raise ProtocolError(f"the daemon sent an event that is not an object: {line[:200]!r}")
+                seen += 1
                 yield event
                 if event.get("type") == "state" and event.get("state") in TERMINAL_STATES:
                     # Stop here even if the daemon kept the stream open: nothing can follow the end.

@@ -4,7 +4,15 @@
 runs `python -m omnid -c CONFIG` as a subprocess, waits until `/v1/ready`
 answers 200 (or the process dies: then the test fails with its log), and
 returns a `RunningDaemon`. At teardown every daemon gets SIGTERM, and the
-fixture checks that none of its stage workers outlived it.
+fixture checks that it exited with status 0 (or the status the test declared
+with `expect_exit=`, or by killing it through `RunningDaemon.kill9()`) and that
+none of its stage workers outlived it.
+
+No wait here is unbounded: every wait has a deadline and, when it passes,
+fails naming what it waited for, with the job's and the stages' state and the
+tail of the daemon's log. Event streams are read with an idle timeout
+(`Client.events(..., idle_timeout=)`), so a daemon that goes quiet cannot hang
+a test either.
 """
 
 from __future__ import annotations
@@ -25,11 +33,17 @@ from typing import Any
 import psutil
 import pytest
 
-from omnictl.client import ApiError, Client
+from omnictl.client import (TERMINAL_STATES, Client, ClientError, DaemonUnreachable,
+                            EventsIdleTimeout)
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
 MODELS = Path(os.environ.get("OMNID_TEST_MODELS", ROOT / ".models"))
+
+ANY_EXIT = "any"         # `expect_exit=ANY_EXIT`: the test checks the daemon's exit status itself
+STOP_TIMEOUT_S = 30      # how long a daemon may take to exit after SIGTERM
+EVENT_IDLE_S = 5.0       # an event stream quiet this long is reopened (replayed) to look at the clock
+LOG_TAIL = 3000
 
 
 # ------------------------------------------------------------------------- TOML writing
@@ -88,13 +102,22 @@ class RunningDaemon:
     state_dir: Path
     lock_dir: Path
     log_path: Path
+    # The exit status teardown expects after its SIGTERM (or that the daemon already exited
+    # with): 0 unless a test says otherwise; ANY_EXIT when the test checked it itself.
+    expect_exit: int | str = 0
     client: Client = field(init=False)
 
     def __post_init__(self) -> None:
         self.client = Client(str(self.socket))
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, n: int = LOG_TAIL) -> str:
+        return self.log()[-n:]
 
     def stages(self) -> dict[str, dict[str, Any]]:
         return {s["name"]: s for s in self.client.stages()["stages"]}
@@ -110,31 +133,99 @@ class RunningDaemon:
         except psutil.NoSuchProcess:
             return []
 
+    def kill9(self, timeout: float = 10) -> int:
+        """SIGKILL the supervisor itself and reap it; teardown then expects exactly that."""
+        self.expect_exit = -signal.SIGKILL
+        self.proc.send_signal(signal.SIGKILL)
+        return self.proc.wait(timeout)
+
+    def diagnose(self, job: str | None = None) -> str:
+        """What the daemon looks like now: alive or its exit status, the job, the stages, its log tail."""
+        code = self.proc.poll()
+        lines = [f"omnid (pid {self.proc.pid}) " + ("is running" if code is None else f"exited with status {code}")]
+        if code is None:
+            quick = Client(str(self.socket), timeout=5)
+            if job is not None:
+                try:
+                    doc = quick.job(job)
+                    stages = {n: s["state"] for n, s in doc["stages"].items()}
+                    lines.append(f"job {job}: {doc['state']}, stages {stages}, error {doc['error']}")
+                except (ClientError, OSError) as e:
+                    lines.append(f"job {job}: cannot read it ({e})")
+            try:
+                for snap in quick.stages()["stages"]:
+                    lines.append(f"stage {snap['name']}: {snap['state']} pid={snap['pid']} "
+                                 f"running={snap['running']} restarts={snap['restarts']} "
+                                 f"last_error={snap['last_error']!r}")
+            except (ClientError, OSError) as e:
+                lines.append(f"stages: cannot read them ({e})")
+        lines.append(f"--- tail of {self.log_path}:\n{self.log_tail()}")
+        return "\n".join(lines)
+
+    def follow(self, job: str, timeout: float, what: str) -> Iterator[dict[str, Any]]:
+        """The job's events, each once, from its start; fail after `timeout` s naming `what`.
+
+        The stream is read with an idle timeout: when it stays quiet, it is opened again (the
+        daemon replays it from the start; the events already given are skipped), so the deadline
+        is looked at at least every EVENT_IDLE_S seconds even if no event comes.
+        """
+        deadline = time.monotonic() + timeout
+        given = 0
+        while True:
+            idle = min(EVENT_IDLE_S, max(0.05, deadline - time.monotonic()))
+            stream = self.client.events(job, idle_timeout=idle)
+            try:
+                for index, ev in enumerate(stream):
+                    if index < given:
+                        continue
+                    given += 1
+                    yield ev
+                    if time.monotonic() > deadline:
+                        break
+                else:
+                    return
+            except EventsIdleTimeout:
+                pass
+            except DaemonUnreachable as e:
+                raise AssertionError(f"lost the daemon while waiting for {what} (job {job}): {e}\n"
+                                     f"{self.diagnose(job)}") from None
+            finally:
+                stream.close()
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout} s waiting for {what} (job {job}, "
+                                     f"{given} events seen)\n{self.diagnose(job)}")
+
     def submit(self, pipeline: str, inputs: dict[str, Any] | None = None,
                params: dict[str, Any] | None = None, timeout_s: float | None = None) -> str:
         return self.client.submit(pipeline, inputs or {}, params, timeout_s)["id"]
 
     def wait(self, job: str, timeout: float = 120) -> dict[str, Any]:
         """Follow the job's event stream to its end; return the final job document."""
-        deadline = time.monotonic() + timeout
-        for ev in self.client.events(job):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"job {job} not finished after {timeout} s")
+        for _ in self.follow(job, timeout, f"job {job} to end"):
+            pass
         return self.client.job(job)
 
-    def events(self, job: str) -> list[dict[str, Any]]:
-        return list(self.client.events(job))
+    def events(self, job: str, timeout: float = 120) -> list[dict[str, Any]]:
+        """All the job's events, once it has ended."""
+        return list(self.follow(job, timeout, f"the event stream of job {job} to end"))
 
     def wait_stage_state(self, stage: str, states: tuple[str, ...], timeout: float = 60) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
+        snap: dict[str, Any] | None = None
         while time.monotonic() < deadline:
-            snap = self.stages()[stage]
+            try:
+                snap = self.stages()[stage]
+            except DaemonUnreachable as e:
+                raise AssertionError(f"lost the daemon while waiting for stage {stage} to be in {states}: {e}\n"
+                                     f"{self.diagnose()}") from None
             if snap["state"] in states:
                 return snap
             time.sleep(0.05)
-        raise TimeoutError(f"stage {stage} never reached {states}; last: {snap}\n{self.log()[-3000:]}")
+        raise AssertionError(f"timed out after {timeout} s waiting for stage {stage} to be in {states}; "
+                             f"last: {snap}\n{self.diagnose()}")
 
-    def stop(self, timeout: float = 30) -> int:
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> int:
+        """SIGTERM, and wait up to `timeout` s; SIGKILL past it. Returns the exit status."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -142,6 +233,8 @@ class RunningDaemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+                raise AssertionError(f"omnid (pid {self.proc.pid}) did not exit within {timeout} s of "
+                                     f"SIGTERM; killed it\n--- tail of {self.log_path}:\n{self.log_tail()}")
         return self.proc.returncode
 
 
@@ -156,7 +249,7 @@ def wait_gone(pids: list[int], timeout: float = 10) -> list[int]:
     return alive
 
 
-TERMINAL = {"succeeded", "failed", "cancelled", "timed_out"}
+TERMINAL = TERMINAL_STATES
 
 
 def wait_for(cond: Callable[[], Any], timeout: float, what: str, every: float = 0.02) -> Any:
@@ -170,9 +263,9 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str, every: float = 
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def wait_started(d: RunningDaemon, job: str, stage: str) -> float:
+def wait_started(d: RunningDaemon, job: str, stage: str, timeout: float = 60) -> float:
     """Follow the job's events until `stage` starts it; return when that was seen."""
-    for ev in d.client.events(job):
+    for ev in d.follow(job, timeout, f"stage {stage} to start job {job}"):
         if ev["type"] == "stage_started" and ev["stage"] == stage:
             return time.monotonic()
         if ev["type"] == "state" and ev["state"] in TERMINAL:
@@ -205,17 +298,43 @@ def launch(config_path: Path, log_path: Path, env: dict[str, str] | None = None)
 
 def wait_ready(d: RunningDaemon, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
+    probe = Client(str(d.socket), timeout=5)
+    last: Any = "no answer yet"
     while time.monotonic() < deadline:
         if d.proc.poll() is not None:
             raise RuntimeError(f"omnid exited with {d.proc.returncode} before it was ready:\n{d.log()[-6000:]}")
         try:
-            ok, _ = d.client.ready()
+            ok, body = probe.ready()
             if ok:
                 return
-        except (OSError, ApiError, Exception):
-            pass
+            last = body
+        except (OSError, ClientError) as e:
+            last = e
         time.sleep(0.1)
-    raise TimeoutError(f"omnid not ready after {timeout} s:\n{d.log()[-6000:]}")
+    raise TimeoutError(f"omnid not ready after {timeout} s (last /v1/ready: {last}):\n{d.log()[-6000:]}")
+
+
+def stop_and_check(rd: RunningDaemon) -> list[str]:
+    """Teardown of one daemon: SIGTERM, its exit status as expected, no worker left. Returns problems."""
+    problems: list[str] = []
+    workers = rd.worker_pids()
+    try:
+        code = rd.stop()
+    except AssertionError as e:
+        problems.append(f"{rd.config_path}: {e}")
+        code = None
+    if code is not None and rd.expect_exit != ANY_EXIT and code != rd.expect_exit:
+        problems.append(f"{rd.config_path}: omnid exited with status {code}, expected {rd.expect_exit}\n"
+                        f"--- tail of {rd.log_path}:\n{rd.log_tail()}")
+    survivors = wait_gone(workers)
+    if survivors:
+        problems.append(f"{rd.config_path}: workers {survivors} outlived the daemon")
+        for p in survivors:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return problems
 
 
 @pytest.fixture
@@ -224,7 +343,9 @@ def start_daemon() -> Iterator[Callable[..., RunningDaemon]]:
     dirs: list[Path] = []
 
     def start(stages: dict[str, Any], pipelines: dict[str, Any], daemon: dict[str, Any] | None = None,
-              *, wait: bool = True, dir: Path | None = None, env: dict[str, str] | None = None) -> RunningDaemon:
+              *, wait: bool = True, dir: Path | None = None, env: dict[str, str] | None = None,
+              expect_exit: int | str = 0) -> RunningDaemon:
+        """`expect_exit`: the exit status teardown expects (ANY_EXIT: the test checks it)."""
         d = dir or short_tmpdir()
         dirs.append(d)
         config_path = daemon_config(d, stages, pipelines, daemon)
@@ -233,25 +354,16 @@ def start_daemon() -> Iterator[Callable[..., RunningDaemon]]:
         log_path = d / f"omnid-{len(started)}.log"
         proc = launch(config_path, log_path, env)
         rd = RunningDaemon(proc, d, config_path, cfg_daemon["socket"], cfg_daemon["state_dir"],
-                           cfg_daemon["lock_dir"], log_path)
+                           cfg_daemon["lock_dir"], log_path, expect_exit)
         started.append(rd)
         if wait:
             wait_ready(rd)
         return rd
 
     yield start
-    leftovers: list[str] = []
+    problems: list[str] = []
     for rd in started:
-        workers = rd.worker_pids()
-        rd.stop()
-        survivors = wait_gone(workers)
-        if survivors:
-            leftovers.append(f"{rd.config_path}: workers {survivors} outlived the daemon")
-            for p in survivors:
-                try:
-                    os.kill(p, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        problems += stop_and_check(rd)
     for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
-    assert not leftovers, "\n".join(leftovers)
+    assert not problems, "\n".join(problems)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
+import signal
 import socket
 import time
 from collections.abc import Callable
@@ -19,7 +21,7 @@ from typing import Any
 import pytest
 
 from omnictl.client import ApiError, Client, UnixHTTPConnection
-from conftest import RunningDaemon, py_stage
+from conftest import RunningDaemon, py_stage, wait_for, wait_started
 
 
 
@@ -228,9 +230,7 @@ def test_jobs_belong_to_their_uid(start_daemon: Callable[..., RunningDaemon]) ->
     os.chmod(d.dir, 0o755)                      # the socket's folder must be traversable by nobody
     assert oct(os.stat(d.socket).st_mode & 0o777) == "0o666"
     root_job = d.submit("slow", {"text": "root's"}, params={"long": {"seconds": 30}})
-    for ev in d.client.events(root_job):
-        if ev["type"] == "stage_started":
-            break
+    wait_started(d, root_job, "long")
 
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
@@ -265,3 +265,81 @@ def test_jobs_belong_to_their_uid(start_daemon: Callable[..., RunningDaemon]) ->
     started = time.monotonic()
     assert d.wait(d.submit("p", {"text": "x"}))["state"] == "succeeded"
     assert time.monotonic() - started < 30
+
+
+# ------------------------------------------------------------------ metrics
+
+
+def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of a Prometheus text exposition: {(name, labels): value}."""
+    out: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = re.fullmatch(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)(?: \d+)?', line)
+        assert m, f"not a sample line: {line!r}"
+        labels = frozenset(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+        out[(m.group(1), labels)] = float(m.group(3))
+    return out
+
+
+def sample(all_samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str,
+           **labels: str) -> float:
+    key = (name, frozenset(labels.items()))
+    assert key in all_samples, f"no sample {name}{labels} in /metrics; it has " + \
+        ", ".join(sorted({n for n, _ in all_samples if n.startswith(name.rsplit("_", 1)[0])}))
+    return all_samples[key]
+
+
+def test_metrics_count_jobs_and_stage_events(start_daemon: Callable[..., RunningDaemon]) -> None:
+    d = start_daemon({"s": py_stage("sleep", defaults={"seconds": 0.05}, queue_capacity=3),
+                      "bad": py_stage("fail"), "victim": py_stage("echo"), "doomed": py_stage("echo")},
+                     {"p": {"stages": ["s"]}, "f": {"stages": ["bad"]}, "v": {"stages": ["victim"]},
+                      "x": {"stages": ["doomed"]}},
+                     {"max_restarts": 1, "restart_backoff_s": 0.1})
+    # jobs: two succeed and one is cancelled on p, one fails on f
+    for text in ("one", "two"):
+        assert d.wait(d.submit("p", {"text": text}))["state"] == "succeeded"
+    long = d.submit("p", params={"s": {"seconds": 30}})
+    wait_started(d, long, "s")
+    assert d.client.cancel(long)["state"] == "cancelled"
+    assert d.wait(d.submit("f"))["state"] == "failed"
+    # stages: victim is killed once (restarted); doomed twice (max_restarts = 1: failed)
+    pid = d.stage_pid("victim")
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: (s := d.stages()["victim"])["state"] == "ready" and s["pid"] not in (None, pid), 20,
+             "victim to be restarted")
+    pid = d.stage_pid("doomed")
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: (s := d.stages()["doomed"])["state"] == "ready" and s["pid"] not in (None, pid), 20,
+             "doomed to be restarted")
+    os.kill(d.stage_pid("doomed"), signal.SIGKILL)
+    d.wait_stage_state("doomed", ("failed",), timeout=20)
+    with pytest.raises(ApiError):
+        d.submit("x")                                    # refused with 503: not a submitted job
+    # a job the worker stopped reaches the counters only when it has left the worker
+    wait_for(lambda: d.stages()["s"]["running"] == [], 5, "s to be idle")
+
+    m = samples(d.client.metrics())
+    assert sample(m, "omnid_jobs_submitted_total", pipeline="p") == 3
+    assert sample(m, "omnid_jobs_submitted_total", pipeline="f") == 1
+    assert ("omnid_jobs_submitted_total", frozenset({("pipeline", "x")})) not in m
+    assert sample(m, "omnid_jobs_finished_total", pipeline="p", state="succeeded") == 2
+    assert sample(m, "omnid_jobs_finished_total", pipeline="p", state="cancelled") == 1
+    assert sample(m, "omnid_jobs_finished_total", pipeline="f", state="failed") == 1
+    finished = {dict(labels)["state"] for name, labels in m if name == "omnid_jobs_finished_total"
+                and dict(labels)["pipeline"] == "p"}
+    assert finished == {"succeeded", "cancelled"}, finished
+    assert sample(m, "omnid_job_duration_seconds_count", pipeline="p") == 3
+    assert sample(m, "omnid_job_duration_seconds_count", pipeline="f") == 1
+    assert 0 < sample(m, "omnid_job_duration_seconds_sum", pipeline="p") < 30
+    assert sample(m, "omnid_stage_jobs_done_total", stage="s") == 2          # the cancelled one is not done
+    assert sample(m, "omnid_stage_jobs_done_total", stage="bad") == 0
+    assert sample(m, "omnid_stage_restarts_total", stage="victim") == 1
+    assert sample(m, "omnid_stage_restarts_total", stage="doomed") == 1
+    assert sample(m, "omnid_stage_restarts_total", stage="s") == 0
+    for stage, up in (("s", 1), ("bad", 1), ("victim", 1), ("doomed", 0)):
+        assert sample(m, "omnid_stage_up", stage=stage) == up, stage
+    assert sample(m, "omnid_stage_queue_capacity", stage="s") == 3
+    assert sample(m, "omnid_stage_queue_capacity", stage="bad") == d.stages()["bad"]["queue_capacity"]
+    assert sample(m, "omnid_stage_queue_depth", stage="s") == 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from conftest import RunningDaemon, py_stage
+from conftest import RunningDaemon, py_stage, wait_started
 
 
 def test_no_job_state_survives_the_job(start_daemon) -> None:
@@ -24,9 +24,7 @@ def test_no_job_state_survives_the_job(start_daemon) -> None:
     queued = d.submit("abc", {"text": "queued"})
     failing = d.submit("fails", {"text": "boom"})
     timing_out = d.submit("abc", {"text": "late"}, params={"a": {"seconds": 5}}, timeout_s=1.0)
-    for ev in d.client.events(slow):
-        if ev["type"] == "stage_started" and ev["stage"] == "b":
-            break
+    wait_started(d, slow, "b")
     # while it runs, the state is there: b runs it, a keeps its copy until the job ends
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:

@@ -234,7 +234,7 @@ def test_generator_streams_segments(start_daemon: Callable[..., RunningDaemon]) 
     d = start_daemon({"gen": py_stage("count", defaults={"n": 4, "delay": 0.05})}, {"g": {"stages": ["gen"]}})
     job = d.submit("g")
     seen: list[tuple[dict[str, Any], float]] = []
-    for ev in d.client.events(job):
+    for ev in d.follow(job, 60, f"job {job} to end"):
         seen.append((ev, time.monotonic()))
     segments = [ev for ev, _ in seen if ev["type"] == "segment"]
     assert segments, seen

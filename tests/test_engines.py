@@ -9,6 +9,7 @@ a diffusers StableDiffusionPipeline.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 
 from omnictl.client import ApiError
-from conftest import MODELS, ROOT, RunningDaemon, daemon_config, launch, short_tmpdir, wait_gone, wait_ready
+from conftest import MODELS, ROOT, RunningDaemon, daemon_config, launch, short_tmpdir, stop_and_check, wait_ready
 
 pytestmark = pytest.mark.engines
 
@@ -68,9 +69,9 @@ def engines() -> Iterator[RunningDaemon]:
         wait_ready(rd, timeout=300)
         yield rd
     finally:
-        workers = rd.worker_pids()
-        rd.stop()
-        assert not wait_gone(workers), "stage workers outlived the daemon"
+        problems = stop_and_check(rd)
+        shutil.rmtree(d, ignore_errors=True)
+        assert not problems, "\n".join(problems)
 
 
 def _first(events: list[dict[str, Any]], **match: Any) -> dict[str, Any]:
@@ -108,6 +109,10 @@ def test_t2i_runs_real_vllm_and_diffusers(engines: RunningDaemon) -> None:
 
 
 def test_second_job_reuses_warm_workers(engines: RunningDaemon) -> None:
+    # Relative to the state the module's daemon is in now: an earlier test may have restarted a
+    # worker (test_kill_9_of_vllm_worker_mid_job does); what matters is that these two jobs do not.
+    for name in ("expand", "draw"):
+        engines.wait_stage_state(name, ("ready",), timeout=180)
     before = engines.stages()
     first = engines.wait(engines.submit("t2i", {"prompt": "one"}))
     mid = engines.stages()
@@ -117,7 +122,7 @@ def test_second_job_reuses_warm_workers(engines: RunningDaemon) -> None:
     for name in ("expand", "draw"):
         assert before[name]["pid"] == mid[name]["pid"] == after[name]["pid"]
         assert before[name]["load_s"] == after[name]["load_s"]
-        assert after[name]["restarts"] == 0
+        assert after[name]["restarts"] == before[name]["restarts"]
         assert after[name]["jobs_done"] >= before[name]["jobs_done"] + 2
     # warm: a whole job takes a small fraction of loading the engines
     assert second["finished_at"] - second["created_at"] < after["expand"]["load_s"]
@@ -149,7 +154,7 @@ def test_engine_errors_fail_only_that_job(engines: RunningDaemon) -> None:
 def test_cancel_running_diffusion_stops_within_a_step(engines: RunningDaemon) -> None:
     long = engines.submit("draw", {"prompt": "slow"}, params={"draw": {"num_inference_steps": 500}})
     nxt = engines.submit("draw", {"prompt": "next"})
-    stream = engines.client.events(long)
+    stream = engines.follow(long, 120, "5 denoising steps")
     step_times = []
     for ev in stream:
         if ev["type"] == "progress":
@@ -173,7 +178,7 @@ def test_cancel_long_generation_aborts_in_vllm(engines: RunningDaemon) -> None:
     long = engines.submit("llm", {"prompt": "tell"}, params={"expand": {"max_tokens": 480, "ignore_eos": True}})
     nxt = engines.submit("llm", {"prompt": "next"})
     tokens = 0
-    for ev in engines.client.events(long):
+    for ev in engines.follow(long, 120, "10 tokens"):
         if ev["type"] == "segment":
             tokens += 1
             if tokens == 10:
@@ -208,9 +213,10 @@ def test_framed_pipeline_python_stage_gets_pil_image(engines: RunningDaemon) -> 
 
 
 def test_kill_9_of_vllm_worker_mid_job(engines: RunningDaemon) -> None:
+    restarts = engines.wait_stage_state("expand", ("ready",), timeout=180)["restarts"]
     pid = engines.stage_pid("expand")
     job = engines.submit("llm", {"prompt": "tell"}, params={"expand": {"max_tokens": 480, "ignore_eos": True}})
-    for ev in engines.client.events(job):
+    for ev in engines.follow(job, 120, "the first token"):
         if ev["type"] == "segment":
             break
     queued = engines.submit("llm", {"prompt": "after"})
@@ -221,7 +227,7 @@ def test_kill_9_of_vllm_worker_mid_job(engines: RunningDaemon) -> None:
     after = engines.wait(queued, timeout=180)
     assert after["state"] == "succeeded", after
     snap = engines.wait_stage_state("expand", ("ready",), timeout=180)
-    assert snap["pid"] != pid and snap["restarts"] == 1
+    assert snap["pid"] != pid and snap["restarts"] == restarts + 1
 
 
 def test_vllm_stage_batches_up_to_max_inflight(engines: RunningDaemon) -> None:
@@ -242,7 +248,7 @@ def test_vllm_stage_batches_up_to_max_inflight(engines: RunningDaemon) -> None:
 def test_cancel_one_request_of_a_vllm_batch(engines: RunningDaemon) -> None:
     params = {"batch": {"max_tokens": 400}}
     a, b = (engines.submit("batch", {"prompt": p}, params=params) for p in ("left", "right"))
-    for ev in engines.client.events(a):
+    for ev in engines.follow(a, 120, "the first token"):
         if ev["type"] == "segment":
             break
     assert engines.client.cancel(a)["state"] == "cancelled"

@@ -127,6 +127,28 @@ def test_crash_looping_stage_fails_for_good(start_daemon: Callable[..., RunningD
     assert d.stages()["crashy"]["state"] == "failed"          # sticky
 
 
+def test_crash_loop_limit_allows_exactly_max_restarts(start_daemon: Callable[..., RunningDaemon]) -> None:
+    # max_restarts = 2: two crashes are restarted, the third within the window fails the stage.
+    d = start_daemon({"k": py_stage("echo")}, {"p": {"stages": ["k"]}},
+                     {"max_restarts": 2, "restart_backoff_s": 0.1})
+    for n in (1, 2):
+        pid = d.stage_pid("k")
+        os.kill(pid, signal.SIGKILL)
+        snap = wait_for(lambda: (s := d.stages()["k"])["state"] == "failed" or
+                        s["state"] == "ready" and s["pid"] not in (None, pid) and s, 10, f"restart {n} of stage k")
+        assert snap["state"] == "ready" and snap["restarts"] == n, f"after {n} crashes (max_restarts 2): {snap}"
+    os.kill(d.stage_pid("k"), signal.SIGKILL)
+    snap = d.wait_stage_state("k", ("failed",), timeout=20)
+    assert snap["restarts"] == 2 and snap["pid"] is None, snap
+    assert "crashed 3 times" in snap["last_error"] and "not restarting" in snap["last_error"], snap["last_error"]
+    time.sleep(0.5)                       # longer than any backoff: no restart comes after all
+    snap = d.stages()["k"]
+    assert snap["state"] == "failed" and snap["restarts"] == 2, snap
+    with pytest.raises(ApiError) as err:
+        d.submit("p", {"text": "x"})
+    assert err.value.status == 503 and err.value.code == "stage_failed", err.value
+
+
 # ------------------------------------------------------------------ a hung worker
 
 
@@ -183,7 +205,6 @@ def test_sigkill_supervisor_leaves_no_worker(start_daemon: Callable[..., Running
     wait_started(d, job, "a")                         # a busy worker too
     workers = d.worker_pids()
     assert {d.stage_pid("a"), d.stage_pid("b")} <= set(workers)
-    d.proc.send_signal(signal.SIGKILL)
-    d.proc.wait(10)
+    assert d.kill9() == -signal.SIGKILL
     survivors = wait_gone(workers, timeout=5)
     assert survivors == [], [psutil.Process(p).cmdline() for p in survivors]

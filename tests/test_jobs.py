@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-from omnictl.client import ApiError
+from omnictl.client import ApiError, EventsIdleTimeout
 from conftest import RunningDaemon, py_stage, sleeper, wait_for, wait_started
 
 
@@ -159,6 +160,60 @@ def test_timeout_defaults_pipeline_then_daemon(start_daemon: Callable[..., Runni
     assert d.wait(mine)["state"] == "succeeded"
 
 
+# ------------------------------------------------------------------ the worker itself stops
+
+
+STOP_BOUND_S = 1.5      # from the cancel (or the job's end on a timeout) to the worker's stop marker
+
+
+def assert_worker_stopped(d: RunningDaemon, job: str, pid: int, ticks: Path, stopped: Path,
+                          since: float) -> None:
+    """The stage function saw the stop (its marker), stopped working (no more ticks), and the same,
+    now idle, worker is still there (stopped cooperatively, not killed)."""
+    wait_for(stopped.exists, STOP_BOUND_S, f"the worker to see the stop of job {job} ({stopped.name})")
+    took = time.monotonic() - since
+    assert ticks.exists() and ticks.stat().st_size > 0, "the stage never ticked: it never ran"
+    size = ticks.stat().st_size
+    time.sleep(0.2)                                 # ten ticks' worth
+    assert ticks.stat().st_size == size, f"job {job}: the worker kept working after it wrote {stopped.name}"
+    how, marker_pid = stopped.read_text().split()
+    assert int(marker_pid) == pid, (how, marker_pid, pid)
+    snap = wait_for(lambda: (s := d.stages()["t"])["running"] == [] and s, 2,
+                    f"the worker to report itself idle after job {job}")
+    assert snap["pid"] == pid and snap["restarts"] == 0, snap     # cooperative: no kill was needed
+    assert took < STOP_BOUND_S, took
+
+
+@pytest.mark.parametrize("kind", ["function", "generator"])
+@pytest.mark.parametrize("ending", ["cancel", "timeout"])
+def test_cancel_and_timeout_stop_the_work_in_the_worker(ending: str, kind: str, tmp_path: Path,
+                                                        start_daemon: Callable[..., RunningDaemon]) -> None:
+    # A large cancel grace: a worker that ignores the stop is not killed within the test's bounds.
+    d = start_daemon({"t": py_stage("ticker" if kind == "function" else "ticker_gen")},
+                     {"p": {"stages": ["t"]}}, {"cancel_grace_s": 30})
+    pid = d.stage_pid("t")
+    ticks, stopped = tmp_path / "ticks", tmp_path / "stopped"
+    params = {"t": {"ticks": str(ticks), "stopped": str(stopped)}}
+    if ending == "cancel":
+        job = d.submit("p", params=params)
+        wait_started(d, job, "t")
+        wait_for(lambda: ticks.exists() and ticks.stat().st_size >= 4, 5, "the job to tick")
+        since = time.monotonic()
+        assert d.client.cancel(job)["state"] == "cancelled"
+    else:
+        job = d.submit("p", params=params, timeout_s=0.5)
+        doc = d.wait(job, timeout=10)
+        since = time.monotonic()
+        assert doc["state"] == "timed_out", doc
+        assert ticks.exists(), "the job timed out before the stage ran it"
+    assert_worker_stopped(d, job, pid, ticks, stopped, since)
+    # and the same worker serves the next job
+    done = tmp_path / "done"
+    nxt = d.submit("p", params={"t": {"ticks": str(tmp_path / "ticks2"), "stopped": str(done), "seconds": 0.05}})
+    assert d.wait(nxt)["state"] == "succeeded"
+    assert not done.exists() and d.stage_pid("t") == pid
+
+
 # ------------------------------------------------------------------ a stage that ignores cancel
 
 
@@ -232,6 +287,32 @@ def test_events_after_the_end_replay_everything(start_daemon: Callable[..., Runn
     assert [ev["stage"] for ev in events if ev["type"] == "stage_finished"] == ["a", "b"]
     # Same history on a second replay.
     assert d.events(job) == events
+
+
+def test_quiet_event_streams_time_out_with_a_diagnosis(start_daemon: Callable[..., RunningDaemon],
+                                                      tmp_path: Path) -> None:
+    # The harness's own waits: a job that sends no event for a while must not hang a test.
+    d = start_daemon({"s": py_stage("ticker")}, {"p": {"stages": ["s"]}})
+    files = {"ticks": str(tmp_path / "ticks"), "stopped": str(tmp_path / "stopped")}
+    job = d.submit("p", params={"s": {**files, "seconds": 0.05}})
+    assert [ev["type"] for ev in d.client.events(job, idle_timeout=30)][-1] == "state"    # ends as before
+    quiet = d.submit("p", params={"s": files})              # no event between its start and its end
+    wait_started(d, quiet, "s")
+    t0 = time.monotonic()
+    with pytest.raises(EventsIdleTimeout) as err:
+        for _ in d.client.events(quiet, idle_timeout=0.5):
+            pass
+    assert time.monotonic() - t0 < 3
+    assert isinstance(err.value, TimeoutError) and err.value.job_id == quiet
+    assert quiet in str(err.value) and "0.5 s" in str(err.value)
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError) as failed:
+        d.wait(quiet, timeout=1)
+    assert time.monotonic() - t0 < 4
+    report = str(failed.value)
+    assert f"job {quiet} to end" in report and "running" in report and "stage s: busy" in report, report
+    assert "--- tail of" in report, report
+    d.client.cancel(quiet)
 
 
 def test_outputs_have_their_content_types(start_daemon: Callable[..., RunningDaemon]) -> None:

@@ -1,6 +1,8 @@
 """Recovery paths found in review: each one a real fault on real processes.
 
 - a GPU stage whose restart crashes while loading comes back (no deadlock on its device lock);
+- a restarted worker that cannot load its engine (exit status EXIT_LOAD_FAILED) gets exactly one
+  more try: the stage is failed when that fails too, and ready again when it loads;
 - kills the supervisor orders for ignored cancels do not count toward `max_restarts`;
 - when an upstream and its downstream die together, a job that sat in the downstream's
   queue is recomputed upstream instead of waiting for its timeout.
@@ -9,9 +11,15 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
+import time
 from pathlib import Path
 
+import pytest
+
+from omnictl.client import ApiError
+from omnid.protocol import EXIT_LOAD_FAILED
 from conftest import RunningDaemon, py_stage, sleeper, wait_for, wait_started
 
 FLAKY_LOADER = '''
@@ -44,6 +52,69 @@ def test_restart_that_crashes_while_loading_comes_back(start_daemon, tmp_path: P
     assert d.wait(d.submit("p", {"text": "back"}))["state"] == "succeeded"
     # the stage that shares GPU 0 was never blocked by it
     assert d.wait(d.submit("q", {"text": "peer"}))["state"] == "succeeded"
+
+
+# Its import raises while the marker file exists (the worker then exits with EXIT_LOAD_FAILED),
+# and notes each failed load; a marker that says "once" is removed by the load that fails.
+LOAD_FAILER = '''
+import os
+MARKER = os.environ["LOAD_FAIL_MARKER"]
+if os.path.exists(MARKER):
+    with open(os.environ["LOAD_FAIL_LOG"], "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    with open(MARKER) as f:
+        once = f.read() == "once"
+    if once:
+        os.unlink(MARKER)
+    raise RuntimeError("the engine cannot load now")
+
+def work(inputs, params, ctx):
+    return {"text": "loaded", "pid": os.getpid()}
+'''
+
+
+@pytest.mark.parametrize("second_load", ["fails too", "succeeds"])
+def test_restart_that_cannot_load_gets_one_more_try(second_load: str, start_daemon, tmp_path: Path) -> None:
+    marker, failed_loads = tmp_path / "fail-to-load", tmp_path / "failed-loads"
+    (tmp_path / "load_failer.py").write_text(LOAD_FAILER)
+    stage = {"engine": "python", "function": "load_failer:work", "python_path": [str(tmp_path)],
+             "env": {"LOAD_FAIL_MARKER": str(marker), "LOAD_FAIL_LOG": str(failed_loads)}}
+    # max_restarts is far away: only the load-failure rule can fail the stage here.
+    d: RunningDaemon = start_daemon({"lf": stage}, {"p": {"stages": ["lf"]}},
+                                    {"restart_backoff_s": 0.1, "max_restarts": 10})
+    first_pid = d.stage_pid("lf")
+    marker.write_text("once" if second_load == "succeeds" else "always")
+    os.kill(first_pid, signal.SIGKILL)
+
+    def spawned() -> int:
+        return len(re.findall(r"stage worker spawned.*stage=lf\b", d.log()))
+
+    if second_load == "fails too":
+        snap = d.wait_stage_state("lf", ("failed",), timeout=20)
+        # one restart after the kill (its load fails), then exactly one more try (fails too)
+        assert snap["restarts"] == 2, snap
+        assert snap["pid"] is None
+        err = snap["last_error"]
+        assert f"could not load its engine (exit status {EXIT_LOAD_FAILED})" in err, err
+        assert "RuntimeError: the engine cannot load now" in err, err
+        assert "not restarting: loading fails" in err, err
+        time.sleep(0.6)                    # past any backoff: no third try comes
+        assert d.stages()["lf"]["restarts"] == 2
+        assert len(failed_loads.read_text().split()) == 2
+        assert spawned() == 3, d.log()     # the first worker and the two that could not load
+        with pytest.raises(ApiError) as e:
+            d.submit("p")
+        assert e.value.status == 503 and e.value.code == "stage_failed", e.value
+    else:
+        snap = wait_for(lambda: (s := d.stages()["lf"])["state"] == "ready" and s["restarts"] == 2 and s,
+                        20, "the second try to load")
+        assert snap["pid"] not in (None, first_pid)
+        assert len(failed_loads.read_text().split()) == 1
+        assert f"could not load its engine (exit status {EXIT_LOAD_FAILED})" in snap["last_error"]
+        doc = d.wait(d.submit("p"), timeout=30)
+        assert doc["state"] == "succeeded", doc
+        assert d.client.output(doc["id"], "text")[0] == b"loaded"
+        assert spawned() == 3, d.log()
 
 
 def test_cancel_grace_kills_do_not_count_as_crashes(start_daemon) -> None:

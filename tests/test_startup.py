@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import time
 import uuid
 from pathlib import Path
@@ -79,7 +80,7 @@ def test_stage_dying_while_loading_stops_the_daemon(kind: str, start_daemon, tmp
     env = token_env()
     t0 = time.monotonic()
     d: RunningDaemon = start_daemon({"healthy": healthy, "broken": broken},
-                                    {"p": {"stages": ["healthy", "broken"]}}, wait=False, env=env)
+                                    {"p": {"stages": ["healthy", "broken"]}}, wait=False, env=env, expect_exit=1)
     code = d.proc.wait(30)
     elapsed = time.monotonic() - t0
     out = d.log()
@@ -100,7 +101,7 @@ def test_stage_exiting_during_load_reports_its_exit_status(start_daemon, tmp_pat
     env = token_env()
     d: RunningDaemon = start_daemon(
         {"quits": {"engine": "python", "function": "exit_at_import:run", "python_path": [str(tmp_path)]}},
-        {"p": {"stages": ["quits"]}}, wait=False, env=env)
+        {"p": {"stages": ["quits"]}}, wait=False, env=env, expect_exit=1)
     assert d.proc.wait(30) == 1
     out = d.log()
     assert "stage 'quits' failed to start" in out and "exited with status 42" in out, out
@@ -115,13 +116,23 @@ def test_second_daemon_on_the_same_socket_refuses(start_daemon) -> None:
     first: RunningDaemon = start_daemon(stages, pipes)
     inode = first.socket.stat().st_ino
     env = token_env()
-    second: RunningDaemon = start_daemon(stages, pipes, {"socket": str(first.socket)}, wait=False, env=env)
+    second: RunningDaemon = start_daemon(stages, pipes, {"socket": str(first.socket)}, wait=False, env=env,
+                                         expect_exit=1)
     assert second.proc.wait(30) == 1
     assert f"another omnid is already listening on {first.socket}" in second.log()
     assert_no_process_left(env)
     # the first daemon's socket is still its own
     assert first.socket.stat().st_ino == inode
     assert first.client.health()["pid"] == first.proc.pid
+
+
+def test_socket_is_0660_by_default(start_daemon) -> None:
+    # The config sets no socket_mode: the daemon's own default applies, whatever the umask.
+    d: RunningDaemon = start_daemon({"s": py_stage("echo")}, {"p": {"stages": ["s"]}})
+    assert "socket_mode" not in d.config_path.read_text()
+    st = os.stat(d.socket)
+    assert stat.S_ISSOCK(st.st_mode)
+    assert oct(stat.S_IMODE(st.st_mode)) == oct(0o660)
 
 
 def test_stale_socket_file_is_replaced(start_daemon) -> None:
@@ -138,7 +149,8 @@ def test_a_regular_file_at_the_socket_path_is_not_deleted(start_daemon) -> None:
     d = short_tmpdir()
     precious = d / "omnid.sock"
     precious.write_text("not a socket\n")
-    rd: RunningDaemon = start_daemon({"s": py_stage("echo")}, {"p": {"stages": ["s"]}}, dir=d, wait=False)
+    rd: RunningDaemon = start_daemon({"s": py_stage("echo")}, {"p": {"stages": ["s"]}}, dir=d, wait=False,
+                                     expect_exit=1)
     assert rd.proc.wait(30) == 1
     assert "is not a socket" in rd.log(), rd.log()
     assert precious.read_text() == "not a socket\n"
@@ -192,8 +204,7 @@ def test_kill_9_of_the_supervisor_leaves_no_worker(start_daemon) -> None:
     assert len(workers) >= 2 and d.stage_pid("a") in workers and d.stage_pid("b") in workers
     busy = d.submit("p", {"text": "x"}, {"b": {"seconds": 30}})   # one worker is mid-job
     d.wait_stage_state("b", ("busy",), timeout=30)
-    os.kill(d.proc.pid, signal.SIGKILL)
-    assert d.proc.wait(10) == -signal.SIGKILL
+    assert d.kill9() == -signal.SIGKILL
     assert wait_gone(workers, 5) == [], "workers outlived a SIGKILLed supervisor (PR_SET_PDEATHSIG)"
     assert_no_process_left(env)
     # What it leaves: a stale socket and a released GPU lock. A new daemon in the same place

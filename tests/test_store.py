@@ -62,7 +62,7 @@ def test_one_daemon_per_state_dir(start_daemon) -> None:
     second: RunningDaemon = start_daemon(stages, pipelines, {"state_dir": str(first.state_dir),
                                                              "socket": str(other / "omnid.sock"),
                                                              "lock_dir": str(other / "lock")},
-                                         wait=False, dir=other)
+                                         wait=False, dir=other, expect_exit=1)
     assert second.proc.wait(30) == 1
     assert f"the state dir {first.state_dir} is in use by another omnid (pid {first.proc.pid})" in second.log()
     assert first.wait(first.submit("p", {"text": "still mine"}))["state"] == "succeeded"

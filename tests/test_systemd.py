@@ -113,17 +113,22 @@ def workdir() -> Iterator[Path]:
 
 @pytest.fixture
 def reap() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Processes a test started: SIGTERM (then SIGKILL) at teardown if still running."""
+    """Daemons a test started: SIGTERM at teardown if still running, which must make them exit 0
+    within 15 s (else SIGKILL, and the teardown fails)."""
     procs: list[subprocess.Popen[bytes]] = []
     yield procs
+    problems = []
     for p in procs:
         if p.poll() is None:
             p.terminate()
             try:
-                p.wait(15)
+                if p.wait(15) != 0:
+                    problems.append(f"{p.args}: exited with status {p.returncode} after SIGTERM")
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+                problems.append(f"{p.args}: still running 15 s after SIGTERM; killed it")
+    assert not problems, "\n".join(problems)
 
 
 def daemon_env(**extra: str) -> dict[str, str]:

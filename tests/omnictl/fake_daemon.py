@@ -4,12 +4,18 @@ Runs in the pytest process: the server's accept loop in one daemon thread and ea
 in its own thread (``ThreadingUnixStreamServer``), so a test can hold a streaming response open
 while the client under test reads it. Handlers block only on their socket and on the gates a test
 hands them. Routes serve canned documents; every request is recorded for assertions.
+
+Every error code, job state and event type the fake answers comes from ``omnid.vocabulary``, the
+words the real daemon uses, and each error goes out with the status the real API gives that code
+(``ERROR_STATUS``, checked against the daemon's source by test_client_unit.py). A code, state or
+type outside the vocabulary is refused when a test registers it, so the fake cannot drift.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socketserver
 import sys
@@ -29,7 +35,75 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from omnid.vocabulary import ErrorCode, EventType, JobState, StageRunState  # noqa: E402  (needs the path above)
+
 Route = Callable[["FakeHandler"], None]
+
+# The status the real API answers each error code with (omnid/supervisor/api.py and the
+# scheduler's refusals). `http_error` is missing on purpose: it carries whatever status aiohttp
+# raised, so a test that sends it names the status.
+ERROR_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.BAD_JSON: 400,
+    ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.INVALID_INPUT: 400,
+    ErrorCode.MISSING_INPUT: 400,
+    ErrorCode.INVALID_PARAM: 400,
+    ErrorCode.UNKNOWN_PIPELINE: 400,
+    ErrorCode.AMBIGUOUS_JOB: 400,
+    ErrorCode.NOT_YOURS: 403,
+    ErrorCode.NO_CREDENTIALS: 403,
+    ErrorCode.UNKNOWN_JOB: 404,
+    ErrorCode.UNKNOWN_OUTPUT: 404,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.JOB_NOT_FINISHED: 409,
+    ErrorCode.OUTPUT_GONE: 410,
+    ErrorCode.TOO_LARGE: 413,
+    ErrorCode.QUEUE_FULL: 429,
+    ErrorCode.INTERNAL_ERROR: 500,
+    ErrorCode.SHUTTING_DOWN: 503,
+    ErrorCode.STAGE_FAILED: 503,   # a stage given up for good refuses new jobs
+}
+
+# /v1/jobs/{id} and everything under it: the real API answers unknown_job for an id it does not know.
+_JOB_PATH = re.compile(r"^/v1/jobs/([^/]+)(?:/.*)?$")
+
+
+def error_status(code: ErrorCode | str, status: int | None = None) -> tuple[ErrorCode, int]:
+    """The vocabulary's code and the real API's status for it; ValueError for a code omnid never sends."""
+    member = ErrorCode(code)  # ValueError: not a word of omnid.vocabulary
+    expected = ERROR_STATUS.get(member)
+    if expected is None:
+        if status is None:
+            raise ValueError(f"{member} has no fixed status; name the one the daemon would send")
+        return member, status
+    if status is not None and status != expected:
+        raise ValueError(f"the daemon answers {member} with {expected}, not {status}")
+    return member, expected
+
+
+def check_job(document: Any) -> None:
+    """ValueError unless a job document's state (and each stage's) is a word of the vocabulary."""
+    if isinstance(document, dict) and "state" in document and "pipeline" in document:
+        JobState(document["state"])
+        for run in (document.get("stages") or {}).values():
+            StageRunState(run["state"])
+        if document.get("error"):
+            ErrorCode(document["error"]["code"])
+    if isinstance(document, dict) and isinstance(document.get("jobs"), list):
+        for job in document["jobs"]:
+            check_job(job)
+
+
+def check_event(event: dict[str, Any]) -> None:
+    """ValueError unless an event's type, state and error code are words of the vocabulary."""
+    kind = EventType(event["type"])
+    if kind is EventType.STATE:
+        JobState(event["state"])
+        if event.get("error"):
+            ErrorCode(event["error"]["code"])
+    elif kind is EventType.ERROR:
+        ErrorCode(event["code"])
 
 
 @dataclass
@@ -59,7 +133,12 @@ class FakeHandler(BaseHTTPRequestHandler):
         )
         route = daemon.routes.get((self.command, split.path))
         if route is None:
-            self.send_json(404, {"error": {"code": "not_found", "message": f"nothing at {split.path}"}})
+            # What the real daemon answers for what nobody registered.
+            job = _JOB_PATH.match(split.path)
+            if job:
+                self.send_error_code(ErrorCode.UNKNOWN_JOB, f"no job {job.group(1)!r}")
+            else:
+                self.send_error_code(ErrorCode.NOT_FOUND, f"no such endpoint: {self.command} {split.path}")
             return
         route(self)
 
@@ -75,6 +154,12 @@ class FakeHandler(BaseHTTPRequestHandler):
 
     def send_json(self, status: int, document: Any) -> None:
         self.send_bytes(status, json.dumps(document).encode(), "application/json")
+
+    def send_error_code(self, code: ErrorCode, message: str, status: int | None = None) -> None:
+        """An API error the way the daemon sends it: its status for the code, `{"error": {...}}`."""
+        member, status = error_status(code, status)
+        self.server.fake.answered.append(member)
+        self.send_json(status, {"error": {"code": member, "message": message}})
 
     def start_chunked(self, content_type: str = "application/x-ndjson") -> None:
         self.send_response(200)
@@ -111,21 +196,31 @@ class FakeDaemon:
         self.socket_path = socket_path
         self.routes: dict[tuple[str, str], Route] = {}
         self.requests: list[Recorded] = []
+        self.answered: list[ErrorCode] = []   # every error code sent, in order
 
     def route(self, method: str, path: str, handler: Route) -> None:
         self.routes[(method, path)] = handler
 
     def json(self, method: str, path: str, document: Any, status: int = 200) -> None:
+        """Serve a document as it is (a job or a list of jobs must use the vocabulary's states)."""
+        if not 200 <= status < 300 and isinstance(document, dict) and isinstance(document.get("error"), dict):
+            raise ValueError("errors go through FakeDaemon.error, which gives each code its real status")
+        check_job(document)
         self.route(method, path, lambda h: h.send_json(status, document))
 
-    def error(self, method: str, path: str, status: int, code: str, message: str) -> None:
-        self.json(method, path, {"error": {"code": code, "message": message}}, status)
+    def error(self, method: str, path: str, code: ErrorCode, message: str, status: int | None = None) -> None:
+        """Refuse the request with ``code`` and the status the real API gives it."""
+        member, status = error_status(code, status)   # fails here, in the test, on a drifted code
+        self.route(method, path, lambda h: h.send_error_code(member, message, status))
 
     def bytes(self, method: str, path: str, data: bytes, content_type: str) -> None:
         self.route(method, path, lambda h: h.send_bytes(200, data, content_type))
 
     def events(self, job_id: str, events: Iterable[dict[str, Any]]) -> None:
         """Serve the events as a chunked NDJSON stream, one chunk per line."""
+        events = list(events)
+        for event in events:
+            check_event(event)
         lines = [json.dumps(event).encode() + b"\n" for event in events]
 
         def stream(h: FakeHandler) -> None:

@@ -10,6 +10,7 @@ import base64
 import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -21,31 +22,36 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from fake_daemon import REPO_ROOT, FakeDaemon, FakeHandler
+from fake_daemon import ERROR_STATUS, REPO_ROOT, FakeDaemon, FakeHandler, error_status
 from fake_daemon import daemon  # noqa: F401  (the fixture)
 from omnictl import ApiError, Client, ConnectionLost, DaemonUnreachable, default_socket_path
 from omnictl.cli import cli, parse_param_value
+from omnictl.client import JOB_STATES, TERMINAL_STATES
 from omnictl.render import EventPrinter, final_state_line
+from omnid.vocabulary import TERMINAL_JOB_STATES, ErrorCode, EventType, JobState, StageRunState, WorkerState
+
+E = EventType
 
 JOB_ID = "3f9c2a1b7d4e"
 NOW = 1764430000.0
 
 
-def make_job(state: str = "queued", **fields: Any) -> dict[str, Any]:
+def make_job(state: JobState = JobState.QUEUED, **fields: Any) -> dict[str, Any]:
     job: dict[str, Any] = {
         "id": JOB_ID,
         "pipeline": "t2i",
         "state": state,
         "owner_uid": 1000,
         "created_at": NOW,
-        "started_at": NOW + 0.5 if state != "queued" else None,
-        "finished_at": NOW + 4.7 if state not in ("queued", "running") else None,
+        "started_at": NOW + 0.5 if state is not JobState.QUEUED else None,
+        "finished_at": NOW + 4.7 if state.terminal else None,
         "timeout_s": 300.0,
         "inputs": {"prompt": "a red fox"},
         "params": {},
         "stages": {
-            "expand": {"state": "succeeded", "progress": {"done": 2, "total": 2}, "elapsed_s": 1.2, "segments": 2},
-            "draw": {"state": "pending", "progress": None, "elapsed_s": None, "segments": 0},
+            "expand": {"state": StageRunState.SUCCEEDED, "progress": {"done": 2, "total": 2}, "elapsed_s": 1.2,
+                       "segments": 2},
+            "draw": {"state": StageRunState.PENDING, "progress": None, "elapsed_s": None, "segments": 0},
         },
         "outputs": [],
         "error": None,
@@ -54,23 +60,23 @@ def make_job(state: str = "queued", **fields: Any) -> dict[str, Any]:
     return job
 
 
-def event(event_type: str, /, **fields: Any) -> dict[str, Any]:
+def event(event_type: EventType, /, **fields: Any) -> dict[str, Any]:
     return {"type": event_type, "job": JOB_ID, "ts": NOW + 1, **fields}
 
 
-FAILED_ERROR = {"code": "stage_failed", "message": "CUDA out of memory", "stage": "draw"}
+FAILED_ERROR = {"code": ErrorCode.STAGE_FAILED, "message": "CUDA out of memory", "stage": "draw"}
 FAILED_EVENTS = [
-    event("state", state="running"),
-    event("stage_started", stage="expand"),
-    event("segment", stage="expand", index=0, is_last=False, text="Hello"),
-    event("segment", stage="expand", index=1, is_last=True, text=" world"),
-    event("output", stage="expand", name="text", kind="text", content_type="text/plain", file="text.txt"),
-    event("stage_finished", stage="expand", elapsed_s=1.2),
-    event("stage_started", stage="draw"),
-    event("progress", stage="draw", done=1, total=20),
-    event("progress", stage="draw", done=2, total=20),
-    event("error", stage="draw", message="CUDA out of memory", code="stage_failed"),
-    event("state", state="failed", error=FAILED_ERROR),
+    event(E.STATE, state=JobState.RUNNING),
+    event(E.STAGE_STARTED, stage="expand"),
+    event(E.SEGMENT, stage="expand", index=0, is_last=False, text="Hello"),
+    event(E.SEGMENT, stage="expand", index=1, is_last=True, text=" world"),
+    event(E.OUTPUT, stage="expand", name="text", kind="text", content_type="text/plain", file="text.txt"),
+    event(E.STAGE_FINISHED, stage="expand", elapsed_s=1.2),
+    event(E.STAGE_STARTED, stage="draw"),
+    event(E.PROGRESS, stage="draw", done=1, total=20),
+    event(E.PROGRESS, stage="draw", done=2, total=20),
+    event(E.ERROR, stage="draw", message="CUDA out of memory", code=ErrorCode.STAGE_FAILED),
+    event(E.STATE, state=JobState.FAILED, error=FAILED_ERROR),
 ]
 TEXT_OUTPUT = {"name": "text", "file": "text.txt", "kind": "text", "content_type": "text/plain", "size": 11, "stage": "expand"}
 IMAGE_OUTPUT = {"name": "image", "file": "image.png", "kind": "image", "content_type": "image/png", "size": 4, "stage": "draw"}
@@ -78,12 +84,12 @@ IMAGE_OUTPUT = {"name": "image", "file": "image.png", "kind": "image", "content_
 STAGES_DOC = {
     "stages": [
         {
-            "name": "expand", "engine": "vllm", "state": "ready", "pid": 4242, "devices": [0],
+            "name": "expand", "engine": "vllm", "state": WorkerState.READY, "pid": 4242, "devices": [0],
             "queue_depth": 1, "queue_capacity": 4, "jobs_done": 17, "restarts": 0, "rss_bytes": 3 * 1024**3,
             "cpu_percent": 12.5, "gpu_memory_bytes": None, "uptime_s": 3725.0, "load_s": 20.1, "last_error": None,
         },
         {
-            "name": "draw", "engine": "diffusers", "state": "failed", "pid": None, "devices": [],
+            "name": "draw", "engine": "diffusers", "state": WorkerState.FAILED, "pid": None, "devices": [],
             "queue_depth": 0, "queue_capacity": 4, "jobs_done": 3, "restarts": 2, "rss_bytes": None,
             "cpu_percent": None, "gpu_memory_bytes": None, "uptime_s": None, "load_s": None,
             "last_error": "RuntimeError: model directory missing",
@@ -105,9 +111,9 @@ def run_cli(daemon: FakeDaemon, *args: str) -> Result:
 
 
 def serve_failed_job(daemon: FakeDaemon) -> None:
-    daemon.json("POST", "/v1/jobs", make_job("queued"), status=201)
+    daemon.json("POST", "/v1/jobs", make_job(JobState.QUEUED), status=201)
     daemon.events(JOB_ID, FAILED_EVENTS)
-    daemon.json("GET", f"/v1/jobs/{JOB_ID}", make_job("failed", outputs=[TEXT_OUTPUT], error=FAILED_ERROR))
+    daemon.json("GET", f"/v1/jobs/{JOB_ID}", make_job(JobState.FAILED, outputs=[TEXT_OUTPUT], error=FAILED_ERROR))
     daemon.bytes("GET", f"/v1/jobs/{JOB_ID}/outputs/text", b"Hello world", "text/plain")
 
 
@@ -174,20 +180,69 @@ def test_refused_socket_is_unreachable() -> None:
 
 
 def test_api_error_maps_to_exit_4_with_message(daemon: FakeDaemon) -> None:
-    daemon.error("GET", "/v1/jobs/deadbeef", 404, "job_not_found", "no job deadbeef")
+    daemon.error("GET", "/v1/jobs/deadbeef", ErrorCode.UNKNOWN_JOB, "no job 'deadbeef'")
     with pytest.raises(ApiError) as caught:
         Client(daemon.socket_path).job("deadbeef")
-    assert (caught.value.status, caught.value.code, caught.value.message) == (404, "job_not_found", "no job deadbeef")
-    assert caught.value.body == {"error": {"code": "job_not_found", "message": "no job deadbeef"}}
+    assert (caught.value.status, caught.value.code, caught.value.message) == (404, "unknown_job", "no job 'deadbeef'")
+    assert caught.value.body == {"error": {"code": "unknown_job", "message": "no job 'deadbeef'"}}
 
     result = run_cli(daemon, "status", "deadbeef")
     assert result.exit_code == 4
-    assert result.stderr == "omnictl: no job deadbeef (job_not_found)\n"
+    assert result.stderr == "omnictl: no job 'deadbeef' (unknown_job)\n"
     assert result.stdout == ""
 
 
+# --- the fake speaks the daemon's vocabulary --------------------------------------------------------
+
+# `Refused(404, "unknown_job", ...)` / `error(410, ErrorCode.OUTPUT_GONE, ...)` in the daemon's source.
+_DAEMON_REFUSAL = re.compile(r"\b(?:Refused|error)\(\s*(\d{3}),\s*(?:\"([a-z_]+)\"|ErrorCode\.([A-Z_]+))")
+
+
+def test_fake_answers_only_vocabulary_codes(daemon: FakeDaemon) -> None:
+    # Every code the fake can answer: those it has a status for, and those it sends by itself.
+    assert all(isinstance(code, ErrorCode) for code in ERROR_STATUS)
+    client = Client(daemon.socket_path)
+    for call in (lambda: client.job("nope"), lambda: client.cancel("nope"), lambda: client._json("GET", "/v1/nowhere")):
+        with pytest.raises(ApiError) as caught:
+            call()
+        assert caught.value.code in set(ErrorCode)
+    assert daemon.answered == [ErrorCode.UNKNOWN_JOB, ErrorCode.UNKNOWN_JOB, ErrorCode.NOT_FOUND]
+    # The old drifted words, and real words with a status the daemon never gives them, are refused.
+    for drifted, status in (("job_not_found", 404), ("not_owner", 403), ("output_missing", 409)):
+        for given in (None, status):
+            with pytest.raises(ValueError, match="is not a valid ErrorCode"):
+                daemon.error("GET", "/v1/jobs/x", drifted, "drifted", given)
+    with pytest.raises(ValueError):
+        error_status(ErrorCode.OUTPUT_GONE, 409)
+    with pytest.raises(ValueError):
+        daemon.json("GET", "/v1/jobs/x", {"error": {"code": "unknown_job", "message": "by hand"}}, status=404)
+    # So are job states and event types the daemon does not have.
+    with pytest.raises(ValueError):
+        daemon.json("GET", f"/v1/jobs/{JOB_ID}", {**make_job(JobState.SUCCEEDED), "state": "done"})
+    with pytest.raises(ValueError):
+        daemon.events(JOB_ID, [event(E.STATE, state="finished")])
+    with pytest.raises(ValueError):
+        daemon.events(JOB_ID, [{"type": "log", "job": JOB_ID, "ts": NOW}])
+
+
+def test_fake_statuses_are_the_daemons() -> None:
+    """ERROR_STATUS is what omnid's source answers: same status for every code, in both directions."""
+    found: dict[ErrorCode, set[int]] = {}
+    for source in sorted((REPO_ROOT / "omnid").rglob("*.py")):
+        for status, word, member in _DAEMON_REFUSAL.findall(source.read_text()):
+            code = ErrorCode(word) if word else ErrorCode[member]   # the daemon speaks the vocabulary too
+            found.setdefault(code, set()).add(int(status))
+    assert ErrorCode.UNKNOWN_JOB in found, "found none of the daemon's refusals: update _DAEMON_REFUSAL"
+    assert {code: {status} for code, status in ERROR_STATUS.items()} == found
+
+
+def test_client_states_are_the_vocabularys() -> None:
+    assert JOB_STATES == tuple(JobState)
+    assert TERMINAL_STATES == TERMINAL_JOB_STATES
+
+
 def test_queue_full_submit_is_refused(daemon: FakeDaemon) -> None:
-    daemon.error("POST", "/v1/jobs", 429, "queue_full", "pipeline t2i has 256 queued jobs")
+    daemon.error("POST", "/v1/jobs", ErrorCode.QUEUE_FULL, "pipeline t2i has 256 queued jobs")
     result = run_cli(daemon, "submit", "t2i", "--prompt", "x")
     assert result.exit_code == 4
     assert "omnictl: pipeline t2i has 256 queued jobs (queue_full)" in result.stderr
@@ -230,7 +285,7 @@ def test_unknown_command_is_usage_error() -> None:
 
 
 def test_submit_prints_id_alone_and_sends_body(daemon: FakeDaemon, tmp_path: Path) -> None:
-    daemon.json("POST", "/v1/jobs", make_job("queued"), status=201)
+    daemon.json("POST", "/v1/jobs", make_job(JobState.QUEUED), status=201)
     picture = tmp_path / "in.png"
     picture.write_bytes(b"\x89PNG data")
     result = run_cli(
@@ -278,10 +333,10 @@ def test_param_values() -> None:
 
 
 def test_submit_json_prints_exactly_the_job(daemon: FakeDaemon) -> None:
-    daemon.json("POST", "/v1/jobs", make_job("queued"), status=201)
+    daemon.json("POST", "/v1/jobs", make_job(JobState.QUEUED), status=201)
     result = run_cli(daemon, "--json", "submit", "t2i", "--prompt", "x")
     assert result.exit_code == 0
-    assert json.loads(result.stdout) == make_job("queued")
+    assert json.loads(result.stdout) == make_job(JobState.QUEUED)
 
 
 def test_submit_wait_failed_job_writes_outputs_and_exits_1(daemon: FakeDaemon, tmp_path: Path) -> None:
@@ -307,9 +362,9 @@ def test_submit_wait_failed_job_writes_outputs_and_exits_1(daemon: FakeDaemon, t
 def test_submit_wait_succeeded_writes_into_job_dir(
     daemon: FakeDaemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    daemon.json("POST", "/v1/jobs", make_job("queued"), status=201)
-    daemon.events(JOB_ID, [event("state", state="running"), event("state", state="succeeded")])
-    daemon.json("GET", f"/v1/jobs/{JOB_ID}", make_job("succeeded", outputs=[TEXT_OUTPUT, IMAGE_OUTPUT]))
+    daemon.json("POST", "/v1/jobs", make_job(JobState.QUEUED), status=201)
+    daemon.events(JOB_ID, [event(E.STATE, state=JobState.RUNNING), event(E.STATE, state=JobState.SUCCEEDED)])
+    daemon.json("GET", f"/v1/jobs/{JOB_ID}", make_job(JobState.SUCCEEDED, outputs=[TEXT_OUTPUT, IMAGE_OUTPUT]))
     daemon.bytes("GET", f"/v1/jobs/{JOB_ID}/outputs/text", b"Hello world", "text/plain")
     daemon.bytes("GET", f"/v1/jobs/{JOB_ID}/outputs/image", b"\x89PNG", "image/png")
     monkeypatch.chdir(tmp_path)
@@ -340,12 +395,12 @@ def test_events_arrive_incrementally(daemon: FakeDaemon) -> None:
 
     def stream(h: FakeHandler) -> None:
         h.start_chunked()
-        h.write_chunk(json.dumps(event("state", state="running")).encode() + b"\n")
+        h.write_chunk(json.dumps(event(E.STATE, state=JobState.RUNNING)).encode() + b"\n")
         # The rest is sent only once the client has shown it already holds the first event.
         released.append(gate.wait(5))
-        line = json.dumps(event("progress", stage="draw", done=1, total=2)).encode() + b"\n"
+        line = json.dumps(event(E.PROGRESS, stage="draw", done=1, total=2)).encode() + b"\n"
         h.write_chunk(line[:10])  # one event split over two chunks
-        h.write_chunk(line[10:] + json.dumps(event("state", state="succeeded")).encode() + b"\n")
+        h.write_chunk(line[10:] + json.dumps(event(E.STATE, state=JobState.SUCCEEDED)).encode() + b"\n")
         h.end_chunked()
 
     daemon.route("GET", f"/v1/jobs/{JOB_ID}/events", stream)
@@ -363,7 +418,7 @@ def test_events_stream_has_no_read_timeout(daemon: FakeDaemon) -> None:
     def stream(h: FakeHandler) -> None:
         h.start_chunked()
         time.sleep(0.5)  # longer than the client's timeout below
-        h.write_chunk(json.dumps(event("state", state="succeeded")).encode() + b"\n")
+        h.write_chunk(json.dumps(event(E.STATE, state=JobState.SUCCEEDED)).encode() + b"\n")
         h.end_chunked()
 
     daemon.route("GET", f"/v1/jobs/{JOB_ID}/events", stream)
@@ -375,7 +430,7 @@ def test_events_stop_at_terminal_state_even_if_stream_stays_open(daemon: FakeDae
 
     def stream(h: FakeHandler) -> None:
         h.start_chunked()
-        h.write_chunk(json.dumps(event("state", state="cancelled")).encode() + b"\n")
+        h.write_chunk(json.dumps(event(E.STATE, state=JobState.CANCELLED)).encode() + b"\n")
         hold.wait(5)  # a daemon that forgets to end the stream
 
     daemon.route("GET", f"/v1/jobs/{JOB_ID}/events", stream)
@@ -398,7 +453,7 @@ def test_slow_answer_times_out(daemon: FakeDaemon) -> None:
 
 
 def test_events_stream_cut_short_is_connection_lost(daemon: FakeDaemon) -> None:
-    daemon.events(JOB_ID, [event("state", state="running")])
+    daemon.events(JOB_ID, [event(E.STATE, state=JobState.RUNNING)])
     with pytest.raises(ConnectionLost):
         list(Client(daemon.socket_path).events(JOB_ID))
     result = run_cli(daemon, "watch", JOB_ID)
@@ -408,7 +463,7 @@ def test_events_stream_cut_short_is_connection_lost(daemon: FakeDaemon) -> None:
 def test_events_unknown_job_is_api_error(daemon: FakeDaemon) -> None:
     with pytest.raises(ApiError) as caught:
         next(Client(daemon.socket_path).events("nope"))
-    assert caught.value.status == 404
+    assert (caught.value.status, caught.value.code) == (404, ErrorCode.UNKNOWN_JOB)
 
 
 def test_watch_json_is_ndjson_of_events(daemon: FakeDaemon) -> None:
@@ -419,8 +474,8 @@ def test_watch_json_is_ndjson_of_events(daemon: FakeDaemon) -> None:
 
 
 def test_watch_human_ends_with_state(daemon: FakeDaemon) -> None:
-    daemon.events(JOB_ID, [event("state", state="running"), event("state", state="succeeded")])
-    daemon.json("GET", f"/v1/jobs/{JOB_ID}", make_job("succeeded"))
+    daemon.events(JOB_ID, [event(E.STATE, state=JobState.RUNNING), event(E.STATE, state=JobState.SUCCEEDED)])
+    daemon.json("GET", f"/v1/jobs/{JOB_ID}", make_job(JobState.SUCCEEDED))
     result = run_cli(daemon, "watch", JOB_ID)
     assert result.exit_code == 0
     assert result.stdout.splitlines() == [f"job {JOB_ID} running", f"{JOB_ID} succeeded in 4.2s"]
@@ -439,7 +494,7 @@ def test_json_is_exactly_the_api_document(daemon: FakeDaemon, where: str) -> Non
 
 
 def test_status_list(daemon: FakeDaemon) -> None:
-    listing = {"jobs": [make_job("failed", error=FAILED_ERROR), make_job("running", id="aaaa")]}
+    listing = {"jobs": [make_job(JobState.FAILED, error=FAILED_ERROR), make_job(JobState.RUNNING, id="aaaa")]}
     daemon.json("GET", "/v1/jobs", listing)
     result = run_cli(daemon, "--json", "status", "--state", "failed")
     assert json.loads(result.stdout) == listing
@@ -453,7 +508,7 @@ def test_status_list(daemon: FakeDaemon) -> None:
 
 
 def test_status_job_detail(daemon: FakeDaemon) -> None:
-    daemon.json("GET", f"/v1/jobs/{JOB_ID}", make_job("failed", outputs=[TEXT_OUTPUT], error=FAILED_ERROR))
+    daemon.json("GET", f"/v1/jobs/{JOB_ID}", make_job(JobState.FAILED, outputs=[TEXT_OUTPUT], error=FAILED_ERROR))
     result = run_cli(daemon, "status", JOB_ID)
     assert result.exit_code == 0  # status succeeds whatever the job's state
     text = result.stdout
@@ -462,19 +517,24 @@ def test_status_job_detail(daemon: FakeDaemon) -> None:
 
 
 def test_result_of_running_job_is_refused(daemon: FakeDaemon) -> None:
-    daemon.json("GET", f"/v1/jobs/{JOB_ID}", make_job("running"))
+    daemon.json("GET", f"/v1/jobs/{JOB_ID}", make_job(JobState.RUNNING))
     result = run_cli(daemon, "result", JOB_ID)
     assert result.exit_code == 4
     assert "running" in result.stderr
 
 
-def test_result_output_conflict_is_refused(daemon: FakeDaemon, tmp_path: Path) -> None:
-    daemon.json("GET", f"/v1/jobs/{JOB_ID}", make_job("succeeded", outputs=[IMAGE_OUTPUT]))
-    daemon.error("GET", f"/v1/jobs/{JOB_ID}/outputs/image", 409, "output_missing", "image was not kept")
+def test_result_output_gone_is_refused(daemon: FakeDaemon, tmp_path: Path) -> None:
+    daemon.json("GET", f"/v1/jobs/{JOB_ID}", make_job(JobState.SUCCEEDED, outputs=[IMAGE_OUTPUT]))
+    message = f"output 'image' of job {JOB_ID} is no longer on disk"
+    daemon.error("GET", f"/v1/jobs/{JOB_ID}/outputs/image", ErrorCode.OUTPUT_GONE, message)
+    with pytest.raises(ApiError) as caught:
+        Client(daemon.socket_path).output(JOB_ID, "image")
+    assert (caught.value.status, caught.value.code) == (410, "output_gone")
     result = run_cli(daemon, "result", JOB_ID, "-o", str(tmp_path / "r"))
     assert result.exit_code == 4
-    assert result.stderr == "omnictl: image was not kept (output_missing)\n"
+    assert result.stderr == f"omnictl: {message} (output_gone)\n"
     assert not (tmp_path / "r" / "image.png").exists()
+    assert not list((tmp_path / "r").glob("*.part"))
 
 
 def test_result_of_failed_job_exits_1(daemon: FakeDaemon, tmp_path: Path) -> None:
@@ -490,12 +550,14 @@ def test_output_in_memory(daemon: FakeDaemon) -> None:
 
 
 def test_cancel_many_reports_each(daemon: FakeDaemon) -> None:
-    daemon.json("POST", f"/v1/jobs/{JOB_ID}/cancel", make_job("cancelled"))
-    daemon.error("POST", "/v1/jobs/other/cancel", 403, "not_owner", "job other is not yours")
-    result = run_cli(daemon, "cancel", JOB_ID, "other")
+    daemon.json("POST", f"/v1/jobs/{JOB_ID}/cancel", make_job(JobState.CANCELLED))
+    daemon.error("POST", "/v1/jobs/other/cancel", ErrorCode.NOT_YOURS, "job other belongs to another user")
+    result = run_cli(daemon, "cancel", JOB_ID, "other", "abc")
     assert result.exit_code == 4
     assert result.stdout == f"{JOB_ID} cancelled\n"
-    assert result.stderr == "omnictl: other: job other is not yours (not_owner)\n"
+    assert result.stderr == ("omnictl: other: job other belongs to another user (not_yours)\n"
+                             "omnictl: abc: no job 'abc' (unknown_job)\n")
+    assert daemon.answered == [ErrorCode.NOT_YOURS, ErrorCode.UNKNOWN_JOB]
 
 
 def test_rm(daemon: FakeDaemon) -> None:
@@ -554,7 +616,7 @@ def test_live_progress_rewrites_one_line() -> None:
 
 
 def test_final_state_line_of_cancelled_job() -> None:
-    job = make_job("cancelled", error={"code": "cancelled", "message": "cancelled by uid 1000"})
+    job = make_job(JobState.CANCELLED, error={"code": ErrorCode.CANCELLED, "message": "cancelled by uid 1000"})
     assert final_state_line(job) == f"{JOB_ID} cancelled after 4.2s: cancelled by uid 1000 (cancelled)"
 
 
