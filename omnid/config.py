@@ -74,6 +74,7 @@ class DaemonConfig:
     restart_window_s: float = 300.0
     log_level: str = "info"
     log_format: str = "console"
+    shm_min_bytes: int = 1 << 20            # values from this size cross stages through shared memory
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class StageConfig:
     exclusive: bool = False
     max_inflight: int = 1
     queue_capacity: int = 4
+    shm_pool_mb: int = 1024                 # the stage's shared-memory pool for large inputs (0: none)
     args: Mapping[str, Any] = field(default_factory=dict)
     defaults: Mapping[str, Any] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
@@ -267,11 +269,12 @@ def _parse_daemon(c: _Checker, raw: Any, base: Path) -> DaemonConfig:
         restart_window_s=float(c.positive(d, "restart_window_s", "daemon", 300.0)),
         log_level=level or "info",
         log_format=fmt or "console",
+        shm_min_bytes=c.positive(d, "shm_min_bytes", "daemon", 1 << 20, integer=True),
     )
 
 
 _STAGE_KEYS = ("engine", "model", "function", "python_path", "devices", "exclusive",
-               "max_inflight", "queue_capacity", "args", "defaults", "env")
+               "max_inflight", "queue_capacity", "shm_pool_mb", "args", "defaults", "env")
 
 
 def _check_callable_ref(c: _Checker, ref: str, path: str, python_path: tuple[Path, ...]) -> None:
@@ -359,12 +362,13 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
                 c.add(f"{path}.defaults.{k}", f"{why}, not {v!r}")
     exclusive = bool(c.get(s, "exclusive", path, bool, False))
     queue_capacity = c.positive(s, "queue_capacity", path, 4, integer=True)
+    shm_pool_mb = c.positive(s, "shm_pool_mb", path, 1024, integer=True, allow_zero=True)
     if engine is None:
         return None
     return StageConfig(
         name=name, engine=engine, model=model, function=function, python_path=python_path,
         devices=tuple(devices), exclusive=exclusive, max_inflight=max_inflight,
-        queue_capacity=queue_capacity,
+        queue_capacity=queue_capacity, shm_pool_mb=shm_pool_mb,
         args=dict(args), defaults=dict(defaults), env={k: str(v) for k, v in env.items()},
     )
 

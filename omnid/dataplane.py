@@ -14,9 +14,13 @@ at once, `ACK_FULL` when it has no room, and the sender offers it again later
 while it sends other jobs' windows. So a receiver busy with one job's stream can
 never block the windows that job is waiting for behind another job's.
 
-Frames are an 8-byte big-endian length and a pickle (protocol 5): a copy of
-the payload, never shared memory. A later shared-memory data plane only has
-to change `encode`/`decode` for large tensors.
+Frames are an 8-byte big-endian length and a payload. Small items are a plain
+pickle (protocol 5). Large values (tensors, arrays, bytes from `shm_min_bytes`)
+cross through the receiver's shared-memory pool (`omnid.shm`): the sender asks
+for the pool once (`P`, answered with its memfd over SCM_RIGHTS), asks for room
+(`R`: an offset, or FULL, which is backpressure like a full queue), copies the
+values in, and sends the pickle that names them (`S`). The receiver builds them
+on the pool's memory without copying.
 
 Threads: `Sender.send` runs in the caller's thread and blocks on the socket
 (polling `abandon()` every `POLL_S`); `Listener` runs one accept thread and
@@ -25,6 +29,7 @@ one reader thread per connection, each blocking in `recv` and in `admit`.
 
 from __future__ import annotations
 
+import mmap
 import os
 import pickle
 import socket
@@ -38,6 +43,8 @@ from typing import Any
 
 import structlog
 
+from omnid import shm
+
 log = structlog.get_logger("omnid.dataplane")
 
 ACK_ADMITTED = b"A"
@@ -48,6 +55,13 @@ POLL_S = 0.1
 BUSY_POLL_S = 0.0005    # while the caller has other work to step between polls
 _HEADER = struct.Struct(">Q")
 MAX_FRAME = 1 << 34
+_OFFSET = struct.Struct(">Q")
+# Payloads that are not a plain pickle (which starts with b"\x80") start with one of these:
+POOL_REQUEST = b"P"     # -> b"P" + pool size, with the pool's memfd; or NO_POOL
+RESERVE = b"R"          # + size -> b"O" + offset; ACK_FULL (no room now); NO_POOL (never room)
+SHM_ITEM = b"S"         # + slot offset + pickle whose large values sit in that slot
+RESERVED = b"O"
+NO_POOL = b"N"
 
 
 @dataclass
@@ -71,21 +85,23 @@ def encode(item: WorkItem) -> bytes:
     return pickle.dumps(item, protocol=5)
 
 
-def decode(data: bytes) -> WorkItem:
+def decode(data: bytes | bytearray) -> WorkItem:
     item = pickle.loads(data)
     if not isinstance(item, WorkItem):
         raise ValueError(f"data plane frame is a {type(item).__name__}, not a WorkItem")
     return item
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(min(n - len(buf), 1 << 20))
-        if not chunk:
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], min(n - got, 1 << 20))
+        if not k:
             raise ConnectionError("peer closed the data connection")
-        buf += chunk
-    return bytes(buf)
+        got += k
+    return buf
 
 
 def send_frame(sock: socket.socket, payload: bytes) -> None:
@@ -93,7 +109,7 @@ def send_frame(sock: socket.socket, payload: bytes) -> None:
     sock.sendall(payload)
 
 
-def recv_frame(sock: socket.socket) -> bytes:
+def recv_frame(sock: socket.socket) -> bytearray:
     (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
     if size > MAX_FRAME:
         raise ValueError(f"data plane frame of {size} bytes is too large")
@@ -104,11 +120,14 @@ class Sender:
     """Blocking sender with one cached connection per destination stage.
 
     Used from one thread at a time (the worker's main loop, or one feeder thread).
+    `shm_min_bytes`: values from this size go through the receiver's shared-memory pool.
     """
 
-    def __init__(self, socket_for: Callable[[str], Path]) -> None:
+    def __init__(self, socket_for: Callable[[str], Path], shm_min_bytes: int = shm.DEFAULT_MIN_BYTES) -> None:
         self._socket_for = socket_for
         self._conns: dict[str, socket.socket] = {}
+        self._pools: dict[str, mmap.mmap | None] = {}    # dst -> its pool, mapped here (None: it has none)
+        self.shm_min_bytes = shm_min_bytes
         self.blocked_s = 0.0
 
     def _connect(self, dst: str) -> socket.socket:
@@ -127,6 +146,50 @@ class Sender:
         sock = self._conns.pop(dst, None)
         if sock is not None:
             sock.close()
+        pool = self._pools.pop(dst, None)     # a new connection may reach a new incarnation's pool
+        if pool is not None:
+            try:
+                pool.close()
+            except BufferError:                # a copy into it was cut short: unmapped when collected
+                pass
+
+    def _pool(self, dst: str, sock: socket.socket) -> mmap.mmap | None:
+        """The destination's pool, mapped on first use on this connection."""
+        if dst not in self._pools:
+            send_frame(sock, POOL_REQUEST)
+            msg, fds, _flags, _addr = socket.recv_fds(sock, 1 + _OFFSET.size, 1)
+            if not msg:
+                raise ConnectionError("receiver closed before answering")
+            if msg[:1] == POOL_REQUEST and fds:
+                try:
+                    (size,) = _OFFSET.unpack(msg[1:1 + _OFFSET.size])
+                    self._pools[dst] = mmap.mmap(fds[0], size)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+            else:
+                for fd in fds:
+                    os.close(fd)
+                self._pools[dst] = None
+        return self._pools[dst]
+
+    def _frame(self, dst: str, sock: socket.socket, item: WorkItem, encoded: shm.Encoded | None,
+               plain: Callable[[], bytes]) -> bytes | None:
+        """The frame that carries `item`: through the pool when it has large values and the
+        destination has room (None: no room now), else a plain pickle."""
+        if encoded is None or not encoded.large:
+            return plain()
+        pool = self._pool(dst, sock)
+        if pool is not None:
+            sock.sendall(_HEADER.pack(1 + _OFFSET.size) + RESERVE + _OFFSET.pack(encoded.size))
+            answer = _recv_exact(sock, 1)
+            if answer == RESERVED:
+                (base,) = _OFFSET.unpack(_recv_exact(sock, _OFFSET.size))
+                shm.copy_in(pool, base, encoded)
+                return SHM_ITEM + _OFFSET.pack(base) + encoded.payload
+            if answer == ACK_FULL:
+                return None
+        return plain()                      # no pool there, or the values are larger than it
 
     def send(self, dst: str, item: WorkItem, abandon: Callable[[], bool],
              on_wait: Callable[[], None] | None = None, busy: Callable[[], bool] | None = None) -> bool:
@@ -142,14 +205,25 @@ class Sender:
                 on_wait()
             return BUSY_POLL_S if busy is not None and busy() else POLL_S
 
-        payload = encode(item)
+        encoded = shm.encode(item, self.shm_min_bytes)
+        plain: list[bytes] = []
+
+        def pickled() -> bytes:
+            if not plain:
+                plain.append(encode(item))
+            return plain[0]
+
         start = time.monotonic()
         try:
             while not abandon():
                 try:
                     sock = self._connect(dst)
                     sock.settimeout(None)
-                    send_frame(sock, payload)
+                    frame = self._frame(dst, sock, item, encoded, pickled)
+                    if frame is None:          # the pool is full: wait, like at a full queue
+                        time.sleep(wait_tick())
+                        continue
+                    send_frame(sock, frame)
                     sock.settimeout(BUSY_POLL_S if busy is not None and busy() else POLL_S)
                     while True:
                         try:
@@ -180,7 +254,10 @@ class Sender:
         try:
             sock = self._connect(dst)
             sock.settimeout(OFFER_TIMEOUT_S)
-            send_frame(sock, encode(item))
+            frame = self._frame(dst, sock, item, shm.encode(item, self.shm_min_bytes), lambda: encode(item))
+            if frame is None:
+                return None                 # the pool is full
+            send_frame(sock, frame)
             ack = sock.recv(1)
         except (OSError, ConnectionError):
             self._drop(dst)
@@ -203,9 +280,12 @@ class Listener:
     (`item.window` set) it answers at once and may return None: no room, offer again.
     """
 
-    def __init__(self, path: Path, admit: Callable[[WorkItem], bool | None]) -> None:
+    def __init__(self, path: Path, admit: Callable[[WorkItem], bool | None], pool: shm.ShmPool | None = None,
+                 device: str | None = None) -> None:
         self.path = path
         self._admit = admit
+        self.pool = pool                # large values from senders land here (None: all by socket)
+        self._device = device           # where tensors that left a GPU go ("cuda"), or None
         try:
             os.unlink(path)          # a stale socket of a dead predecessor
         except FileNotFoundError:
@@ -228,17 +308,59 @@ class Listener:
             threading.Thread(target=self._serve, args=(conn,), name="data-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            while True:
-                try:
-                    item = decode(recv_frame(conn))
-                except (OSError, ConnectionError):
-                    return
-                except Exception as e:  # a malformed frame: drop this connection, keep serving
-                    log.warning("bad data frame", error=str(e))
-                    return
-                admitted = self._admit(item)
-                try:
-                    conn.sendall(ACK_FULL if admitted is None else ACK_ADMITTED if admitted else ACK_DROPPED)
-                except OSError:
-                    return
+        reserved: set[int] = set()      # slots this sender asked for and has not filled yet
+        try:
+            with conn:
+                while True:
+                    try:
+                        frame = recv_frame(conn)
+                        item = self._item(conn, frame, reserved)
+                    except (OSError, ConnectionError):
+                        return
+                    except Exception as e:  # a malformed frame: drop this connection, keep serving
+                        log.warning("bad data frame", error=str(e))
+                        return
+                    if item is None:
+                        continue            # a pool request or a reservation, answered
+                    admitted = self._admit(item)
+                    del item                # a dropped item's values free their slot now
+                    try:
+                        conn.sendall(ACK_FULL if admitted is None else ACK_ADMITTED if admitted else ACK_DROPPED)
+                    except OSError:
+                        return
+        finally:
+            if self.pool is not None:
+                for offset in reserved:     # the sender went away between asking and sending
+                    self.pool.release(offset)
+
+    def _item(self, conn: socket.socket, frame: bytearray, reserved: set[int]) -> WorkItem | None:
+        """The item a frame carries, or None after answering a pool request or a reservation."""
+        kind = bytes(frame[:1])
+        if kind == POOL_REQUEST:
+            if self.pool is None:
+                conn.sendall(NO_POOL)
+            else:
+                socket.send_fds(conn, [POOL_REQUEST + _OFFSET.pack(self.pool.capacity)], [self.pool.fd])
+            return None
+        if kind == RESERVE:
+            (size,) = _OFFSET.unpack(frame[1:1 + _OFFSET.size])
+            if self.pool is None or size > self.pool.capacity:
+                conn.sendall(NO_POOL)
+                return None
+            offset = self.pool.reserve(size)
+            if offset is None:
+                conn.sendall(ACK_FULL)
+                return None
+            reserved.add(offset)
+            conn.sendall(RESERVED + _OFFSET.pack(offset))
+            return None
+        if kind == SHM_ITEM:
+            (base,) = _OFFSET.unpack(frame[1:1 + _OFFSET.size])
+            if self.pool is None or base not in reserved:
+                raise ValueError(f"a shared-memory item in a slot ({base}) this connection did not reserve")
+            reserved.discard(base)
+            obj = shm.decode(memoryview(frame)[1 + _OFFSET.size:], self.pool, base, self._device)
+            if not isinstance(obj, WorkItem):
+                raise ValueError(f"data plane frame is a {type(obj).__name__}, not a WorkItem")
+            return obj
+        return decode(frame)

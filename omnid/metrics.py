@@ -44,13 +44,21 @@ class _StageCollector(Collector):
                                labels=["stage"])
         restarts = CounterMetricFamily("omnid_stage_restarts", "Worker restarts", labels=["stage"])
         done = CounterMetricFamily("omnid_stage_jobs_done", "Jobs the stage finished", labels=["stage"])
+        shm_used = GaugeMetricFamily("omnid_stage_shm_used_bytes",
+                                     "Bytes of the stage's shared-memory pool held by values in flight", labels=["stage"])
+        shm_cap = GaugeMetricFamily("omnid_stage_shm_capacity_bytes", "The stage's shared-memory pool size",
+                                    labels=["stage"])
+        shm_slots = GaugeMetricFamily("omnid_stage_shm_slots", "Slots of the pool taken", labels=["stage"])
         for h in self.stages.values():
             depth.add_metric([h.name], h.stats.depth)
             cap.add_metric([h.name], h.stage.queue_capacity)
             up.add_metric([h.name], 1 if h.state.warm else 0)
             restarts.add_metric([h.name], h.restarts)
             done.add_metric([h.name], h.jobs_done)
-        yield from (depth, cap, up, restarts, done)
+            shm_used.add_metric([h.name], h.stats.shm_used)
+            shm_cap.add_metric([h.name], h.stats.shm_capacity)
+            shm_slots.add_metric([h.name], h.stats.shm_slots)
+        yield from (depth, cap, up, restarts, done, shm_used, shm_cap, shm_slots)
         windows = CounterMetricFamily("omnid_edge_windows", "Windows a streaming edge carried downstream",
                                       labels=["src", "dst"])
         for h in self.stages.values():

@@ -96,6 +96,9 @@ class QueueStats:
     depth: int = 0
     blocked_s: float = 0.0          # time this stage spent blocked on a downstream watermark
     window_triggers: int = 0        # hand-offs sent downstream
+    shm_capacity: int = 0           # the stage's shared-memory pool: its size,
+    shm_used: int = 0               # the bytes in slots taken,
+    shm_slots: int = 0              # and how many slots are taken (0 once every job's values are gone)
 
 
 @dataclass(frozen=True)

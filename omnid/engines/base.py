@@ -36,7 +36,10 @@ class RequestContext:
     params: dict[str, Any]
     _emit: Callable[[str, dict[str, Any]], None] = field(repr=False, default=lambda kind, data: None)
     _is_cancelled: Callable[[], bool] = field(repr=False, default=lambda: False)
-    _on_segment: Callable[[dict[str, Any], bool], None] = field(repr=False, default=lambda outputs, is_last: None)
+    # The worker's hook for each segment (streaming edges, live outputs); it returns an error that
+    # fails the request, or None. (It must not hold the context: that would be a reference cycle
+    # keeping the job's inputs, and their shared-memory slots, until the cyclic GC runs.)
+    _on_segment: Callable[[dict[str, Any], bool], str | None] = field(repr=False, default=lambda outputs, is_last: None)
     started: float = field(default_factory=time.monotonic)
     # set exactly once, by finish / fail / stopped
     outcome: str | None = None          # "finished" | "failed" | "stopped"
@@ -57,7 +60,9 @@ class RequestContext:
         It feeds the job's streaming edges (`window = N`) and, in a pipeline's last stage, the
         outputs clients read while the job runs; its text shows in the job's events.
         """
-        self._on_segment(outputs, is_last)
+        error = self._on_segment(outputs, is_last)
+        if error is not None:
+            self.fail(error)
         text = outputs.get("text") if isinstance(outputs.get("text"), str) else None
         if text is not None and len(text) > 2000:      # the event shows it; the output keeps it whole
             text = text[:2000] + " [...]"

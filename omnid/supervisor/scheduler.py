@@ -60,7 +60,8 @@ class Scheduler:
         self.recovery = Recovery(self)
         self.loop = asyncio.get_running_loop()
         sources = {s for p in config.pipelines.values() for s in p.sources}
-        self.feeders = {s: Feeder(s, Sender(data_socket), self.is_live) for s in sorted(sources)}
+        self.feeders = {s: Feeder(s, Sender(data_socket, config.daemon.shm_min_bytes), self.is_live)
+                        for s in sorted(sources)}
         for handle in stages.values():
             handle.attach(self)
 

@@ -379,4 +379,6 @@ class StageHandle:
             "spawned_at": self.started_at, "ready_at": self.ready_at, "tracked_jobs": self.tracked_jobs,
             "last_error": self.last_error, "model": str(self.stage.model) if self.stage.model else None,
             "function": self.stage.function, "info": self.info,
+            "shm": {"capacity_bytes": self.stats.shm_capacity, "used_bytes": self.stats.shm_used,
+                    "slots": self.stats.shm_slots},
         }

@@ -36,6 +36,7 @@ from omnid import protocol as P
 from omnid.config import EdgeConfig
 from omnid.dataplane import Listener, Sender, WorkItem
 from omnid.engines.base import Engine, RequestContext
+from omnid.shm import ShmPool
 from omnid.worker.outputs import STREAM_DIR
 from omnid.worker.windows import EdgeStream, InputStream, WindowBuilder
 
@@ -109,12 +110,13 @@ class StageWorker:
         self.builders: dict[tuple[str, str], WindowBuilder] = {}      # (job, dst)
         self.unsent: dict[tuple[str, str], deque[WorkItem]] = {}      # (job, dst)
         self.windows_sent: dict[str, int] = {}                        # dst -> windows admitted there
-        self.window_sender = Sender(spec.socket_for)     # never blocks; separate from the hand-off one
+        self.window_sender = Sender(spec.socket_for, spec.config.daemon.shm_min_bytes)   # never blocks
         # Downstream side (under _lock): each streamed job's windows, read by its InputStreams.
         self.streams: dict[tuple[str, str | None], EdgeStream] = {}   # (job, src)
         self.wakeup = threading.Event()      # a window, an input or a cancel arrived: the loop looks again
         self.shutting_down = threading.Event()
-        self.sender = Sender(spec.socket_for)
+        self.sender = Sender(spec.socket_for, spec.config.daemon.shm_min_bytes)
+        self.pool: ShmPool | None = None                 # this stage's shared memory for large inputs
         self.engine: Engine = _NoEngine()          # until load_engine() returns
         self.enqueued = self.dequeued = self.dropped = self.triggers = 0
 
@@ -131,9 +133,11 @@ class StageWorker:
         return job in self.dead
 
     def stats(self) -> P.QueueStats:
+        used, slots = self.pool.usage() if self.pool is not None else (0, 0)
         return P.QueueStats(enqueued=self.enqueued, dequeued=self.dequeued, dropped=self.dropped,
                             depth=self.inbox.qsize(), blocked_s=self.sender.blocked_s,
-                            window_triggers=self.triggers)
+                            window_triggers=self.triggers, shm_capacity=self.pool.capacity if self.pool else 0,
+                            shm_used=used, shm_slots=slots)
 
     def tracked_jobs(self) -> int:
         """How many jobs this worker keeps any state for (the bounded `dead` LRU aside)."""
@@ -285,33 +289,41 @@ class StageWorker:
             #    a downstream has no room for a streamed job's first window (the stage's watermark)
             while len(self.inflight) < self.stage.max_inflight and not self.shutting_down.is_set() \
                     and not self._window_backlog():
-                try:
-                    item = self.inbox.get(timeout=0.05) if not engine.has_work() else self.inbox.get_nowait()
-                except queue.Empty:
+                if not self._take_input():
                     break
-                self.dequeued += 1
-                ctx = self._assemble(item)
-                if ctx is None:
-                    continue
-                self.inflight[ctx.job] = ctx
-                self.send(P.Started(job=ctx.job))
-                try:
-                    engine.add(ctx)
-                except Exception as e:                 # per-request error: the engine lives on
-                    ctx.fail(f"{type(e).__name__}: {e}")
             # 2. abort what was cancelled, step the engine
             self._step()
             # 3. emit outputs of the requests that completed
-            for job, ctx in list(self.inflight.items()):
-                if ctx.done:
-                    del self.inflight[job]
-                    self._complete(ctx)
+            for job in [j for j, ctx in self.inflight.items() if ctx.done]:
+                self._complete(self.inflight.pop(job))
             self._offer_windows()
             # 4. every request waits for its next window: sleep until one (or a cancel) arrives
             if engine.has_work() and not engine.ready():
                 self.wakeup.wait(0.05)
                 self.wakeup.clear()
         engine.close()
+
+    def _take_input(self) -> bool:
+        """Move one item from the input queue into the engine; False when there is none.
+
+        (A method of its own so that nothing of the job stays referenced in the loop's locals:
+        a job's inputs, and the shared memory they may sit on, go as soon as the job does.)
+        """
+        try:
+            item = self.inbox.get(timeout=0.05) if not self.engine.has_work() else self.inbox.get_nowait()
+        except queue.Empty:
+            return False
+        self.dequeued += 1
+        ctx = self._assemble(item)
+        if ctx is None:
+            return True
+        self.inflight[ctx.job] = ctx
+        self.send(P.Started(job=ctx.job))
+        try:
+            self.engine.add(ctx)
+        except Exception as e:                 # per-request error: the engine lives on
+            ctx.fail(f"{type(e).__name__}: {e}")
+        return True
 
     def _step(self) -> None:
         """Abort the cancelled requests, then advance the engine by one step.
@@ -379,17 +391,18 @@ class StageWorker:
         def emit(kind: str, data: dict[str, Any]) -> None:
             self._emit(job, kind, data)
 
-        def on_segment(outputs: dict[str, Any], is_last: bool) -> None:
+        def on_segment(outputs: dict[str, Any], is_last: bool) -> str | None:
             for edge in streaming:
                 builder = self.builders.setdefault((job, edge.dst), WindowBuilder(edge.window))
                 window = builder.add(outputs, is_last)
                 if window is not None:
                     error = self._queue_window(item, edge, *window, last=builder.closed)
                     if error is not None:
-                        ctx.fail(error)
+                        return error
             if sink_dir is not None and outputs:
                 from omnid.worker.outputs import append_stream
                 append_stream(sink_dir, outputs, prefix)
+            return None
 
         ctx = RequestContext(job=job, stage=self.stage.name, inputs=inputs,
                              params=dict(item.params.get(self.stage.name, {})),
@@ -608,7 +621,11 @@ def worker_main(spec: P.WorkerSpec, conn: Connection) -> None:
     try:
         from omnid.engines import load_engine
         worker.engine = load_engine(worker.stage)
-        listener = Listener(spec.socket_for(spec.stage), worker.admit)
+        stage = worker.stage
+        if stage.shm_pool_mb:
+            worker.pool = ShmPool(stage.name, stage.shm_pool_mb << 20)
+        listener = Listener(spec.socket_for(spec.stage), worker.admit, worker.pool,
+                            device="cuda" if stage.devices else None)
     except BaseException as e:
         tb = traceback.format_exc(limit=-3)
         worker.send(P.LoadFailed(error=_clip(f"{type(e).__name__}: {e}\n{tb}")))
