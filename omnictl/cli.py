@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import Any, NoReturn, TextIO, TypeVar
+from typing import Any, NoReturn, TextIO
 
 import click
 
@@ -35,7 +35,6 @@ from omnictl.client import (
     file_input,
 )
 
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 class ExitCode(IntEnum):
@@ -118,10 +117,10 @@ output_dir_option = click.option(
 job_ids_argument = click.argument("job_ids", metavar="JOB...", nargs=-1, required=True)
 
 
-def command(*options: Callable[[F], F]) -> Callable[[F], click.Command]:
+def command(*options: Callable[[Any], Any]) -> Callable[[Callable[..., None]], click.Command]:
     """Register a command with ``--json`` and the given options, passing it the Settings."""
 
-    def decorate(fn: F) -> click.Command:
+    def decorate(fn: Callable[..., None]) -> click.Command:
         wrapped: Any = pass_settings(fn)
         for option in reversed(options):
             wrapped = option(wrapped)
@@ -194,16 +193,42 @@ def _print_json_line(document: Any) -> None:
     click.echo(json.dumps(document))
 
 
-def _follow(settings: Settings, client: Client, job_id: str, stream: TextIO) -> dict[str, Any]:
+def _follow(
+    settings: Settings, client: Client, job_id: str, stream: TextIO, sinks: list[str] | None = None, created_at: Any = None
+) -> dict[str, Any]:
     """Follow a job to its end, printing its events (to stdout as NDJSON with --json, else
-    for humans to ``stream``, live when it is a terminal); return the final job."""
+    for humans to ``stream``, live when it is a terminal); return the final job.
+
+    With ``sinks`` (the pipeline's last stages), the human view also says once when the first of
+    their outputs came (timed from the job's ``created_at``)."""
     if settings.json:
         return client.wait(job_id, _print_json_line)
-    printer = render.EventPrinter(stream, live=stream.isatty())
+    printer = render.EventPrinter(
+        stream, live=stream.isatty(), sinks=sinks or (),
+        created_at=created_at if isinstance(created_at, (int, float)) else None,
+    )
     try:
         return client.wait(job_id, printer.feed)
     finally:
         printer.close_line()
+
+
+def _pipeline_sinks(client: Client, name: str) -> list[str]:
+    """The pipeline's last stages (those with no outgoing edge), from ``GET /v1/pipelines``; [] if unknown."""
+    try:
+        document = client.pipelines()
+    except ClientError:
+        return []  # only the "first output" line needs them; following the job will say what is wrong
+    for pipeline in document.get("pipelines") or []:
+        if not isinstance(pipeline, dict) or pipeline.get("name") != name:
+            continue
+        sinks = pipeline.get("sinks")
+        if isinstance(sinks, list):
+            return [str(s) for s in sinks]
+        stages = pipeline.get("stages") or []
+        edges = [e for e in pipeline.get("edges") or [] if isinstance(e, dict)]
+        return [str(s) for s in stages if not any(e.get("from") == s for e in edges)]
+    return []
 
 
 def _write_results(settings: Settings, client: Client, job: dict[str, Any], output_dir: Path | None) -> NoReturn:
@@ -289,10 +314,12 @@ def submit(
         else:
             click.echo(job_id)
         return
+    sinks: list[str] = []
     if not settings.json:
         click.echo(job_id)
+        sinks = _pipeline_sinks(client, pipeline)
     try:
-        final = _follow(settings, client, job_id, sys.stderr)
+        final = _follow(settings, client, job_id, sys.stderr, sinks, job.get("created_at"))
     except KeyboardInterrupt:
         _fail(f"stopped waiting; job {job_id} keeps running (`omnictl cancel {job_id}` stops it)", ExitCode.INTERRUPTED)
     _write_results(settings, client, final, output_dir)

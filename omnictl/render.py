@@ -298,6 +298,14 @@ def ready_text(ok: bool, body: JSON) -> str:
     return "\n".join(lines)
 
 
+def first_output_line(seconds: float, running: Sequence[str] = ()) -> str:
+    """``first output after 0.42s (expand still running)``: when a last stage's first output came,
+    and which other stages had not finished then."""
+    seconds = max(float(seconds), 0.0)
+    text = f"first output after {seconds:.2f}s" if seconds < 10 else f"first output after {format_duration(seconds)}"
+    return text + (f" ({', '.join(running)} still running)" if running else "")
+
+
 class EventPrinter:
     """Renders a job's events as they arrive: stage start/finish lines, progress, streamed text.
 
@@ -307,9 +315,16 @@ class EventPrinter:
     events are not printed: the caller ends with :func:`final_state_line` from the final job.
     """
 
-    def __init__(self, stream: TextIO, live: bool) -> None:
+    def __init__(self, stream: TextIO, live: bool, sinks: Iterable[str] = (), created_at: float | None = None) -> None:
         self.stream = stream
         self.live = live
+        # The pipeline's last stages (no outgoing edge): their first segment (or output) gets one
+        # "first output after" line, timed from ``created_at`` (the job's, by the daemon's clock).
+        self.sinks = frozenset(sinks)
+        self.created_at = created_at
+        self._t0 = time.time()
+        self._first_output_said = not self.sinks
+        self._running: dict[str, None] = {}   # stages started and not finished, in start order
         # What the unfinished last line holds: ("text" | "progress", stage), or None.
         self._open: tuple[str, str] | None = None
         # Stages that stream text: their tokens already show progress, step lines would only interleave.
@@ -333,6 +348,18 @@ class EventPrinter:
         """Render one event."""
         kind = event.get("type")
         stage = str(event.get("stage") or "")
+        if kind == "stage_started":
+            self._running[stage] = None
+        elif kind in ("stage_finished", "error"):
+            self._running.pop(stage, None)
+        elif kind in ("segment", "output") and not self._first_output_said and stage in self.sinks:
+            self._first_output_said = True
+            ts = event.get("ts")
+            if isinstance(ts, (int, float)) and isinstance(self.created_at, (int, float)):
+                seconds = ts - self.created_at
+            else:
+                seconds = time.time() - self._t0
+            self._line(first_output_line(seconds, [s for s in self._running if s != stage]))
         if kind == "state":
             if event.get("state") not in TERMINAL_STATES:
                 self._line(f"job {event.get('job')} {event.get('state')}")

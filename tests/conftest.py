@@ -33,6 +33,12 @@ from typing import Any
 import psutil
 import pytest
 
+# The repository's own packages first: tests/omnictl (the CLI's tests) must never be taken for the
+# `omnictl` package when pytest runs from another directory.
+_REPO = str(Path(__file__).resolve().parent.parent)
+if sys.path[:1] != [_REPO]:
+    sys.path.insert(0, _REPO)
+
 from omnictl.client import (TERMINAL_STATES, Client, ClientError, DaemonUnreachable,
                             EventsIdleTimeout)
 

@@ -16,9 +16,12 @@ To add an endpoint: a handler method here and its route in `Api.__init__`.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
+import mimetypes
+import os
 import socket
 import struct
 import time
@@ -37,6 +40,7 @@ from omnid.supervisor.errors import Refused
 from omnid.supervisor.scheduler import Scheduler
 from omnid.supervisor.stage import StageHandle
 from omnid.vocabulary import TERMINAL_JOB_STATES, ErrorCode, JobRecord, JobState
+from omnid.worker.outputs import stream_file
 
 log = structlog.get_logger("omnid.api")
 
@@ -46,6 +50,9 @@ SUMMARY_CHARS = 1000          # how much of a long text input the job document s
 _STATE_NAMES = ", ".join([str(JobState.QUEUED), str(JobState.RUNNING), *sorted(map(str, TERMINAL_JOB_STATES))])
 _JOB_KEYS = {"pipeline", "inputs", "params", "timeout_s"}
 MAX_BYTES_KEY = web.AppKey("max_request_bytes", int)
+STREAM_POLL_S = 0.03          # `?stream=1`: how often a live output's stream file is looked at
+STREAM_CHUNK = 64 * 1024
+_STREAM_FLAGS = {"1": True, "true": True, "0": False, "false": False}
 
 
 @dataclass
@@ -305,8 +312,16 @@ class Api:
         return web.json_response({"deleted": job.id})
 
     async def output(self, request: web.Request) -> web.StreamResponse:
+        """One output file; with `?stream=1`, a live job's output as its last stage produces it."""
+        stream = _stream_flag(request.query.get("stream"))
         job = self._job(request)
         name = request.match_info["name"]
+        if not stream or job.terminal:
+            return self._output_file(job, name)
+        return await self._stream_output(request, job, name)
+
+    def _output_file(self, job: JobRecord, name: str) -> web.StreamResponse:
+        """The output's final file, or why there is none (409 running, 410 gone, 404 no such output)."""
         for out in job.outputs:
             if out["name"] == name or out["file"] == name:
                 path = self.store.job_dir(job.id) / out["file"]
@@ -318,6 +333,74 @@ class Api:
                           "is not there yet")
         names = ", ".join(o["name"] for o in job.outputs) or "none"
         raise Refused(404, ErrorCode.UNKNOWN_OUTPUT, f"job {job.id} has no output {name!r} (its outputs: {names})")
+
+    def _ended(self, job_id: str) -> JobRecord | None:
+        """The job's record once it is no longer live (terminal, or None if deleted meanwhile); None while live."""
+        if job_id in self.scheduler.live:
+            return None
+        found = self.scheduler.job(job_id)
+        if found is None:
+            raise Refused(404, ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}")
+        return found
+
+    async def _stream_output(self, request: web.Request, job: JobRecord, name: str) -> web.StreamResponse:
+        """`?stream=1` on a live job: the last stage's `.stream/NAME` file, sent as it grows (chunked).
+
+        Waits (polling, bounded by the job's end) for the file to appear; a job that ends without one
+        is answered like a plain download. Once the file is open, its bytes are sent until the job is
+        terminal and the file is read to its end (the worker removes the file when the job ends there;
+        our open file keeps it readable).
+        """
+        path = stream_file(self.store.job_dir(job.id), name)
+        while True:
+            try:
+                f = open(path, "rb")
+                break
+            except (FileNotFoundError, NotADirectoryError):
+                over = self._ended(job.id)
+                if over is not None:            # it ended with no stream file: its final files, if any
+                    return self._output_file(over, name)
+            if _gone(request):
+                log.debug("output stream reader went away", job=job.id, output=name)
+                return web.Response(status=499)       # nobody to answer: not sent
+            await asyncio.sleep(STREAM_POLL_S)
+        try:
+            resp = web.StreamResponse(headers={"Content-Type": self._stream_content_type(job, name)})
+            loop = asyncio.get_running_loop()
+            await resp.prepare(request)
+            ended = False
+            while True:
+                # fstat first: the file is read only when it grew, so an idle stream costs no thread.
+                if ended or os.fstat(f.fileno()).st_size > f.tell():
+                    data = await loop.run_in_executor(None, f.read, STREAM_CHUNK)
+                    if data:
+                        await resp.write(data)
+                        continue
+                    if ended:
+                        break                          # terminal, and read to the end
+                ended = job.id not in self.scheduler.live
+                if not ended:
+                    if _gone(request):
+                        raise ConnectionResetError("the client went away")
+                    await asyncio.sleep(STREAM_POLL_S)
+            await resp.write_eof()
+            return resp
+        except ConnectionError as e:
+            log.debug("output stream reader went away", job=job.id, output=name, error=str(e))
+            return resp
+        finally:
+            f.close()
+
+    def _stream_content_type(self, job: JobRecord, name: str) -> str:
+        """The final output's content type when it is known already, else a guess from the name."""
+        current = self.scheduler.job(job.id) or job
+        for out in current.outputs:
+            if out["name"] == name or out["file"] == name:
+                return str(out["content_type"])
+        guessed, _ = mimetypes.guess_type(name, strict=False)
+        if (guessed or "").startswith("text/") or name.rpartition(".")[2] == "text":
+            return "text/plain; charset=utf-8"
+        return guessed or "application/octet-stream"
 
     # ------------------------------------------------------------------ daemon
 
@@ -343,6 +426,22 @@ class Api:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
         data = generate_latest(self.metrics.registry)
         return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _stream_flag(value: str | None) -> bool:
+    """`?stream=`: 1/true streams, 0/false (or none) does not; anything else is refused."""
+    if value is None:
+        return False
+    flag = _STREAM_FLAGS.get(value.strip().lower())
+    if flag is None:
+        raise Refused(400, ErrorCode.INVALID_REQUEST, f"stream must be 1 or true (or 0 or false), not {value!r}")
+    return flag
+
+
+def _gone(request: web.Request) -> bool:
+    """The caller hung up."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 def _no_constant(name: str) -> Any:
