@@ -344,8 +344,10 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
         else:
             devices.append(d)
     max_inflight = c.positive(s, "max_inflight", path, 1, integer=True)
-    if max_inflight != 1 and engine == "diffusers":
-        c.add(f"{path}.max_inflight", f"engine {engine!r} runs one job at a time; must be 1")
+    if engine == "diffusers" and max_inflight > 64:
+        # up to max_inflight compatible jobs run as one batched pipeline call: keep that call bounded
+        c.add(f"{path}.max_inflight", f"engine {engine!r} batches at most 64 jobs in one pipeline call; "
+                                      f"must be from 1 to 64, not {max_inflight}")
     args = c.get(s, "args", path, dict, {})
     defaults = c.get(s, "defaults", path, dict, {})
     env = c.get(s, "env", path, dict, {})

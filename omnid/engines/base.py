@@ -36,6 +36,7 @@ class RequestContext:
     params: dict[str, Any]
     _emit: Callable[[str, dict[str, Any]], None] = field(repr=False, default=lambda kind, data: None)
     _is_cancelled: Callable[[], bool] = field(repr=False, default=lambda: False)
+    _is_held: Callable[[], bool] = field(repr=False, default=lambda: False)
     # The worker's hook for each segment (streaming edges, live outputs); it returns an error that
     # fails the request, or None. (It must not hold the context: that would be a reference cycle
     # keeping the job's inputs, and their shared-memory slots, until the cyclic GC runs.)
@@ -50,6 +51,11 @@ class RequestContext:
 
     def cancelled(self) -> bool:
         return self._is_cancelled()
+
+    def held(self) -> bool:
+        """Its streamed output waits for room downstream: an engine that can pause (a generator)
+        should not advance it yet."""
+        return self._is_held()
 
     def progress(self, done: int, total: int) -> None:
         self._emit("progress", {"done": int(done), "total": int(total)})

@@ -1,24 +1,87 @@
 """The `diffusers` engine: a diffusion pipeline (UNet or DiT) loaded from a local directory.
 
-Runs in a stage worker's main thread. One `step()` is one whole pipeline
-call; `callback_on_step_end` reports every denoising step as progress and
-raises `Cancelled` when the job was cancelled, so a cancel ends the call
-within one denoising step. Job inputs other than `prompt` that the
-pipeline's `__call__` accepts (e.g. `image` for img2img) are passed through.
+Runs in a stage worker's main thread. `callback_on_step_end` reports every
+denoising step as progress, and a cancel ends a request within one denoising
+step. Job inputs other than `prompt` that the pipeline's `__call__` accepts
+(e.g. `image` for img2img) are passed through.
+
+`max_inflight = 1`: one `step()` is one whole pipeline call, made in the main
+thread, which blocks in it; the callback raises `Cancelled` when the job was
+cancelled.
+
+`max_inflight > 1`: compatible requests (the same parameters but for `seed`
+and `negative_prompt`'s text, a text prompt and no other inputs, one image
+each) run as ONE pipeline call with a list of prompts and one
+`torch.Generator` per request, so each request's image is the one its seed
+gives alone. That call runs in a helper thread ("diffusers-batch") that is
+never running at the same time as the main thread: at the end of each
+denoising step the callback hands control back to the main thread and waits
+for the next `step()`. So one `step()` is one denoising step of the batch (the
+first one also encodes the prompts, the last one also decodes), and between
+steps the worker's loop runs as it does for vLLM: a cancelled request is
+aborted (`ctx.stopped()`), its slot frees and its `Stopped` goes out at once,
+while the others go on. Its rows leave the batch's tensors at the next step
+when the pipeline and scheduler are known to allow it (`_SHRINKABLE_*`);
+otherwise they are still computed and thrown away. Every `ctx` call is made
+in the main thread. The main thread blocks on the helper thread's reply for
+one denoising step at a time.
 """
 
 from __future__ import annotations
 
 import inspect
+import queue
+import threading
 import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 from omnid.config import StageConfig
-from omnid.params import merged
 from omnid.engines.base import Cancelled, Engine, RequestContext
+from omnid.params import check_param, merged
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
            "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+# Pipelines whose denoising loop reads back every batched tensor it uses from `callback_kwargs`
+# (checked against diffusers 0.42: SD reads latents and prompt_embeds, SDXL also add_text_embeds
+# and add_time_ids, and nothing after the loop depends on the original batch size), and
+# schedulers that keep no per-sample state between steps (multistep ones such as PNDM, DPM-Solver,
+# UniPC, LMS or Heun keep earlier model outputs of the full batch). Only with both are a
+# cancelled request's rows removed mid-call.
+_SHRINKABLE_PIPELINES = frozenset({"StableDiffusionPipeline", "StableDiffusionXLPipeline"})
+_SHRINKABLE_SCHEDULERS = frozenset({"DDIMScheduler", "DDPMScheduler", "EulerDiscreteScheduler",
+                                    "EulerAncestralDiscreteScheduler"})
+_BATCHED_TENSORS = ("latents", "prompt_embeds", "add_text_embeds", "add_time_ids")
+
+
+@dataclass
+class _Request:
+    """One admitted request, its values checked."""
+
+    ctx: RequestContext
+    params: dict[str, Any]          # the pipeline's keyword arguments, without seed and negative_prompt
+    seed: int | None
+    negative_prompt: str | None
+    extra: dict[str, Any]           # other job inputs passed to the pipeline
+    steps: int                      # denoising steps, for progress
+    per_prompt: int                 # images per prompt
+    key: str                        # equal keys: one pipeline call can serve both
+
+    @property
+    def alone(self) -> bool:
+        return bool(self.extra) or self.per_prompt != 1
+
+
+@dataclass
+class _Batch:
+    """One pipeline call in progress; `rows[i]` owns row i of the batched tensors (and its images)."""
+
+    rows: list[_Request]
+    generators: list[Any] = field(default_factory=list)     # one per row, shrunk with the rows
+    thread: threading.Thread | None = None
+    to_pipe: queue.Queue[str] = field(default_factory=queue.Queue)             # "go" | "close"
+    to_main: queue.Queue[tuple[str, Any]] = field(default_factory=queue.Queue)  # (kind, value)
 
 
 class DiffusersEngine(Engine):
@@ -39,54 +102,244 @@ class DiffusersEngine(Engine):
         self.pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
         self._call_args = set(inspect.signature(self.pipe.__call__).parameters)
-        self._queue: list[RequestContext] = []
+        self.max_batch = max(1, stage.max_inflight)
+        self._shrink_inputs = self._shrinkable_tensors()
+        self._queue: list[_Request] = []
+        self._batch: _Batch | None = None       # max_inflight > 1: the call running in the helper thread
+
+    def _shrinkable_tensors(self) -> list[str]:
+        """The tensors to cut a cancelled request's rows from; empty: keep computing them."""
+        unet_config = getattr(getattr(self.pipe, "unet", None), "config", None)
+        if type(self.pipe).__name__ not in _SHRINKABLE_PIPELINES \
+                or type(getattr(self.pipe, "scheduler", None)).__name__ not in _SHRINKABLE_SCHEDULERS \
+                or unet_config is None or getattr(unet_config, "time_cond_proj_dim", None) is not None:
+            return []
+        allowed = list(getattr(self.pipe, "_callback_tensor_inputs", []))
+        return [name for name in _BATCHED_TENSORS if name in allowed] if "latents" in allowed else []
 
     def info(self) -> dict[str, Any]:
-        return {"model": str(self.stage.model), "pipeline": type(self.pipe).__name__, "device": self.device}
+        return {"model": str(self.stage.model), "pipeline": type(self.pipe).__name__, "device": self.device,
+                "max_batch": self.max_batch}
+
+    # ------------------------------------------------------------------ the Engine interface
 
     def add(self, ctx: RequestContext) -> None:
         if not isinstance(ctx.inputs.get("prompt"), str):
             ctx.fail(f"a diffusers stage needs a text input \"prompt\"; got {sorted(ctx.inputs) or 'no inputs'}")
             return
-        self._queue.append(ctx)
+        request = self._request(ctx)
+        if request is not None:
+            self._queue.append(request)
 
     def step(self) -> None:
-        ctx = self._queue.pop(0)
-        params = merged(self.stage.defaults, ctx.params)
-        seed = params.pop("seed", None)
-        try:
-            steps = int(params.get("num_inference_steps", 50))
-            generator = None
-            if seed is not None:
-                generator = self.torch.Generator(device=self.device).manual_seed(int(seed))
-        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
-            ctx.fail(f"bad parameter: {type(e).__name__}: {e}")
+        if self.max_batch == 1:
+            self._run_inline(self._take_batch())
             return
-        extra = {k: v for k, v in ctx.inputs.items() if k != "prompt" and k in self._call_args}
-
-        def on_step_end(pipe: Any, step: int, timestep: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-            if ctx.cancelled():
-                raise Cancelled()
-            ctx.progress(step + 1, steps)
-            return kwargs
-
-        try:
-            result = self.pipe(prompt=ctx.inputs["prompt"], generator=generator,
-                               callback_on_step_end=on_step_end, **extra, **params)
-        except Cancelled:
-            ctx.stopped()
-            return
-        except Exception as e:
-            ctx.fail(f"{type(e).__name__}: {e}")
-            return
-        images = list(result.images)
-        ctx.segment({"image": images[-1]}, is_last=True)
-        ctx.finish({"image": images[0] if len(images) == 1 else images, "prompt": ctx.inputs["prompt"]})
+        if self._batch is None:
+            batch = self._start(self._take_batch())
+        else:
+            batch = self._batch
+            batch.to_pipe.put("go")
+        self._answer(batch, *batch.to_main.get())
 
     def abort(self, job: str) -> None:
-        for ctx in [c for c in self._queue if c.job == job]:
-            self._queue.remove(ctx)
-            ctx.stopped()
+        for request in [r for r in self._queue if r.ctx.job == job]:
+            self._queue.remove(request)
+            request.ctx.stopped()
+        if self._batch is not None:
+            for request in self._batch.rows:
+                if request.ctx.job == job:
+                    request.ctx.stopped()       # its rows go at the next denoising step
 
     def has_work(self) -> bool:
-        return bool(self._queue)
+        return bool(self._queue) or self._batch is not None
+
+    def close(self) -> None:
+        batch, self._batch = self._batch, None
+        if batch is not None and batch.thread is not None:
+            batch.to_pipe.put("close")
+            batch.thread.join(timeout=5)
+
+    # ------------------------------------------------------------------ requests and batches
+
+    def _request(self, ctx: RequestContext) -> _Request | None:
+        """Check one request's values (so that it cannot fail a batch it joins); None: it failed."""
+        params = merged(self.stage.defaults, ctx.params)
+        for key, value in params.items():
+            if (why := check_param("diffusers", key, value)) is not None:
+                ctx.fail(f"bad parameter: {key} {why}, not {value!r}")
+                return None
+        seed = params.pop("seed", None)
+        negative = params.pop("negative_prompt", None)
+        try:
+            steps = int(params.get("num_inference_steps", 50))
+            per_prompt = int(params.get("num_images_per_prompt", 1) or 1)
+            if seed is not None:
+                seed = int(seed)
+                self.torch.Generator(device=self.device).manual_seed(seed)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+            ctx.fail(f"bad parameter: {type(e).__name__}: {e}")
+            return None
+        extra = {k: v for k, v in ctx.inputs.items() if k != "prompt" and k in self._call_args}
+        key = repr((sorted(params.items()), negative is not None))
+        return _Request(ctx, params, seed, None if negative is None else str(negative), extra, steps, per_prompt,
+                        key)
+
+    def _take_batch(self) -> list[_Request]:
+        """The oldest request and, up to max_inflight, every queued one compatible with it."""
+        first = self._queue.pop(0)
+        rows = [first]
+        if not first.alone:
+            for request in list(self._queue):
+                if len(rows) >= self.max_batch:
+                    break
+                if not request.alone and request.key == first.key:
+                    self._queue.remove(request)
+                    rows.append(request)
+        return rows
+
+    def _generators(self, rows: list[_Request]) -> list[Any]:
+        """One generator per row (None: unseeded); [] when no row has a seed (the global RNG draws)."""
+        generators: list[Any] = []
+        for request in rows:
+            generator = None
+            if request.seed is not None:
+                generator = self.torch.Generator(device=self.device).manual_seed(request.seed)
+            generators.append(generator)
+        if len(rows) == 1:
+            return generators
+        if all(g is None for g in generators):
+            return []
+        # diffusers takes a list of generators only when all are set: an unseeded row gets a random seed
+        for index, generator in enumerate(generators):
+            if generator is None:
+                generators[index] = self.torch.Generator(device=self.device)
+                generators[index].seed()
+        return generators
+
+    def _call(self, batch: _Batch, on_step_end: Any) -> Any:
+        """The pipeline call for a batch (the same arguments as before batching for one request)."""
+        first = batch.rows[0]
+        kwargs: dict[str, Any] = dict(first.params)
+        if len(batch.rows) == 1:
+            prompt: str | list[str] = first.ctx.inputs["prompt"]
+            generator = batch.generators[0] if batch.generators else None
+            if first.negative_prompt is not None:
+                kwargs["negative_prompt"] = first.negative_prompt
+        else:
+            prompt = [r.ctx.inputs["prompt"] for r in batch.rows]
+            generator = batch.generators or None    # shrunk in place with the rows: the scheduler reads it
+            if first.negative_prompt is not None:
+                kwargs["negative_prompt"] = [r.negative_prompt or "" for r in batch.rows]
+        if len(batch.rows) > 1 and self._shrink_inputs:
+            kwargs["callback_on_step_end_tensor_inputs"] = list(self._shrink_inputs)
+        return self.pipe(prompt=prompt, generator=generator, callback_on_step_end=on_step_end,
+                         **first.extra, **kwargs)
+
+    def _report_step(self, batch: _Batch, step: int) -> None:
+        """Main thread, after a denoising step: progress for the live requests, stop the cancelled."""
+        for request in batch.rows:
+            if request.ctx.done:
+                continue
+            if request.ctx.cancelled():
+                request.ctx.stopped()
+            else:
+                request.ctx.progress(step + 1, request.steps)
+
+    def _deliver(self, batch: _Batch, images: list[Any]) -> None:
+        """Main thread: each live request's own images (and its prompt)."""
+        for index, request in enumerate(batch.rows):
+            if request.ctx.done:
+                continue
+            mine = images[index * request.per_prompt:(index + 1) * request.per_prompt]
+            if not mine:
+                request.ctx.fail(f"the pipeline returned {len(images)} images for {len(batch.rows)} requests")
+                continue
+            request.ctx.segment({"image": mine[-1]}, is_last=True)
+            request.ctx.finish({"image": mine[0] if len(mine) == 1 else mine, "prompt": request.ctx.inputs["prompt"]})
+
+    def _drop_done(self, batch: _Batch, pipe: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """At a step's end: leave the rows of requests that ended; raise Cancelled when none is left."""
+        live = [i for i, r in enumerate(batch.rows) if not r.ctx.done]
+        if not live:
+            raise Cancelled()
+        if len(live) == len(batch.rows) or not self._shrink_inputs or "latents" not in kwargs:
+            return kwargs
+        n = len(batch.rows)
+        cfg = bool(getattr(pipe, "do_classifier_free_guidance", False))
+        both = live + [n + i for i in live]
+        out: dict[str, Any] = {}
+        for name, tensor in kwargs.items():
+            size = tensor.shape[0] if hasattr(tensor, "shape") and tensor.dim() > 0 else None
+            if size == n:
+                out[name] = tensor[live]
+            elif cfg and size == 2 * n:
+                out[name] = tensor[both]            # [negative rows..., positive rows...]
+            else:
+                out[name] = tensor
+        batch.rows[:] = [batch.rows[i] for i in live]
+        if batch.generators:
+            batch.generators[:] = [batch.generators[i] for i in live]
+        return out
+
+    # ------------------------------------------------------------------ max_inflight = 1: in the main thread
+
+    def _run_inline(self, rows: list[_Request]) -> None:
+        batch = _Batch(rows, self._generators(rows))
+
+        def on_step_end(pipe: Any, step: int, timestep: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+            self._report_step(batch, step)
+            return self._drop_done(batch, pipe, kwargs)
+
+        try:
+            result = self._call(batch, on_step_end)
+        except Cancelled:
+            return
+        except Exception as e:
+            for request in batch.rows:
+                request.ctx.fail(f"{type(e).__name__}: {e}")
+            return
+        self._deliver(batch, list(result.images))
+
+    # ------------------------------------------------------------------ max_inflight > 1: step by step
+
+    def _start(self, rows: list[_Request]) -> _Batch:
+        """Start a batch's pipeline call in the helper thread; it runs up to its first step's end."""
+        batch = _Batch(rows, self._generators(rows))
+        batch.thread = threading.Thread(target=self._pipeline_thread, args=(batch,), name="diffusers-batch",
+                                        daemon=True)
+        self._batch = batch
+        batch.thread.start()
+        return batch
+
+    def _pipeline_thread(self, batch: _Batch) -> None:
+        """Helper thread: the batch's pipeline call, paused at each step's end until the next `step()`."""
+
+        def on_step_end(pipe: Any, step: int, timestep: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+            batch.to_main.put(("step", step))
+            if batch.to_pipe.get() == "close":
+                raise Cancelled()
+            return self._drop_done(batch, pipe, kwargs)
+
+        try:
+            result = self._call(batch, on_step_end)
+        except Cancelled:
+            batch.to_main.put(("cancelled", None))
+        except BaseException as e:                      # noqa: BLE001 - reported to the main thread
+            batch.to_main.put(("error", e))
+        else:
+            batch.to_main.put(("done", list(result.images)))
+
+    def _answer(self, batch: _Batch, kind: str, value: Any) -> None:
+        """Main thread: act on what the helper thread reported for this step."""
+        if kind == "step":
+            self._report_step(batch, int(value))
+            return
+        if batch.thread is not None:
+            batch.thread.join()
+        self._batch = None
+        if kind == "done":
+            self._deliver(batch, value)
+        elif kind == "error":
+            for request in batch.rows:
+                request.ctx.fail(f"{type(value).__name__}: {value}")

@@ -141,5 +141,6 @@ class PythonEngine(Engine):
 
 
 def _inputs_ready(ctx: RequestContext) -> bool:
-    """Advancing the job's generator would not block on a streamed input."""
-    return all(v.ready() for v in ctx.inputs.values() if isinstance(v, InputStream))
+    """Advancing the job's generator would not block on a streamed input, and its own streamed
+    output has room downstream (else it waits: that is the stream's backpressure)."""
+    return not ctx.held() and all(v.ready() for v in ctx.inputs.values() if isinstance(v, InputStream))

@@ -33,11 +33,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from omnid import protocol as P
-from omnid.config import EdgeConfig
+from omnid.config import EdgeConfig, PipelineConfig
 from omnid.dataplane import Listener, Sender, WorkItem
 from omnid.engines.base import Engine, RequestContext
 from omnid.shm import ShmPool
-from omnid.worker.outputs import STREAM_DIR
+from omnid.worker.outputs import clear_stream
 from omnid.worker.windows import EdgeStream, InputStream, WindowBuilder
 
 _PR_SET_PDEATHSIG = 1
@@ -386,7 +386,9 @@ class StageWorker:
         outgoing = pipeline.outgoing(self.stage.name)
         streaming = [e for e in outgoing if e.window > 0]
         sink_dir = self.spec.jobs_dir / job if not outgoing else None
-        prefix = f"{self.stage.name}." if len(pipeline.sinks) > 1 else ""
+        prefix = self._sink_prefix(pipeline)
+        if sink_dir is not None:
+            clear_stream(sink_dir, prefix)  # what an earlier attempt (before a retry) streamed
 
         def emit(kind: str, data: dict[str, Any]) -> None:
             self._emit(job, kind, data)
@@ -404,10 +406,18 @@ class StageWorker:
                 append_stream(sink_dir, outputs, prefix)
             return None
 
+        def held() -> bool:                 # windows for a downstream pile up: let it catch up
+            return any(len(self.unsent.get((job, e.dst), ())) >= self.stage.queue_capacity for e in streaming)
+
         ctx = RequestContext(job=job, stage=self.stage.name, inputs=inputs,
                              params=dict(item.params.get(self.stage.name, {})),
-                             _emit=emit, _is_cancelled=lambda: self.is_dead(job), _on_segment=on_segment)
+                             _emit=emit, _is_cancelled=lambda: self.is_dead(job), _on_segment=on_segment,
+                             _is_held=held)
         return ctx
+
+    def _sink_prefix(self, pipeline: PipelineConfig) -> str:
+        """How this last stage's outputs are named apart from the other last stages' ones."""
+        return f"{self.stage.name}." if len(pipeline.sinks) > 1 else ""
 
     def _emit(self, job: str, kind: str, data: dict[str, Any]) -> None:
         if kind == "progress":
@@ -417,11 +427,18 @@ class StageWorker:
 
     def _complete(self, ctx: RequestContext) -> None:
         item = self.items.pop(ctx.job)
+        pipeline = self.config.pipelines[item.pipeline]
+        try:
+            self._report(ctx, item, pipeline)
+        finally:
+            if not pipeline.outgoing(self.stage.name):
+                # A last stage's segments were streamed to files for `?stream=1` readers (who keep
+                # their open file); from now on the job's outputs are its final files.
+                clear_stream(self.spec.jobs_dir / ctx.job, self._sink_prefix(pipeline))
+
+    def _report(self, ctx: RequestContext, item: WorkItem, pipeline: PipelineConfig) -> None:
+        """Tell the supervisor how the request ended; hand its outputs on (or write them, in a last stage)."""
         builders = {dst: self.builders.pop((j, dst)) for j, dst in list(self.builders) if j == ctx.job}
-        if not self.config.pipelines[item.pipeline].outgoing(self.stage.name):
-            # A last stage's segments were streamed to files for `?stream=1` readers (who keep their
-            # open file); from now on the job's outputs are its final files.
-            shutil.rmtree(self.spec.jobs_dir / ctx.job / STREAM_DIR, ignore_errors=True)
         if ctx.outcome == "stopped" or self.is_dead(ctx.job):    # a job that ended meanwhile writes nothing
             self.send(P.Stopped(job=ctx.job))
             return
@@ -429,11 +446,10 @@ class StageWorker:
             self.send(P.Failed(job=ctx.job, error=_clip(ctx.error or "failed")))
             return
         elapsed = (ctx.ended or time.monotonic()) - ctx.started
-        pipeline = self.config.pipelines[item.pipeline]
         edges = pipeline.outgoing(self.stage.name)
         if not edges:                              # a sink: the outputs are the job's
             from omnid.worker.outputs import write_outputs
-            prefix = f"{self.stage.name}." if len(pipeline.sinks) > 1 else ""
+            prefix = self._sink_prefix(pipeline)
             try:
                 events = write_outputs(ctx.job, self.spec.jobs_dir / ctx.job, ctx.outputs or {}, prefix)
             except Exception as e:

@@ -17,6 +17,7 @@ import io
 import json
 import os
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,19 @@ STREAM_DIR = ".stream"
 def stream_file(job_dir: Path, name: str) -> Path:
     """Where a pipeline's last stage appends an output's segments while the job runs."""
     return job_dir / STREAM_DIR / (re.sub(r"[^A-Za-z0-9_.-]", "_", name).lstrip(".")[:100] or "output")
+
+
+def clear_stream(job_dir: Path, prefix: str = "") -> None:
+    """Remove a last stage's stream files of a job (all of them, or those of its `prefix` when the
+    pipeline has several last stages); readers that have one open keep reading it."""
+    folder = job_dir / STREAM_DIR
+    if not prefix:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    start = stream_file(job_dir, prefix).name
+    for path in folder.glob("*"):
+        if path.name.startswith(start):
+            path.unlink(missing_ok=True)
 
 
 def append_stream(job_dir: Path, segment: dict[str, Any], prefix: str = "") -> None:
