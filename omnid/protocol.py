@@ -8,7 +8,8 @@ stage to stage over the data plane (`omnid.dataplane`).
 Supervisor -> worker: `Cancel`, `Forget`, `Resend`, `Shutdown`.
 Worker -> supervisor: `Ready`, `LoadFailed`, `Heartbeat`, and the per-job
 events `Admitted`, `Started`, `Progress`, `Segment`, `Output`, `Finished`,
-`Failed`, `Stopped`, `Delivered`, `ResendMissing`.
+`Failed`, `Stopped`, `Delivered`, `ResendMissing`; the main thread's messages
+of one engine step travel together in a `Batch` (one pipe write, not one per token).
 """
 
 from __future__ import annotations
@@ -112,6 +113,13 @@ class Heartbeat:
 
 
 @dataclass(frozen=True)
+class Batch:
+    """Several messages of one worker in one pipe write (what one engine step said), in order."""
+
+    messages: tuple[object, ...]
+
+
+@dataclass(frozen=True)
 class Admitted:
     """The job's input for this stage entered its input queue (from `src`)."""
 
@@ -138,6 +146,7 @@ class Segment:
     index: int
     is_last: bool
     text: str | None = None
+    count: int = 1                  # segments coalesced into this one (their texts joined)
 
 
 @dataclass(frozen=True)

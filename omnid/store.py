@@ -2,7 +2,10 @@
 
 Runs in the supervisor's event-loop thread; every call is a short local
 sqlite transaction (WAL, synchronous=NORMAL), so it blocks for well under a
-millisecond on the write path. Layout under the state dir:
+millisecond. With `write_behind(loop)` (the daemon), writes are gathered and
+committed together once per turn of the event loop (one transaction for all the
+events of a batch of token streams, not one per token); every read, and
+`flush()`, commits what is pending first. Layout under the state dir:
 
   omnid.db              jobs(id, owner_uid, pipeline, state, created_at, doc)
                         events(job, seq, doc)
@@ -15,6 +18,7 @@ marked failed on the next start (`recover`), never silently forgotten.
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import fcntl
 import json
@@ -72,8 +76,45 @@ class JobStore:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(_SCHEMA)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dirty: dict[str, JobRecord] = {}                        # jobs to write (latest state)
+        self._events: builtins.list[tuple[str, int, dict[str, Any]]] = []   # events to write
+        self._flush_due = False
+
+    def write_behind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Gather writes and commit them once per turn of `loop` (else each write commits at once)."""
+        self._loop = loop
+
+    def _written(self) -> None:
+        if self._loop is None:
+            self.flush()
+        elif not self._flush_due:
+            self._flush_due = True
+            self._loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Commit the pending writes in one transaction."""
+        self._flush_due = False
+        if not self._dirty and not self._events:
+            return
+        jobs = [(j.id, j.owner_uid, j.pipeline, str(j.state), j.created_at, json.dumps(j.to_doc()))
+                for j in self._dirty.values()]
+        events = [(job, seq, json.dumps(ev)) for job, seq, ev in self._events]
+        self._dirty = {}
+        self._events = []
+        self.db.execute("BEGIN")
+        try:
+            self.db.executemany(
+                "INSERT INTO jobs(id, owner_uid, pipeline, state, created_at, doc) VALUES (?,?,?,?,?,?) "
+                "ON CONFLICT(id) DO UPDATE SET state=excluded.state, doc=excluded.doc", jobs)
+            self.db.executemany("INSERT OR REPLACE INTO events(job, seq, doc) VALUES (?,?,?)", events)
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
 
     def close(self) -> None:
+        self.flush()
         self.db.close()
         os.close(self._lock_fd)            # releases the state dir's lock
 
@@ -81,12 +122,12 @@ class JobStore:
         return self.jobs_dir / job_id
 
     def save(self, job: JobRecord) -> None:
-        self.db.execute(
-            "INSERT INTO jobs(id, owner_uid, pipeline, state, created_at, doc) VALUES (?,?,?,?,?,?) "
-            "ON CONFLICT(id) DO UPDATE SET state=excluded.state, doc=excluded.doc",
-            (job.id, job.owner_uid, job.pipeline, str(job.state), job.created_at, json.dumps(job.to_doc())))
+        """Write the job's record (as it is when the writes are committed: the latest state)."""
+        self._dirty[job.id] = job
+        self._written()
 
     def get(self, job_id: str) -> JobRecord | None:
+        self.flush()
         row = self.db.execute("SELECT doc FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return JobRecord.from_doc(json.loads(row[0])) if row else None
 
@@ -95,6 +136,7 @@ class JobStore:
 
         Returns the id, None when nothing matches, or the matches when ambiguous.
         """
+        self.flush()
         if self.db.execute("SELECT 1 FROM jobs WHERE id = ?", (ref,)).fetchone():
             return ref
         if len(ref) < 4 or not ref.isalnum():
@@ -107,6 +149,7 @@ class JobStore:
 
     def list(self, owner_uid: int | None = None, state: JobState | None = None,
              pipeline: str | None = None, limit: int = 50) -> list[JobRecord]:
+        self.flush()
         sql = "SELECT doc FROM jobs WHERE 1=1"
         args: builtins.list[Any] = []
         if owner_uid is not None:
@@ -123,14 +166,17 @@ class JobStore:
         return [JobRecord.from_doc(json.loads(r[0])) for r in self.db.execute(sql, args)]
 
     def append_event(self, job_id: str, seq: int, event: dict[str, Any]) -> None:
-        self.db.execute("INSERT OR REPLACE INTO events(job, seq, doc) VALUES (?,?,?)",
-                        (job_id, seq, json.dumps(event)))
+        self._events.append((job_id, seq, event))
+        self._written()
 
-    def events(self, job_id: str) -> builtins.list[dict[str, Any]]:
+    def events(self, job_id: str, after: int = 0) -> builtins.list[dict[str, Any]]:
+        """The job's events in order; `after`: only those after the first `after` of them."""
+        self.flush()
         return [json.loads(r[0]) for r in self.db.execute(
-            "SELECT doc FROM events WHERE job = ? ORDER BY seq", (job_id,))]
+            "SELECT doc FROM events WHERE job = ? AND seq > ? ORDER BY seq", (job_id, after))]
 
     def delete(self, job_id: str) -> None:
+        self.flush()
         self.db.execute("BEGIN")
         self.db.execute("DELETE FROM events WHERE job = ?", (job_id,))
         self.db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
@@ -149,4 +195,5 @@ class JobStore:
                 "message": "the daemon stopped before this job finished; submit it again"})
             self.save(job)
             ids.append(job.id)
+        self.flush()
         return ids

@@ -195,6 +195,7 @@ class Api:
         if self.info.stopping:
             raise Refused(503, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
         job = self.scheduler.submit(request["uid"], name, inputs, params, timeout, summary)
+        self.store.flush()              # a 201 means the job is in the database
         return web.json_response(job.to_doc(), status=201)
 
     def _inputs(self, raw: Any, pipeline: PipelineConfig) -> tuple[dict[str, Any], dict[str, Any]]:

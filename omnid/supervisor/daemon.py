@@ -147,6 +147,7 @@ class Daemon:
         recovered = self.store.recover()
         if recovered:
             log.warning("jobs interrupted by the last shutdown marked failed", count=len(recovered))
+        self.store.write_behind(asyncio.get_running_loop())
         return self.store
 
     def _build(self, store: JobStore) -> Api:

@@ -180,7 +180,7 @@ class Scheduler:
         job.events.emit(EventType.PROGRESS, stage=stage, done=msg.done, total=msg.total)
 
     def on_segment(self, job: LiveJob, stage: str, msg: P.Segment) -> None:
-        job.stage(stage).segments += 1
+        job.stage(stage).segments += msg.count
         if job.first_output_segment is None and stage in job.pipeline.sinks:
             job.first_output_segment = time.time()
             if self.metrics:

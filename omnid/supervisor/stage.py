@@ -190,6 +190,10 @@ class StageHandle:
     # ------------------------------------------------------------------ what the worker says
 
     def _on_message(self, msg: object) -> None:
+        if isinstance(msg, P.Batch):
+            for one in msg.messages:
+                self._on_message(one)
+            return
         if isinstance(msg, P.Heartbeat):
             self.last_heartbeat = time.monotonic()
             self.stats = msg.stats

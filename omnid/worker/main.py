@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import pickle
 import queue
 import shutil
 import signal
@@ -114,6 +115,8 @@ class StageWorker:
         # Downstream side (under _lock): each streamed job's windows, read by its InputStreams.
         self.streams: dict[tuple[str, str | None], EdgeStream] = {}   # (job, src)
         self.wakeup = threading.Event()      # a window, an input or a cancel arrived: the loop looks again
+        self._posted: list[object] = []      # main-thread messages not sent yet (`post`, `flush`)
+        self._flushed_at = 0.0
         self.shutting_down = threading.Event()
         self.sender = Sender(spec.socket_for, spec.config.daemon.shm_min_bytes)
         self.pool: ShmPool | None = None                 # this stage's shared memory for large inputs
@@ -123,11 +126,33 @@ class StageWorker:
     # ------------------------------------------------------------------ plumbing
 
     def send(self, msg: object) -> None:
+        """Send one message to the supervisor now (any thread)."""
         with self._send_lock:
             try:
                 self.conn.send(msg)
             except (OSError, EOFError, BrokenPipeError):
                 os._exit(P.EXIT_ORPHANED)
+
+    def post(self, msg: object) -> None:
+        """Queue a message of the main thread: what one engine step says goes in one `Batch`.
+
+        Messages that come rarely go at once (no latency is added to a slow stream); when they
+        come fast (a batch of token streams) they wait for the end of the step, or BATCH_DELAY_S.
+        """
+        self._posted.append(msg)
+        if time.monotonic() - self._flushed_at >= BATCH_DELAY_S:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send the queued messages of the main thread, coalesced: a job's consecutive progress
+        reports become the last one, its consecutive text segments one segment."""
+        self._flushed_at = time.monotonic()
+        if not self._posted:
+            return
+        messages = _coalesce(self._posted)
+        self._posted = []
+        for part in _packs(messages):
+            self.send(part)
 
     def is_dead(self, job: str) -> bool:
         return job in self.dead
@@ -297,6 +322,7 @@ class StageWorker:
             for job in [j for j, ctx in self.inflight.items() if ctx.done]:
                 self._complete(self.inflight.pop(job))
             self._offer_windows()
+            self.flush()
             # 4. every request waits for its next window: sleep until one (or a cancel) arrives
             if engine.has_work() and not engine.ready():
                 self.wakeup.wait(0.05)
@@ -318,7 +344,8 @@ class StageWorker:
         if ctx is None:
             return True
         self.inflight[ctx.job] = ctx
-        self.send(P.Started(job=ctx.job))
+        self.post(P.Started(job=ctx.job))
+        self.flush()                        # before `add`: a plain function runs to its end in it
         try:
             self.engine.add(ctx)
         except Exception as e:                 # per-request error: the engine lives on
@@ -344,7 +371,9 @@ class StageWorker:
             return
         try:
             engine.step()
+            self.flush()
         except Exception as e:
+            self.flush()
             if type(e).__name__ == "EngineDeadError":
                 raise                           # sticky: this worker exits and is restarted
             # A request the engine could not serve (a bad parameter value, say): fail what was
@@ -421,9 +450,9 @@ class StageWorker:
 
     def _emit(self, job: str, kind: str, data: dict[str, Any]) -> None:
         if kind == "progress":
-            self.send(P.Progress(job=job, done=data["done"], total=data["total"]))
+            self.post(P.Progress(job=job, done=data["done"], total=data["total"]))
         elif kind == "segment":
-            self.send(P.Segment(job=job, index=data["index"], is_last=data["is_last"], text=data["text"]))
+            self.post(P.Segment(job=job, index=data["index"], is_last=data["is_last"], text=data["text"]))
 
     def _complete(self, ctx: RequestContext) -> None:
         item = self.items.pop(ctx.job)
@@ -440,10 +469,10 @@ class StageWorker:
         """Tell the supervisor how the request ended; hand its outputs on (or write them, in a last stage)."""
         builders = {dst: self.builders.pop((j, dst)) for j, dst in list(self.builders) if j == ctx.job}
         if ctx.outcome == "stopped" or self.is_dead(ctx.job):    # a job that ended meanwhile writes nothing
-            self.send(P.Stopped(job=ctx.job))
+            self.post(P.Stopped(job=ctx.job))
             return
         if ctx.outcome == "failed":
-            self.send(P.Failed(job=ctx.job, error=_clip(ctx.error or "failed")))
+            self.post(P.Failed(job=ctx.job, error=_clip(ctx.error or "failed")))
             return
         elapsed = (ctx.ended or time.monotonic()) - ctx.started
         edges = pipeline.outgoing(self.stage.name)
@@ -453,12 +482,12 @@ class StageWorker:
             try:
                 events = write_outputs(ctx.job, self.spec.jobs_dir / ctx.job, ctx.outputs or {}, prefix)
             except Exception as e:
-                self.send(P.Failed(job=ctx.job, error=_clip(f"writing outputs failed: {type(e).__name__}: {e}"),
+                self.post(P.Failed(job=ctx.job, error=_clip(f"writing outputs failed: {type(e).__name__}: {e}"),
                                    code="output_failed"))
                 return
             for ev in events:
-                self.send(ev)
-            self.send(P.Finished(job=ctx.job, elapsed_s=elapsed))
+                self.post(ev)
+            self.post(P.Finished(job=ctx.job, elapsed_s=elapsed))
             return
         handoffs: list[tuple[str, WorkItem]] = []
         for edge in edges:
@@ -467,7 +496,7 @@ class StageWorker:
                 window = builder.finish(ctx.outputs or {})
                 error = self._queue_window(item, edge, *window, last=True) if window is not None else None
                 if error is not None:
-                    self.send(P.Failed(job=ctx.job, error=_clip(error), code="edge_failed"))
+                    self.post(P.Failed(job=ctx.job, error=_clip(error), code="edge_failed"))
                     return
                 continue
             try:
@@ -475,11 +504,11 @@ class StageWorker:
             except Exception as e:
                 error = str(e) if isinstance(e, EdgeError) else \
                     f"edge {self.stage.name} -> {edge.dst}: {type(e).__name__}: {e}"
-                self.send(P.Failed(job=ctx.job, error=_clip(error), code="edge_failed"))
+                self.post(P.Failed(job=ctx.job, error=_clip(error), code="edge_failed"))
                 return
             handoffs.append((edge.dst, WorkItem(job=ctx.job, pipeline=item.pipeline, src=self.stage.name,
                                                 inputs=inputs, params=item.params)))
-        self.send(P.Finished(job=ctx.job, elapsed_s=elapsed))
+        self.post(P.Finished(job=ctx.job, elapsed_s=elapsed))
         for dst, out in handoffs:
             with self._lock:
                 if self.is_dead(ctx.job):
@@ -527,7 +556,7 @@ class StageWorker:
                 self.triggers += 1
                 self.windows_sent[dst] = self.windows_sent.get(dst, 0) + 1
                 if window.last:
-                    self.send(P.Delivered(job=job, dst=dst))
+                    self.post(P.Delivered(job=job, dst=dst))
             if not line or self.is_dead(job):
                 del self.unsent[key]
 
@@ -541,11 +570,12 @@ class StageWorker:
         While it waits, the engine keeps stepping its other in-flight requests (`_step`):
         no new input is taken, so the stage as a whole still stops at the watermark.
         """
+        self.flush()                        # what happened so far is known before we wait here
         ok = self.sender.send(dst, item, abandon=lambda: self.is_dead(item.job) or self.shutting_down.is_set(),
                               on_wait=self._step, busy=self.engine.has_work)
         if ok:
             self.triggers += 1
-            self.send(P.Delivered(job=item.job, dst=dst))
+            self.post(P.Delivered(job=item.job, dst=dst))
 
     def _handle_resends(self) -> None:
         while True:
@@ -558,9 +588,47 @@ class StageWorker:
             if self.is_dead(msg.job):
                 continue
             if item is None:
-                self.send(P.ResendMissing(job=msg.job, dst=msg.dst))
+                self.post(P.ResendMissing(job=msg.job, dst=msg.dst))
             else:
                 self._deliver(msg.dst, item)
+
+
+BATCH_DELAY_S = 0.01
+# A pipe write of up to PIPE_BUF (4096) bytes is atomic: the supervisor never finds half of one,
+# even when this worker freezes mid-send. Batches stay under it.
+_MAX_PACK = 4000
+
+
+def _packs(messages: list[object]) -> list[object]:
+    """The messages as few Batches (or single messages) as keep each pipe write atomic."""
+    if len(messages) == 1:
+        return messages
+    if len(pickle.dumps(P.Batch(tuple(messages)), protocol=pickle.HIGHEST_PROTOCOL)) <= _MAX_PACK:
+        return [P.Batch(tuple(messages))]
+    half = len(messages) // 2
+    return _packs(messages[:half]) + _packs(messages[half:])
+
+
+def _coalesce(messages: list[object]) -> list[object]:
+    """Merge each job's consecutive Progress (keep the last) and consecutive Segments (join texts)."""
+    out: list[object] = []
+    last: dict[str, int] = {}           # job -> index in `out` of its latest message
+    for msg in messages:
+        job = getattr(msg, "job", None)
+        at = last.get(job) if isinstance(job, str) else None
+        prev = out[at] if at is not None else None
+        if isinstance(msg, P.Progress) and isinstance(prev, P.Progress) and at is not None:
+            out[at] = msg
+            continue
+        if isinstance(msg, P.Segment) and isinstance(prev, P.Segment) and at is not None:
+            text = None if prev.text is None and msg.text is None else (prev.text or "") + (msg.text or "")
+            out[at] = P.Segment(job=msg.job, index=prev.index, is_last=msg.is_last, text=text,
+                                count=prev.count + msg.count)
+            continue
+        if isinstance(job, str):
+            last[job] = len(out)
+        out.append(msg)
+    return out
 
 
 class _NoEngine(Engine):

@@ -61,6 +61,7 @@ def examples() -> dict[type, Any]:
         P.Failed: P.Failed(job=JOB, error="ValueError: no", code="edge_failed"),
         P.ResendMissing: P.ResendMissing(job=JOB, dst="draw"),
         P.Stopped: P.Stopped(job=JOB),
+        P.Batch: P.Batch(messages=(P.Started(job=JOB), P.Segment(job=JOB, index=0, is_last=False, text="a"))),
     }
 
 
