@@ -37,6 +37,7 @@ from omnid.metrics import Metrics
 from omnid.params import job_param_problem, plain_value
 from omnid.store import JobStore
 from omnid.supervisor.errors import Refused
+from omnid.supervisor.live_job import LAGGED
 from omnid.supervisor.scheduler import Scheduler
 from omnid.supervisor.stage import StageHandle
 from omnid.vocabulary import TERMINAL_JOB_STATES, ErrorCode, JobRecord, JobState
@@ -283,16 +284,24 @@ class Api:
         past, queue = self.scheduler.subscribe(job.id)
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
+        sent = 0
         try:
-            for past_event in past:
-                await resp.write(json.dumps(past_event).encode() + b"\n")
-            # `subscribe` read the past and registered the queue in one step of the
-            # loop, so no event is missed or sent twice.
-            while queue is not None:
-                event = await queue.get()
+            while True:
+                for past_event in past:
+                    await resp.write(json.dumps(past_event).encode() + b"\n")
+                    sent += 1
+                # `subscribe` read the past and registered the queue in one step of the
+                # loop, so no event is missed or sent twice.
+                event = await queue.get() if queue is not None else None
+                while event is not None and event is not LAGGED:
+                    await resp.write(json.dumps(event).encode() + b"\n")
+                    sent += 1
+                    event = await queue.get() if queue is not None else None
                 if event is None:
                     break
-                await resp.write(json.dumps(event).encode() + b"\n")
+                # We fell behind (this client reads slowly): the rest is in the store.
+                log.debug("event reader fell behind; catching up from the store", job=job.id, sent=sent)
+                past, queue = self.scheduler.subscribe(job.id, after=sent)
             await resp.write_eof()
         finally:
             if queue is not None:

@@ -14,12 +14,32 @@ from omnid.config import PipelineConfig
 from omnid.store import JobStore
 from omnid.vocabulary import EventType, JobRecord, StageRun
 
-# What a subscriber receives: an event, or None once the stream is over.
+# What a subscriber receives: an event; None once the stream is over; LAGGED when it fell more
+# than SUBSCRIBER_BACKLOG events behind (its queue was dropped: it reads the rest from the store).
+LAGGED: dict[str, Any] = {"type": "lagged"}
+SUBSCRIBER_BACKLOG = 1000
 EventQueue = asyncio.Queue[dict[str, Any] | None]
 
 
+def _offer(q: EventQueue, event: dict[str, Any] | None) -> bool:
+    """Queue for a subscriber without ever waiting or growing past its bound; False: it lagged."""
+    try:
+        q.put_nowait(event)
+        return True
+    except asyncio.QueueFull:
+        while not q.empty():                # it will read what it missed from the store
+            q.get_nowait()
+        q.put_nowait(LAGGED)
+        return False
+
+
 class EventStream:
-    """One job's events: numbered, stored, and fanned out to the live subscribers."""
+    """One job's events: numbered, stored, and fanned out to the live subscribers.
+
+    A subscriber that does not keep up (a client that stopped reading) never slows the job nor
+    grows the supervisor's memory: past SUBSCRIBER_BACKLOG events its queue is dropped for a
+    LAGGED mark, and it catches up from the store (`Scheduler.subscribe(after=...)`).
+    """
 
     def __init__(self, job_id: str, store: JobStore) -> None:
         self.job_id = job_id
@@ -31,11 +51,12 @@ class EventStream:
         event = {"type": str(type_), "job": self.job_id, "ts": time.time(), **fields}
         self._seq += 1
         self._store.append_event(self.job_id, self._seq, event)
-        for q in self._subscribers:
-            q.put_nowait(event)
+        for q in list(self._subscribers):
+            if not _offer(q, event):
+                self._subscribers.discard(q)
 
     def subscribe(self) -> EventQueue:
-        q: EventQueue = asyncio.Queue()
+        q: EventQueue = asyncio.Queue(maxsize=SUBSCRIBER_BACKLOG + 1)
         self._subscribers.add(q)
         return q
 
@@ -45,7 +66,7 @@ class EventStream:
     def close(self) -> None:
         """The job is over: end every subscriber's stream."""
         for q in self._subscribers:
-            q.put_nowait(None)
+            _offer(q, None)
         self._subscribers.clear()
 
 

@@ -113,12 +113,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ events to clients
 
-    def subscribe(self, job_id: str) -> tuple[list[dict[str, Any]], EventQueue | None]:
-        """Past events, and a queue of the events to come (None if the job is over).
+    def subscribe(self, job_id: str, after: int = 0) -> tuple[list[dict[str, Any]], EventQueue | None]:
+        """Past events (those after the first `after`), and a queue of the events to come (None if
+        the job is over).
 
         The past is read and the queue registered in one step of the loop: nothing is missed or sent twice.
         """
-        past = self.store.events(job_id)
+        past = self.store.events(job_id, after)
         job = self.live.get(job_id)
         return past, (job.events.subscribe() if job is not None else None)
 

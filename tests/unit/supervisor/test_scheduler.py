@@ -396,3 +396,21 @@ def test_inputs_asked_for_again_keep_the_jobs_order(tmp_path: Path) -> None:
         refed = [(await asyncio.to_thread(h.next_fed))[1].job for _ in jobs]
         assert refed == jobs                                          # oldest first, as submitted
     run(tmp_path, ONE, test)
+
+
+def test_a_subscriber_that_falls_behind_is_dropped_and_catches_up_from_the_store(tmp_path: Path) -> None:
+    from omnid.supervisor.live_job import LAGGED, SUBSCRIBER_BACKLOG
+
+    async def test(h: Harness) -> None:
+        job = h.submit()
+        past, q = h.sched.subscribe(job)
+        assert q is not None and len(past) == 1
+        n = SUBSCRIBER_BACKLOG + 200
+        for i in range(n):                       # nobody reads q meanwhile
+            h.say("a", P.Progress(job, i + 1, n))
+        assert q.qsize() == 1 and q.get_nowait() is LAGGED      # bounded: its backlog was dropped
+        assert q not in h.sched.live[job].events._subscribers
+        rest, q2 = h.sched.subscribe(job, after=len(past))
+        assert [e["done"] for e in rest] == list(range(1, n + 1))  # nothing lost: it is all stored
+        assert q2 is not None and q2.empty()
+    run(tmp_path, ONE, test)
