@@ -68,6 +68,7 @@ class DaemonConfig:
     startup_timeout_s: float = 900.0
     cancel_grace_s: float = 5.0
     stop_grace_s: float = 10.0
+    drain_timeout_s: float = 60.0           # SIGTERM: how long running jobs may take to finish
     restart_backoff_s: float = 1.0
     restart_backoff_max_s: float = 30.0
     max_restarts: int = 5
@@ -263,6 +264,7 @@ def _parse_daemon(c: _Checker, raw: Any, base: Path) -> DaemonConfig:
         startup_timeout_s=float(c.positive(d, "startup_timeout_s", "daemon", 900.0)),
         cancel_grace_s=float(c.positive(d, "cancel_grace_s", "daemon", 5.0)),
         stop_grace_s=float(c.positive(d, "stop_grace_s", "daemon", 10.0)),
+        drain_timeout_s=float(c.positive(d, "drain_timeout_s", "daemon", 60.0, allow_zero=True)),
         restart_backoff_s=float(c.positive(d, "restart_backoff_s", "daemon", 1.0)),
         restart_backoff_max_s=float(c.positive(d, "restart_backoff_max_s", "daemon", 30.0)),
         max_restarts=c.positive(d, "max_restarts", "daemon", 5, integer=True, allow_zero=True),

@@ -1,6 +1,8 @@
-"""Default file locations: system paths for root, XDG paths for everyone else.
+"""Default file locations: system paths for root, XDG paths for everyone else; and the modes of
+what the daemon creates there.
 
-Pure functions, no I/O; used by the config loader in the supervisor and by `omnid --check`.
+Pure functions and constants, no I/O; used by the config loader in the supervisor and by
+`omnid --check`, and for the modes by the job store and the workers' output writer.
 """
 
 from __future__ import annotations
@@ -8,6 +10,18 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+
+# Private by default: the state dir, its job database, the job folders and every output file are
+# the daemon's user's alone (0700/0600, like PostgreSQL's data directory). The API is how a user
+# reads their own jobs (it checks the caller's uid); a group bit here would hand every job to
+# whoever shares the daemon's group, and that group is the one that may use the socket
+# (systemd/omnid.socket). Modes are set at creation; the daemon's umask (UMASK, set at start and
+# inherited by the stage workers) covers what other code creates there (manifest.json, sqlite's
+# -wal and -shm files, engine caches).
+UMASK = 0o077
+PRIVATE_DIR = 0o700
+PRIVATE_FILE = 0o600
 
 
 @dataclass(frozen=True)

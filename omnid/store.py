@@ -9,27 +9,31 @@ events of a batch of token streams, not one per token); every read, and
 
   omnid.db              jobs(id, owner_uid, pipeline, state, created_at, doc)
                         events(job, seq, doc)
+                        job_inputs(job, inputs, attempts)   (live jobs only)
   jobs/<id>/            the job's output files and manifest.json
 
 A job's full record is the JSON document `doc` (`JobRecord.to_doc()`, the API's
-JSON); the columns beside it exist for filtering. Jobs that were queued or running when the daemon stopped are
-marked failed on the next start (`recover`), never silently forgotten.
+JSON); the columns beside it exist for filtering. A live job's whole inputs are kept in
+`job_inputs` until it ends, so that jobs a stopped (or killed) daemon had accepted run on
+its next start (`unfinished`): nothing accepted is silently forgotten.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import builtins
 import fcntl
 import json
 import os
 import shutil
 import sqlite3
-import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omnid.vocabulary import ErrorCode, JobRecord, JobState
+from omnid.paths import PRIVATE_DIR, PRIVATE_FILE
+from omnid.vocabulary import JobRecord, JobState
 
 
 _SCHEMA = """
@@ -48,21 +52,65 @@ CREATE TABLE IF NOT EXISTS events (
     doc  TEXT NOT NULL,
     PRIMARY KEY (job, seq)
 );
-PRAGMA user_version = 1;
+CREATE TABLE IF NOT EXISTS job_inputs (
+    job       TEXT PRIMARY KEY,
+    inputs    TEXT NOT NULL,
+    attempts  INTEGER NOT NULL DEFAULT 0
+);
+PRAGMA user_version = 2;
 """
+
+
+def _encode_inputs(inputs: dict[str, Any]) -> str:
+    """A job's inputs as JSON; file inputs (bytes) as {"__b64__": ...}."""
+    def enc(v: Any) -> Any:
+        return {"__b64__": base64.b64encode(v).decode("ascii")} if isinstance(v, (bytes, bytearray)) else v
+    return json.dumps({k: enc(v) for k, v in inputs.items()})
+
+
+def _decode_inputs(text: str) -> dict[str, Any]:
+    def dec(v: Any) -> Any:
+        return base64.b64decode(v["__b64__"]) if isinstance(v, dict) and set(v) == {"__b64__"} else v
+    return {k: dec(v) for k, v in json.loads(text).items()}
+
+
+@dataclass
+class Unfinished:
+    """A job a previous daemon accepted and did not finish, with what it needs to run again."""
+
+    record: JobRecord
+    inputs: dict[str, Any] | None       # None: stored by a version that kept no inputs
+    attempts: int
+    events: int                         # how many events it has (the next one is events + 1)
+
 
 
 class StateDirBusy(Exception):
     """Another daemon uses this state dir."""
 
 
+def _make_private(folder: Path) -> None:
+    """Take group and other access away from a folder of ours that an older omnid made 0755.
+
+    Only the folder itself: the job folders and files inside an old state dir keep their modes,
+    out of other users' reach behind it. A folder someone else owns is left as it is.
+    """
+    st = folder.stat()
+    if st.st_mode & 0o077 and st.st_uid == os.geteuid():
+        os.chmod(folder, PRIVATE_DIR)
+
+
 class JobStore:
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = Path(state_dir)
         self.jobs_dir = self.state_dir / "jobs"
-        self.jobs_dir.mkdir(parents=True, exist_ok=True)
+        # Private by default (omnid.paths): 0700 folders, 0600 files, whatever the caller's umask.
+        self.state_dir.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+        self.jobs_dir.mkdir(mode=PRIVATE_DIR, exist_ok=True)
+        _make_private(self.state_dir)
+        _make_private(self.jobs_dir)
         # One daemon per state dir: a second one would mark the first one's live jobs failed.
-        self._lock_fd = os.open(self.state_dir / "omnid.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._lock_fd = os.open(self.state_dir / "omnid.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -71,6 +119,8 @@ class JobStore:
             raise StateDirBusy(f"the state dir {self.state_dir} is in use by another omnid (pid {holder})") from None
         os.ftruncate(self._lock_fd, 0)
         os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+        # sqlite would create the database with the umask's mode; it gives -wal and -shm the database's.
+        os.close(os.open(self.state_dir / "omnid.db", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE))
         self.db = sqlite3.connect(self.state_dir / "omnid.db", isolation_level=None,
                                   check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
@@ -79,6 +129,7 @@ class JobStore:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dirty: dict[str, JobRecord] = {}                        # jobs to write (latest state)
         self._events: builtins.list[tuple[str, int, dict[str, Any]]] = []   # events to write
+        self._inputs: dict[str, tuple[str, int] | None] = {}          # job inputs to keep (None: drop)
         self._flush_due = False
 
     def write_behind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -95,19 +146,24 @@ class JobStore:
     def flush(self) -> None:
         """Commit the pending writes in one transaction."""
         self._flush_due = False
-        if not self._dirty and not self._events:
+        if not self._dirty and not self._events and not self._inputs:
             return
         jobs = [(j.id, j.owner_uid, j.pipeline, str(j.state), j.created_at, json.dumps(j.to_doc()))
                 for j in self._dirty.values()]
         events = [(job, seq, json.dumps(ev)) for job, seq, ev in self._events]
+        keep = [(job, *row) for job, row in self._inputs.items() if row is not None]
+        drop = [(job,) for job, row in self._inputs.items() if row is None]
         self._dirty = {}
         self._events = []
+        self._inputs = {}
         self.db.execute("BEGIN")
         try:
             self.db.executemany(
                 "INSERT INTO jobs(id, owner_uid, pipeline, state, created_at, doc) VALUES (?,?,?,?,?,?) "
                 "ON CONFLICT(id) DO UPDATE SET state=excluded.state, doc=excluded.doc", jobs)
             self.db.executemany("INSERT OR REPLACE INTO events(job, seq, doc) VALUES (?,?,?)", events)
+            self.db.executemany("INSERT OR REPLACE INTO job_inputs(job, inputs, attempts) VALUES (?,?,?)", keep)
+            self.db.executemany("DELETE FROM job_inputs WHERE job = ?", drop)
         except BaseException:
             self.db.execute("ROLLBACK")
             raise
@@ -124,6 +180,16 @@ class JobStore:
     def save(self, job: JobRecord) -> None:
         """Write the job's record (as it is when the writes are committed: the latest state)."""
         self._dirty[job.id] = job
+        self._written()
+
+    def keep_inputs(self, job_id: str, inputs: dict[str, Any], attempts: int = 0) -> None:
+        """Keep a live job's whole inputs (and retries used), so it can run again after a restart."""
+        self._inputs[job_id] = (_encode_inputs(inputs), attempts)
+        self._written()
+
+    def drop_inputs(self, job_id: str) -> None:
+        """The job is over: its inputs are not needed any more (its record keeps their summary)."""
+        self._inputs[job_id] = None
         self._written()
 
     def get(self, job_id: str) -> JobRecord | None:
@@ -179,21 +245,18 @@ class JobStore:
         self.flush()
         self.db.execute("BEGIN")
         self.db.execute("DELETE FROM events WHERE job = ?", (job_id,))
+        self.db.execute("DELETE FROM job_inputs WHERE job = ?", (job_id,))
         self.db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
         self.db.execute("COMMIT")
         shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
 
-    def recover(self) -> builtins.list[str]:
-        """Mark jobs left queued or running by a previous daemon as failed."""
-        now = time.time()
-        ids: builtins.list[str] = []
-        live = tuple(str(s) for s in (JobState.QUEUED, JobState.RUNNING))
-        for (doc,) in self.db.execute("SELECT doc FROM jobs WHERE state IN (?, ?)", live).fetchall():
-            job = JobRecord.from_doc(json.loads(doc))
-            job.set_state(JobState.FAILED, now, {
-                "code": str(ErrorCode.DAEMON_RESTARTED),
-                "message": "the daemon stopped before this job finished; submit it again"})
-            self.save(job)
-            ids.append(job.id)
+    def unfinished(self) -> builtins.list[Unfinished]:
+        """Jobs a previous daemon accepted and did not finish (queued or running), oldest first."""
         self.flush()
-        return ids
+        live = tuple(str(s) for s in (JobState.QUEUED, JobState.RUNNING))
+        rows = self.db.execute(
+            "SELECT j.doc, i.inputs, i.attempts, (SELECT COUNT(*) FROM events e WHERE e.job = j.id) "
+            "FROM jobs j LEFT JOIN job_inputs i ON i.job = j.id WHERE j.state IN (?, ?) ORDER BY j.created_at",
+            live).fetchall()
+        return [Unfinished(JobRecord.from_doc(json.loads(doc)), _decode_inputs(inputs) if inputs else None,
+                           attempts or 0, events) for doc, inputs, attempts, events in rows]

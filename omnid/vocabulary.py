@@ -119,6 +119,7 @@ class ErrorCode(StrEnum):
     TOO_LARGE = "too_large"
     QUEUE_FULL = "queue_full"
     SHUTTING_DOWN = "shutting_down"
+    DRAINING = "draining"               # SIGTERM: no new jobs; running ones finish, queued ones wait for the next start
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     HTTP_ERROR = "http_error"

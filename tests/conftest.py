@@ -288,7 +288,8 @@ def daemon_config(d: Path, stages: dict[str, Any], pipelines: dict[str, Any],
                   daemon: dict[str, Any] | None = None) -> Path:
     cfg = {"daemon": {"socket": str(d / "omnid.sock"), "state_dir": str(d / "state"),
                       "lock_dir": str(d / "lock"), "heartbeat_interval_s": 0.2,
-                      "restart_backoff_s": 0.2, "log_level": "debug", **(daemon or {})},
+                      # tests stop daemons with jobs still running: no drain wait unless a test asks
+                      "restart_backoff_s": 0.2, "drain_timeout_s": 0, "log_level": "debug", **(daemon or {})},
            "stages": stages, "pipelines": pipelines}
     path = d / "omnid.toml"
     path.write_text(toml_dumps(cfg))

@@ -64,10 +64,16 @@ class DaemonInfo:
     started: float
     version: str
     stopping: bool = False
+    draining: bool = False
+
+
+RETRY_AFTER_S = 2      # what 429 and 503 answers suggest to wait before trying again
 
 
 def error(status: int, code: ErrorCode, message: str, **extra: Any) -> web.Response:
-    return web.json_response({"error": {"code": str(code), "message": message, **extra}}, status=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    return web.json_response({"error": {"code": str(code), "message": message, **extra}}, status=status,
+                             headers=headers)
 
 
 def _peer_uid(request: web.Request) -> int:
@@ -195,6 +201,9 @@ class Api:
             timeout = float(timeout)
         if self.info.stopping:
             raise Refused(503, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        if self.info.draining:
+            raise Refused(503, ErrorCode.DRAINING, "the daemon is stopping: it finishes the jobs it is running "
+                          "and keeps the queued ones for its next start; submit again once it is back")
         job = self.scheduler.submit(request["uid"], name, inputs, params, timeout, summary)
         self.store.flush()              # a 201 means the job is in the database
         return web.json_response(job.to_doc(), status=201)
@@ -429,8 +438,11 @@ class Api:
     async def ready(self, request: web.Request) -> web.Response:
         states = {name: str(h.state) for name, h in self.stages.items()}
         not_ready = sorted(name for name, h in self.stages.items() if not h.state.warm)
-        body = {"ready": not not_ready, "stages": states, "not_ready": not_ready}
-        return web.json_response(body, status=200 if not not_ready else 503)
+        body: dict[str, Any] = {"ready": not not_ready and not self.info.draining, "stages": states,
+                                "not_ready": not_ready}
+        if self.info.draining:
+            body["draining"] = True
+        return web.json_response(body, status=200 if body["ready"] else 503)
 
     async def get_metrics(self, request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

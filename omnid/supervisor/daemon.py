@@ -12,8 +12,10 @@ Runs in the supervisor process's main thread, in one asyncio event loop
    the first worker that dies while loading aborts the start, reported
    with its stage name and exit status, and no child is left behind;
 4. READY=1 to systemd; then every second: heartbeat checks, watchdog ping;
-5. on SIGTERM/SIGINT: fail what is still live, stop the workers (grace, then
-   SIGKILL), release the locks, remove the socket.
+5. on SIGTERM/SIGINT: drain (no new jobs; queued ones kept for the next start;
+   running ones get `drain_timeout_s` to finish), stop the workers (grace, then
+   SIGKILL), release the locks, remove the socket. Jobs the store still has as
+   queued or running are taken back by the next start (`Scheduler.restore`).
 """
 
 from __future__ import annotations
@@ -101,8 +103,11 @@ class Daemon:
         self._runner: web.AppRunner | None = None
         self._socket_path: Path | None = None      # the socket file we created (and remove at exit)
         self._stop = asyncio.Event()
+        self._stop_now = asyncio.Event()          # a second SIGTERM/SIGINT: do not wait for a drain
 
     def request_stop(self) -> None:
+        if self._stop.is_set():
+            self._stop_now.set()
         self._stop.set()
 
     async def run(self) -> int:
@@ -119,6 +124,7 @@ class Daemon:
             systemd.notify(f"READY=1\nSTATUS=serving {len(self.config.pipelines)} pipelines")
             log.info("ready", startup_s=round(time.time() - self.info.started, 3))
             await self._main_loop()                                 # 4
+            await self._drain()
             return 0
         except StartupError as e:
             log.error("cannot start", error=str(e))
@@ -144,9 +150,6 @@ class Daemon:
             raise StartupError(str(e)) from None
         except OSError as e:
             raise StartupError(f"cannot open the state dir {cfg.state_dir}: {e.strerror or e}") from None
-        recovered = self.store.recover()
-        if recovered:
-            log.warning("jobs interrupted by the last shutdown marked failed", count=len(recovered))
         self.store.write_behind(asyncio.get_running_loop())
         return self.store
 
@@ -158,6 +161,7 @@ class Daemon:
         metrics = Metrics(self.stages)
         self.scheduler = Scheduler(self.config, store, self.stages, lambda stage: self.data_dir / f"{stage}.sock",
                                    metrics)
+        self.scheduler.restore(store.unfinished())     # what the last daemon accepted and did not finish
         return Api(self.config, store, self.scheduler, self.stages, metrics, self.info)
 
     # ------------------------------------------------------------------ 2. the socket
@@ -217,10 +221,35 @@ class Daemon:
                 systemd.notify("WATCHDOG=1")
                 last_ping = time.monotonic()
 
-    # ------------------------------------------------------------------ 5. shutdown
+    # ------------------------------------------------------------------ 5. drain and shutdown
+
+    async def _drain(self) -> None:
+        """SIGTERM: take no new job (503 `draining`), set the queued ones aside for the next start,
+        and give the running ones up to `drain_timeout_s` to finish (a second signal cuts it short).
+        Whatever still runs then is run again, or failed, by the next start (`Scheduler.restore`)."""
+        if self.scheduler is None:
+            return
+        self.info.draining = True
+        kept = self.scheduler.drain()
+        grace = self.config.daemon.drain_timeout_s
+        deadline = time.monotonic() + grace
+        log.info("draining", running=self.scheduler.running(), kept_for_next_start=kept, grace_s=grace)
+        while (running := self.scheduler.running()) and time.monotonic() < deadline and not self._stop_now.is_set():
+            left = deadline - time.monotonic()
+            systemd.notify(f"STOPPING=1\nSTATUS=draining: {running} job(s) running ({left:.0f} s left), "
+                           f"{kept} queued kept for the next start")
+            try:
+                await asyncio.wait_for(self._stop_now.wait(), timeout=min(1.0, left))
+            except asyncio.TimeoutError:
+                pass
+        running = self.scheduler.running()
+        log.info("drained", unfinished=running, kept_for_next_start=kept)
+        systemd.notify(f"STOPPING=1\nSTATUS=stopping the stage workers ({running} unfinished job(s) "
+                       f"and {kept} queued kept for the next start)")
 
     async def _shutdown(self) -> None:
-        """Fail what is live, close the API, stop the workers, release the locks, remove the socket."""
+        """Keep what is live for the next start, close the API, stop the workers, release the locks,
+        remove the socket."""
         self.info.stopping = True
         systemd.notify("STOPPING=1")
         if self.scheduler is not None:

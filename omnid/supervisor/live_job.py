@@ -41,10 +41,10 @@ class EventStream:
     LAGGED mark, and it catches up from the store (`Scheduler.subscribe(after=...)`).
     """
 
-    def __init__(self, job_id: str, store: JobStore) -> None:
+    def __init__(self, job_id: str, store: JobStore, seq: int = 0) -> None:
         self.job_id = job_id
         self._store = store
-        self._seq = 0
+        self._seq = seq                     # events so far (a job restored after a restart has some)
         self._subscribers: set[EventQueue] = set()
 
     def emit(self, type_: EventType, **fields: Any) -> None:
@@ -74,11 +74,11 @@ class LiveJob:
     """A job that is queued or running: what the API shows (`record`) plus what only the scheduler needs."""
 
     def __init__(self, record: JobRecord, pipeline: PipelineConfig, inputs: dict[str, Any],
-                 store: JobStore) -> None:
+                 store: JobStore, events: int = 0) -> None:
         self.record = record
         self.pipeline = pipeline
         self.inputs = inputs                    # decoded (file inputs as bytes); the record keeps a summary
-        self.events = EventStream(record.id, store)
+        self.events = EventStream(record.id, store, events)
         self.timer: asyncio.TimerHandle | None = None
         self.delivered: set[tuple[str, str]] = set()    # (src, dst) hand-offs the downstream admitted
         self.attempts = 0                       # retries used (pipeline `retries`)

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from omnid import protocol as P
+from omnid.store import JobStore
 from omnid.supervisor.live_job import LiveJob
 from omnid.vocabulary import ErrorCode, EventType, JobState, StageRunState
 
@@ -31,6 +32,7 @@ class JobControl(Protocol):
 
     live: dict[str, LiveJob]
     stages: Mapping[str, StageHandle]
+    store: JobStore
 
     def feed(self, jobs: list[LiveJob], stage: str, front: bool = False) -> None: ...
 
@@ -75,6 +77,7 @@ class Recovery:
             elif run.state is StageRunState.RUNNING:
                 if job.attempts < job.pipeline.retries:
                     job.attempts += 1
+                    self._jobs.store.keep_inputs(job.id, job.inputs, job.attempts)
                     job.events.emit(EventType.ERROR, stage=name, code=str(ErrorCode.WORKER_DIED),
                                     message=f"stage {name!r} {reason}; retrying (attempt {job.attempts + 1})")
                     run.set_state(StageRunState.QUEUED, now)

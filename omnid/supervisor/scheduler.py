@@ -28,10 +28,10 @@ from typing import Any
 import structlog
 
 from omnid import protocol as P
-from omnid.config import Config
+from omnid.config import Config, PipelineConfig
 from omnid.dataplane import Sender, WorkItem
 from omnid.metrics import Metrics
-from omnid.store import JobStore
+from omnid.store import JobStore, Unfinished
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.feeder import Feeder
 from omnid.supervisor.live_job import EventQueue, LiveJob
@@ -98,6 +98,7 @@ class Scheduler:
         job = LiveJob(record, pipeline, inputs, self.store)
         self.live[job.id] = job
         self.store.save(record)
+        self.store.keep_inputs(job.id, inputs)
         job.events.emit(EventType.STATE, state=str(JobState.QUEUED))
         job.timer = self.loop.call_later(timeout, self._timed_out, job.id)
         if self.metrics:
@@ -105,6 +106,51 @@ class Scheduler:
         for src in pipeline.sources:
             self.feed([job], src)
         return record
+
+    def restore(self, unfinished: list[Unfinished]) -> None:
+        """Take back the jobs a previous daemon accepted and did not finish, oldest first.
+
+        Queued jobs are queued again, in their order. A job that was running runs again from the
+        start if its pipeline's `retries` allow another attempt (its state stays `running`), else
+        it fails saying the daemon was interrupted. Their timeouts start again: the time the
+        daemon was down is not theirs.
+        """
+        now = time.time()
+        restored: list[LiveJob] = []
+        for old in unfinished:
+            record = old.record
+            pipeline = self.config.pipelines.get(record.pipeline)
+            was_running = record.state is JobState.RUNNING
+            job = LiveJob(record, pipeline or PipelineConfig(record.pipeline, tuple(record.stages), ()),
+                          old.inputs or {}, self.store, old.events)
+            job.attempts = old.attempts
+            self.live[job.id] = job
+            problem = None
+            if pipeline is None:
+                problem = f"the daemon restarted without its pipeline {record.pipeline!r} (the configuration changed)"
+            elif old.inputs is None:
+                problem = "the daemon stopped before this job finished; submit it again"
+            elif was_running and job.attempts >= pipeline.retries:
+                problem = ("the daemon was interrupted while this job was running"
+                           + (f" (retries = {pipeline.retries}, all used)" if pipeline.retries else ""))
+            if problem is not None or pipeline is None:
+                self.finish(job, JobState.FAILED, {"code": str(ErrorCode.DAEMON_RESTARTED), "message": problem})
+                continue
+            record.stages = {s: StageRun() for s in pipeline.stages}
+            if was_running:
+                job.attempts += 1
+                self.store.keep_inputs(job.id, job.inputs, job.attempts)
+                job.events.emit(EventType.ERROR, code=str(ErrorCode.DAEMON_RESTARTED),
+                                message=f"the daemon was interrupted; running the job again "
+                                        f"(attempt {job.attempts + 1})")
+            self.store.save(record)
+            job.timer = self.loop.call_later(record.timeout_s, self._timed_out, job.id)
+            restored.append(job)
+        for src in sorted({s for job in restored for s in job.pipeline.sources}):
+            self.feed([job for job in restored if src in job.pipeline.sources], src)
+        if restored:
+            log.info("jobs taken back after a restart", queued=sum(j.record.state is JobState.QUEUED for j in restored),
+                     rerun=sum(j.record.state is JobState.RUNNING for j in restored), took_s=round(time.time() - now, 3))
 
     def feed(self, jobs: list[LiveJob], stage: str, front: bool = False) -> None:
         """Send jobs' own inputs, in this order, to one of their pipelines' first stages."""
@@ -258,6 +304,7 @@ class Scheduler:
         for name in busy_stages:
             self.stopping[(name, job.id)] = self.loop.call_later(grace, self._grace_expired, name, job.id)
         self.recovery.forget(job.id)
+        self.store.drop_inputs(job.id)
         if self.metrics:
             self.metrics.job_finished(job.pipeline.name, state, now - record.created_at)
         log.info("job finished", job=job.id, pipeline=job.pipeline.name, state=str(state),
@@ -309,10 +356,37 @@ class Scheduler:
 
     # ------------------------------------------------------------------ shutdown
 
+    def drain(self) -> int:
+        """SIGTERM: set the queued jobs aside for the next start; the running ones go on.
+
+        A queued job's stages are told to drop it (as for a cancel), but its record stays `queued`
+        and its inputs stay stored: the next daemon runs it, in its place in line. Returns how many
+        jobs were set aside.
+        """
+        parked = [job for job in self.live.values() if job.record.state is JobState.QUEUED]
+        for job in parked:
+            del self.live[job.id]
+            if job.timer is not None:
+                job.timer.cancel()
+            for name in job.pipeline.stages:
+                self.stages[name].send(P.Cancel(job.id, reason="drain"))
+                self.stages[name].send(P.Forget(job.id))
+            self.recovery.forget(job.id)
+            job.events.close()
+        self.store.flush()
+        return len(parked)
+
+    def running(self) -> int:
+        return sum(1 for job in self.live.values() if job.record.state is JobState.RUNNING)
+
     def shutdown(self) -> None:
-        for job in list(self.live.values()):
-            self.finish(job, JobState.FAILED, {"code": str(ErrorCode.DAEMON_STOPPING),
-                                               "message": "the daemon stopped before this job finished"})
+        """The daemon stops: what is still live stays in the store as it is (queued or running),
+        for the next start (`restore`); nothing accepted is failed for the stop."""
+        for job in self.live.values():
+            if job.timer is not None:
+                job.timer.cancel()
+            job.events.close()
+        self.store.flush()
         for f in self.feeders.values():
             f.stop()
 

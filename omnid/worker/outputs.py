@@ -1,7 +1,8 @@
 """Writing a job's final outputs into its folder, from inside a sink stage's worker.
 
 Runs in the worker's main thread; blocks on disk writes. Each value becomes
-one file, named after the output, written atomically (temp file + rename):
+one file, named after the output, written atomically (temp file + rename), and
+private (omnid.paths: 0600 files in 0700 folders, whatever the umask):
 
   str                      -> NAME.txt   text/plain       kind "text"
   PIL image                -> NAME.png   image/png        kind "image"
@@ -22,7 +23,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from omnid.paths import PRIVATE_DIR, PRIVATE_FILE
 from omnid.protocol import Output
+
+
+def _private(path: str, flags: int) -> int:
+    """`open()`'s opener: a file it creates is 0600 (PRIVATE_FILE), never more whatever the umask."""
+    return os.open(path, flags | os.O_CLOEXEC, PRIVATE_FILE)
+
+
+def _private_dirs(folder: Path) -> None:
+    """`folder` and whichever of its parents are missing, each 0700 (PRIVATE_DIR); `mkdir(parents=True)`
+    would give the parents the umask's mode."""
+    try:
+        folder.mkdir(mode=PRIVATE_DIR, exist_ok=True)
+    except FileNotFoundError:
+        _private_dirs(folder.parent)
+        folder.mkdir(mode=PRIVATE_DIR, exist_ok=True)
 
 
 def _write(path: Path, data: bytes) -> int:
@@ -30,7 +47,7 @@ def _write(path: Path, data: bytes) -> int:
     kind of disk, more than a small job's whole run): like the job database (WAL,
     synchronous=NORMAL), a power cut may lose the last moments; a crash of omnid loses nothing."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    with open(tmp, "wb", opener=_private) as f:
         f.write(data)
     os.replace(tmp, path)
     return len(data)
@@ -133,14 +150,14 @@ def append_stream(job_dir: Path, segment: dict[str, Any], prefix: str = "") -> N
         else:
             continue
         path = stream_file(job_dir, f"{prefix}{name}")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "ab") as f:
+        _private_dirs(path.parent)
+        with open(path, "ab", opener=_private) as f:
             f.write(data)
 
 
 def write_outputs(job: str, job_dir: Path, outputs: dict[str, Any], prefix: str = "") -> list[Output]:
     """Write every output of a sink stage; return one `Output` event per file."""
-    job_dir.mkdir(parents=True, exist_ok=True)
+    _private_dirs(job_dir)
     events: list[Output] = []
     taken: set[str] = {"manifest"}        # the scheduler writes manifest.json beside the outputs
     for name, value in outputs.items():

@@ -378,7 +378,8 @@ def test_stage_problems(tmp_path: Path, models: Path) -> None:
     data = minimal()
     data["stages"].update({
         "one": py(max_inflight=2),     # python generators are advanced in turn
-        "sd": {"engine": "diffusers", "model": "sd", "max_inflight": 2},
+        "sd": {"engine": "diffusers", "model": "sd", "max_inflight": 2},      # batched pipeline calls
+        "sdbig": {"engine": "diffusers", "model": "sd", "max_inflight": 65},
         "many": {"engine": "vllm", "model": "llm", "max_inflight": 8},
         "ex": py(devices=[0, 1], exclusive=True),
         "shared": py(devices=[1, -1, True]),
@@ -387,7 +388,9 @@ def test_stage_problems(tmp_path: Path, models: Path) -> None:
     })
     found = problems(data, tmp_path)
     assert "stages.one.max_inflight" not in found
-    assert found["stages.sd.max_inflight"] == ["engine 'diffusers' runs one job at a time; must be 1"]
+    assert "stages.sd.max_inflight" not in found
+    assert found["stages.sdbig.max_inflight"] == [
+        "engine 'diffusers' batches at most 64 jobs in one pipeline call; must be from 1 to 64, not 65"]
     assert "stages.many.max_inflight" not in found
     assert found["stages.ex.devices"] == ["device 1 is also given to shared, but this stage is exclusive"]
     assert found["stages.shared.devices[1]"] == ["must be a GPU index >= 0, not -1"]

@@ -100,7 +100,8 @@ class Harness:
     def submit(self, pipeline: str = "p", inputs: dict[str, Any] | None = None, timeout_s: float | None = None,
                uid: int = 1000) -> str:
         inputs = inputs or {"text": "hi"}
-        return self.sched.submit(uid, pipeline, inputs, {}, timeout_s, dict(inputs)).id
+        summary = {k: {"size": len(v)} if isinstance(v, bytes) else v for k, v in inputs.items()}
+        return self.sched.submit(uid, pipeline, inputs, {}, timeout_s, summary).id
 
     def events(self, job: str) -> list[dict[str, Any]]:
         return self.store.events(job)
@@ -354,13 +355,77 @@ def test_subscribers_get_the_past_then_the_live_events_then_the_end(tmp_path: Pa
     run(tmp_path, ONE, test)
 
 
-def test_shutdown_fails_what_is_live(tmp_path: Path) -> None:
+def test_shutdown_keeps_what_is_live_for_the_next_start(tmp_path: Path) -> None:
     async def test(h: Harness) -> None:
-        job = h.submit()
+        queued, running = h.submit(inputs={"text": "q", "file": b"\x00bytes"}), h.submit()
+        h.say("a", P.Started(running))
         h.sched.shutdown()
-        record = h.store.get(job)
-        assert record is not None and record.state is JobState.FAILED
-        assert record.error is not None and record.error["code"] == ErrorCode.DAEMON_STOPPING
+        left = {u.record.id: u for u in h.store.unfinished()}
+        assert {j: u.record.state for j, u in left.items()} == {queued: JobState.QUEUED, running: JobState.RUNNING}
+        assert left[queued].inputs == {"text": "q", "file": b"\x00bytes"}     # the whole inputs, files too
+        assert left[running].events == 3                                    # queued, stage_started, running
+    run(tmp_path, ONE, test)
+
+
+def test_the_next_start_runs_queued_jobs_in_order_and_reruns_or_fails_running_ones(tmp_path: Path) -> None:
+    short = Path(tempfile.mkdtemp(prefix="omnid-u-", dir="/tmp"))
+    pipelines = {"p": {"stages": ["a"], "retries": 1}, "q": {"stages": ["a"]}}
+
+    async def first() -> list[str]:
+        h = Harness(short, make_config(short, pipelines))
+        jobs = [h.submit("p"), h.submit("q"), h.submit("p"), h.submit("p")]
+        for _ in jobs:
+            await asyncio.to_thread(h.next_fed)
+        h.say("a", P.Started(jobs[1]))           # running, no retries left: fails on the next start
+        h.say("a", P.Started(jobs[2]))           # running, may run again
+        h.close()                                # (as SIGTERM past the drain, or kill -9)
+        for listener in h.listeners:
+            listener._sock.close()
+        return jobs
+
+    async def second(jobs: list[str]) -> None:
+        h = Harness(short, make_config(short, pipelines))
+        try:
+            h.sched.restore(h.store.unfinished())
+            fed = [(await asyncio.to_thread(h.next_fed))[1].job for _ in range(3)]
+            assert fed == [jobs[0], jobs[2], jobs[3]]                 # in their order
+            failed = h.sched.job(jobs[1])
+            assert failed is not None and failed.state is JobState.FAILED
+            assert failed.error is not None and failed.error["code"] == "daemon_restarted"
+            assert "interrupted while this job was running" in failed.error["message"]
+            rerun = h.sched.job(jobs[2])
+            assert rerun is not None and rerun.state is JobState.RUNNING        # never back to queued
+            assert rerun.stages["a"].state is StageRunState.PENDING
+            events = h.events(jobs[2])
+            assert [e["type"] for e in events] == ["state", "stage_started", "state", "error"]
+            assert "running the job again (attempt 2)" in events[-1]["message"]
+            assert h.sched.job(jobs[0]).state is JobState.QUEUED
+            assert h.store.unfinished()[1].attempts == 1                         # the retry is used up
+            h.say("a", P.Started(jobs[0]))
+            h.say("a", P.Finished(jobs[0], 0.1))
+            assert h.sched.job(jobs[0]).state is JobState.SUCCEEDED
+            assert jobs[0] not in {u.record.id for u in h.store.unfinished()}   # its inputs are gone
+        finally:
+            h.close()
+
+    try:
+        jobs = asyncio.run(first())
+        asyncio.run(second(jobs))
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def test_drain_sets_queued_jobs_aside_and_lets_running_ones_finish(tmp_path: Path) -> None:
+    async def test(h: Harness) -> None:
+        running, queued = h.submit(), h.submit()
+        h.say("a", P.Started(running))
+        assert h.sched.drain() == 1
+        assert set(h.sched.live) == {running} and h.sched.running() == 1
+        assert [type(m) for m in h.stages["a"].sent if getattr(m, "job", None) == queued] == [P.Cancel, P.Forget]
+        assert h.store.get(queued).state is JobState.QUEUED
+        h.say("a", P.Finished(running, 0.1))
+        assert h.sched.running() == 0 and h.sched.job(running).state is JobState.SUCCEEDED
+        assert [u.record.id for u in h.store.unfinished()] == [queued]
     run(tmp_path, ONE, test)
 
 
