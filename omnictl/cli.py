@@ -416,6 +416,48 @@ def stages(settings: Settings) -> None:
         click.echo(render.stages_table(document.get("stages") or []))
 
 
+@cli.group()
+def stage() -> None:
+    """Act on one stage (root or the daemon's admin group)."""
+
+
+@stage.command("restart")
+@click.argument("name")
+@click.option("--no-wait", is_flag=True, help="Return at once instead of waiting for the new worker.")
+@click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for it.")
+@pass_settings
+def stage_restart(settings: Settings, name: str, no_wait: bool, timeout: float) -> None:
+    """Replace NAME's worker (one given up after a crash loop too): its running jobs finish first.
+
+    Waits until the new worker is ready (exit 0) or the stage failed (exit 1)."""
+    client = settings.client()
+    answer = client.restart_stage(name)
+    old_pid = (answer.get("stage") or {}).get("pid")
+    if no_wait:
+        if settings.json:
+            _print_json(answer)
+        else:
+            click.echo(f"{name}: restarting")
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        snap: dict[str, Any] = next((s for s in client.stages().get("stages", []) if s.get("name") == name), {})
+        state = snap.get("state")
+        if state in ("ready", "busy") and snap.get("pid") not in (None, old_pid):
+            break
+        if state == "failed" or time.monotonic() > deadline:
+            if settings.json:
+                _print_json(snap)
+            click.echo(f"omnictl: {name}: {state or 'gone'}: {snap.get('last_error') or 'not ready in time'}",
+                       err=True)
+            raise click.exceptions.Exit(int(ExitCode.JOB_FAILED))
+        time.sleep(0.2)
+    if settings.json:
+        _print_json(snap)
+    else:
+        click.echo(f"{name}: ready (pid {snap.get('pid')}, loaded in {snap.get('load_s')} s)")
+
+
 @command()
 def pipelines(settings: Settings) -> None:
     """Show every pipeline with its stages and edges."""

@@ -328,6 +328,10 @@ class Client:
         """``GET /v1/stages``: ``{"stages": [...]}``."""
         return self._json("GET", "/v1/stages")
 
+    def restart_stage(self, name: str) -> JSON:
+        """``POST /v1/stages/{name}/restart`` (root or the daemon's admin group): a new worker; 202."""
+        return self._json("POST", f"/v1/stages/{quote(name, safe='')}/restart")
+
     def metrics(self) -> str:
         """``GET /metrics``: the Prometheus text exposition."""
         conn, response = self._open("GET", "/metrics")

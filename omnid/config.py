@@ -69,13 +69,18 @@ class DaemonConfig:
     cancel_grace_s: float = 5.0
     stop_grace_s: float = 10.0
     drain_timeout_s: float = 60.0           # SIGTERM: how long running jobs may take to finish
+    admin_group: str | None = None          # besides root, who may restart stages
     restart_backoff_s: float = 1.0
     restart_backoff_max_s: float = 30.0
     max_restarts: int = 5
     restart_window_s: float = 300.0
     log_level: str = "info"
-    log_format: str = "console"
+    log_format: str = "auto"                # auto: json unless stderr is a terminal (journald: json); console; json
     shm_min_bytes: int = 1 << 20            # values from this size cross stages through shared memory
+    keep_jobs_days: float = 30.0            # retention: finished jobs created longer ago are removed (0: off)
+    keep_jobs: int = 10000                  # retention: finished jobs past this many, oldest first, removed (0: off)
+    retention_interval_s: float = 60.0      # how often retention runs (and once at start)
+    client_idle_timeout_s: float = 30.0     # a connection with no request (or half of one) this long is closed
 
 
 @dataclass(frozen=True)
@@ -247,9 +252,9 @@ def _parse_daemon(c: _Checker, raw: Any, base: Path) -> DaemonConfig:
     level = c.get(d, "log_level", "daemon", str, "info")
     if level not in ("debug", "info", "warning", "error"):
         c.add("daemon.log_level", "must be one of debug, info, warning, error")
-    fmt = c.get(d, "log_format", "daemon", str, "console")
-    if fmt not in ("console", "json"):
-        c.add("daemon.log_format", "must be \"console\" or \"json\"")
+    fmt = c.get(d, "log_format", "daemon", str, "auto")
+    if fmt not in ("auto", "console", "json"):
+        c.add("daemon.log_format", "must be \"console\" or \"json\", or \"auto\" (json unless stderr is a terminal)")
     return DaemonConfig(
         socket=_resolve(base, socket) if socket else defaults.socket,
         state_dir=_resolve(base, state_dir) if state_dir else defaults.state_dir,
@@ -265,13 +270,18 @@ def _parse_daemon(c: _Checker, raw: Any, base: Path) -> DaemonConfig:
         cancel_grace_s=float(c.positive(d, "cancel_grace_s", "daemon", 5.0)),
         stop_grace_s=float(c.positive(d, "stop_grace_s", "daemon", 10.0)),
         drain_timeout_s=float(c.positive(d, "drain_timeout_s", "daemon", 60.0, allow_zero=True)),
+        admin_group=c.get(d, "admin_group", "daemon", str),
         restart_backoff_s=float(c.positive(d, "restart_backoff_s", "daemon", 1.0)),
         restart_backoff_max_s=float(c.positive(d, "restart_backoff_max_s", "daemon", 30.0)),
         max_restarts=c.positive(d, "max_restarts", "daemon", 5, integer=True, allow_zero=True),
         restart_window_s=float(c.positive(d, "restart_window_s", "daemon", 300.0)),
         log_level=level or "info",
-        log_format=fmt or "console",
+        log_format=fmt or "auto",
         shm_min_bytes=c.positive(d, "shm_min_bytes", "daemon", 1 << 20, integer=True),
+        keep_jobs_days=float(c.positive(d, "keep_jobs_days", "daemon", 30.0, allow_zero=True)),
+        keep_jobs=c.positive(d, "keep_jobs", "daemon", 10000, integer=True, allow_zero=True),
+        retention_interval_s=float(c.positive(d, "retention_interval_s", "daemon", 60.0)),
+        client_idle_timeout_s=float(c.positive(d, "client_idle_timeout_s", "daemon", 30.0)),
     )
 
 

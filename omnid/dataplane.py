@@ -68,6 +68,9 @@ NO_POOL = b"N"
 class WorkItem:
     """One stage's input for one job, from one upstream (`src` None: the job's inputs).
 
+    `pipeline` is the key of the definition the job runs on: the pipeline's name, or
+    `name~N` once a config reload changed it (jobs in flight keep their definition).
+
     `window` is None for a whole hand-off; on a streaming edge it is the window's index
     (0, 1, ...) and `last` marks the job's last window. Windows are offered (`Sender.offer`).
     """

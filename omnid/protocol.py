@@ -5,7 +5,7 @@ message is a small frozen dataclass pickled over the worker's duplex control
 pipe. Payloads (a stage's inputs and outputs) never travel here: they go from
 stage to stage over the data plane (`omnid.dataplane`).
 
-Supervisor -> worker: `Cancel`, `Forget`, `Resend`, `Shutdown`.
+Supervisor -> worker: `Cancel`, `Forget`, `Resend`, `Shutdown`, `Reconfigure`.
 Worker -> supervisor: `Ready`, `LoadFailed`, `Heartbeat`, and the per-job
 events `Admitted`, `Started`, `Progress`, `Segment`, `Output`, `Finished`,
 `Failed`, `Stopped`, `Delivered`, `ResendMissing`; the main thread's messages
@@ -70,6 +70,15 @@ class Resend:
 @dataclass(frozen=True)
 class Shutdown:
     pass
+
+
+@dataclass(frozen=True)
+class Reconfigure:
+    """The daemon reloaded its config: the pipelines (by the key jobs name them with) and daemon
+    settings this worker uses from now on. The worker's own stage definition is unchanged (a
+    changed stage gets a new worker instead)."""
+
+    config: Config
 
 
 # --------------------------------------------------------------- worker -> supervisor

@@ -119,6 +119,8 @@ class ErrorCode(StrEnum):
     TOO_LARGE = "too_large"
     QUEUE_FULL = "queue_full"
     SHUTTING_DOWN = "shutting_down"
+    NOT_ADMIN = "not_admin"             # root or daemon.admin_group only (stage restart)
+    UNKNOWN_STAGE = "unknown_stage"
     DRAINING = "draining"               # SIGTERM: no new jobs; running ones finish, queued ones wait for the next start
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"

@@ -76,12 +76,76 @@ def test_units_say_what_the_spec_says() -> None:
     assert one["KillMode"] == "control-group" and "TimeoutStopSec" in one
     assert "omnid" in one["RuntimeDirectory"].split() and one["StateDirectory"] == "omnid"
     assert one["RestartPreventExitStatus"] == "2"          # an invalid config: restarting cannot help
-    # nothing that takes the GPUs away
-    for key in ("PrivateDevices", "DevicePolicy", "DeviceAllow", "ProtectClock", "ProtectKernelModules",
-                "MemoryDenyWriteExecute"):
+    # nothing that takes the GPUs away (or, for MemoryDenyWriteExecute=, the JIT compilers)
+    for key in ("PrivateDevices", "DevicePolicy", "DeviceAllow", "ProtectClock", "MemoryDenyWriteExecute"):
         assert key not in svc, f"{key}= would cut the stage workers off /dev/nvidia*"
+    # the API tells users apart by SO_PEERCRED: in a user namespace they would all be nobody
+    assert "PrivateUsers" not in svc
     assert sock["ListenStream"] == ["/run/omnid/omnid.sock"] and sock["SocketMode"] == ["0660"]
     assert "omnid.socket" in svc["Requires"][0] and "omnid.socket" in svc["After"][0]
+
+
+def test_the_service_runs_unprivileged_and_keeps_its_files_private() -> None:
+    svc = unit_settings(UNITS / "omnid.service")
+    sock = unit_settings(UNITS / "omnid.socket")
+    one = {k: v[-1] for k, v in svc.items()}
+    assert one["User"] == "omnid" and one["Group"] == "omnid"
+    assert set(one["SupplementaryGroups"].split()) == {"video", "render"}
+    assert one["UMask"] == "0077" and one["StateDirectoryMode"] == "0700"
+    assert one["NoNewPrivileges"] == "yes" and one["CapabilityBoundingSet"] == ""
+    assert one["ProtectSystem"] == "strict"
+    assert {"AF_UNIX", "AF_INET", "AF_INET6"} <= set(one["RestrictAddressFamilies"].split())
+    assert one["ExecReload"] == "/bin/kill -HUP $MAINPID"
+    assert int(one["TimeoutStopSec"]) >= 90, "the drain (up to 60 s) and the workers' stop grace must fit"
+    # the GPU device files are made as root before the unprivileged start; missing tools are no error
+    assert all(cmd.startswith(("-+", "+-")) for cmd in svc["ExecStartPre"])
+    # the socket: root and the group omnid, whose members get nothing else
+    assert sock["SocketGroup"] == ["omnid"] and sock["SocketMode"] == ["0660"]
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_the_service_is_rated_ok_by_systemd_analyze_security() -> None:
+    # --threshold is on a 0..100 scale: 30 is "3.0"; 7.7 EXPOSED before it ran as its own user
+    result = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--threshold=30", "--no-pager",
+                             str(UNITS / "omnid.service")], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+
+
+@pytest.mark.skipif(shutil.which("systemd-sysusers") is None or shutil.which("systemd-tmpfiles") is None,
+                    reason="systemd-sysusers or systemd-tmpfiles is not installed")
+def test_sysusers_and_tmpfiles_files_apply_to_an_empty_root(tmp_path: Path) -> None:
+    """Both files are applied for real, into a scratch root (--root=): the user, the groups, the folders."""
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+
+    def sysusers(path: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["systemd-sysusers", f"--root={root}", "--replace=/usr/lib/sysusers.d/omnid.conf",
+                               str(path)], capture_output=True, text=True, timeout=60)
+
+    # a mistake is caught (so the checks below mean something)
+    (tmp_path / "bad.conf").write_text("u omnid - \"omnid\" /var/lib/omnid -\nx omnid video\n")
+    assert sysusers(tmp_path / "bad.conf").returncode != 0
+    result = sysusers(UNITS / "omnid.sysusers")
+    assert result.returncode == 0 and result.stdout == "", result.stdout + result.stderr
+    assert all(line.startswith("Creating ") for line in result.stderr.splitlines()), result.stderr
+    users = {f[0]: f for f in (line.split(":") for line in (root / "etc/passwd").read_text().splitlines())}
+    groups = {f[0]: f for f in (line.split(":") for line in (root / "etc/group").read_text().splitlines())}
+    uid, gid, home, shell = int(users["omnid"][2]), int(users["omnid"][3]), users["omnid"][5], users["omnid"][6]
+    assert 0 < uid < 1000 and gid == int(groups["omnid"][2])          # a system user, its own group
+    assert home == "/var/lib/omnid" and shell.endswith("nologin")
+    assert "omnid" in groups["video"][3].split(",") and "omnid" in groups["render"][3].split(",")
+
+    result = subprocess.run(["systemd-tmpfiles", f"--root={root}", "--create",
+                             "--replace=/usr/lib/tmpfiles.d/omnid.conf", str(UNITS / "omnid.tmpfiles")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout + result.stderr == "", result.stdout + result.stderr
+    svc = {k: v[-1] for k, v in unit_settings(UNITS / "omnid.service").items()}
+    # the same modes as the service's own *Directory= settings
+    expected = {"var/lib/omnid": svc["StateDirectoryMode"], "var/cache/omnid": svc["CacheDirectoryMode"],
+                "run/omnid": svc["RuntimeDirectoryMode"], "run/lock/omnid": svc["RuntimeDirectoryMode"]}
+    for folder, mode in expected.items():
+        st = (root / folder).stat()
+        assert (oct(st.st_mode & 0o7777), st.st_uid, st.st_gid) == (oct(int(mode, 8)), uid, gid), folder
 
 
 # ------------------------------------------------------------------------- helpers

@@ -19,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import grp
 import json
 import mimetypes
 import os
+import pwd
 import socket
 import struct
 import time
@@ -122,6 +124,7 @@ class Api:
         self.stages = stages
         self.metrics = metrics
         self.info = info
+        self._tasks: set[asyncio.Task[None]] = set()     # stage restarts in progress
         app = web.Application(middlewares=[errors_middleware], client_max_size=config.daemon.max_request_bytes)
         app[MAX_BYTES_KEY] = config.daemon.max_request_bytes
         app.add_routes([
@@ -134,6 +137,7 @@ class Api:
             web.get("/v1/jobs/{id}/outputs/{name}", self.output),
             web.get("/v1/pipelines", self.list_pipelines),
             web.get("/v1/stages", self.list_stages),
+            web.post("/v1/stages/{name}/restart", self.restart_stage),
             web.get("/v1/health", self.health),
             web.get("/v1/ready", self.ready),
             web.get("/metrics", self.get_metrics),
@@ -206,6 +210,7 @@ class Api:
                           "and keeps the queued ones for its next start; submit again once it is back")
         job = self.scheduler.submit(request["uid"], name, inputs, params, timeout, summary)
         self.store.flush()              # a 201 means the job is in the database
+        log.info("audit", action="submit", uid=request["uid"], job=job.id, pipeline=name)
         return web.json_response(job.to_doc(), status=201)
 
     def _inputs(self, raw: Any, pipeline: PipelineConfig) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -321,13 +326,16 @@ class Api:
         job = self._job(request)
         if job.terminal:
             return web.json_response(job.to_doc())
-        return web.json_response((self.scheduler.cancel(job.id) or self._job(request)).to_doc())
+        cancelled = self.scheduler.cancel(job.id) or self._job(request)
+        log.info("audit", action="cancel", uid=request["uid"], job=job.id, pipeline=job.pipeline)
+        return web.json_response(cancelled.to_doc())
 
     async def delete(self, request: web.Request) -> web.Response:
         job = self._job(request)
         if not job.terminal:
             raise Refused(409, ErrorCode.JOB_NOT_FINISHED, f"job {job.id} is {job.state}; cancel it first")
         self.store.delete(job.id)
+        log.info("audit", action="delete", uid=request["uid"], job=job.id, pipeline=job.pipeline)
         return web.json_response({"deleted": job.id})
 
     async def output(self, request: web.Request) -> web.StreamResponse:
@@ -428,6 +436,36 @@ class Api:
 
     async def list_stages(self, request: web.Request) -> web.Response:
         return web.json_response({"stages": [h.snapshot() for h in self.stages.values()]})
+
+    async def restart_stage(self, request: web.Request) -> web.Response:
+        """Replace a stage's worker (one given up after a crash loop too); root or the admin group.
+        202 at once: the stage's state in `GET /v1/stages` says when it is ready."""
+        self._check_admin(request["uid"])
+        name = request.match_info["name"]
+        handle = self.stages.get(name)
+        if handle is None:
+            raise Refused(404, ErrorCode.UNKNOWN_STAGE, f"no stage {name!r}; known: {', '.join(sorted(self.stages))}")
+        task = asyncio.get_running_loop().create_task(
+            handle.restart(f"asked for by uid {request['uid']}", self.config.daemon.drain_timeout_s))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        log.info("audit", action="restart_stage", uid=request["uid"], stage=name)
+        return web.json_response({"restarting": name, "stage": handle.snapshot()}, status=202)
+
+    def _check_admin(self, uid: int) -> None:
+        if uid == 0:
+            return
+        group = self.config.daemon.admin_group
+        if group is not None:
+            try:
+                gid = grp.getgrnam(group).gr_gid
+                user = pwd.getpwuid(uid)
+                if gid in os.getgrouplist(user.pw_name, user.pw_gid):
+                    return
+            except KeyError:
+                pass
+        raise Refused(403, ErrorCode.NOT_ADMIN, "only root" + (f" or members of {group!r}" if group else "")
+                      + " may do this (daemon.admin_group)")
 
     async def health(self, request: web.Request) -> web.Response:
         info = self.info

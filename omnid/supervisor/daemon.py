@@ -35,12 +35,14 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from omnid import __version__, systemd
+from omnid import __version__, paths, systemd
 from omnid.config import Config
 from omnid.locks import DeviceBusy, DeviceLocks
 from omnid.metrics import Metrics
+from omnid.retention import Retention
 from omnid.store import JobStore, StateDirBusy
 from omnid.supervisor.api import Api, DaemonInfo
+from omnid.supervisor.reload import Reloader
 from omnid.supervisor.scheduler import Scheduler
 from omnid.supervisor.stage import StageHandle
 from omnid.vocabulary import WorkerState
@@ -50,6 +52,11 @@ log = structlog.get_logger("omnid.daemon")
 
 class StartupError(Exception):
     """The daemon cannot start; the message says why."""
+
+
+# Pending connections the kernel queues for us (a burst of clients connecting at once gets no EAGAIN).
+# Linux caps it at net.core.somaxconn (4096 since 5.4). Passed to aiohttp too: its SockSite listens again.
+LISTEN_BACKLOG = 4096
 
 
 def open_listening_socket(path: Path, mode: int, group: str | None) -> tuple[socket.socket, bool]:
@@ -85,7 +92,7 @@ def open_listening_socket(path: Path, mode: int, group: str | None) -> tuple[soc
         except KeyError:
             raise StartupError(f"daemon.socket_group: no group {group!r}") from None
     os.chmod(path, mode)
-    sock.listen(128)
+    sock.listen(LISTEN_BACKLOG)
     return sock, True
 
 
@@ -104,17 +111,41 @@ class Daemon:
         self._socket_path: Path | None = None      # the socket file we created (and remove at exit)
         self._stop = asyncio.Event()
         self._stop_now = asyncio.Event()          # a second SIGTERM/SIGINT: do not wait for a drain
+        self.reloader: Reloader | None = None
+        self._serving = False
+        self._reload_wanted = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._load_locks: dict[int, asyncio.Lock] = {}
 
     def request_stop(self) -> None:
         if self._stop.is_set():
             self._stop_now.set()
         self._stop.set()
 
+    def request_reload(self) -> None:
+        """SIGHUP: reload the config file (once serving; a SIGHUP during start-up waits for it)."""
+        self._reload_wanted = True
+        if self._serving and not self._stop.is_set():
+            self._reload_wanted = False
+            task = asyncio.get_running_loop().create_task(self._reload())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _reload(self) -> None:
+        if self.reloader is not None:
+            await self.reloader.reload()
+
+    @property
+    def current(self) -> Config:
+        """The config in force (a reload replaces it)."""
+        return self.reloader.config if self.reloader is not None else self.config
+
     async def run(self) -> int:
         """Run until SIGTERM/SIGINT. Returns the exit status."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
+        loop.add_signal_handler(signal.SIGHUP, self.request_reload)
         try:
             store = self._take_locks()                              # 1
             api = self._build(store)
@@ -123,6 +154,9 @@ class Daemon:
                 return 0
             systemd.notify(f"READY=1\nSTATUS=serving {len(self.config.pipelines)} pipelines")
             log.info("ready", startup_s=round(time.time() - self.info.started, 3))
+            self._serving = True
+            if self._reload_wanted:
+                self.request_reload()
             await self._main_loop()                                 # 4
             await self._drain()
             return 0
@@ -155,14 +189,23 @@ class Daemon:
 
     def _build(self, store: JobStore) -> Api:
         """The parts, each built after what it uses: stage handles, metrics, scheduler, API."""
-        load_locks = {d: asyncio.Lock() for d in self.config.devices}   # one loader per device at a time
-        self.stages = {name: StageHandle(self.config, stage, self.data_dir, store.jobs_dir, load_locks)
-                       for name, stage in self.config.stages.items()}
+        self._load_locks = {d: asyncio.Lock() for d in self.config.devices}   # one loader per device at a time
+
+        def make_handle(config: Config, name: str) -> StageHandle:
+            return StageHandle(config, config.stages[name], self.data_dir, store.jobs_dir, self._load_locks)
+
+        self.stages = {name: make_handle(self.config, name) for name in self.config.stages}
         metrics = Metrics(self.stages)
         self.scheduler = Scheduler(self.config, store, self.stages, lambda stage: self.data_dir / f"{stage}.sock",
                                    metrics)
         self.scheduler.restore(store.unfinished())     # what the last daemon accepted and did not finish
-        return Api(self.config, store, self.scheduler, self.stages, metrics, self.info)
+        sched = self.scheduler
+        self._retention = Retention(self.config.daemon, store,
+                                    lambda: set(sched.live) | {job for _, job in sched.stopping})
+        api = Api(self.config, store, self.scheduler, self.stages, metrics, self.info)
+        self.reloader = Reloader(self.config, self.stages, self.scheduler, api, make_handle, self.device_locks,
+                                 self._load_locks)
+        return api
 
     # ------------------------------------------------------------------ 2. the socket
 
@@ -173,9 +216,12 @@ class Daemon:
         except OSError as e:
             raise StartupError(f"cannot listen on {cfg.socket}: {e.strerror or e}") from None
         self._socket_path = cfg.socket if created else None
-        self._runner = web.AppRunner(api.app, access_log=None, handle_signals=False)
+        # keepalive_timeout: aiohttp (3.14) arms it when a connection is made, so a client that sends
+        # nothing, or half a request, is dropped after it too (its buffer is bounded by max_field_size).
+        self._runner = web.AppRunner(api.app, access_log=None, handle_signals=False,
+                                     keepalive_timeout=cfg.client_idle_timeout_s)
         await self._runner.setup()
-        await web.SockSite(self._runner, sock).start()
+        await web.SockSite(self._runner, sock, backlog=LISTEN_BACKLOG).start()
         where = str(cfg.socket) if created else f"{sock.getsockname() or 'an unnamed socket'} (from systemd)"
         log.info("listening", socket=where, stages=len(self.stages), pid=self.info.pid)
 
@@ -217,6 +263,7 @@ class Daemon:
                 pass
             for h in self.stages.values():
                 h.check_heartbeat()
+            self._retention.maybe_run()             # finished jobs past keep_jobs / keep_jobs_days
             if watchdog and time.monotonic() - last_ping >= watchdog:
                 systemd.notify("WATCHDOG=1")
                 last_ping = time.monotonic()
@@ -231,7 +278,7 @@ class Daemon:
             return
         self.info.draining = True
         kept = self.scheduler.drain()
-        grace = self.config.daemon.drain_timeout_s
+        grace = self.current.daemon.drain_timeout_s
         deadline = time.monotonic() + grace
         log.info("draining", running=self.scheduler.running(), kept_for_next_start=kept, grace_s=grace)
         while (running := self.scheduler.running()) and time.monotonic() < deadline and not self._stop_now.is_set():
@@ -256,7 +303,9 @@ class Daemon:
             self.scheduler.shutdown()
         if self._runner is not None:
             await self._runner.cleanup()
-        await asyncio.gather(*(h.stop(self.config.daemon.stop_grace_s) for h in self.stages.values()))
+        if self.reloader is not None:
+            await self.reloader.stop()
+        await asyncio.gather(*(h.stop(self.current.daemon.stop_grace_s) for h in list(self.stages.values())))
         self.device_locks.release()
         shutil.rmtree(self.data_dir, ignore_errors=True)
         if self._socket_path is not None:
@@ -271,4 +320,5 @@ class Daemon:
 
 def run(config: Config) -> int:
     """Library entry: run a daemon for `config` in this process until stopped."""
+    os.umask(paths.UMASK)              # private by default (omnid.paths); the stage workers inherit it
     return asyncio.run(Daemon(config).run())

@@ -81,7 +81,7 @@ class Recovery:
                     job.events.emit(EventType.ERROR, stage=name, code=str(ErrorCode.WORKER_DIED),
                                     message=f"stage {name!r} {reason}; retrying (attempt {job.attempts + 1})")
                     run.set_state(StageRunState.QUEUED, now)
-                    self.resend_after_restart[name].add(job.id)
+                    self.resend_after_restart.setdefault(name, set()).add(job.id)
                 else:
                     run.set_state(StageRunState.FAILED, now)
                     msg = f"stage {name!r} {reason} while running this job"
@@ -90,12 +90,11 @@ class Recovery:
                                       {"code": str(ErrorCode.WORKER_DIED), "message": msg, "stage": name})
             elif run.state is StageRunState.QUEUED or undelivered:
                 run.set_state(StageRunState.QUEUED, now)
-                self.resend_after_restart[name].add(job.id)
+                self.resend_after_restart.setdefault(name, set()).add(job.id)
 
     def worker_back(self, handle: StageHandle) -> None:
         """The worker is READY again: ask for the inputs its predecessor lost, oldest job first."""
-        pending = self.resend_after_restart[handle.name]
-        self.resend_after_restart[handle.name] = set()
+        pending = self.resend_after_restart.pop(handle.name, set())
         live = self._jobs.live
         jobs = sorted((live[j] for j in pending if j in live), key=lambda j: j.record.created_at)
         fed_by_the_feeder = [job for job in jobs if not job.pipeline.incoming(handle.name)]
@@ -123,7 +122,7 @@ class Recovery:
         if self._jobs.stages[stage].state.warm:
             self.inputs_for(job, stage)
         else:
-            self.resend_after_restart[stage].add(job.id)
+            self.resend_after_restart.setdefault(stage, set()).add(job.id)
 
     def stage_failed(self, handle: StageHandle, error: str) -> None:
         """The stage is given up for good: every live job that needs it fails."""

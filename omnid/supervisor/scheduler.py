@@ -56,14 +56,26 @@ class Scheduler:
         self.stages = stages
         self.metrics = metrics
         self.live: dict[str, LiveJob] = {}
+        self.keys: dict[str, str] = {name: name for name in config.pipelines}   # name -> the current key
         self.stopping: dict[tuple[str, str], asyncio.TimerHandle] = {}   # (stage, job) -> grace kill
         self.recovery = Recovery(self)
         self.loop = asyncio.get_running_loop()
-        sources = {s for p in config.pipelines.values() for s in p.sources}
-        self.feeders = {s: Feeder(s, Sender(data_socket, config.daemon.shm_min_bytes), self.is_live)
-                        for s in sorted(sources)}
+        self._data_socket = data_socket
+        self.feeders: dict[str, Feeder] = {}
+        self._add_feeders()
         for handle in stages.values():
             handle.attach(self)
+
+    def _add_feeders(self) -> None:
+        for s in sorted({s for p in self.config.pipelines.values() for s in p.sources} - set(self.feeders)):
+            self.feeders[s] = Feeder(s, Sender(self._data_socket, self.config.daemon.shm_min_bytes), self.is_live)
+
+    def reconfigure(self, config: Config, keys: dict[str, str]) -> None:
+        """A reload: new jobs use `config` (and the workers' pipeline `keys`); live jobs keep the
+        definition they started with. New stages are in `stages` already, attached to this."""
+        self.config = config
+        self.keys = dict(keys)
+        self._add_feeders()
 
     def is_live(self, job_id: str) -> bool:
         return job_id in self.live
@@ -96,6 +108,7 @@ class Scheduler:
                            timeout_s=timeout, inputs=input_summary, params=params,
                            stages={s: StageRun() for s in pipeline.stages})
         job = LiveJob(record, pipeline, inputs, self.store)
+        job.key = self.keys[pipeline_name]
         self.live[job.id] = job
         self.store.save(record)
         self.store.keep_inputs(job.id, inputs)
@@ -154,7 +167,7 @@ class Scheduler:
 
     def feed(self, jobs: list[LiveJob], stage: str, front: bool = False) -> None:
         """Send jobs' own inputs, in this order, to one of their pipelines' first stages."""
-        self.feeders[stage].push([WorkItem(job=job.id, pipeline=job.pipeline.name, src=None, inputs=job.inputs,
+        self.feeders[stage].push([WorkItem(job=job.id, pipeline=job.key, src=None, inputs=job.inputs,
                                            params=job.record.params) for job in jobs], front=front)
 
     # ------------------------------------------------------------------ events to clients

@@ -314,6 +314,38 @@ class StageHandle:
             self.last_error = f"restart failed: {type(e).__name__}: {e}"
             self._schedule_restart(None)
 
+    # ------------------------------------------------------------------ reload and restart
+
+    def reconfigure(self, config: Config) -> None:
+        """A reload: later spawns use `config` (this stage's definition in it may be new: `restart`
+        applies it); the live worker learns the new pipelines and daemon settings now."""
+        self.config = config
+        self.stage = config.stages[self.name]
+        self.send(P.Reconfigure(config))
+
+    async def restart(self, reason: str, idle_timeout: float) -> None:
+        """Replace the worker (its definition changed, or `omnictl stage restart`): its running jobs
+        get up to `idle_timeout` to finish, then it is stopped and a new one started; a stage given
+        up after a crash loop starts afresh. Returns once the new worker is ready (or failed).
+        Jobs still running at the kill fail or retry as for any dead worker, with `reason`."""
+        deadline = time.monotonic() + idle_timeout
+        while self.running and self.alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self._policy = RestartPolicy.from_config(self.config.daemon)   # asked for: past crashes forgiven
+        old = self.pid
+        log.info("restarting stage", stage=self.name, pid=old, reason=reason)
+        if self.alive:
+            self.kill(f"restarted: {reason}", counts=False)        # the sentinel handler starts the next one
+        elif self.state is not WorkerState.RESTARTING:
+            self.restarts += 1
+            await self.start()
+            return
+        limit = time.monotonic() + self.config.daemon.startup_timeout_s + 10
+        while time.monotonic() < limit and not self._stopping:
+            if self.state is WorkerState.FAILED or (self.state.warm and self.pid not in (None, old)):
+                return
+            await asyncio.sleep(0.05)
+
     # ------------------------------------------------------------------ control
 
     def send(self, msg: object) -> bool:

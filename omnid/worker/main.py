@@ -115,6 +115,7 @@ class StageWorker:
         # Downstream side (under _lock): each streamed job's windows, read by its InputStreams.
         self.streams: dict[tuple[str, str | None], EdgeStream] = {}   # (job, src)
         self.wakeup = threading.Event()      # a window, an input or a cancel arrived: the loop looks again
+        self._reconfigured = threading.Condition()   # `config` replaced by a reload
         self._posted: list[object] = []      # main-thread messages not sent yet (`post`, `flush`)
         self._flushed_at = 0.0
         self.shutting_down = threading.Event()
@@ -245,7 +246,7 @@ class StageWorker:
 
     def _stream_keys(self, item: WorkItem) -> list[str]:
         """The inputs a streaming edge feeds: its `map`'s names, else what the first window holds."""
-        for edge in self.config.pipelines[item.pipeline].incoming(self.stage.name):
+        for edge in self._pipeline(item.pipeline).incoming(self.stage.name):
             if edge.src == item.src and edge.map is not None:
                 return list(edge.map)
         return list(item.inputs)
@@ -254,7 +255,7 @@ class StageWorker:
         """Control thread: apply the supervisor's messages (one handler each); exit when it is gone."""
         handlers: dict[type, Callable[[Any], None]] = {
             P.Cancel: self.on_cancel, P.Forget: self.on_forget, P.Resend: self.on_resend,
-            P.Shutdown: self.on_shutdown,
+            P.Shutdown: self.on_shutdown, P.Reconfigure: self.on_reconfigure,
         }
         while True:
             try:
@@ -291,6 +292,18 @@ class StageWorker:
 
     def on_shutdown(self, msg: P.Shutdown) -> None:
         self.shutting_down.set()
+
+    def on_reconfigure(self, msg: P.Reconfigure) -> None:
+        with self._reconfigured:
+            self.config = msg.config
+            self._reconfigured.notify_all()
+
+    def _pipeline(self, key: str) -> PipelineConfig:
+        """A pipeline by the key its jobs carry. A job of a pipeline added by a reload may reach
+        this worker (data plane) just before the new config does (control pipe): wait for it."""
+        with self._reconfigured:
+            self._reconfigured.wait_for(lambda: key in self.config.pipelines, timeout=10.0)
+            return self.config.pipelines[key]
 
     def _trim_dead(self) -> None:
         while len(self.dead) > _DEAD_JOBS_KEPT:
@@ -389,7 +402,7 @@ class StageWorker:
 
     def _assemble(self, item: WorkItem) -> RequestContext | None:
         """Gather a job's parts (one per incoming edge); a context once all are here."""
-        pipeline = self.config.pipelines[item.pipeline]
+        pipeline = self._pipeline(item.pipeline)
         expected = max(1, len(pipeline.incoming(self.stage.name)))
         with self._lock:                    # checked under the lock: a Forget cannot slip in between
             if self.is_dead(item.job):
@@ -456,7 +469,7 @@ class StageWorker:
 
     def _complete(self, ctx: RequestContext) -> None:
         item = self.items.pop(ctx.job)
-        pipeline = self.config.pipelines[item.pipeline]
+        pipeline = self._pipeline(item.pipeline)
         try:
             self._report(ctx, item, pipeline)
         finally:
@@ -698,13 +711,15 @@ def worker_main(spec: P.WorkerSpec, conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the supervisor's to handle
     _setup_environment(spec)
     from omnid import logs
-    logs.configure(spec.config.daemon.log_level, spec.config.daemon.log_format, process=f"stage:{spec.stage}")
+    logs.configure(spec.config.daemon.log_level, spec.config.daemon.log_format, process=f"stage:{spec.stage}",
+                   stage=spec.stage)             # every record, the engine's too: structlog, `stage=NAME`
     worker = StageWorker(spec, conn)
     threading.Thread(target=worker.control_loop, name="control", daemon=True).start()
     t0 = time.monotonic()
     try:
         from omnid.engines import load_engine
         worker.engine = load_engine(worker.stage)
+        logs.adopt_library_loggers()               # the loggers the engine's libraries set up on import
         stage = worker.stage
         if stage.shm_pool_mb:
             worker.pool = ShmPool(stage.name, stage.shm_pool_mb << 20)

@@ -1,0 +1,168 @@
+"""SIGHUP (`systemctl reload`): read the config file again and apply what changed, without a restart.
+
+Runs in the supervisor's event-loop thread, as one task at a time (reloads are serialised). It
+awaits stage workers loading and stopping; nothing in it blocks the loop.
+
+What a reload does:
+- an invalid file is refused with the same report as `omnid --check`, and the old config keeps serving;
+  so is a change to what only a restart can change (the socket, the state and lock dirs);
+- unchanged stages keep their warm workers (same pids); they learn the new pipelines (`Reconfigure`);
+- new stages are loaded before any pipeline sends them work; a stage whose definition changed
+  gets a new worker once its running jobs have finished (up to `drain_timeout_s`), before it takes
+  new work; a stage that was removed finishes its jobs and then stops;
+- pipelines switch at once, for new jobs; a job in flight finishes on the definition it started
+  with (a changed pipeline gets a new key, `name~N`, and the workers keep the old one for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+
+from omnid import systemd
+from omnid.config import Config, ConfigError, PipelineConfig, load
+from omnid.locks import DeviceBusy, DeviceLocks
+from omnid.supervisor.api import Api
+from omnid.supervisor.scheduler import Scheduler
+from omnid.supervisor.stage import StageHandle
+from omnid.vocabulary import WorkerState
+
+log = structlog.get_logger("omnid.reload")
+
+# Only a restart can change these (the socket is open, the state dir and lock files are held).
+FIXED_DAEMON_KEYS = ("socket", "state_dir", "lock_dir", "socket_mode", "socket_group", "max_request_bytes")
+
+
+class Reloader:
+    def __init__(self, config: Config, stages: dict[str, StageHandle], scheduler: Scheduler, api: Api,
+                 make_handle: Callable[[Config, str], StageHandle], device_locks: DeviceLocks,
+                 load_locks: dict[int, asyncio.Lock]) -> None:
+        self.config = config                    # the public one: pipelines by name
+        self.stages = stages                    # the daemon's own dict, changed in place
+        self.scheduler = scheduler
+        self.api = api
+        self._make_handle = make_handle
+        self._device_locks = device_locks
+        self._load_locks = load_locks
+        self.keys = {name: name for name in config.pipelines}                 # name -> current key
+        self.definitions: dict[str, PipelineConfig] = dict(config.pipelines)  # key -> definition
+        self._lock = asyncio.Lock()
+        self._removals: set[asyncio.Task[None]] = set()
+        self.reloads = 0
+
+    def worker_config(self, config: Config) -> Config:
+        """What workers get: `config` with every pipeline definition jobs may still name, by key."""
+        return dataclasses.replace(config, pipelines=dict(self.definitions))
+
+    async def reload(self) -> str:
+        """Read the file again and apply it; the sentence says what happened (also for STATUS=)."""
+        async with self._lock:
+            systemd.notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}\n"
+                           f"STATUS=reloading {self.config.source}")
+            try:
+                status = await self._reload()
+            except Exception as e:              # a bug must not take the daemon down: it keeps serving
+                log.exception("reload failed")
+                status = f"reload failed: {type(e).__name__}: {e}; still serving the previous config"
+            systemd.notify(f"READY=1\nSTATUS={status}")
+            return status
+
+    async def _reload(self) -> str:
+        path = self.config.source
+        if path is None:
+            return "reload refused: the daemon was not started from a config file"
+        try:
+            new = load(Path(path))
+        except ConfigError as e:
+            log.error("reload refused: the config is invalid", file=str(path), problems=[str(p) for p in e.problems])
+            return f"reload refused: {len(e.problems)} problem(s) in {path} (see omnid --check); still serving"
+        fixed = [k for k in FIXED_DAEMON_KEYS if getattr(new.daemon, k) != getattr(self.config.daemon, k)]
+        if fixed:
+            log.error("reload refused: only a restart can change these", keys=[f"daemon.{k}" for k in fixed])
+            return f"reload refused: daemon.{', daemon.'.join(fixed)} change only with a restart; still serving"
+        old = self.config
+        added = [n for n in new.stages if n not in old.stages]
+        removed = [n for n in old.stages if n not in new.stages]
+        changed = [n for n in new.stages if n in old.stages and new.stages[n] != old.stages[n]]
+        try:
+            self._device_locks.acquire(d for d in new.devices if d not in self._device_locks.held)
+        except DeviceBusy as e:
+            log.error("reload refused: a GPU is busy", error=str(e))
+            return f"reload refused: {e}; still serving"
+        for d in new.devices:
+            self._load_locks.setdefault(d, asyncio.Lock())
+        keys = self._keys_for(new)
+        worker_config = self.worker_config(new)
+        # 1. New stages load before any pipeline can send them work.
+        fresh = {n: self._make_handle(worker_config, n) for n in added}
+        for name, handle in fresh.items():
+            handle.attach(self.scheduler)
+            self.stages[name] = handle
+        await asyncio.gather(*(h.start() for h in fresh.values()))
+        broken = [n for n, h in fresh.items() if h.state is WorkerState.FAILED]
+        if broken:
+            await asyncio.gather(*(h.stop(0) for h in fresh.values()))
+            for n in fresh:
+                del self.stages[n]
+            errors = "; ".join(f"{n}: {fresh[n].last_error}" for n in broken)
+            log.error("reload refused: new stages could not load", errors=errors)
+            return f"reload refused: new stage(s) could not load ({errors}); still serving"
+        # 2. Every other worker learns the new pipelines; changed stages get a new worker.
+        for name in new.stages:
+            if name not in added:
+                self.stages[name].reconfigure(worker_config)
+        await asyncio.gather(*(self.stages[n].restart("its definition changed in a config reload",
+                                                      new.daemon.drain_timeout_s) for n in changed))
+        # 3. The switch: new jobs run on the new pipelines.
+        self.config = new
+        self.keys = keys
+        self.scheduler.reconfigure(new, keys)
+        self.api.config = new
+        # 4. Removed stages finish what they have, then stop.
+        for name in removed:
+            task = asyncio.get_running_loop().create_task(self._retire(name))
+            self._removals.add(task)
+            task.add_done_callback(self._removals.discard)
+        self.reloads += 1
+        failed = [n for n in changed if self.stages[n].state is WorkerState.FAILED]
+        summary = (f"reloaded {path}: {len(added)} stage(s) added, {len(changed)} restarted, {len(removed)} "
+                   f"removed; {len(new.pipelines)} pipelines")
+        if failed:
+            summary += f"; stage(s) {', '.join(failed)} failed to load their new definition"
+        log.info("reloaded", added=added, changed=changed, removed=removed, failed=failed,
+                 pipelines=sorted(new.pipelines))
+        return summary
+
+    def _keys_for(self, new: Config) -> dict[str, str]:
+        """Each pipeline's key: the same while its definition is the same, a new one when it changed."""
+        keys: dict[str, str] = {}
+        for name, definition in new.pipelines.items():
+            key = self.keys.get(name)
+            if key is None or self.definitions.get(key) != definition:
+                key, n = name, 1
+                while key in self.definitions and self.definitions[key] != definition:
+                    n += 1
+                    key = f"{name}~{n}"
+                self.definitions[key] = definition
+            keys[name] = key
+        return keys
+
+    async def _retire(self, name: str) -> None:
+        """A stage removed by a reload: stop it once no live job needs it."""
+        while any(name in job.record.stages for job in self.scheduler.live.values()):
+            await asyncio.sleep(0.2)
+        handle = self.stages.get(name)
+        if handle is not None and name not in self.config.stages:
+            await handle.stop(self.config.daemon.stop_grace_s)
+            del self.stages[name]
+            log.info("stage removed", stage=name)
+
+    async def stop(self) -> None:
+        for task in list(self._removals):
+            task.cancel()
+
