@@ -1,11 +1,12 @@
 """omnid: a supervisor that serves multi-stage inference pipelines on warm stage workers.
 
 Layout (each part by its name):
-  config        the TOML configuration and its validation
-  supervisor/   the daemon process: stage handles, job scheduler, socket API
-  worker/       the stage worker process: input queue, engine loop, hand-off downstream
+  vocabulary    the shared words: states, event types, error codes, the job record
+  config        the TOML configuration and its validation; params: per-job engine parameters
+  supervisor/   the daemon process: stage handles, job scheduler, recovery, reload, socket API
+  worker/       the stage worker process: input queue, engine loop, windows, hand-off downstream
   engines/      vllm, diffusers and python engines (heavy imports live only here)
-  dataplane     the copy-based stage-to-stage transport (framing, codec)
+  dataplane     the stage-to-stage transport (framing, acks, offers); shm: its shared memory
   protocol      control and event messages between supervisor and workers
   store         the sqlite job store and job output folders
   locks         GPU lock files
