@@ -72,6 +72,14 @@ def describe_exit(code: int | None) -> str:
     return f"exited with status {code}"
 
 
+def _error_summary(error: str, limit: int = 600) -> str:
+    """The whole exception message, on one line, without its traceback: a load error's first line
+    alone ("ValidationError: 1 validation error for ModelConfig") hides its cause."""
+    message = error.split("\nTraceback (most recent call last):", 1)[0]
+    text = " ".join(line.strip() for line in message.splitlines() if line.strip())
+    return text if len(text) <= limit else text[:limit] + " [...]"
+
+
 def _kill_group(pid: int | None) -> None:
     """SIGKILL the worker's process group: anything its engine started dies with it."""
     if pid is None:
@@ -263,7 +271,7 @@ class StageHandle:
         code = proc.exitcode
         reason = f"worker (pid {proc.pid}) {describe_exit(code)}"
         if self._load_error:
-            reason += f": {self._load_error.splitlines()[0]}"
+            reason += f": {_error_summary(self._load_error)}"
         self.last_error = reason
         self.running = ()
         # Fold this incarnation's counters into the totals, for monotonic metrics.
