@@ -1,0 +1,207 @@
+"""The control plane: per-job overhead, the API under 32 concurrent clients, supervisor memory.
+
+All on the shared "control" daemon (python no-op stages: `p1` = 1 stage, `p2` = 2, `p3` = 3).
+Clients are `omnictl.client.Client`s: one new Unix-socket connection per request, as omnictl does.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import psutil
+
+from _harness import Ctx, Daemon, Row, at_least, at_most, fmt, in_threads, p50, pct, raise_first
+from omnictl.client import ApiError, Client
+
+
+def _health_p50(d: Daemon, n: int) -> float:
+    lat = []
+    for _ in range(n):
+        t = time.perf_counter()
+        d.client.health()
+        lat.append(time.perf_counter() - t)
+    return p50(lat)
+
+
+def _job_latencies(ctx: Ctx, d: Daemon, pipeline: str, n: int) -> list[float]:
+    """Submit -> terminal event (the daemon's timestamp), one job at a time."""
+    out = []
+    for i in range(n):
+        if i % 20 == 0:
+            ctx.check(f"{pipeline} job {i}")
+        r = d.run(pipeline, timeout=30).check()
+        out.append(r.end_ts() - r.t0)
+    return out
+
+
+def bench_noop_latency(ctx: Ctx) -> list[Row]:
+    """p50 of submit -> terminal event for a 1-stage and a 3-stage no-op pipeline, one job at a time.
+
+    The jobs alternate (p1, p3, p1, ...) so that both see the same noise. The anchor is a bare
+    `GET /v1/health` round trip (p50, measured before and after). A further stage hop is
+    (p50(3 stages) - p50(1 stage)) / 2; the note also gives the hop as the daemon stamps it inside
+    the 3-stage jobs (stage_finished of one stage -> stage_started of the next, median).
+    """
+    d = ctx.daemon("control")
+    n = ctx.n(200, 100)
+    for _ in range(10):
+        d.run("p1", timeout=30).check()
+        d.run("p3", timeout=30).check()
+    health = _health_p50(d, n)
+    one: list[float] = []
+    three: list[float] = []
+    inside: list[float] = []
+    for i in range(n):
+        if i % 20 == 0:
+            ctx.check(f"job {i}")
+        r = d.run("p1", timeout=30).check()
+        one.append(r.end_ts() - r.t0)
+        r = d.run("p3", timeout=30).check()
+        three.append(r.end_ts() - r.t0)
+        for a, b in (("n1", "n2"), ("n2", "n3")):
+            inside.append(float(r.first(type="stage_started", stage=b)["ts"])
+                          - float(r.first(type="stage_finished", stage=a)["ts"]))
+    health = (health + _health_p50(d, n)) / 2
+    p1, p3 = p50(one), p50(three)
+    hop = (p3 - p1) / 2
+    return [
+        Row("no-op job, 1 stage: submit -> terminal event, p50", 1000 * p1, "ms", "GET /v1/health p50",
+            1000 * health, "ms", p1 / health, "job / health", at_most(2.0, "<= 2 ms", on="value"),
+            f"{len(one)} jobs; p10 {fmt(1000 * pct(one, 0.1))} ms, p90 {fmt(1000 * pct(one, 0.9))} ms"),
+        Row("no-op job, each further stage hop, p50", 1000 * hop, "ms", "GET /v1/health p50",
+            1000 * health, "ms", hop / health, "hop / health", at_most(0.5, "<= 0.5 ms", on="value"),
+            f"(p50 3-stage {fmt(1000 * p3)} ms - p50 1-stage) / 2; stamped inside the 3-stage jobs "
+            f"(stage_finished -> next stage_started): p50 {fmt(1000 * p50(inside))} ms"),
+    ]
+
+
+def _hammer(d: Daemon, clients: int, seconds: float, max_count: int,
+            request: Any) -> tuple[float, int, int]:
+    """`clients` threads calling request(client, i) until `seconds` pass or `max_count` calls are made.
+
+    Returns (successful calls per second, calls that succeeded, calls refused (an API error)).
+    """
+    lock = threading.Lock()
+    counter = [0]
+    ok = [0] * clients
+    refused = [0] * clients
+    start = threading.Barrier(clients + 1)
+    stop_at = [0.0]
+
+    def body(k: int) -> None:
+        c = Client(str(d.socket), timeout=30)
+        start.wait(30)
+        while time.monotonic() < stop_at[0]:
+            with lock:
+                i = counter[0]
+                if i >= max_count:
+                    return
+                counter[0] += 1
+            try:
+                if request(c, i):
+                    ok[k] += 1
+            except ApiError:
+                refused[k] += 1
+
+    threads = [threading.Thread(target=body, args=(k,), daemon=True) for k in range(clients)]
+    for t in threads:
+        t.start()
+    stop_at[0] = time.monotonic() + seconds
+    t0 = time.monotonic()
+    start.wait(30)
+    for t in threads:
+        t.join(seconds + 60)
+    elapsed = time.monotonic() - t0
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError("a client thread is stuck")
+    return sum(ok) / elapsed, sum(ok), sum(refused)
+
+
+def bench_api_concurrency(ctx: Ctx) -> list[Row]:
+    """32 client threads for a few seconds each: GET /v1/health, POST /v1/jobs (p2), GET /v1/jobs/{id}.
+
+    Each loop stops after `seconds` or `max_count` requests. The submitted jobs run (2 no-op stages)
+    while the later loops go on; the daemon is drained at the end.
+    """
+    d = ctx.daemon("control")
+    d.drain(60)
+    clients, seconds = 32, ctx.n(3.0, 1.5)
+    cap = ctx.n(6000, 3000)          # jobs: they all run afterwards
+    health_rate, health_ok, _ = _hammer(d, clients, seconds, 100000, lambda c, i: bool(c.health()))
+    ctx.log(f"health: {health_rate:.0f} req/s ({health_ok})")
+    ctx.check("after health")
+    ids: list[str] = []
+    ids_lock = threading.Lock()
+
+    def post(c: Client, i: int) -> bool:
+        job = c.submit("p2", {"text": str(i)})
+        with ids_lock:
+            ids.append(job["id"])
+        return True
+
+    post_rate, posted, refused = _hammer(d, clients, seconds, cap, post)
+    ctx.log(f"POST: {post_rate:.0f} jobs/s ({posted} accepted, {refused} refused)")
+    ctx.check("after POST")
+    get_rate, got, _ = _hammer(d, clients, seconds, 100000, lambda c, i: bool(c.job(ids[i % len(ids)])))
+    ctx.log(f"GET job: {get_rate:.0f} req/s ({got})")
+    t = time.monotonic()
+    d.drain(max(10.0, min(180.0, ctx.left())))
+    drain_s = time.monotonic() - t
+    return [
+        Row("POST /v1/jobs, 32 clients, 2-stage no-op: jobs/s", post_rate, "/s", "GET /v1/health, 32 clients", health_rate, "/s",
+            post_rate / health_rate, "POST / health", at_least(1000, ">= 1000/s", on="value"),
+            f"{posted} accepted, {refused} refused in {seconds:g} s; the jobs then ran to the end in "
+            f"{drain_s:.1f} s more"),
+        Row("GET /v1/jobs/{id}, 32 clients: req/s", get_rate, "/s", "GET /v1/health, 32 clients",
+            health_rate, "/s", get_rate / health_rate, "GET job / health",
+            at_least(3000, ">= 3000/s (keep)", on="value"), f"{got} requests while those jobs ran"),
+    ]
+
+
+def bench_supervisor_rss(ctx: Ctx) -> list[Row]:
+    """Supervisor RSS (psutil, the daemon's own pid) before and after N no-op jobs (p1).
+
+    8 threads submit N jobs without following them (bounded in time: fewer if the budget runs
+    out, said in the note); then the daemon is drained and its RSS read again.
+    """
+    d = ctx.daemon("control")
+    d.drain(60)
+    proc = psutil.Process(d.proc.pid)
+    n = ctx.n(10000, 1000)
+    before = proc.memory_info().rss
+    deadline = time.monotonic() + max(10.0, ctx.left() - 60)
+    lock = threading.Lock()
+    counter = [0]
+
+    def body(k: int) -> int:
+        c = Client(str(d.socket), timeout=30)
+        done = 0
+        while time.monotonic() < deadline:
+            with lock:
+                if counter[0] >= n:
+                    break
+                counter[0] += 1
+            try:
+                c.submit("p1", {"text": "x"})
+                done += 1
+            except ApiError as e:
+                if e.status != 429:
+                    raise
+                time.sleep(0.05)
+        return done
+
+    t = time.monotonic()
+    results = in_threads(8, body, timeout=max(20.0, ctx.left()))
+    raise_first(results)
+    submitted = sum(results)
+    d.drain(max(10.0, min(120.0, ctx.left())))
+    elapsed = time.monotonic() - t
+    after = proc.memory_info().rss
+    mib = 1 << 20
+    short = "" if submitted >= n else f" (only {submitted} of {n} within the budget)"
+    return [Row(f"supervisor RSS after {submitted} no-op jobs", after / mib, "MiB", "RSS before them",
+                before / mib, "MiB", after / before, "after / before", None,
+                f"{(after - before) / max(1, submitted):.0f} B per job; {submitted / elapsed:.0f} jobs/s "
+                f"submitted and run by 8 clients{short}")]
