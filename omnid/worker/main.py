@@ -38,7 +38,7 @@ from omnid.config import EdgeConfig, PipelineConfig
 from omnid.dataplane import Listener, Sender, WorkItem
 from omnid.engines.base import Engine, RequestContext
 from omnid.shm import ShmPool
-from omnid.worker.outputs import clear_stream
+from omnid.worker.outputs import StreamWriter, clear_stream
 from omnid.worker.windows import EdgeStream, InputStream, WindowBuilder
 
 _PR_SET_PDEATHSIG = 1
@@ -106,6 +106,7 @@ class StageWorker:
         self.resends: queue.Queue[P.Resend] = queue.Queue()
         self.inflight: dict[str, RequestContext] = {}    # job -> its request, in the engine
         self.items: dict[str, WorkItem] = {}             # job -> the item that started it
+        self.live_outputs: dict[str, StreamWriter] = {}  # job -> a last stage's stream files, while it runs
         # Streaming edges (window = N). Upstream side, main thread only: windows being built and
         # windows offered downstream but not yet admitted there (in order, per job and edge).
         self.builders: dict[tuple[str, str], WindowBuilder] = {}      # (job, dst)
@@ -173,7 +174,7 @@ class StageWorker:
                     jobs = {j for j, _ in self.outbox} | set(self.partial) | {j for j, _ in self.received} \
                         | {j for j, _ in self.streams}
                 windows = {j for j, _ in self.builders} | {j for j, _ in self.unsent}
-                return len(jobs | windows | set(self.items) | set(self.inflight))
+                return len(jobs | windows | set(self.items) | set(self.inflight) | set(self.live_outputs))
             except RuntimeError:
                 continue
 
@@ -431,6 +432,7 @@ class StageWorker:
         prefix = self._sink_prefix(pipeline)
         if sink_dir is not None:
             clear_stream(sink_dir, prefix)  # what an earlier attempt (before a retry) streamed
+            live_outputs = self.live_outputs[job] = StreamWriter(sink_dir, prefix)
 
         def emit(kind: str, data: dict[str, Any]) -> None:
             self._emit(job, kind, data)
@@ -444,8 +446,7 @@ class StageWorker:
                     if error is not None:
                         return error
             if sink_dir is not None and outputs:
-                from omnid.worker.outputs import append_stream
-                append_stream(sink_dir, outputs, prefix)
+                live_outputs.append(outputs)
             return None
 
         def held() -> bool:                 # windows for a downstream pile up: let it catch up
@@ -473,6 +474,9 @@ class StageWorker:
         try:
             self._report(ctx, item, pipeline)
         finally:
+            writer = self.live_outputs.pop(ctx.job, None)
+            if writer is not None:
+                writer.close()
             if not pipeline.outgoing(self.stage.name):
                 # A last stage's segments were streamed to files for `?stream=1` readers (who keep
                 # their open file); from now on the job's outputs are its final files.

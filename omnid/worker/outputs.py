@@ -21,7 +21,7 @@ import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from omnid.paths import PRIVATE_DIR, PRIVATE_FILE
 from omnid.protocol import Output
@@ -140,19 +140,35 @@ def clear_stream(job_dir: Path, prefix: str = "") -> None:
             path.unlink(missing_ok=True)
 
 
-def append_stream(job_dir: Path, segment: dict[str, Any], prefix: str = "") -> None:
-    """Append a segment's text and bytes values to their outputs' stream files (read with `?stream=1`)."""
-    for name, value in segment.items():
-        if isinstance(value, str):
-            data = value.encode("utf-8")
-        elif isinstance(value, (bytes, bytearray, memoryview)):
-            data = bytes(value)
-        else:
-            continue
-        path = stream_file(job_dir, f"{prefix}{name}")
-        _private_dirs(path.parent)
-        with open(path, "ab", opener=_private) as f:
+class StreamWriter:
+    """A last stage's live outputs for one job: each segment's text and bytes values appended to
+    their stream files (read with `?stream=1`). The files stay open while the job runs: one write
+    per segment (a token of a batch of streams), not an open and a close."""
+
+    def __init__(self, job_dir: Path, prefix: str = "") -> None:
+        self.job_dir = job_dir
+        self.prefix = prefix
+        self._files: dict[str, BinaryIO] = {}
+
+    def append(self, segment: dict[str, Any]) -> None:
+        for name, value in segment.items():
+            if isinstance(value, str):
+                data = value.encode("utf-8")
+            elif isinstance(value, (bytes, bytearray, memoryview)):
+                data = bytes(value)
+            else:
+                continue
+            f = self._files.get(name)
+            if f is None:
+                path = stream_file(self.job_dir, f"{self.prefix}{name}")
+                _private_dirs(path.parent)
+                f = self._files[name] = open(path, "ab", buffering=0, opener=_private)
             f.write(data)
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
 
 
 def write_outputs(job: str, job_dir: Path, outputs: dict[str, Any], prefix: str = "") -> list[Output]:
