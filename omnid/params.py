@@ -33,7 +33,31 @@ ENGINE_PARAMS: dict[str, frozenset[str] | None] = {
 _SEED_MAX = 2**63
 
 
-def _integer(lo: int | None = None, hi: int | None = None, multiple: int = 1) -> Callable[[Any], str | None]:
+class Rule:
+    """A value rule that also describes itself: called with a value, it says why the value is not
+    valid (or None); `schema` is the same rule as JSON Schema (for `GET /v1/pipelines/{name}` and
+    the OpenAPI document), built from the very arguments the check uses."""
+
+    def __init__(self, check: Callable[[Any], str | None], schema: dict[str, Any]) -> None:
+        self.check = check
+        self.schema = schema
+
+    def __call__(self, value: Any) -> str | None:
+        return self.check(value)
+
+    def __repr__(self) -> str:
+        return f"Rule({self.schema!r})"
+
+
+def _integer(lo: int | None = None, hi: int | None = None, multiple: int = 1) -> Rule:
+    schema: dict[str, Any] = {"type": "integer"}
+    if lo is not None:
+        schema["minimum"] = lo
+    if hi is not None:
+        schema["maximum"] = hi
+    if multiple != 1:
+        schema["multipleOf"] = multiple
+
     def check(v: Any) -> str | None:
         if isinstance(v, bool) or not isinstance(v, int):
             return "must be an integer"
@@ -42,10 +66,16 @@ def _integer(lo: int | None = None, hi: int | None = None, multiple: int = 1) ->
         if v % multiple:
             return f"must be a multiple of {multiple}"
         return None
-    return check
+    return Rule(check, schema)
 
 
-def _number(lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> Callable[[Any], str | None]:
+def _number(lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> Rule:
+    schema: dict[str, Any] = {"type": "number"}
+    if lo is not None:
+        schema["exclusiveMinimum" if lo_open else "minimum"] = lo
+    if hi is not None:
+        schema["maximum"] = hi
+
     def check(v: Any) -> str | None:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")):
             return "must be a finite number"
@@ -54,20 +84,27 @@ def _number(lo: float | None = None, hi: float | None = None, lo_open: bool = Fa
         if hi is not None and v > hi:
             return f"must be <= {hi}"
         return None
-    return check
+    return Rule(check, schema)
 
 
-def _of_type(kind: type, name: str) -> Callable[[Any], str | None]:
-    return lambda v: None if isinstance(v, kind) and not (kind is int and isinstance(v, bool)) else f"must be {name}"
+_JSON_TYPES: dict[type, str] = {bool: "boolean", str: "string", int: "integer", float: "number"}
 
 
-def _stop(v: Any) -> str | None:
+def _of_type(kind: type, name: str) -> Rule:
+    return Rule(lambda v: None if isinstance(v, kind) and not (kind is int and isinstance(v, bool)) else f"must be {name}",
+                {"type": _JSON_TYPES[kind]})
+
+
+def _check_stop(v: Any) -> str | None:
     ok = isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v))
     return None if ok else "must be a string or a list of strings"
 
 
+_stop = Rule(_check_stop, {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]})
+
+
 # Value rules for the known parameters, checked at the door (400) rather than in the engine.
-PARAM_RULES: dict[str, dict[str, Callable[[Any], str | None]]] = {
+PARAM_RULES: dict[str, dict[str, Rule]] = {
     "vllm": {
         "max_tokens": _integer(1), "min_tokens": _integer(0), "temperature": _number(0),
         "top_p": _number(0, 1, lo_open=True), "top_k": _integer(-1), "min_p": _number(0, 1),
@@ -126,3 +163,46 @@ def merged(defaults: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, 
     out = dict(defaults)
     out.update(params)
     return out
+
+
+# ------------------------------------------------------------------ self-description
+# What `GET /v1/pipelines/{name}` and `GET /v1/openapi.json` say a stage accepts: derived from the
+# rules above, so the description and the check cannot disagree.
+
+# `plain_value` as JSON Schema: what any parameter (and a python stage's) may hold.
+_SCALAR_SCHEMA: dict[str, Any] = {"type": ["string", "number", "integer", "boolean"]}
+PLAIN_VALUE_SCHEMA: dict[str, Any] = {
+    "anyOf": [{"type": ["string", "number", "integer", "boolean", "null"]},
+              {"type": "array", "items": _SCALAR_SCHEMA}],
+}
+ANY_PARAMS = "any (the function reads what it wants)"
+
+
+def param_schema(engine: str, key: str) -> dict[str, Any]:
+    """JSON Schema of one parameter's value: its rule's, else (a name only a stage's defaults
+    add, or any name on a python stage) any plain value."""
+    rule = PARAM_RULES.get(engine, {}).get(key)
+    return dict(rule.schema) if rule is not None else dict(PLAIN_VALUE_SCHEMA)
+
+
+def describe_stage_params(engine: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """What a job may set on a stage of `engine` with these `defaults`, readably:
+    `{"accepts": "listed" | ANY_PARAMS, "params": {name: schema + "default"?}}`."""
+    accepted = stage_accepts(engine, defaults)
+    names = sorted(defaults) if accepted is None else sorted(accepted)
+    params: dict[str, Any] = {}
+    for name in names:
+        doc = param_schema(engine, name) if accepted is not None else {}
+        if name in defaults:
+            doc["default"] = defaults[name]
+        params[name] = doc
+    return {"accepts": "listed" if accepted is not None else ANY_PARAMS, "params": params}
+
+
+def stage_params_schema(engine: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """JSON Schema of a job's `params.STAGE` object, as `job_param_problem` checks it."""
+    described = describe_stage_params(engine, defaults)
+    if described["accepts"] != "listed":
+        return {"type": "object", "additionalProperties": PLAIN_VALUE_SCHEMA, "description": ANY_PARAMS,
+                "properties": {name: {**PLAIN_VALUE_SCHEMA, **doc} for name, doc in described["params"].items()}}
+    return {"type": "object", "additionalProperties": False, "properties": described["params"]}

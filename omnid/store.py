@@ -260,3 +260,52 @@ class JobStore:
             live).fetchall()
         return [Unfinished(JobRecord.from_doc(json.loads(doc)), _decode_inputs(inputs) if inputs else None,
                            attempts or 0, events) for doc, inputs, attempts, events in rows]
+
+    # ------------------------------------------------------------------ retention (omnid.retention)
+
+    def expired(self, older_than: float | None, keep: int | None, limit: int) -> builtins.list[str]:
+        """Up to `limit` finished jobs past the retention bounds, oldest first: those created before
+        `older_than` (a time.time(); None: no age bound) and those past the `keep` newest finished
+        ones (None: no count bound). Queued and running jobs are never among them."""
+        self.flush()
+        self.db.execute("CREATE INDEX IF NOT EXISTS jobs_created ON jobs(created_at)")
+        live = tuple(str(s) for s in (JobState.QUEUED, JobState.RUNNING))
+        found: dict[str, float] = {}
+        if older_than is not None:
+            found.update(self.db.execute(
+                "SELECT id, created_at FROM jobs WHERE state NOT IN (?, ?) AND created_at < ? "
+                "ORDER BY created_at LIMIT ?", (*live, older_than, limit)).fetchall())
+        if keep is not None:
+            found.update(self.db.execute(
+                "SELECT id, created_at FROM (SELECT id, created_at FROM jobs WHERE state NOT IN (?, ?) "
+                "ORDER BY created_at DESC LIMIT -1 OFFSET ?) ORDER BY created_at LIMIT ?",
+                (*live, keep, limit)).fetchall())
+        return sorted(found, key=lambda j: found[j])[:limit]
+
+    def delete_many(self, job_ids: builtins.list[str], batch: int = 500) -> int:
+        """Remove these jobs, their events, inputs and output folders: one transaction per `batch`
+        jobs (`DELETE ... WHERE job IN (...)`), then the folders. Returns how many rows of `jobs` went."""
+        self.flush()
+        removed = 0
+        for i in range(0, len(job_ids), batch):
+            part = job_ids[i:i + batch]
+            marks = ",".join("?" * len(part))
+            self.db.execute("BEGIN")
+            try:
+                self.db.execute(f"DELETE FROM events WHERE job IN ({marks})", part)
+                self.db.execute(f"DELETE FROM job_inputs WHERE job IN ({marks})", part)
+                removed += self.db.execute(f"DELETE FROM jobs WHERE id IN ({marks})", part).rowcount
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+            self.db.execute("COMMIT")
+            for job_id in part:
+                shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
+        return removed
+
+    def counts(self) -> dict[str, int]:
+        """Rows in `jobs` and `events`, and the database's free pages (what retention measures)."""
+        self.flush()
+        return {"jobs": self.db.execute("SELECT COUNT(*) FROM jobs").fetchone()[0],
+                "events": self.db.execute("SELECT COUNT(*) FROM events").fetchone()[0],
+                "free_pages": self.db.execute("PRAGMA freelist_count").fetchone()[0]}

@@ -13,7 +13,8 @@ Two models are built under ROOT:
     A tiny ``LlamaForCausalLM`` (hidden 128, 2 heads of dim 64, 2 layers)
     that vLLM's CPU backend can load, saved as safetensors, plus a
     byte-level BPE tokenizer trained here on a small built-in English
-    corpus and saved as a ``PreTrainedTokenizerFast``. The weights are
+    corpus and saved as a ``PreTrainedTokenizerFast`` with a plain
+    ``role: content`` chat template. The weights are
     random, but they are nudged so that sampled tokens are whole
     space-prefixed words or punctuation: output reads as a string of
     English words. Special tokens (EOS included) are made very unlikely,
@@ -45,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 MARKER_NAME = ".omnid-tiny-ok"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2          # 2: the LLM's tokenizer has a chat template (LLM_CHAT_TEMPLATE)
 SEED = 1234
 
 LLM_DTYPE = "bfloat16"
@@ -61,6 +62,12 @@ SD_SAMPLE_SIZE = 32  # latent side; the VAE doubles it, so images are 64 px
 SD_MAX_LENGTH = 77
 
 BOS, EOS, UNK, PAD = "<s>", "</s>", "<unk>", "<pad>"
+# A plain "role: content" chat template (no BOS: the tokenizer's post-processor adds it), so
+# that chat requests (`messages`, /v1/chat/completions) render as they would on a real model.
+LLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 CLIP_BOS, CLIP_EOS = "<|startoftext|>", "<|endoftext|>"
 
 CORPUS = """\
@@ -222,6 +229,7 @@ def _train_llm_tokenizer() -> Any:
         model_max_length=LLM_MAX_POSITIONS,
         padding_side="left",
         clean_up_tokenization_spaces=False,
+        chat_template=LLM_CHAT_TEMPLATE,
     )
 
 

@@ -87,7 +87,7 @@ def test_restart_that_cannot_load_gets_one_more_try(second_load: str, start_daem
     os.kill(first_pid, signal.SIGKILL)
 
     def spawned() -> int:
-        return len(re.findall(r"stage worker spawned.*stage=lf\b", d.log()))
+        return len(re.findall(r'stage worker spawned.*(?:stage=|"stage": ")lf\b', d.log()))
 
     if second_load == "fails too":
         snap = d.wait_stage_state("lf", ("failed",), timeout=20)

@@ -53,8 +53,8 @@ def assert_no_process_left(env: dict[str, str], timeout: float = 5) -> None:
 
 
 def spawned_pids(log: str) -> list[int]:
-    """Worker pids from the daemon's 'stage worker spawned ... pid=N' lines."""
-    return [int(m) for m in re.findall(r"stage worker spawned.*?\bpid=(\d+)", log)]
+    """Worker pids from the daemon's 'stage worker spawned' lines (console or JSON)."""
+    return [int(m) for m in re.findall(r'stage worker spawned.*?(?:\bpid=|"pid": )(\d+)', log)]
 
 
 def write_module(d: Path, name: str, body: str) -> Path:

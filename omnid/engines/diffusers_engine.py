@@ -118,8 +118,7 @@ class DiffusersEngine(Engine):
         return [name for name in _BATCHED_TENSORS if name in allowed] if "latents" in allowed else []
 
     def info(self) -> dict[str, Any]:
-        return {"model": str(self.stage.model), "pipeline": type(self.pipe).__name__, "device": self.device,
-                "max_batch": self.max_batch}
+        return {"model": str(self.stage.model), "pipeline": type(self.pipe).__name__, "device": self.device}
 
     # ------------------------------------------------------------------ the Engine interface
 

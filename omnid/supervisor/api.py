@@ -40,6 +40,7 @@ from omnid.params import job_param_problem, plain_value
 from omnid.store import JobStore
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.live_job import LAGGED
+from omnid.supervisor.openapi import describe_pipeline, openapi_document
 from omnid.supervisor.scheduler import Scheduler
 from omnid.supervisor.stage import StageHandle
 from omnid.vocabulary import TERMINAL_JOB_STATES, ErrorCode, JobRecord, JobState
@@ -48,6 +49,7 @@ from omnid.worker.outputs import stream_file
 log = structlog.get_logger("omnid.api")
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MIN_PREFIX = 4                # a job id prefix shorter than this names no job (store.resolve)
 SUMMARY_CHARS = 1000          # how much of a long text input the job document shows
 # (in the order the API has always listed them)
 _STATE_NAMES = ", ".join([str(JobState.QUEUED), str(JobState.RUNNING), *sorted(map(str, TERMINAL_JOB_STATES))])
@@ -136,6 +138,8 @@ class Api:
             web.delete("/v1/jobs/{id}", self.delete),
             web.get("/v1/jobs/{id}/outputs/{name}", self.output),
             web.get("/v1/pipelines", self.list_pipelines),
+            web.get("/v1/pipelines/{name}", self.get_pipeline),
+            web.get("/v1/openapi.json", self.openapi),
             web.get("/v1/stages", self.list_stages),
             web.post("/v1/stages/{name}/restart", self.restart_stage),
             web.get("/v1/health", self.health),
@@ -151,7 +155,9 @@ class Api:
         ref = request.match_info["id"]
         found = self.store.resolve(ref)
         if found is None:
-            raise Refused(404, ErrorCode.UNKNOWN_JOB, f"no job {ref!r}")
+            short = len(ref) < MIN_PREFIX     # (store.resolve matches prefixes of MIN_PREFIX or more only)
+            raise Refused(404, ErrorCode.UNKNOWN_JOB, f"no job {ref!r}" + (
+                f": job id prefixes need at least {MIN_PREFIX} characters" if short else ""))
         if isinstance(found, list):
             raise Refused(400, ErrorCode.AMBIGUOUS_JOB, f"{ref!r} matches several jobs: {', '.join(found)}")
         job = self.scheduler.job(found)
@@ -211,7 +217,7 @@ class Api:
         job = self.scheduler.submit(request["uid"], name, inputs, params, timeout, summary)
         self.store.flush()              # a 201 means the job is in the database
         log.info("audit", action="submit", uid=request["uid"], job=job.id, pipeline=name)
-        return web.json_response(job.to_doc(), status=201)
+        return web.json_response(job.to_doc(), status=201, headers={"Location": f"/v1/jobs/{job.id}"})
 
     def _inputs(self, raw: Any, pipeline: PipelineConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         if not isinstance(raw, dict):
@@ -433,6 +439,19 @@ class Api:
 
     async def list_pipelines(self, request: web.Request) -> web.Response:
         return web.json_response({"pipelines": [p.as_api() for p in self.config.pipelines.values()]})
+
+    async def get_pipeline(self, request: web.Request) -> web.Response:
+        """One pipeline: its inputs, each stage's parameters (types, limits, defaults), edges, outputs."""
+        name = request.match_info["name"]
+        pipeline = self.config.pipelines.get(name)
+        if pipeline is None:
+            raise Refused(404, ErrorCode.UNKNOWN_PIPELINE, f"no pipeline {name!r}; known: "
+                          f"{', '.join(sorted(self.config.pipelines))}")
+        return web.json_response(describe_pipeline(self.config, pipeline))
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        """The OpenAPI 3.1 document of every route this app serves (read from its router now)."""
+        return web.json_response(openapi_document(request.app, self.config, self.info.version))
 
     async def list_stages(self, request: web.Request) -> web.Response:
         return web.json_response({"stages": [h.snapshot() for h in self.stages.values()]})

@@ -91,7 +91,7 @@ def test_daemon_defaults(tmp_path: Path) -> None:
         "max_request_bytes": 64 * 1024 * 1024, "heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 30.0,
         "startup_timeout_s": 900.0, "cancel_grace_s": 5.0, "stop_grace_s": 10.0, "restart_backoff_s": 1.0,
         "restart_backoff_max_s": 30.0, "max_restarts": 5, "restart_window_s": 300.0,
-        "log_level": "info", "log_format": "console",
+        "log_level": "info", "log_format": "auto",
     }
     got = {k: getattr(daemon, k) for k in expected}
     assert got == expected

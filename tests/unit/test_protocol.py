@@ -62,6 +62,7 @@ def examples() -> dict[type, Any]:
         P.ResendMissing: P.ResendMissing(job=JOB, dst="draw"),
         P.Stopped: P.Stopped(job=JOB),
         P.Batch: P.Batch(messages=(P.Started(job=JOB), P.Segment(job=JOB, index=0, is_last=False, text="a"))),
+        P.Reconfigure: P.Reconfigure(config=a_config()),
     }
 
 

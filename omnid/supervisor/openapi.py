@@ -1,0 +1,321 @@
+"""The API describing itself: `GET /v1/pipelines/{name}` (what a pipeline takes and gives) and
+`GET /v1/openapi.json` (an OpenAPI 3.1 document of every route the app has).
+
+Runs in the supervisor's event-loop thread, called by the handlers in `api.py`; pure functions of
+the config and the app's router, no I/O, nothing blocks. Both documents are built from the same
+things the server checks with: the parameter rules of `omnid.params` (each rule describes itself),
+the engines' input needs (as `Api._inputs` enforces them) and the words of `omnid.vocabulary`, so
+the description cannot drift from the behaviour. The routes are read from the app's router at
+request time: an endpoint added anywhere (another module's routes too) is in the document; one
+this module has no schema for is still listed, described by its handler's docstring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from aiohttp import web
+
+from omnid.config import Config, PipelineConfig, StageConfig
+from omnid.params import PLAIN_VALUE_SCHEMA, describe_stage_params, stage_params_schema
+from omnid.vocabulary import ErrorCode, EventType, JobState, StageRunState, WorkerState
+
+# Engines whose first stage needs a text input "prompt" (the API refuses a job without it: 400
+# missing_input); a python stage's function reads whatever inputs it wants.
+PROMPT_ENGINES = ("vllm", "diffusers")
+UNKNOWN_INPUTS = "unknown: a python stage's function reads whatever inputs it wants"
+# What each engine's stage produces (the job's outputs when it is a last stage).
+ENGINE_OUTPUTS: dict[str, list[dict[str, Any]]] = {
+    "vllm": [{"name": "text", "kind": "text", "file": "text.txt", "content_type": "text/plain; charset=utf-8",
+              "description": "the generated text (streamed as text segments)"}],
+    "diffusers": [
+        {"name": "image", "kind": "image", "file": "image.png", "content_type": "image/png",
+         "description": "the image (image-K.png, one per image, when num_images_per_prompt > 1)"},
+        {"name": "prompt", "kind": "text", "file": "prompt.txt", "content_type": "text/plain; charset=utf-8",
+         "description": "the prompt it drew"},
+    ],
+}
+UNKNOWN_OUTPUTS = ("whatever the function returns: str -> NAME.txt, image -> NAME.png, bytes sniffed, "
+                   "tensor/array -> NAME.npy, other values -> NAME.json")
+
+
+# ------------------------------------------------------------------ GET /v1/pipelines/{name}
+
+
+def _stage_inputs(stage: StageConfig) -> dict[str, Any]:
+    if stage.engine in PROMPT_ENGINES:
+        return {"known": True, "engine": stage.engine,
+                "inputs": {"prompt": {"type": "string", "required": True,
+                                      "description": f"the text prompt of {stage.engine} stage {stage.name!r}"}}}
+    return {"known": False, "engine": stage.engine, "inputs": {}, "note": UNKNOWN_INPUTS}
+
+
+def _stage_outputs(stage: StageConfig) -> dict[str, Any]:
+    outputs = ENGINE_OUTPUTS.get(stage.engine)
+    if outputs is not None:
+        return {"known": True, "engine": stage.engine, "outputs": [dict(o) for o in outputs]}
+    return {"known": False, "engine": stage.engine, "outputs": [], "note": UNKNOWN_OUTPUTS}
+
+
+def describe_pipeline(config: Config, pipeline: PipelineConfig) -> dict[str, Any]:
+    """The discovery document: the listing's fields (`as_api`), then what a job gives it
+    (`inputs` per first stage), may set (`params` per stage: types, limits, defaults) and gets
+    back (`outputs` per last stage, by engine)."""
+    doc = pipeline.as_api()
+    stages = [config.stages[name] for name in pipeline.stages]
+    doc["inputs"] = {s.name: _stage_inputs(s) for s in stages if s.name in pipeline.sources}
+    doc["params"] = {s.name: {"engine": s.engine, **describe_stage_params(s.engine, s.defaults)} for s in stages}
+    doc["outputs"] = {s.name: _stage_outputs(s) for s in stages if s.name in pipeline.sinks}
+    return doc
+
+
+# ------------------------------------------------------------------ schemas
+
+
+def _enum(values: Iterable[str]) -> dict[str, Any]:
+    return {"type": "string", "enum": [str(v) for v in values]}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _obj(properties: Mapping[str, Any], required: Iterable[str] = (), extra: bool = True) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object", "properties": dict(properties), "required": list(required)}
+    if not extra:
+        schema["additionalProperties"] = False
+    return schema
+
+
+_NUM = {"type": "number"}
+_INT = {"type": "integer"}
+_STR = {"type": "string"}
+_BOOL = {"type": "boolean"}
+_FILE_INPUT = _obj({"b64": {"type": "string", "contentEncoding": "base64"}, "filename": _nullable(_STR)},
+                   ["b64"], extra=False)
+_INPUT_VALUE = {"anyOf": [PLAIN_VALUE_SCHEMA, _FILE_INPUT]}
+
+
+def _job_request(config: Config) -> dict[str, Any]:
+    """`POST /v1/jobs`'s body: one alternative per pipeline, with each stage's params schema."""
+    timeout = {"type": "number", "exclusiveMinimum": 0, "maximum": 7 * 24 * 3600}
+    variants = []
+    for pipeline in config.pipelines.values():
+        sources = [config.stages[s] for s in pipeline.sources]
+        needs_prompt = any(s.engine in PROMPT_ENGINES for s in sources)
+        inputs = {"type": "object", "additionalProperties": _INPUT_VALUE,
+                  "properties": {"prompt": _STR} if needs_prompt else {},
+                  "required": ["prompt"] if needs_prompt else []}
+        params = _obj({name: stage_params_schema(config.stages[name].engine, config.stages[name].defaults)
+                       for name in pipeline.stages}, extra=False)
+        variants.append(_obj({"pipeline": {"const": pipeline.name}, "inputs": inputs, "params": params,
+                              "timeout_s": timeout}, ["pipeline", *(["inputs"] if needs_prompt else [])],
+                             extra=False) | {"title": pipeline.name})
+    return {"oneOf": variants} if variants else _obj({"pipeline": _STR}, ["pipeline"])
+
+
+def schemas(config: Config) -> dict[str, Any]:
+    """`components.schemas`: every document the API answers, and the job request."""
+    stage_run = _obj({
+        "state": _enum(StageRunState),
+        "progress": _nullable(_obj({"done": _INT, "total": _nullable(_INT)}, ["done"])),
+        "started_at": _nullable(_NUM), "finished_at": _nullable(_NUM), "elapsed_s": _nullable(_NUM),
+        "segments": _INT,
+    }, ["state", "progress", "started_at", "finished_at", "elapsed_s", "segments"], extra=False)
+    output = _obj({"name": _STR, "file": _STR, "kind": _STR, "content_type": _STR, "size": _INT,
+                   "stage": _STR}, ["name", "file", "kind", "content_type"])
+    job_error = _obj({"code": _enum(ErrorCode), "message": _STR, "stage": _nullable(_STR)}, ["code", "message"])
+    input_summary = {"anyOf": [PLAIN_VALUE_SCHEMA, _obj({"filename": _nullable(_STR), "size": _INT}, ["size"])]}
+    job_keys = {
+        "id": _STR, "pipeline": _STR, "state": _enum(JobState), "owner_uid": _INT,
+        "created_at": _NUM, "started_at": _nullable(_NUM), "finished_at": _nullable(_NUM), "timeout_s": _NUM,
+        "inputs": {"type": "object", "additionalProperties": input_summary},
+        "params": {"type": "object", "additionalProperties": {"type": "object",
+                                                              "additionalProperties": PLAIN_VALUE_SCHEMA}},
+        "stages": {"type": "object", "additionalProperties": _ref("StageRun")},
+        "outputs": {"type": "array", "items": _ref("Output")},
+        "error": _nullable(_ref("JobError")),
+    }
+    edge = _obj({"from": _STR, "to": _STR, "window": _INT, "map": _nullable({"type": "object"}),
+                 "transform": _nullable(_STR)}, ["from", "to", "window"])
+    pipeline_keys = {"name": _STR, "stages": {"type": "array", "items": _STR},
+                     "edges": {"type": "array", "items": _ref("Edge")},
+                     "sources": {"type": "array", "items": _STR}, "sinks": {"type": "array", "items": _STR},
+                     "timeout_s": _nullable(_NUM), "retries": _INT}
+    param_doc = {"type": "object", "properties": {"default": PLAIN_VALUE_SCHEMA}}
+    described = {
+        **pipeline_keys,
+        "inputs": {"type": "object", "additionalProperties": _obj(
+            {"known": _BOOL, "engine": _STR, "note": _STR,
+             "inputs": {"type": "object", "additionalProperties": _obj(
+                 {"type": _STR, "required": _BOOL, "description": _STR}, ["type", "required"])}},
+            ["known", "engine", "inputs"])},
+        "params": {"type": "object", "additionalProperties": _obj(
+            {"engine": _STR, "accepts": _STR, "params": {"type": "object", "additionalProperties": param_doc}},
+            ["engine", "accepts", "params"])},
+        "outputs": {"type": "object", "additionalProperties": _obj(
+            {"known": _BOOL, "engine": _STR, "note": _STR,
+             "outputs": {"type": "array", "items": _obj({"name": _STR, "kind": _STR, "file": _STR,
+                                                         "content_type": _STR, "description": _STR},
+                                                        ["name", "kind", "content_type"])}},
+            ["known", "engine", "outputs"])},
+    }
+    stage_keys = {
+        "name": _STR, "engine": _enum(("vllm", "diffusers", "python")), "state": _enum(WorkerState),
+        "pid": _nullable(_INT), "devices": {"type": "array", "items": _INT}, "queue_depth": _INT,
+        "queue_capacity": _INT, "max_inflight": _INT, "running": {"type": "array", "items": _STR},
+        "jobs_done": _INT, "restarts": _INT, "rss_bytes": _nullable(_INT), "cpu_percent": _nullable(_NUM),
+        "gpu_memory_bytes": _nullable(_INT), "uptime_s": _nullable(_NUM), "load_s": _nullable(_NUM),
+        "last_error": _nullable(_STR), "model": _nullable(_STR), "function": _nullable(_STR),
+    }
+    return {
+        "Error": _obj({"error": _obj({"code": _enum(ErrorCode), "message": _STR}, ["code", "message"])},
+                      ["error"], extra=False),
+        "JobRequest": _job_request(config),
+        "Job": _obj(job_keys, job_keys, extra=False),
+        "JobList": _obj({"jobs": {"type": "array", "items": _ref("Job")}}, ["jobs"], extra=False),
+        "StageRun": stage_run,
+        "Output": output,
+        "JobError": job_error,
+        "Event": _obj({"type": _enum(EventType), "job": _STR, "ts": _NUM, "stage": _STR, "state": _enum(JobState),
+                       "error": _nullable(_ref("JobError")), "done": _INT, "total": _nullable(_INT), "index": _INT,
+                       "is_last": _BOOL, "text": _STR, "code": _enum(ErrorCode), "message": _STR,
+                       "elapsed_s": _nullable(_NUM)}, ["type", "job", "ts"]),
+        "Deleted": _obj({"deleted": _STR}, ["deleted"], extra=False),
+        "Edge": edge,
+        "Pipeline": _obj(pipeline_keys, pipeline_keys),
+        "PipelineList": _obj({"pipelines": {"type": "array", "items": _ref("Pipeline")}}, ["pipelines"]),
+        "PipelineDescription": _obj(described, [*pipeline_keys, "inputs", "params", "outputs"]),
+        "Stage": _obj(stage_keys, ["name", "engine", "state", "pid"]),
+        "StageList": _obj({"stages": {"type": "array", "items": _ref("Stage")}}, ["stages"]),
+        "Restarting": _obj({"restarting": _STR, "stage": _ref("Stage")}, ["restarting", "stage"]),
+        "Health": _obj({"status": {"const": "ok"}, "pid": _INT, "uptime_s": _NUM, "version": _STR,
+                        "live_jobs": _INT, "stopping_jobs": _INT},
+                       ["status", "pid", "uptime_s", "version", "live_jobs"]),
+        "Ready": _obj({"ready": _BOOL, "stages": {"type": "object", "additionalProperties": _enum(WorkerState)},
+                       "not_ready": {"type": "array", "items": _STR}, "draining": _BOOL},
+                      ["ready", "stages", "not_ready"]),
+    }
+
+
+# ------------------------------------------------------------------ operations
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+_ERROR = {"$ref": "#/components/responses/Error"}
+_JOB_ID = {"name": "id", "in": "path", "required": True, "schema": _STR,
+           "description": "a job id, or a unique prefix of at least 4 characters"}
+
+
+def _path_param(name: str, description: str) -> dict[str, Any]:
+    return {"name": name, "in": "path", "required": True, "schema": _STR, "description": description}
+
+
+def _query(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
+
+
+def _op(summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"summary": summary, **extra, "responses": {**responses, "default": _ERROR}}
+
+
+# (method, path) -> operation, for the routes this module knows. Routes it does not know are
+# documented from their handler (see `openapi_document`).
+OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
+    ("POST", "/v1/jobs"): _op(
+        "Submit a job", {"201": {**_json(_ref("Job"), "the job, queued (it is in the database)"),
+                                 "headers": {"Location": {"schema": _STR, "description": "/v1/jobs/{id}"}}}},
+        requestBody={"required": True, "content": {"application/json": {"schema": _ref("JobRequest")}}}),
+    ("GET", "/v1/jobs"): _op(
+        "The caller's jobs (root: everyone's), newest first", {"200": _json(_ref("JobList"), "the jobs")},
+        parameters=[_query("state", _enum(JobState), "only jobs in this state"),
+                    _query("pipeline", _STR, "only jobs of this pipeline"),
+                    _query("limit", {"type": "integer", "minimum": 1, "maximum": 1000, "default": 50},
+                           "how many")]),
+    ("GET", "/v1/jobs/{id}"): _op("One job", {"200": _json(_ref("Job"), "the job")}, parameters=[_JOB_ID]),
+    ("GET", "/v1/jobs/{id}/events"): _op(
+        "The job's events from its start, live, ending after its terminal state",
+        {"200": {"description": "NDJSON: one Event object per line",
+                 "content": {"application/x-ndjson": {"schema": _ref("Event")}}}}, parameters=[_JOB_ID]),
+    ("POST", "/v1/jobs/{id}/cancel"): _op(
+        "Cancel a queued or running job (idempotent)", {"200": _json(_ref("Job"), "the job")}, parameters=[_JOB_ID]),
+    ("DELETE", "/v1/jobs/{id}"): _op(
+        "Forget a finished job and its files (409 while it runs)", {"200": _json(_ref("Deleted"), "deleted")},
+        parameters=[_JOB_ID]),
+    ("GET", "/v1/jobs/{id}/outputs/{name}"): _op(
+        "One output's bytes, with its content type; ?stream=1: a live job's output as it is produced",
+        {"200": {"description": "the output's bytes", "content": {"*/*": {"schema": {"type": "string",
+                                                                                     "format": "binary"}}}}},
+        parameters=[_JOB_ID, _path_param("name", "the output's name or file name"),
+                    _query("stream", _enum(("1", "true", "0", "false")), "stream a live job's output")]),
+    ("GET", "/v1/pipelines"): _op("Every pipeline", {"200": _json(_ref("PipelineList"), "the pipelines")}),
+    ("GET", "/v1/pipelines/{name}"): _op(
+        "One pipeline: its inputs, each stage's parameters (types, limits, defaults), edges and outputs",
+        {"200": _json(_ref("PipelineDescription"), "the pipeline")},
+        parameters=[_path_param("name", "the pipeline's name")]),
+    ("GET", "/v1/stages"): _op("Every stage's worker", {"200": _json(_ref("StageList"), "the stages")}),
+    ("POST", "/v1/stages/{name}/restart"): _op(
+        "Replace a stage's worker (root or daemon.admin_group)", {"202": _json(_ref("Restarting"), "restarting")},
+        parameters=[_path_param("name", "the stage's name")]),
+    ("GET", "/v1/health"): _op("Alive: pid, uptime, version, live jobs", {"200": _json(_ref("Health"), "alive")}),
+    ("GET", "/v1/ready"): _op("Every stage warm (200), or not (503)",
+                              {"200": _json(_ref("Ready"), "ready"), "503": _json(_ref("Ready"), "not ready")}),
+    ("GET", "/metrics"): _op("Prometheus metrics", {"200": {"description": "Prometheus text exposition",
+                                                            "content": {"text/plain": {"schema": _STR}}}}),
+    ("GET", "/v1/openapi.json"): _op("This document", {"200": _json({"type": "object"}, "OpenAPI 3.1")}),
+}
+_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
+
+
+def _fallback(route: web.AbstractRoute) -> dict[str, Any]:
+    """A route this module has no schema for: listed, described by its handler's docstring."""
+    doc = (getattr(route.handler, "__doc__", None) or "").strip()
+    summary = doc.splitlines()[0] if doc else f"{route.method} {route.resource.canonical if route.resource else ''}"
+    op: dict[str, Any] = {"summary": summary, "responses": {
+        "200": {"description": "success", "content": {"application/json": {"schema": {}}}}, "default": _ERROR}}
+    if doc:
+        op["description"] = doc
+    params = [p.strip("{}").split(":")[0] for p in (route.resource.canonical if route.resource else "").split("/")
+              if p.startswith("{")]
+    if params:
+        op["parameters"] = [_path_param(p, p) for p in params]
+    return op
+
+
+def routes(app: web.Application) -> list[tuple[str, str]]:
+    """(method, path) of every route the app serves, HEAD routes that mirror a GET left out."""
+    found: list[tuple[str, str]] = []
+    for route in app.router.routes():
+        if route.resource is None or route.method.lower() not in _METHODS:
+            continue
+        found.append((route.method.upper(), route.resource.canonical))
+    gets = {path for method, path in found if method == "GET"}
+    return [(m, p) for m, p in found if not (m == "HEAD" and p in gets)]
+
+
+def openapi_document(app: web.Application, config: Config, version: str) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of every route of `app`."""
+    paths: dict[str, dict[str, Any]] = {}
+    by_key = {(r.method.upper(), r.resource.canonical): r for r in app.router.routes() if r.resource is not None}
+    for method, path in routes(app):
+        op = OPERATIONS.get((method, path)) or _fallback(by_key[(method, path)])
+        paths.setdefault(path, {})[method.lower()] = op
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "omnid", "version": version,
+                 "description": "The omnid socket API: HTTP/1.1 + JSON over the daemon's Unix socket."},
+        "servers": [{"url": "http://omnid", "description": "the daemon's Unix socket (curl --unix-socket PATH)"}],
+        "paths": paths,
+        "components": {
+            "schemas": schemas(config),
+            "responses": {"Error": _json(_ref("Error"), "refused: {\"error\": {\"code\", \"message\"}}")},
+        },
+    }
