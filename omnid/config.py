@@ -81,6 +81,7 @@ class DaemonConfig:
     keep_jobs: int = 10000                  # retention: finished jobs past this many, oldest first, removed (0: off)
     retention_interval_s: float = 60.0      # how often retention runs (and once at start)
     client_idle_timeout_s: float = 30.0     # a connection with no request (or half of one) this long is closed
+    metrics_listen: tuple[str, int] | None = None   # ("127.0.0.1", 9464): /metrics over TCP too (off)
 
 
 @dataclass(frozen=True)
@@ -231,6 +232,18 @@ def _resolve(base: Path, value: str) -> Path:
     return p if p.is_absolute() else (base / p)
 
 
+def _host_port(c: _Checker, value: str | None, path: str) -> tuple[str, int] | None:
+    """"127.0.0.1:9464" or "[::1]:9464" -> (host, port)."""
+    if value is None:
+        return None
+    host, sep, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        c.add(path, f"must be \"HOST:PORT\" (e.g. \"127.0.0.1:9464\"), not {value!r}")
+        return None
+    return host, int(port)
+
+
 def _parse_daemon(c: _Checker, raw: Any, base: Path) -> DaemonConfig:
     d = c.table(raw, "daemon")
     c.unknown(d, DaemonConfig.__dataclass_fields__, "daemon")
@@ -282,6 +295,7 @@ def _parse_daemon(c: _Checker, raw: Any, base: Path) -> DaemonConfig:
         keep_jobs=c.positive(d, "keep_jobs", "daemon", 10000, integer=True, allow_zero=True),
         retention_interval_s=float(c.positive(d, "retention_interval_s", "daemon", 60.0)),
         client_idle_timeout_s=float(c.positive(d, "client_idle_timeout_s", "daemon", 30.0)),
+        metrics_listen=_host_port(c, c.get(d, "metrics_listen", "daemon", str), "daemon.metrics_listen"),
     )
 
 

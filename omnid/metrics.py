@@ -12,7 +12,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+
+from omnid import __version__
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -42,6 +47,10 @@ class _StageCollector(Collector):
         cap = GaugeMetricFamily("omnid_stage_queue_capacity", "The input queue's high watermark", labels=["stage"])
         up = GaugeMetricFamily("omnid_stage_up", "1 when the stage's worker is warm (ready or busy)",
                                labels=["stage"])
+        gpu = GaugeMetricFamily("omnid_stage_gpu_memory_bytes", "GPU memory the stage's worker holds (torch's "
+                                "reserved memory; absent on the CPU)", labels=["stage"])
+        rss = GaugeMetricFamily("omnid_stage_rss_bytes", "Resident memory of the stage's worker and its children",
+                                labels=["stage"])
         restarts = CounterMetricFamily("omnid_stage_restarts", "Worker restarts", labels=["stage"])
         done = CounterMetricFamily("omnid_stage_jobs_done", "Jobs the stage finished", labels=["stage"])
         shm_used = GaugeMetricFamily("omnid_stage_shm_used_bytes",
@@ -58,7 +67,12 @@ class _StageCollector(Collector):
             shm_used.add_metric([h.name], h.stats.shm_used)
             shm_cap.add_metric([h.name], h.stats.shm_capacity)
             shm_slots.add_metric([h.name], h.stats.shm_slots)
-        yield from (depth, cap, up, restarts, done, shm_used, shm_cap, shm_slots)
+            if h.gpu_memory_bytes is not None:
+                gpu.add_metric([h.name], h.gpu_memory_bytes)
+            usage = h.usage()
+            if usage is not None:
+                rss.add_metric([h.name], usage)
+        yield from (depth, cap, up, restarts, done, shm_used, shm_cap, shm_slots, gpu, rss)
         windows = CounterMetricFamily("omnid_edge_windows", "Windows a streaming edge carried downstream",
                                       labels=["src", "dst"])
         for h in self.stages.values():
@@ -76,11 +90,33 @@ class Metrics:
         self.duration = Histogram("omnid_job_duration_seconds", "Submit-to-end time of jobs", ["pipeline"],
                                   buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
                                   registry=self.registry)
+        # The standard series of a Prometheus exporter: the daemon process's CPU, memory and fds,
+        # Python's GC, the platform; and which omnid this is.
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+            collector(registry=self.registry)
+        Info("omnid_build", "The omnid daemon's version", registry=self.registry).info({"version": __version__})
+        self.queue_wait = Histogram("omnid_job_queue_wait_seconds", "Submit to the job's first stage starting it",
+                                    ["pipeline"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
+                                                           30, 60, 300, 1800), registry=self.registry)
+        self.stage_duration = Histogram("omnid_stage_duration_seconds", "Time one job spent in a stage's engine",
+                                        ["stage"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
+                                                            30, 60, 300, 1800), registry=self.registry)
+        self.segments = Counter("omnid_stage_segments", "Segments a stage streamed (for a vLLM stage, tokens: its "
+                                "rate is tokens per second)", ["stage"], registry=self.registry)
         self.first_segment_s = Histogram(
             "omnid_first_segment_seconds", "Submit to the first segment of a pipeline's last stage",
             ["pipeline"], buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
             registry=self.registry)
         self.registry.register(_StageCollector(stages))
+
+    def job_started(self, pipeline: str, waited_s: float) -> None:
+        self.queue_wait.labels(pipeline).observe(waited_s)
+
+    def stage_finished(self, stage: str, seconds: float) -> None:
+        self.stage_duration.labels(stage).observe(seconds)
+
+    def segments_streamed(self, stage: str, count: int) -> None:
+        self.segments.labels(stage).inc(count)
 
     def first_segment(self, pipeline: str, seconds: float) -> None:
         self.first_segment_s.labels(pipeline).observe(seconds)

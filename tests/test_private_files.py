@@ -26,7 +26,7 @@ import pytest
 
 from conftest import py_stage, short_tmpdir
 from omnid.store import JobStore
-from omnid.worker.outputs import append_stream, stream_file, write_outputs
+from omnid.worker.outputs import StreamWriter, stream_file, write_outputs
 
 
 NOBODY = 65534
@@ -193,7 +193,9 @@ def test_the_store_and_the_output_writer_make_private_files_whatever_the_umask(t
     try:
         folder = store.job_dir("j1")
         write_outputs("j1", folder, {"text": "hi", "meta": {"n": 1}})
-        append_stream(store.job_dir("j2"), {"text": "a segment"})
+        writer = StreamWriter(store.job_dir("j2"))
+        writer.append({"text": "a segment"})
+        writer.close()
         assert stream_file(store.job_dir("j2"), "text").read_text() == "a segment"
         store.flush()
     finally:

@@ -108,6 +108,7 @@ class Daemon:
         self.store: JobStore | None = None
         self.scheduler: Scheduler | None = None
         self._runner: web.AppRunner | None = None
+        self._metrics_runner: web.AppRunner | None = None
         self._socket_path: Path | None = None      # the socket file we created (and remove at exit)
         self._stop = asyncio.Event()
         self._stop_now = asyncio.Event()          # a second SIGTERM/SIGINT: do not wait for a drain
@@ -224,6 +225,18 @@ class Daemon:
         await web.SockSite(self._runner, sock, backlog=LISTEN_BACKLOG).start()
         where = str(cfg.socket) if created else f"{sock.getsockname() or 'an unnamed socket'} (from systemd)"
         log.info("listening", socket=where, stages=len(self.stages), pid=self.info.pid)
+        if cfg.metrics_listen is not None:        # /metrics only, for a Prometheus that scrapes over TCP
+            host, port = cfg.metrics_listen
+            metrics_app = web.Application()
+            metrics_app.router.add_get("/metrics", api.get_metrics)
+            self._metrics_runner = web.AppRunner(metrics_app, access_log=None, handle_signals=False)
+            await self._metrics_runner.setup()
+            try:
+                await web.TCPSite(self._metrics_runner, host, port).start()
+            except OSError as e:
+                raise StartupError(f"cannot listen on {host}:{port} (daemon.metrics_listen): {e.strerror or e}") \
+                    from None
+            log.info("serving /metrics over TCP", address=f"{host}:{port}")
 
     # ------------------------------------------------------------------ 3. the stage workers
 
@@ -303,6 +316,8 @@ class Daemon:
             self.scheduler.shutdown()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
         if self.reloader is not None:
             await self.reloader.stop()
         await asyncio.gather(*(h.stop(self.current.daemon.stop_grace_s) for h in list(self.stages.values())))

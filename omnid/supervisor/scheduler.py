@@ -231,6 +231,8 @@ class Scheduler:
         job.stage(stage).set_state(StageRunState.RUNNING, now)
         job.events.emit(EventType.STAGE_STARTED, stage=stage)
         if job.record.state is JobState.QUEUED:
+            if self.metrics:
+                self.metrics.job_started(job.pipeline.name, now - job.record.created_at)
             job.record.set_state(JobState.RUNNING, now)
             job.events.emit(EventType.STATE, state=str(JobState.RUNNING))
             self.store.save(job.record)
@@ -241,6 +243,8 @@ class Scheduler:
 
     def on_segment(self, job: LiveJob, stage: str, msg: P.Segment) -> None:
         job.stage(stage).segments += msg.count
+        if self.metrics:
+            self.metrics.segments_streamed(stage, msg.count)
         if job.first_output_segment is None and stage in job.pipeline.sinks:
             job.first_output_segment = time.time()
             if self.metrics:
@@ -260,6 +264,8 @@ class Scheduler:
         run = job.stage(stage)
         run.set_state(StageRunState.SUCCEEDED, time.time())
         run.elapsed_s = round(msg.elapsed_s, 4)
+        if self.metrics:
+            self.metrics.stage_finished(stage, msg.elapsed_s)
         job.events.emit(EventType.STAGE_FINISHED, stage=stage, elapsed_s=run.elapsed_s)
         self.store.save(job.record)
         # Every stage, not only the sinks: workers report on separate pipes, so a sink's

@@ -408,6 +408,11 @@ class StageHandle:
 
     # ------------------------------------------------------------------ inspection
 
+    def usage(self) -> int | None:
+        """The worker's resident memory with its children's (None: no worker now)."""
+        pid = self.pid
+        return self._sampler.sample(pid).rss_bytes if pid is not None else None
+
     def snapshot(self) -> dict[str, Any]:
         pid = self.pid
         usage = self._sampler.sample(pid)
