@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from omnid import paths
-from omnid.params import ENGINE_PARAMS, check_param, stage_accepts
+from omnid.params import ENGINE_PARAMS, check_param, parallel_size, stage_accepts
 
 ENGINES = ("vllm", "diffusers", "python")
 FULL_WINDOW = -1
@@ -99,6 +99,9 @@ class StageConfig:
     args: Mapping[str, Any] = field(default_factory=dict)
     defaults: Mapping[str, Any] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
+    # python stages: `package.module:function` called once for up to max_inflight queued requests,
+    # fn(inputs: list[dict], params: list[dict], ctxs: list[RequestContext]) -> list[dict | Exception]
+    batch_function: str | None = None
 
     @property
     def accepted_params(self) -> frozenset[str] | None:
@@ -300,7 +303,7 @@ def _parse_daemon(c: _Checker, raw: Any, base: Path) -> DaemonConfig:
 
 
 _STAGE_KEYS = ("engine", "model", "function", "python_path", "devices", "exclusive",
-               "max_inflight", "queue_capacity", "shm_pool_mb", "args", "defaults", "env")
+               "max_inflight", "queue_capacity", "shm_pool_mb", "args", "defaults", "env", "batch_function")
 
 
 def _check_callable_ref(c: _Checker, ref: str, path: str, python_path: tuple[Path, ...]) -> None:
@@ -323,6 +326,22 @@ def _check_callable_ref(c: _Checker, ref: str, path: str, python_path: tuple[Pat
         c.add(path, f"module {module!r} cannot be found{where}")
 
 
+def _check_vllm_parallelism(c: _Checker, path: str, args: Mapping[str, Any], devices: list[int]) -> None:
+    """Tensor/pipeline parallelism needs one process per GPU: not the in-process `uni` executor, and
+    as many devices as processes."""
+    size = parallel_size(args)
+    if size <= 1:
+        return
+    backend = args.get("distributed_executor_backend")
+    if backend == "uni":
+        c.add(f"{path}.args.distributed_executor_backend",
+              f"\"uni\" runs the model in one process, but tensor/pipeline parallelism asks for {size}: "
+              "set \"mp\" (or leave it out: omnid picks \"mp\" then)")
+    if devices and len(devices) < size:
+        c.add(f"{path}.devices", f"tensor/pipeline parallelism of {size} needs {size} GPUs, but the stage has "
+                                 f"{len(devices)} ({devices})")
+
+
 def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | None:
     path = f"stages.{name}"
     s = c.table(raw, path)
@@ -341,6 +360,7 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
     model: Path | None = None
     model_raw = c.get(s, "model", path, str)
     function = c.get(s, "function", path, str)
+    batch_function = c.get(s, "batch_function", path, str)
     if engine in ("vllm", "diffusers"):
         if model_raw is None:
             c.add(f"{path}.model", f"is required for engine {engine!r}")
@@ -353,11 +373,15 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
                 c.add(f"{path}.model", f"{str(model)!r} has no {marker}; is it a {engine} model?")
         if function is not None:
             c.add(f"{path}.function", f"only python stages take a function, not {engine!r}")
+        if batch_function is not None:
+            c.add(f"{path}.batch_function", f"only python stages take a batch_function, not {engine!r}")
     elif engine == "python":
-        if function is None:
+        if function is None and batch_function is None:     # either one, or both
             c.add(f"{path}.function", "is required for engine 'python'")
-        else:
+        if function is not None:
             _check_callable_ref(c, function, f"{path}.function", python_path)
+        if batch_function is not None:
+            _check_callable_ref(c, batch_function, f"{path}.batch_function", python_path)
         if model_raw is not None:
             model = _resolve(base, model_raw)
     devices_raw = c.get(s, "devices", path, list, [])
@@ -375,6 +399,8 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
         c.add(f"{path}.max_inflight", f"engine {engine!r} batches at most 64 jobs in one pipeline call; "
                                       f"must be from 1 to 64, not {max_inflight}")
     args = c.get(s, "args", path, dict, {})
+    if engine == "vllm":
+        _check_vllm_parallelism(c, path, args, devices)
     defaults = c.get(s, "defaults", path, dict, {})
     env = c.get(s, "env", path, dict, {})
     for k, v in env.items():
@@ -398,6 +424,7 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
         devices=tuple(devices), exclusive=exclusive, max_inflight=max_inflight,
         queue_capacity=queue_capacity, shm_pool_mb=shm_pool_mb,
         args=dict(args), defaults=dict(defaults), env={k: str(v) for k, v in env.items()},
+        batch_function=batch_function,
     )
 
 

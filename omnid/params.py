@@ -206,3 +206,12 @@ def stage_params_schema(engine: str, defaults: Mapping[str, Any]) -> dict[str, A
         return {"type": "object", "additionalProperties": PLAIN_VALUE_SCHEMA, "description": ANY_PARAMS,
                 "properties": {name: {**PLAIN_VALUE_SCHEMA, **doc} for name, doc in described["params"].items()}}
     return {"type": "object", "additionalProperties": False, "properties": described["params"]}
+
+
+def parallel_size(args: Mapping[str, Any]) -> int:
+    """How many processes (GPUs) the stage's vLLM args ask for: tensor x pipeline parallel size."""
+    size = 1
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        value = args.get(key, 1)
+        size *= value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+    return size

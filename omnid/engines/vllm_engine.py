@@ -10,19 +10,21 @@ The engine is kept inside this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`,
 `distributed_executor_backend="uni"`): one stage, one process tree. Token
 deltas are streamed as text segments (`RequestOutputKind.DELTA`); the stage's
 output `text` is the whole generation (prefixed by the prompt when the job
-sets `include_prompt`).
+sets `include_prompt`). An input `messages` (a chat, as JSON text) replaces
+`prompt`: it is rendered with the tokenizer's chat template.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from omnid.config import StageConfig
-from omnid.params import VLLM_OMNID_PARAMS, check_param, merged
+from omnid.params import VLLM_OMNID_PARAMS, check_param, merged, parallel_size
 from omnid.engines.base import Engine, RequestContext
 
 
@@ -33,6 +35,23 @@ class _Request:
     max_tokens: int
     pieces: list[str] = field(default_factory=list)
     tokens: int = 0
+
+
+def engine_args(stage: StageConfig) -> dict[str, Any]:
+    """vLLM's EngineArgs for a stage: its `args` over omnid's defaults.
+
+    The executor: one model in one process (`uni`: the engine core stays in this worker, one
+    process tree) unless the stage asks for tensor or pipeline parallelism, which needs one process
+    per GPU (`mp`); the worker's process group still holds them all. An explicit
+    `distributed_executor_backend` in `args` wins (`--check` refuses `uni` with parallelism).
+    """
+    args: dict[str, Any] = {"model": str(stage.model), "disable_log_stats": True}
+    if not stage.devices:
+        # CUDA graphs and torch.compile warm-up cost ~40 s on a CPU and buy nothing there.
+        args["enforce_eager"] = True
+    args.update(stage.args)
+    args.setdefault("distributed_executor_backend", "mp" if parallel_size(stage.args) > 1 else "uni")
+    return args
 
 
 class VllmEngine(Engine):
@@ -46,13 +65,7 @@ class VllmEngine(Engine):
         self._SamplingParams = SamplingParams
         self._delta = RequestOutputKind.DELTA
         self.stage = stage
-        args: dict[str, Any] = {"model": str(stage.model), "distributed_executor_backend": "uni",
-                                "disable_log_stats": True}
-        if not stage.devices:
-            # CUDA graphs and torch.compile warm-up cost ~40 s on a CPU and buy nothing there.
-            args["enforce_eager"] = True
-        args.update(stage.args)
-        self.engine = LLMEngine.from_engine_args(EngineArgs(**args))
+        self.engine = LLMEngine.from_engine_args(EngineArgs(**engine_args(stage)))
         self.default_max_tokens = int(stage.defaults.get("max_tokens", 16))
         self._ids = itertools.count()
         self._requests: dict[str, _Request] = {}
@@ -81,8 +94,12 @@ class VllmEngine(Engine):
 
     def add(self, ctx: RequestContext) -> None:
         prompt = ctx.inputs.get("prompt")
+        messages = ctx.inputs.get("messages")
+        if messages is not None:        # a chat: rendered with the model's chat template instead
+            prompt = ""
         if not isinstance(prompt, str):
-            ctx.fail(f"a vllm stage needs a text input \"prompt\"; got {sorted(ctx.inputs) or 'no inputs'}")
+            ctx.fail(f"a vllm stage needs a text input \"prompt\" (or \"messages\"); "
+                     f"got {sorted(ctx.inputs) or 'no inputs'}")
             return
         params = merged(self.stage.defaults, ctx.params)
         # The door checked the job's values and --check the defaults; this guards what reaches vLLM.
@@ -93,9 +110,11 @@ class VllmEngine(Engine):
         own = {key: params.pop(key) for key in VLLM_OMNID_PARAMS if key in params}
         include_prompt = bool(own.get("include_prompt", False))
         template = own.get("prompt_template")
-        text = str(template).replace("{prompt}", prompt) if template else prompt
+        text: Any = str(template).replace("{prompt}", prompt) if template else prompt
         params.setdefault("max_tokens", self.default_max_tokens)
         try:
+            if messages is not None:
+                text = self._chat_prompt(messages)
             sampling = self._SamplingParams(**params, output_kind=self._delta)
             request_id = f"{ctx.job}-{next(self._ids)}"
             self.engine.add_request(request_id, self._render(text), sampling)
@@ -105,6 +124,19 @@ class VllmEngine(Engine):
         prefix = prompt if include_prompt else ""
         self._requests[request_id] = _Request(ctx, prefix, int(params["max_tokens"]))
         self._by_job[ctx.job] = request_id
+
+    def _chat_prompt(self, messages: Any) -> dict[str, Any]:
+        """`messages` (a list of {"role", "content"}, or that list as JSON text) rendered with the
+        tokenizer's chat template, as token ids (the template writes its own special tokens)."""
+        if isinstance(messages, str):
+            messages = json.loads(messages)
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ValueError("\"messages\" must be a list of {\"role\", \"content\"} objects")
+        tokenizer = self.engine.get_tokenizer()
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer of {self.stage.model} has no chat template: send a \"prompt\"")
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return {"prompt_token_ids": list(tokenizer.encode(text, add_special_tokens=False))}
 
     def step(self) -> None:
         for out in self.engine.step():

@@ -1,0 +1,49 @@
+"""A vLLM stage's engine arguments and --check's parallelism rules (no vLLM import: in-process)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omnid import config as C
+from omnid.engines.vllm_engine import engine_args
+
+
+def stage(args: dict[str, Any], devices: tuple[int, ...] = ()) -> C.StageConfig:
+    return C.StageConfig(name="llm", engine="vllm", model=Path("/m"), devices=devices, args=args)
+
+
+def test_one_process_by_default_and_mp_when_parallel() -> None:
+    assert engine_args(stage({}))["distributed_executor_backend"] == "uni"
+    assert engine_args(stage({}))["enforce_eager"] is True                      # on the CPU
+    assert "enforce_eager" not in engine_args(stage({}, devices=(0,)))
+    assert engine_args(stage({"tensor_parallel_size": 2}, (0, 1)))["distributed_executor_backend"] == "mp"
+    assert engine_args(stage({"pipeline_parallel_size": 2}, (0, 1)))["distributed_executor_backend"] == "mp"
+    assert engine_args(stage({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}, (0, 1)))[
+        "distributed_executor_backend"] == "ray"                                 # the stage's own choice wins
+
+
+def problems(tmp_path: Path, args: dict[str, Any], devices: list[int]) -> dict[str, list[str]]:
+    (tmp_path / "llm").mkdir(exist_ok=True)
+    (tmp_path / "llm" / "config.json").write_text("{}")
+    data = {"stages": {"llm": {"engine": "vllm", "model": "llm", "devices": devices, "args": args}},
+            "pipelines": {"p": {"stages": ["llm"]}}}
+    with pytest.raises(C.ConfigError) as err:
+        C.parse(data, base=tmp_path)
+    found: dict[str, list[str]] = {}
+    for p in err.value.problems:
+        found.setdefault(p.path, []).append(p.message)
+    return found
+
+
+def test_check_refuses_uni_with_parallelism_and_too_few_gpus(tmp_path: Path) -> None:
+    found = problems(tmp_path, {"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, [0])
+    assert found["stages.llm.args.distributed_executor_backend"] == [
+        '"uni" runs the model in one process, but tensor/pipeline parallelism asks for 2: set "mp" (or leave '
+        'it out: omnid picks "mp" then)']
+    assert found["stages.llm.devices"] == ["tensor/pipeline parallelism of 2 needs 2 GPUs, but the stage has 1 ([0])"]
+    C.parse({"stages": {"llm": {"engine": "vllm", "model": "llm", "devices": [0, 1],
+                                "args": {"tensor_parallel_size": 2}}},
+             "pipelines": {"p": {"stages": ["llm"]}}}, base=tmp_path)            # fine: omnid picks mp
