@@ -8,11 +8,15 @@ defensively with ``.get``, so a daemon that adds or omits fields never breaks th
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from omnictl.client import TERMINAL_STATES
+
+if TYPE_CHECKING:
+    from omnictl.progress import StepBar
 
 JSON = Mapping[str, Any]
 
@@ -272,6 +276,74 @@ def pipelines_text(pipelines: Iterable[JSON]) -> str:
     return "\n\n".join(blocks)
 
 
+def _format_rule(doc: Mapping[str, Any]) -> str:
+    """``integer 1..1000``, ``integer 8..4096, multiple of 8``, ``number > 0``, ``string or list of strings``."""
+    kind = doc.get("type")
+    if kind is None and isinstance(doc.get("anyOf"), list):
+        kinds = [_format_rule(alt) for alt in doc["anyOf"] if isinstance(alt, Mapping)]
+        return " or ".join(kinds) if kinds else "any"
+    if isinstance(kind, list):
+        return " or ".join(map(str, kind))
+    if kind == "array":
+        items = doc.get("items")
+        return f"list of {_format_rule(items)}s" if isinstance(items, Mapping) else "list"
+    text = str(kind) if kind else "any"
+    low, high = doc.get("minimum"), doc.get("maximum")
+    if "exclusiveMinimum" in doc:
+        text += f" > {doc['exclusiveMinimum']}" + (f", <= {high}" if high is not None else "")
+    elif low is not None and high is not None:
+        text += f" {low}..{high}"
+    elif low is not None:
+        text += f" >= {low}"
+    elif high is not None:
+        text += f" <= {high}"
+    if doc.get("multipleOf") is not None:
+        text += f", multiple of {doc['multipleOf']}"
+    if isinstance(doc.get("enum"), list):
+        text += " (" + "|".join(map(str, doc["enum"])) + ")"
+    return text
+
+
+def pipeline_detail(doc: JSON) -> str:
+    """The ``omnictl pipelines NAME`` view: inputs, each stage's parameters, edges and outputs."""
+    parts = [pipelines_text([doc])]
+    lines = ["INPUTS"]
+    for stage, info in (doc.get("inputs") or {}).items():
+        info = info if isinstance(info, Mapping) else {}
+        raw = info.get("inputs")
+        inputs: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+        for name, spec in inputs.items():
+            spec = spec if isinstance(spec, Mapping) else {}
+            need = "required" if spec.get("required") else "optional"
+            lines.append(f"  {name}  {spec.get('type') or 'any'}, {need}  (stage {stage}, {info.get('engine')})")
+        if not info.get("known", True):
+            lines.append(f"  stage {stage} ({info.get('engine')}): {info.get('note') or 'unknown'}")
+    parts.append("\n".join(lines))
+    for stage, info in (doc.get("params") or {}).items():
+        info = info if isinstance(info, Mapping) else {}
+        raw = info.get("params")
+        params: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+        header = f"PARAMS {stage} ({info.get('engine')})"
+        if info.get("accepts") != "listed":
+            header += f": {info.get('accepts')}"
+        rows = []
+        for name, spec in params.items():
+            spec = spec if isinstance(spec, Mapping) else {}
+            rule = _format_rule(spec) if info.get("accepts") == "listed" else "any"
+            rows.append(["  " + name, rule, repr(spec["default"]) if "default" in spec else None])
+        parts.append(header + ("\n" + table(["  NAME", "TYPE", "DEFAULT"], rows) if rows else ""))
+    lines = ["OUTPUTS"]
+    for stage, info in (doc.get("outputs") or {}).items():
+        info = info if isinstance(info, Mapping) else {}
+        for out in info.get("outputs") or []:
+            if isinstance(out, Mapping):
+                lines.append(f"  {out.get('name')}  {out.get('file') or '-'}  {out.get('content_type')}  (stage {stage})")
+        if not info.get("known", True):
+            lines.append(f"  stage {stage} ({info.get('engine')}): {info.get('note') or 'unknown'}")
+    parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
 def _stage_states(stages: Any) -> list[tuple[str, str]]:
     """``[(name, state)]`` from a ready document's ``stages``, a dict or a list, whatever it holds."""
     pairs: list[tuple[str, str]] = []
@@ -294,7 +366,9 @@ def ready_text(ok: bool, body: JSON) -> str:
         not_ready = body.get("not_ready")
         names = ", ".join(str(n) for n in not_ready) if isinstance(not_ready, list) and not_ready else "unknown"
         lines = [f"not ready: {names}"]
-    lines += [f"  {name}  {state}" for name, state in _stage_states(body.get("stages"))]
+    pairs = _stage_states(body.get("stages"))
+    width = max((len(name) for name, _ in pairs), default=0)
+    lines += [f"  {name.ljust(width)}  {state}" for name, state in pairs]
     return "\n".join(lines)
 
 
@@ -329,6 +403,8 @@ class EventPrinter:
         self._open: tuple[str, str] | None = None
         # Stages that stream text: their tokens already show progress, step lines would only interleave.
         self._texting: set[str] = set()
+        # live: each stage's step bar (rich), made on its first progress event.
+        self._bars: dict[str, StepBar] = {}
 
     def _write(self, text: str) -> None:
         self.stream.write(text)
@@ -387,12 +463,27 @@ class EventPrinter:
         if not self.live:
             self._line(text)
             return
+        # A terminal: a bar with the rate and the time left, rewritten in place.
+        text = self._bar(stage).line(int(event.get("done") or 0), total if isinstance(total, int) else None)
         if self._open == ("progress", stage):
             self._write(_CLEAR_LINE + text)
         else:
             self.close_line()
             self._write(text)
             self._open = ("progress", stage)
+
+    def _bar(self, stage: str) -> StepBar:
+        bar = self._bars.get(stage)
+        if bar is None:
+            from omnictl.progress import StepBar   # rich is loaded only when a bar is drawn
+
+            try:
+                columns = os.get_terminal_size(self.stream.fileno()).columns
+            except (OSError, ValueError, AttributeError):
+                columns = 0
+            columns = columns or 80                  # (a pty nobody sized says 0)
+            bar = self._bars[stage] = StepBar(stage, columns - 1)   # one short: never wraps
+        return bar
 
     def _segment(self, stage: str, event: JSON) -> None:
         text = event.get("text")

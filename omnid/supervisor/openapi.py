@@ -227,6 +227,12 @@ def _op(summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any]
     return {"summary": summary, **extra, "responses": {**responses, "default": _ERROR}}
 
 
+_LOG_QUERY = [
+    _query("since", _STR, "only lines since: a duration ago (10m, 1h, 2d), an ISO 8601 time or a Unix time"),
+    _query("tail", {"type": "integer", "minimum": 0, "maximum": 100000}, "only the last N lines"),
+    _query("follow", _enum(("1", "true", "0", "false")), "keep sending new lines until the caller hangs up"),
+]
+
 # (method, path) -> operation, for the routes this module knows. Routes it does not know are
 # documented from their handler (see `openapi_document`).
 OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
@@ -265,6 +271,16 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/v1/stages/{name}/restart"): _op(
         "Replace a stage's worker (root or daemon.admin_group)", {"202": _json(_ref("Restarting"), "restarting")},
         parameters=[_path_param("name", "the stage's name")]),
+    ("GET", "/v1/stages/{name}/logs"): _op(
+        "A stage worker's stdout and stderr, one `TIME LINE` per line (root or daemon.admin_group)",
+        {"200": {"description": "text lines, each prefixed with the UTC time it was read",
+                 "content": {"text/plain": {"schema": _STR}}}},
+        parameters=[_path_param("name", "the stage's name"), *_LOG_QUERY]),
+    ("GET", "/v1/logs"): _op(
+        "The daemon's own records, one `TIME LINE` per line (root or daemon.admin_group)",
+        {"200": {"description": "text lines, each prefixed with the UTC time it was written",
+                 "content": {"text/plain": {"schema": _STR}}}},
+        parameters=_LOG_QUERY),
     ("GET", "/v1/health"): _op("Alive: pid, uptime, version, live jobs", {"200": _json(_ref("Health"), "alive")}),
     ("GET", "/v1/ready"): _op("Every stage warm (200), or not (503)",
                               {"200": _json(_ref("Ready"), "ready"), "503": _json(_ref("Ready"), "not ready")}),

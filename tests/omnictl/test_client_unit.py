@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from fake_daemon import ERROR_STATUS, REPO_ROOT, FakeDaemon, FakeHandler, error_status
+from fake_daemon import ALSO_STATUS, ERROR_STATUS, REPO_ROOT, FakeDaemon, FakeHandler, error_status
 from fake_daemon import daemon  # noqa: F401  (the fixture)
 from omnictl import ApiError, Client, ConnectionLost, DaemonUnreachable, default_socket_path
 from omnictl.cli import cli, parse_param_value
@@ -233,7 +233,7 @@ def test_fake_statuses_are_the_daemons() -> None:
             code = ErrorCode(word) if word else ErrorCode[member]   # the daemon speaks the vocabulary too
             found.setdefault(code, set()).add(int(status))
     assert ErrorCode.UNKNOWN_JOB in found, "found none of the daemon's refusals: update _DAEMON_REFUSAL"
-    assert {code: {status} for code, status in ERROR_STATUS.items()} == found
+    assert {code: {status, *ALSO_STATUS.get(code, ())} for code, status in ERROR_STATUS.items()} == found
 
 
 def test_client_states_are_the_vocabularys() -> None:
@@ -577,7 +577,7 @@ def test_health(daemon: FakeDaemon) -> None:
     result = run_cli(daemon, "health")
     assert result.exit_code == 1
     assert result.stdout.splitlines()[0] == "not ready: draw"
-    assert "draw  loading" in result.stdout
+    assert result.stdout.splitlines()[1:] == ["  expand  ready", "  draw    loading"]    # aligned
     result = run_cli(daemon, "--json", "health")
     assert (result.exit_code, json.loads(result.stdout)) == (1, not_ready)
     assert Client(daemon.socket_path).ready() == (False, not_ready)
@@ -612,7 +612,10 @@ def test_live_progress_rewrites_one_line() -> None:
     for e in FAILED_EVENTS[6:9]:
         printer.feed(e)
     printer.close_line()
-    assert stream.getvalue() == "draw: started\ndraw: step 1/20\r\x1b[Kdraw: step 2/20\n"
+    # On a terminal: a rich bar (done/total, rate, time left) rewritten in place, one line.
+    first, second = re.sub(r"\x1b\[[0-9;]*m", "", stream.getvalue()).split("\r\x1b[K")
+    assert re.fullmatch(r"draw: started\ndraw: [━╸╺]+ +1/20 \? steps/s -:--:--", first), first
+    assert re.fullmatch(r"draw: [━╸╺]+ +2/20 [\d.]+ steps/s \S+\n", second), second
 
 
 def test_final_state_line_of_cancelled_job() -> None:
