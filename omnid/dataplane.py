@@ -32,6 +32,7 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
+import select
 import socket
 import struct
 import threading
@@ -155,6 +156,23 @@ class Sender:
                 pool.close()
             except BufferError:                # a copy into it was cut short: unmapped when collected
                 pass
+
+    def prune(self) -> None:
+        """Drop the connections whose receiver went away (a worker that died), and with them the
+        dead receiver's pool mapping: its memory is freed now, not at the next hand-off to it."""
+        if not self._conns:
+            return
+        socks = {sock: dst for dst, sock in self._conns.items()}
+        readable, _, _ = select.select(list(socks), [], [], 0)
+        for sock in readable:               # a receiver never speaks first: readable means closed
+            try:
+                gone = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except BlockingIOError:
+                gone = False
+            except OSError:
+                gone = True
+            if gone:
+                self._drop(socks[sock])
 
     def _pool(self, dst: str, sock: socket.socket) -> mmap.mmap | None:
         """The destination's pool, mapped on first use on this connection."""

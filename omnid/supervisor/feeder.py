@@ -47,7 +47,8 @@ class Feeder:
         while True:
             with self._cv:
                 while not self._items and not self._stop:
-                    self._cv.wait()
+                    if not self._cv.wait(timeout=1.0):
+                        self._sender.prune()    # idle: let go of a dead stage's pool
                 if self._stop:
                     self._sender.close()
                     return

@@ -14,6 +14,11 @@ Threads in this process:
 - data-accept / data-conn: the stage's data-plane listener (`dataplane.Listener`).
 
 The worker dies with its parent: PR_SET_PDEATHSIG, plus EOF on the control pipe.
+
+Its fds 1 and 2 (and so its engine's and its children's output) are the write end of a pipe the
+supervisor made for it (`_capture_output`, first thing in `worker_main`): the supervisor stores
+each line in the stage's log file and forwards it to the daemon's stderr; a write blocks only
+when the supervisor falls a pipe's buffer (1 MiB) behind.
 """
 
 from __future__ import annotations
@@ -118,6 +123,7 @@ class StageWorker:
         self.wakeup = threading.Event()      # a window, an input or a cancel arrived: the loop looks again
         self._reconfigured = threading.Condition()   # `config` replaced by a reload
         self._posted: list[object] = []      # main-thread messages not sent yet (`post`, `flush`)
+        self._pruned_at = 0.0
         self._flushed_at = 0.0
         self.shutting_down = threading.Event()
         self.sender = Sender(spec.socket_for, spec.config.daemon.shm_min_bytes)
@@ -337,6 +343,10 @@ class StageWorker:
                 self._complete(self.inflight.pop(job))
             self._offer_windows()
             self.flush()
+            if time.monotonic() >= self._pruned_at + 1.0:
+                self._pruned_at = time.monotonic()
+                self.sender.prune()             # a dead downstream's pool is unmapped within a second
+                self.window_sender.prune()
             # 4. every request waits for its next window: sleep until one (or a cancel) arrives
             if engine.has_work() and not engine.ready():
                 self.wakeup.wait(0.05)
@@ -706,16 +716,42 @@ def _gpu_memory() -> int | None:
     return None
 
 
-def worker_main(spec: P.WorkerSpec, conn: Connection) -> None:
-    """Process entry point (spawned)."""
+def _capture_output(log_pipe: Connection | None, log_format: str) -> str:
+    """fds 1 and 2 -> the stage's log pipe, whose lines the supervisor stores in the stage's log file
+    and forwards, unchanged, to its own stderr (supervisor/stage_logs.py). Returns the log format to
+    use: the one the daemon's stderr calls for (`auto` looks at it here, before it is replaced).
+
+    Without a pipe (a caller of its own): stdout joins stderr, one stream as before.
+    """
+    from omnid import logs
+    fmt, journald = logs.resolve_format(log_format, sys.stderr)
+    if log_pipe is None:
+        os.dup2(2, 1)
+        return fmt
+    os.dup2(log_pipe.fileno(), 1)
+    os.dup2(log_pipe.fileno(), 2)
+    log_pipe.close()
+    if journald:
+        # Our lines reach journald through the supervisor unchanged: this pipe is the journal stream
+        # for us and our engine's children (`logs.on_journald` then writes the `<N>` priority prefixes).
+        st = os.fstat(2)
+        os.environ["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
+    import io
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)   # a `print` reaches `omnictl logs -f` at once
+    return fmt
+
+
+def worker_main(spec: P.WorkerSpec, conn: Connection, log_pipe: Connection | None = None) -> None:
+    """Process entry point (spawned). `log_pipe`: the write end of this stage's stdout/stderr pipe."""
     _die_with_parent(spec.parent_pid)
     _set_process_name(f"omnid:{spec.stage}")
-    os.dup2(2, 1)                                  # engines log to stdout: keep one stream, the daemon's stderr
+    log_format = _capture_output(log_pipe, spec.config.daemon.log_format)   # before anything is printed
     os.setpgrp()                                   # our own group: the supervisor signals the whole tree
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the supervisor's to handle
     _setup_environment(spec)
     from omnid import logs
-    logs.configure(spec.config.daemon.log_level, spec.config.daemon.log_format, process=f"stage:{spec.stage}",
+    logs.configure(spec.config.daemon.log_level, log_format, process=f"stage:{spec.stage}",
                    stage=spec.stage)             # every record, the engine's too: structlog, `stage=NAME`
     worker = StageWorker(spec, conn)
     threading.Thread(target=worker.control_loop, name="control", daemon=True).start()
