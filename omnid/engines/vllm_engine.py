@@ -54,6 +54,9 @@ def engine_args(stage: StageConfig) -> dict[str, Any]:
     return args
 
 
+PROGRESS_EVERY = 8      # tokens between two progress reports (and one at the end)
+
+
 class VllmEngine(Engine):
     def __init__(self, stage: StageConfig) -> None:
         if not stage.devices:
@@ -146,9 +149,10 @@ class VllmEngine(Engine):
             completion = out.outputs[0]
             if completion.text:
                 req.pieces.append(completion.text)
-            req.tokens += len(completion.token_ids)
+            before, req.tokens = req.tokens, req.tokens + len(completion.token_ids)
             req.ctx.segment({"text": completion.text}, is_last=out.finished)
-            req.ctx.progress(req.tokens, req.max_tokens)
+            if out.finished or req.tokens // PROGRESS_EVERY != before // PROGRESS_EVERY:
+                req.ctx.progress(req.tokens, req.max_tokens)   # every few tokens: the segments tell each one
             if out.finished:
                 del self._requests[out.request_id]
                 self._by_job.pop(req.ctx.job, None)

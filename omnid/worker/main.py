@@ -157,10 +157,16 @@ class StageWorker:
         self._flushed_at = time.monotonic()
         if not self._posted:
             return
+        for writer in self.live_outputs.values():
+            writer.flush()                  # a step's live output segments, for ?stream=1 readers
         messages = _coalesce(self._posted)
         self._posted = []
-        for part in _packs(messages):
-            self.send(part)
+        for data in _packs(messages):
+            with self._send_lock:
+                try:
+                    self.conn.send_bytes(data)   # pickled once (`_packs` measured it), as send() would
+                except (OSError, EOFError, BrokenPipeError):
+                    os._exit(P.EXIT_ORPHANED)
 
     def is_dead(self, job: str) -> bool:
         return job in self.dead
@@ -626,12 +632,12 @@ BATCH_DELAY_S = 0.01
 _MAX_PACK = 4000
 
 
-def _packs(messages: list[object]) -> list[object]:
-    """The messages as few Batches (or single messages) as keep each pipe write atomic."""
-    if len(messages) == 1:
-        return messages
-    if len(pickle.dumps(P.Batch(tuple(messages)), protocol=pickle.HIGHEST_PROTOCOL)) <= _MAX_PACK:
-        return [P.Batch(tuple(messages))]
+def _packs(messages: list[object]) -> list[bytes]:
+    """The messages, pickled as few Batches (or single messages) as keep each pipe write atomic."""
+    data = pickle.dumps(messages[0] if len(messages) == 1 else P.Batch(tuple(messages)),
+                        protocol=pickle.HIGHEST_PROTOCOL)
+    if len(messages) == 1 or len(data) <= _MAX_PACK:
+        return [data]
     half = len(messages) // 2
     return _packs(messages[:half]) + _packs(messages[half:])
 

@@ -142,8 +142,8 @@ def clear_stream(job_dir: Path, prefix: str = "") -> None:
 
 class StreamWriter:
     """A last stage's live outputs for one job: each segment's text and bytes values appended to
-    their stream files (read with `?stream=1`). The files stay open while the job runs: one write
-    per segment (a token of a batch of streams), not an open and a close."""
+    their stream files (read with `?stream=1`). The files stay open while the job runs and are
+    flushed once per engine step (`flush`), not opened, written and closed for every token."""
 
     def __init__(self, job_dir: Path, prefix: str = "") -> None:
         self.job_dir = job_dir
@@ -162,8 +162,12 @@ class StreamWriter:
             if f is None:
                 path = stream_file(self.job_dir, f"{self.prefix}{name}")
                 _private_dirs(path.parent)
-                f = self._files[name] = open(path, "ab", buffering=0, opener=_private)
+                f = self._files[name] = open(path, "ab", opener=_private)
             f.write(data)
+
+    def flush(self) -> None:
+        for f in self._files.values():
+            f.flush()
 
     def close(self) -> None:
         for f in self._files.values():
