@@ -15,6 +15,22 @@ job waiting for its stream never holds up the others.
 A generator's final outputs are its segments merged in order: `str` and
 `bytes` values of the same name are concatenated, any other value is replaced
 by the latest one.
+
+A stage may also name a `batch_function`, called once for several requests:
+`fn(inputs: list[dict], params: list[dict], ctxs: list[RequestContext]) ->
+list[dict | Exception]`, one result per request, in order. `add` only queues a
+request; `step` takes every queued one (up to `max_inflight`; the worker admits
+no more than that), drops those already cancelled (`stopped`), and calls the
+function once for the rest. A result slot holding an `Exception` instance fails
+that request alone; an exception raised fails them all; a request cancelled
+during the call ends `stopped`, whatever its slot holds. Which requests batch:
+- only `batch_function`: every request, in batches of up to `max_inflight`
+  (of one when `max_inflight = 1`);
+- both, `max_inflight = 1`: `function` alone, exactly as without a batch function;
+- both, `max_inflight > 1`: `batch_function` for every request (a batch may be of
+  one), `function` only for requests with a streamed input (see below).
+A request with a streamed input (`window = N`) never batches: it goes to
+`function`, and fails when the stage has none.
 """
 
 from __future__ import annotations
@@ -24,6 +40,7 @@ import inspect
 import sys
 import traceback
 from collections.abc import Callable, Generator
+from dataclasses import dataclass
 from typing import Any
 
 from omnid.config import StageConfig
@@ -66,18 +83,51 @@ def merge_segment(acc: dict[str, Any], seg: dict[str, Any]) -> None:
             acc[k] = v
 
 
+@dataclass
+class _Queued:
+    """A request waiting for the next batch call, with its merged parameters."""
+
+    ctx: RequestContext
+    params: dict[str, Any]
+
+
 class PythonEngine(Engine):
     def __init__(self, stage: StageConfig) -> None:
         self.stage = stage
-        self.fn = import_ref(stage.function or "", tuple(str(p) for p in stage.python_path))
+        python_path = tuple(str(p) for p in stage.python_path)
+        self.fn: Callable[..., Any] | None = import_ref(stage.function, python_path) if stage.function else None
+        self.batch_fn: Callable[..., Any] | None = None
+        if stage.batch_function:
+            self.batch_fn = import_ref(stage.batch_function, python_path)
+            if inspect.isgeneratorfunction(self.batch_fn):
+                raise TypeError(f"batch_function {stage.batch_function} is a generator function: it must "
+                                "return a list of results, one per request")
+        if self.fn is None and self.batch_fn is None:
+            raise ValueError(f"python stage {stage.name!r} names neither a function nor a batch_function")
+        self.max_batch = max(1, stage.max_inflight)
+        # Requests go to the batch function unless `function` is there too and max_inflight = 1.
+        self.batching = self.batch_fn is not None and (self.fn is None or self.max_batch > 1)
+        self._queue: list[_Queued] = []     # batching: requests waiting for the next batch call, oldest first
         # job -> (its context, the user's generator, the outputs merged so far)
         self._gens: dict[str, tuple[RequestContext, Generator[Any, Any, Any], dict[str, Any]]] = {}
 
     def info(self) -> dict[str, Any]:
-        return {"function": self.stage.function}
+        return {"function": self.stage.function, "batch_function": self.stage.batch_function,
+                "batching": self.batching}
 
     def add(self, ctx: RequestContext) -> None:
         params = merged(self.stage.defaults, ctx.params)
+        streamed = any(isinstance(v, InputStream) for v in ctx.inputs.values())
+        if self.batching and not streamed:
+            if ctx.cancelled():
+                ctx.stopped()
+            else:
+                self._queue.append(_Queued(ctx, params))
+            return
+        if self.fn is None:
+            ctx.fail(f"stage {self.stage.name!r} has only a batch_function, which cannot take a streamed "
+                     "input (window = N); give the stage a `function` for streamed jobs")
+            return
         try:
             result = self.fn(ctx.inputs, params, ctx)
         except Cancelled:
@@ -96,6 +146,8 @@ class PythonEngine(Engine):
             ctx.finish(result)
 
     def step(self) -> None:
+        if self._queue:
+            self._run_batch()
         for job in list(self._gens):
             ctx, gen, acc = self._gens[job]
             if not _inputs_ready(ctx):
@@ -123,7 +175,43 @@ class PythonEngine(Engine):
             merge_segment(acc, seg)
             ctx.segment(seg)
 
+    def _run_batch(self) -> None:
+        """One call of the batch function for the oldest queued requests (up to max_inflight)."""
+        batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
+        live: list[_Queued] = []
+        for queued in batch:
+            if queued.ctx.cancelled():
+                queued.ctx.stopped()            # cancelled before the call: not passed to it
+            else:
+                live.append(queued)
+        if not live:
+            return
+        assert self.batch_fn is not None
+        ctxs = [q.ctx for q in live]
+        try:
+            results = self.batch_fn([c.inputs for c in ctxs], [q.params for q in live], ctxs)
+        except Exception as e:                  # Cancelled included: it ends only the cancelled requests
+            _end_all(ctxs, user_error(e))
+            return
+        if not isinstance(results, (list, tuple)) or len(results) != len(ctxs):
+            got = f"{len(results)} results" if isinstance(results, (list, tuple)) else type(results).__name__
+            _end_all(ctxs, f"batch_function {self.stage.batch_function} returned {got} for {len(ctxs)} "
+                           f"requests; it must return a list of one result per request, in order")
+            return
+        for ctx, result in zip(ctxs, results):
+            if ctx.cancelled() or isinstance(result, Cancelled):
+                ctx.stopped()                   # cancelled during the call: its result is dropped
+            elif isinstance(result, Exception):
+                ctx.fail(user_error(result))
+            elif result is None:
+                ctx.finish({})
+            else:
+                ctx.finish(result)              # not a dict: finish fails it, saying so
+
     def abort(self, job: str) -> None:
+        for queued in [q for q in self._queue if q.ctx.job == job]:
+            self._queue.remove(queued)
+            queued.ctx.stopped()
         entry = self._gens.pop(job, None)
         if entry is not None:
             ctx, gen, _ = entry
@@ -134,10 +222,19 @@ class PythonEngine(Engine):
             ctx.stopped()
 
     def has_work(self) -> bool:
-        return bool(self._gens)
+        return bool(self._queue) or bool(self._gens)
 
     def ready(self) -> bool:
-        return any(_inputs_ready(ctx) for ctx, _, _ in self._gens.values())
+        return bool(self._queue) or any(_inputs_ready(ctx) for ctx, _, _ in self._gens.values())
+
+
+def _end_all(ctxs: list[RequestContext], error: str) -> None:
+    """The whole batch call failed: each request fails with `error`, a cancelled one ends stopped."""
+    for ctx in ctxs:
+        if ctx.cancelled():
+            ctx.stopped()
+        else:
+            ctx.fail(error)
 
 
 def _inputs_ready(ctx: RequestContext) -> bool:
