@@ -12,6 +12,7 @@ request, its message printed to stderr as ``omnictl: <message> (<code>)``; 130 i
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import sys
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 import click
+from click.shell_completion import CompletionItem, get_completion_class
 
 from omnictl import render
 from omnictl.client import (
@@ -33,7 +35,12 @@ from omnictl.client import (
     ClientError,
     DaemonUnreachable,
     file_input,
+    parse_prometheus,
 )
+
+COMPLETION_SHELLS = ("bash", "zsh", "fish")
+COMPLETE_VAR = "_OMNICTL_COMPLETE"     # click's shell-completion protocol variable for prog "omnictl"
+COMPLETE_TIMEOUT_S = 1.0               # how long a <TAB> may wait for the daemon
 
 
 
@@ -114,7 +121,49 @@ output_dir_option = click.option(
     help="Write the outputs here (default: ./<job id>/).",
 )
 
-job_ids_argument = click.argument("job_ids", metavar="JOB...", nargs=-1, required=True)
+# --- shell completion: names asked of the daemon, quietly -----------------------------------
+
+
+def client_version() -> str:
+    """omnictl's own version (the installed ``omnid`` distribution's)."""
+    try:
+        return importlib.metadata.version("omnid")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _completion_client(ctx: click.Context) -> Client:
+    """A client for <TAB>: the ``--socket`` given so far (else the default), a short timeout."""
+    socket = ctx.find_root().params.get("socket")
+    return Client(socket if isinstance(socket, str) else None, timeout=COMPLETE_TIMEOUT_S)
+
+
+def _names(ctx: click.Context, listing: Callable[[Client], Any], key: str, field: str) -> list[Any]:
+    """The documents under ``key`` of a listing, or [] when the daemon cannot say (never an error)."""
+    try:
+        document = listing(_completion_client(ctx))
+    except Exception:  # completion must stay silent whatever goes wrong: the shell shows nothing
+        return []
+    items = document.get(key) if isinstance(document, dict) else None
+    return [item for item in items or [] if isinstance(item, dict) and isinstance(item.get(field), str)]
+
+
+def complete_pipelines(ctx: click.Context, _param: click.Parameter, incomplete: str) -> list[CompletionItem]:
+    return [CompletionItem(p["name"], help=", ".join(map(str, p.get("stages") or [])))
+            for p in _names(ctx, Client.pipelines, "pipelines", "name") if p["name"].startswith(incomplete)]
+
+
+def complete_stages(ctx: click.Context, _param: click.Parameter, incomplete: str) -> list[CompletionItem]:
+    return [CompletionItem(s["name"], help=f"{s.get('engine')}, {s.get('state')}")
+            for s in _names(ctx, Client.stages, "stages", "name") if s["name"].startswith(incomplete)]
+
+
+def complete_jobs(ctx: click.Context, _param: click.Parameter, incomplete: str) -> list[CompletionItem]:
+    return [CompletionItem(j["id"], help=f"{j.get('pipeline')}, {j.get('state')}")
+            for j in _names(ctx, lambda c: c.jobs(limit=200), "jobs", "id") if j["id"].startswith(incomplete)]
+
+
+job_ids_argument = click.argument("job_ids", metavar="JOB...", nargs=-1, required=True, shell_complete=complete_jobs)
 
 
 def command(*options: Callable[[Any], Any]) -> Callable[[Callable[..., None]], click.Command]:
@@ -258,6 +307,7 @@ def _write_results(settings: Settings, client: Client, job: dict[str, Any], outp
     "else $XDG_RUNTIME_DIR/omnid/omnid.sock).",
 )
 @click.option("--json", "json_output", is_flag=True, help="Print the API's JSON instead of text.")
+@click.version_option(package_name="omnid", prog_name="omnictl", message="%(prog)s %(version)s")
 @click.pass_context
 def cli(ctx: click.Context, socket: str | None, json_output: bool) -> None:
     """Control omnid, the local multi-stage model serving daemon."""
@@ -267,7 +317,7 @@ def cli(ctx: click.Context, socket: str | None, json_output: bool) -> None:
 
 
 @command(
-    click.argument("pipeline"),
+    click.argument("pipeline", shell_complete=complete_pipelines),
     click.option("--prompt", metavar="TEXT", help="Shorthand for --input prompt=TEXT."),
     click.option("--input", "inputs", multiple=True, metavar="KEY=VALUE", callback=_parse_inputs, help="A string input."),
     click.option("--file", "files", multiple=True, metavar="KEY=PATH", callback=_parse_files, help="A file input."),
@@ -326,7 +376,7 @@ def submit(
 
 
 @command(
-    click.argument("job_id", metavar="[JOB]", required=False),
+    click.argument("job_id", metavar="[JOB]", required=False, shell_complete=complete_jobs),
     click.option("--state", type=click.Choice(JOB_STATES), help="Only jobs in this state."),
     click.option("--pipeline", help="Only jobs of this pipeline."),
     click.option("-n", "--limit", type=click.IntRange(0, 1000), default=20, show_default=True,
@@ -384,7 +434,7 @@ def rm(settings: Settings, job_ids: tuple[str, ...]) -> None:
     _for_each_job(settings, job_ids, settings.client().delete, lambda job_id, doc: str(doc.get("deleted") or job_id))
 
 
-@command(click.argument("job_id", metavar="JOB"))
+@command(click.argument("job_id", metavar="JOB", shell_complete=complete_jobs))
 def watch(settings: Settings, job_id: str) -> None:
     """Follow a job's events until it ends; exit 1 unless it succeeded."""
     client = settings.client()
@@ -394,9 +444,9 @@ def watch(settings: Settings, job_id: str) -> None:
     raise click.exceptions.Exit(int(ExitCode.OK if final.get("state") == "succeeded" else ExitCode.JOB_FAILED))
 
 
-@command(click.argument("job_id", metavar="JOB"), output_dir_option)
+@command(click.argument("job_id", metavar="JOB", shell_complete=complete_jobs), output_dir_option)
 def result(settings: Settings, job_id: str, output_dir: Path | None) -> None:
-    """Write the outputs of a finished job into DIR; exit 1 unless it succeeded."""
+    """Write the outputs of a finished JOB (into -o/--output-dir, default ./<job id>/); exit 1 unless it succeeded."""
     client = settings.client()
     job = client.job(job_id)
     if job.get("state") not in TERMINAL_STATES:
@@ -422,7 +472,8 @@ def stage() -> None:
 
 
 @stage.command("restart")
-@click.argument("name")
+@click.argument("name", shell_complete=complete_stages)
+@json_option
 @click.option("--no-wait", is_flag=True, help="Return at once instead of waiting for the new worker.")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for it.")
 @pass_settings
@@ -458,12 +509,15 @@ def stage_restart(settings: Settings, name: str, no_wait: bool, timeout: float) 
         click.echo(f"{name}: ready (pid {snap.get('pid')}, loaded in {snap.get('load_s')} s)")
 
 
-@command()
-def pipelines(settings: Settings) -> None:
-    """Show every pipeline with its stages and edges."""
-    document = settings.client().pipelines()
+@command(click.argument("name", required=False, shell_complete=complete_pipelines))
+def pipelines(settings: Settings, name: str | None) -> None:
+    """Show every pipeline with its stages and edges; with NAME, what it takes: its inputs, each
+    stage's parameters (types, limits, defaults), its edges and outputs."""
+    document = settings.client().pipeline(name) if name is not None else settings.client().pipelines()
     if settings.json:
         _print_json(document)
+    elif name is not None:
+        click.echo(render.pipeline_detail(document))
     else:
         click.echo(render.pipelines_text(document.get("pipelines") or []))
 
@@ -481,9 +535,64 @@ def health(settings: Settings) -> None:
 
 @command()
 def metrics(settings: Settings) -> None:
-    """Print the daemon's Prometheus metrics."""
+    """Print the daemon's Prometheus metrics (--json: {name: [{labels, value}]})."""
     text = settings.client().metrics()
-    click.echo(text, nl=not text.endswith("\n"))
+    if settings.json:
+        _print_json(parse_prometheus(text))
+    else:
+        click.echo(text, nl=not text.endswith("\n"))
+
+
+@command(
+    click.argument("stage", metavar="[STAGE]", required=False, shell_complete=complete_stages),
+    click.option("-f", "--follow", is_flag=True, help="Keep printing new lines as they come, until interrupted."),
+    click.option("--since", metavar="T", help="Only lines since T: a duration ago (30s, 10m, 1h, 2d), "
+                 "an ISO 8601 time or a Unix time."),
+    click.option("-n", "--tail", type=click.IntRange(0, 100000), metavar="N", help="Only the last N lines."),
+    click.option("-t", "--timestamps", is_flag=True, help="Prefix each line with the UTC time the daemon read it."),
+)
+def logs(settings: Settings, stage: str | None, follow: bool, since: str | None, tail: int | None,
+         timestamps: bool) -> None:
+    """Print what STAGE's worker wrote to stdout and stderr (without STAGE: the daemon's own records);
+    root or the daemon's admin group. --json: one {"ts", "line"} object per line."""
+    for line in settings.client().logs(stage, since=since, tail=tail, follow=follow):
+        ts, _, text = line.partition(" ")
+        if settings.json:
+            _print_json_line({"ts": ts, "line": text})
+        else:
+            click.echo(line if timestamps else text)
+
+
+@command()
+def version(settings: Settings) -> None:
+    """Print omnictl's version and the daemon's; exit 3 (after omnictl's) if the daemon is unreachable."""
+    mine = client_version()
+    try:
+        theirs: Any = settings.client().health().get("version")
+    except DaemonUnreachable as exc:
+        if settings.json:
+            _print_json({"client": mine, "daemon": None})
+        else:
+            click.echo(f"client  {mine}")
+        _fail(str(exc), ExitCode.UNREACHABLE)
+    if settings.json:
+        _print_json({"client": mine, "daemon": theirs})
+    else:
+        click.echo(f"client  {mine}\ndaemon  {theirs}")
+
+
+@cli.command()
+@click.argument("shell", type=click.Choice(COMPLETION_SHELLS))
+@pass_settings
+def completion(settings: Settings, shell: str) -> None:
+    """Print the SHELL completion script: commands, options, and pipeline, stage and job names
+    asked of the daemon. Bash: eval "$(omnictl completion bash)" (or put it in ~/.bashrc);
+    zsh: eval "$(omnictl completion zsh)"; fish: omnictl completion fish | source."""
+    if settings.json:
+        raise click.UsageError("`completion` prints a shell script; --json does not apply to it")
+    completer = get_completion_class(shell)
+    assert completer is not None  # every name in COMPLETION_SHELLS is one of click's
+    click.echo(completer(cli, {}, "omnictl", COMPLETE_VAR).source())
 
 
 def main() -> None:

@@ -20,7 +20,9 @@ import base64
 import http.client
 import json
 import mimetypes
+import math
 import os
+import re
 import socket
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
@@ -43,6 +45,7 @@ __all__ = [
     "TERMINAL_STATES",
     "default_socket_path",
     "file_input",
+    "parse_prometheus",
 ]
 
 JSON = dict[str, Any]
@@ -127,6 +130,40 @@ def default_socket_path(explicit: str | os.PathLike[str] | None = None) -> str:
         return ROOT_SOCKET_PATH
     runtime_dir = os.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{uid}"
     return os.path.join(runtime_dir, "omnid", "omnid.sock")
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$")
+_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
+_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+
+
+def _unescape(value: str) -> str:
+    return re.sub(r'\\[\\"n]', lambda m: _UNESCAPE[m.group(0)], value)
+
+
+def parse_prometheus(text: str) -> dict[str, list[JSON]]:
+    """Prometheus text exposition as ``{name: [{"labels": {...}, "value": number}]}``, in its order.
+
+    Comments (``# HELP``, ``# TYPE``) and lines that are not samples are skipped. A value that is
+    not a finite number (``+Inf``, ``NaN``) stays the string it was, so the result is plain JSON.
+    """
+    out: dict[str, list[JSON]] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line)
+        if match is None:
+            continue
+        name, labels_text, raw = match.groups()
+        labels = {key: _unescape(value) for key, value in _LABEL.findall(labels_text or "")}
+        try:
+            number = float(raw)
+        except ValueError:
+            continue
+        value: Any = number if math.isfinite(number) else raw
+        out.setdefault(name, []).append({"labels": labels, "value": value})
+    return out
 
 
 def file_input(path: str | os.PathLike[str]) -> JSON:
@@ -324,6 +361,15 @@ class Client:
         """``GET /v1/pipelines``: ``{"pipelines": [...]}``."""
         return self._json("GET", "/v1/pipelines")
 
+    def pipeline(self, name: str) -> JSON:
+        """``GET /v1/pipelines/{name}``: one pipeline with its inputs, each stage's parameters
+        (types, limits, defaults), edges and outputs; 404 ``unknown_pipeline``."""
+        return self._json("GET", f"/v1/pipelines/{quote(name, safe='')}")
+
+    def openapi(self) -> JSON:
+        """``GET /v1/openapi.json``: the API's OpenAPI 3.1 document."""
+        return self._json("GET", "/v1/openapi.json")
+
     def stages(self) -> JSON:
         """``GET /v1/stages``: ``{"stages": [...]}``."""
         return self._json("GET", "/v1/stages")
@@ -331,6 +377,42 @@ class Client:
     def restart_stage(self, name: str) -> JSON:
         """``POST /v1/stages/{name}/restart`` (root or the daemon's admin group): a new worker; 202."""
         return self._json("POST", f"/v1/stages/{quote(name, safe='')}/restart")
+
+    def logs(
+        self,
+        stage: str | None = None,
+        *,
+        since: str | float | None = None,
+        tail: int | None = None,
+        follow: bool = False,
+    ) -> Iterator[str]:
+        """``GET /v1/stages/{stage}/logs`` (``stage=None``: ``GET /v1/logs``, the daemon's own records):
+        yield each line, ``"<UTC time it was read> <line>"``, without its newline (root or the daemon's
+        admin group; 403 ``not_admin`` otherwise).
+
+        ``since``: a duration ago (``"10m"``, ``"1h"``), an ISO 8601 time or a Unix time; ``tail``: only
+        the last N lines; ``follow``: keep yielding new lines, without a time limit, until the caller
+        closes the generator (or the daemon stops). Connecting is bounded by the client's timeout.
+        """
+        path = "/v1/logs" if stage is None else f"/v1/stages/{quote(stage, safe='')}/logs"
+        query = {"since": since, "tail": tail, "follow": "1" if follow else None}
+        conn, response = self._open("GET", path, query=query)
+        try:
+            self._check(response)
+            if follow and conn.sock is not None:
+                conn.sock.settimeout(None)      # a quiet stage may say nothing for hours
+            while True:
+                try:
+                    raw = response.readline()
+                except (socket.timeout, TimeoutError):
+                    raise ConnectionLost(self.socket_path, f"no data within {self.timeout} s") from None
+                except (OSError, http.client.HTTPException) as exc:
+                    raise ConnectionLost(self.socket_path, f"log stream broke ({exc or type(exc).__name__})") from None
+                if not raw:
+                    return
+                yield raw.decode("utf-8", "replace").rstrip("\n")
+        finally:
+            conn.close()
 
     def metrics(self) -> str:
         """``GET /metrics``: the Prometheus text exposition."""

@@ -82,6 +82,8 @@ class DaemonConfig:
     retention_interval_s: float = 60.0      # how often retention runs (and once at start)
     client_idle_timeout_s: float = 30.0     # a connection with no request (or half of one) this long is closed
     metrics_listen: tuple[str, int] | None = None   # ("127.0.0.1", 9464): /metrics over TCP too (off)
+    log_file_max_bytes: int = 10 << 20      # <state_dir>/logs: each stage's and the daemon's file rotates at this size
+    log_file_keep: int = 3                  # ... keeping this many rotated files (.1 .2 .3) besides the current one
 
 
 @dataclass(frozen=True)
@@ -299,6 +301,8 @@ def _parse_daemon(c: _Checker, raw: Any, base: Path) -> DaemonConfig:
         retention_interval_s=float(c.positive(d, "retention_interval_s", "daemon", 60.0)),
         client_idle_timeout_s=float(c.positive(d, "client_idle_timeout_s", "daemon", 30.0)),
         metrics_listen=_host_port(c, c.get(d, "metrics_listen", "daemon", str), "daemon.metrics_listen"),
+        log_file_max_bytes=c.positive(d, "log_file_max_bytes", "daemon", 10 << 20, integer=True),
+        log_file_keep=c.positive(d, "log_file_keep", "daemon", 3, integer=True, allow_zero=True),
     )
 
 

@@ -62,10 +62,11 @@ SD_SAMPLE_SIZE = 32  # latent side; the VAE doubles it, so images are 64 px
 SD_MAX_LENGTH = 77
 
 BOS, EOS, UNK, PAD = "<s>", "</s>", "<unk>", "<pad>"
-# A plain "role: content" chat template (no BOS: the tokenizer's post-processor adds it), so
-# that chat requests (`messages`, /v1/chat/completions) render as they would on a real model.
+# A plain "role: content" chat template, so that chat requests (`messages`, /v1/chat/completions)
+# render as on a real model. Like real templates it writes the BOS itself: a rendered chat is
+# tokenized without the tokenizer's own special tokens.
 LLM_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 CLIP_BOS, CLIP_EOS = "<|startoftext|>", "<|endoftext|>"

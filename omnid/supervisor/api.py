@@ -29,6 +29,7 @@ import struct
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -38,6 +39,7 @@ from omnid.config import Config, PipelineConfig
 from omnid.metrics import Metrics
 from omnid.params import job_param_problem, plain_value
 from omnid.store import JobStore
+from omnid.supervisor import stage_logs
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.live_job import LAGGED
 from omnid.supervisor.openapi import describe_pipeline, openapi_document
@@ -58,6 +60,7 @@ MAX_BYTES_KEY = web.AppKey("max_request_bytes", int)
 STREAM_POLL_S = 0.03          # `?stream=1`: how often a live output's stream file is looked at
 STREAM_CHUNK = 64 * 1024
 _STREAM_FLAGS = {"1": True, "true": True, "0": False, "false": False}
+LOG_POLL_S = 0.1              # `?follow=1`: how often a log file is looked at for new lines
 
 
 @dataclass
@@ -142,10 +145,14 @@ class Api:
             web.get("/v1/openapi.json", self.openapi),
             web.get("/v1/stages", self.list_stages),
             web.post("/v1/stages/{name}/restart", self.restart_stage),
+            web.get("/v1/stages/{name}/logs", self.stage_logs),
+            web.get("/v1/logs", self.daemon_logs),
             web.get("/v1/health", self.health),
             web.get("/v1/ready", self.ready),
             web.get("/metrics", self.get_metrics),
         ])
+        from omnid.supervisor.openai_api import OpenAiApi     # (here: it imports this module)
+        OpenAiApi(self).mount(app)      # /v1/models, /v1/chat/completions, ... (openai_api.py)
         self.app = app
 
     # ------------------------------------------------------------------ helpers
@@ -250,6 +257,8 @@ class Api:
             if stage.engine in ("vllm", "diffusers") and isinstance(inputs.get("prompt"), bytes):
                 raise Refused(400, ErrorCode.INVALID_INPUT, f"input \"prompt\" of {stage.engine} stage {src!r} must be "
                               "text, not a file (use --prompt or --input prompt=...)")
+            if stage.engine == "vllm" and isinstance(inputs.get("messages"), str):
+                continue                # a chat (JSON text): the stage renders it with its chat template
             if stage.engine in ("vllm", "diffusers") and not isinstance(inputs.get("prompt"), str):
                 raise Refused(400, ErrorCode.MISSING_INPUT, f"pipeline {pipeline.name!r} starts with {stage.engine} stage "
                               f"{src!r}, which needs a text input \"prompt\"")
@@ -486,6 +495,75 @@ class Api:
         raise Refused(403, ErrorCode.NOT_ADMIN, "only root" + (f" or members of {group!r}" if group else "")
                       + " may do this (daemon.admin_group)")
 
+    # ------------------------------------------------------------------ logs (stage_logs.py)
+
+    async def stage_logs(self, request: web.Request) -> web.StreamResponse:
+        """A stage worker's stdout and stderr (root or daemon.admin_group): `TIME LINE` text lines,
+        `?since=` (10m, 1h, ISO 8601, Unix time), `?tail=N`, `?follow=1` (sent as they come)."""
+        self._check_admin(request["uid"])
+        name = request.match_info["name"]
+        if name not in self.stages:
+            raise Refused(404, ErrorCode.UNKNOWN_STAGE, f"no stage {name!r}; known: {', '.join(sorted(self.stages))}")
+        return await self._send_log(request, stage_logs.stage_log_path(self.config.daemon.state_dir, name))
+
+    async def daemon_logs(self, request: web.Request) -> web.StreamResponse:
+        """The daemon's own records (root or daemon.admin_group); the query as for a stage's logs."""
+        self._check_admin(request["uid"])
+        return await self._send_log(request, stage_logs.daemon_log_path(self.config.daemon.state_dir))
+
+    async def _send_log(self, request: web.Request, path: Path) -> web.StreamResponse:
+        """Logs can hold other users' prompts: the callers are checked before this. File reads run in
+        the executor; a follower polls the file (an fstat, every LOG_POLL_S) until it hangs up or the
+        daemon stops, holding one batch of lines at a time."""
+        q = request.query
+        since: float | None = None
+        if q.get("since"):
+            try:
+                since = stage_logs.parse_since(q["since"])
+            except stage_logs.BadSince as e:
+                raise Refused(400, ErrorCode.INVALID_REQUEST, str(e)) from None
+        tail: int | None = None
+        if q.get("tail") is not None:
+            try:
+                tail = int(q["tail"])
+                if not 0 <= tail <= stage_logs.MAX_TAIL:
+                    raise ValueError
+            except ValueError:
+                raise Refused(400, ErrorCode.INVALID_REQUEST,
+                              f"tail must be an integer from 0 to {stage_logs.MAX_TAIL}") from None
+        follow = _flag(q.get("follow"), "follow")
+        loop = asyncio.get_running_loop()
+        reader = stage_logs.LogReader(path, self.config.daemon.log_file_keep, since)
+        await loop.run_in_executor(None, reader.open)
+        try:
+            resp = web.StreamResponse(headers={"Content-Type": "text/plain; charset=utf-8",
+                                               "X-Content-Type-Options": "nosniff"})
+            await resp.prepare(request)
+            if tail is not None:
+                lines = await loop.run_in_executor(None, reader.tail, tail)
+                if lines:
+                    await resp.write(b"".join(lines))
+            else:
+                while lines := await loop.run_in_executor(None, reader.read):
+                    await resp.write(b"".join(lines))
+            while follow and not self.info.stopping:
+                if reader.changed():
+                    reader.follow_rotation()
+                    lines = await loop.run_in_executor(None, reader.read)
+                    if lines:
+                        await resp.write(b"".join(lines))
+                        continue
+                if _gone(request):
+                    raise ConnectionResetError("the client went away")
+                await asyncio.sleep(LOG_POLL_S)
+            await resp.write_eof()
+            return resp
+        except ConnectionError as e:
+            log.debug("log reader went away", path=str(path), error=str(e))
+            return resp
+        finally:
+            reader.close()
+
     async def health(self, request: web.Request) -> web.Response:
         info = self.info
         return web.json_response({"status": "ok", "pid": info.pid, "uptime_s": round(time.time() - info.started, 3),
@@ -514,6 +592,16 @@ def _stream_flag(value: str | None) -> bool:
     flag = _STREAM_FLAGS.get(value.strip().lower())
     if flag is None:
         raise Refused(400, ErrorCode.INVALID_REQUEST, f"stream must be 1 or true (or 0 or false), not {value!r}")
+    return flag
+
+
+def _flag(value: str | None, name: str) -> bool:
+    """A 1/true, 0/false query flag (none: false); anything else is refused."""
+    if value is None:
+        return False
+    flag = _STREAM_FLAGS.get(value.strip().lower())
+    if flag is None:
+        raise Refused(400, ErrorCode.INVALID_REQUEST, f"{name} must be 1 or true (or 0 or false), not {value!r}")
     return flag
 
 

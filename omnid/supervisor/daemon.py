@@ -45,6 +45,7 @@ from omnid.supervisor.api import Api, DaemonInfo
 from omnid.supervisor.reload import Reloader
 from omnid.supervisor.scheduler import Scheduler
 from omnid.supervisor.stage import StageHandle
+from omnid.supervisor.stage_logs import DaemonLogHandler, install_daemon_log, remove_daemon_log
 from omnid.vocabulary import WorkerState
 
 log = structlog.get_logger("omnid.daemon")
@@ -117,6 +118,7 @@ class Daemon:
         self._reload_wanted = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._load_locks: dict[int, asyncio.Lock] = {}
+        self._log_file: DaemonLogHandler | None = None  # our records into <state_dir>/logs/omnid.log too
 
     def request_stop(self) -> None:
         if self._stop.is_set():
@@ -149,6 +151,8 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self.request_reload)
         try:
             store = self._take_locks()                              # 1
+            cfg = self.config.daemon
+            self._log_file = install_daemon_log(cfg.state_dir, cfg.log_file_max_bytes, cfg.log_file_keep)
             api = self._build(store)
             await self._serve(api)                                  # 2
             if not await self._start_stages():                      # 3
@@ -331,6 +335,8 @@ class Daemon:
         if self.store is not None:
             self.store.close()
         log.info("stopped")
+        remove_daemon_log(self._log_file)
+        self._log_file = None
 
 
 def run(config: Config) -> int:

@@ -36,6 +36,7 @@ from omnid.config import Config, StageConfig
 from omnid.supervisor.control_pipe import ControlPipe
 from omnid.supervisor.process_stats import ProcessSampler
 from omnid.supervisor.restart_policy import GiveUp, RestartPolicy
+from omnid.supervisor.stage_logs import PipeReader, log_file, stage_log_path
 from omnid.vocabulary import WorkerState
 
 log = structlog.get_logger("omnid.stage")
@@ -120,6 +121,7 @@ class StageHandle:
         self.jobs_done = 0                  # counted here, on each Finished: exact, and kept across restarts
         self._listener: StageListener | None = None
         self._pipe: ControlPipe | None = None
+        self._log_pipe: PipeReader | None = None    # this incarnation's stdout/stderr (stage_logs.py)
         self._policy = RestartPolicy.from_config(config.daemon)
         self._sampler = ProcessSampler()
         self._attempt_over = asyncio.Event()  # the start attempt ended: READY, death, failure or stop
@@ -161,10 +163,13 @@ class StageHandle:
 
     def _spawn(self) -> None:
         parent, child = _SPAWN.Pipe(duplex=True)
+        # The worker's fds 1 and 2: an OS pipe whose write end goes over as a Connection (passed as an
+        # fd by the spawn method, like `child`); we store and forward its lines (stage_logs.py).
+        log_read, log_write = _SPAWN.Pipe(duplex=False)
         spec = P.WorkerSpec(stage=self.name, config=self.config, data_dir=self.data_dir,
                             jobs_dir=self.jobs_dir, parent_pid=os.getpid())
         from omnid.worker.main import worker_main
-        proc = _SPAWN.Process(target=worker_main, args=(spec, child), name=f"omnid-stage-{self.name}",
+        proc = _SPAWN.Process(target=worker_main, args=(spec, child, log_write), name=f"omnid-stage-{self.name}",
                               daemon=False)
         self.state = WorkerState.LOADING
         self._attempt_over.clear()
@@ -175,8 +180,16 @@ class StageHandle:
         except BaseException:
             parent.close()
             child.close()
+            log_read.close()
+            log_write.close()
             raise
         child.close()
+        log_write.close()                  # the worker's (and its children's) copies alone: EOF when they are gone
+        self._close_log_pipe()             # the last incarnation's, if its EOF has not come yet
+        daemon = self.config.daemon
+        self._log_pipe = PipeReader(log_read, log_file(stage_log_path(daemon.state_dir, self.name),
+                                                       daemon.log_file_max_bytes, daemon.log_file_keep))
+        self._log_pipe.start(asyncio.get_running_loop())
         self.process = proc
         self.started_at = time.time()
         self.ready_at = None
@@ -262,11 +275,19 @@ class StageHandle:
             return
         self._on_exit_status(proc)
 
+    def _close_log_pipe(self) -> None:
+        """Store and forward what the worker wrote before it exited, then stop reading its pipe."""
+        log_pipe, self._log_pipe = self._log_pipe, None
+        if log_pipe is not None:
+            log_pipe.drain()
+            log_pipe.close()
+
     def _on_exit_status(self, proc: BaseProcess) -> None:
         pipe, self._pipe = self._pipe, None
         if pipe is not None:
             pipe.drain()                # what it said before dying (LoadFailed, Failed ...)
             pipe.close()
+        self._close_log_pipe()          # its last lines (a traceback) before the death is logged
         _kill_group(proc.pid)           # anything the engine started dies with it
         code = proc.exitcode
         reason = f"worker (pid {proc.pid}) {describe_exit(code)}"
@@ -390,6 +411,7 @@ class StageHandle:
             self._restart_task.cancel()
         proc = self.process
         if proc is None or proc.exitcode is not None:
+            self._close_log_pipe()
             self.state = WorkerState.STOPPED
             return
         self.send(P.Shutdown())
@@ -404,6 +426,7 @@ class StageHandle:
             while proc.exitcode is None:
                 await asyncio.sleep(0.02)
         _kill_group(proc.pid)
+        self._close_log_pipe()
         self.state = WorkerState.STOPPED
 
     # ------------------------------------------------------------------ inspection

@@ -1,0 +1,634 @@
+"""OpenAI-compatible endpoints on the daemon's socket; each request is one ordinary omnid job.
+
+Runs in the supervisor's event-loop thread, inside the socket API's aiohttp application (`Api`
+mounts it: `OpenAiApi(api).mount(app)`). Handlers never block: they submit a job through the
+scheduler, wait on the job's event queue (an asyncio queue, looked at every DISCONNECT_POLL_S for
+a caller that hung up) and read small output files in the loop's default executor. Speech streams
+through the API's own `?stream=1` helper (`Api._stream_output`).
+
+- `GET /v1/models`, `GET /v1/models/{model}`: the pipelines as models (`omnid.outputs`: what each
+  produces: `text` for a vLLM last stage, `image` for diffusers; for a python last stage, the kinds
+  of outputs its latest successful job had, null before it has one).
+- `POST /v1/chat/completions`, `POST /v1/completions`: pipelines that end in text. A chat's
+  messages are one job input `messages` (JSON text), which the vLLM stage renders with its
+  tokenizer's chat template; the answer is the text segments of the text-producing last stage.
+- `POST /v1/images/generations`: pipelines that end in an image (`b64_json` only).
+- `POST /v1/audio/speech`: pipelines that end in audio (`wav` only), streamed as it is produced.
+
+Each job belongs to the caller's uid and shows in `GET /v1/jobs` like any other; a caller that goes
+away before its job ended cancels it. The answers carry the job's id in `X-Omnid-Job`. Errors on
+these paths are OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Nothing of the engines is imported here (no tokenizer in the supervisor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from aiohttp import web
+
+from omnid.config import PipelineConfig
+from omnid.params import job_param_problem
+from omnid.supervisor.api import _gone
+from omnid.supervisor.errors import Refused
+from omnid.supervisor.live_job import LAGGED
+from omnid.vocabulary import ErrorCode, EventType, JobRecord, JobState
+
+if TYPE_CHECKING:
+    from omnid.supervisor.api import Api
+
+log = structlog.get_logger("omnid.openai")
+
+OPENAI_PATHS = ("/v1/models", "/v1/chat/", "/v1/completions", "/v1/images/", "/v1/audio/")
+DISCONNECT_POLL_S = 0.25        # how often a waiting handler looks whether its caller hung up
+JOB_HEADER = "X-Omnid-Job"
+_JOB_KEY = "openai_job"                 # request keys: the job, for the answer's X-Omnid-Job header,
+_CONTENT_TYPE_KEY = "openai_ctype"      # and what a streamed output of unknown type is sent as
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+_SIZE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
+# OpenAI sampling fields -> the vLLM stage's params (max_completion_tokens wins over max_tokens)
+_SAMPLING = (("max_tokens", "max_tokens"), ("max_completion_tokens", "max_tokens"),
+             ("temperature", "temperature"), ("top_p", "top_p"), ("stop", "stop"), ("seed", "seed"),
+             ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"))
+_ENGINE_KIND = {"vllm": "text", "diffusers": "image"}
+_ENDPOINTS = {"text": ["/v1/chat/completions", "/v1/completions"], "image": ["/v1/images/generations"],
+              "audio": ["/v1/audio/speech"]}
+
+
+class OpenAiError(Exception):
+    """A request refused or failed, answered as `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str | None = None, retry: bool | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type_ or _error_type(status)
+        self.retry = retry
+
+    def response(self) -> web.Response:
+        headers: dict[str, str] = {}
+        if self.status in (429, 503):
+            headers["Retry-After"] = "2"
+        if self.retry is not None:                  # the openai client library honours this header
+            headers["x-should-retry"] = "true" if self.retry else "false"
+        return web.json_response({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                            "code": self.code}}, status=self.status, headers=headers)
+
+
+def _error_type(status: int) -> str:
+    if status >= 500:
+        return "server_error"
+    return {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}.get(
+        status, "invalid_request_error")
+
+
+def _bad(param: str | None, message: str, code: str | None = None) -> OpenAiError:
+    return OpenAiError(400, message, param, code)
+
+
+@web.middleware
+async def openai_errors(request: web.Request,
+                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Errors on the OpenAI paths in OpenAI's shape (inside the API's own error middleware)."""
+    if not request.path.startswith(OPENAI_PATHS):
+        return await handler(request)
+    try:
+        return await handler(request)
+    except OpenAiError as e:
+        return e.response()
+    except Refused as e:
+        return OpenAiError(e.status, e.message, code=str(e.code)).response()
+    except web.HTTPRequestEntityTooLarge:
+        return OpenAiError(413, "the request body is too large (daemon.max_request_bytes)", code="too_large").response()
+    except web.HTTPNotFound:
+        return OpenAiError(404, f"no such endpoint: {request.method} {request.path}", code="not_found").response()
+    except web.HTTPMethodNotAllowed as e:
+        return OpenAiError(405, f"{request.method} is not allowed on {request.path}; use "
+                           f"{', '.join(sorted(e.allowed_methods))}", code="method_not_allowed").response()
+    except web.HTTPException as e:
+        return OpenAiError(e.status, e.reason, code="http_error").response()
+    except ConnectionError as e:            # the caller hung up (its job is cancelled): nobody to answer
+        log.debug("the caller went away", method=request.method, path=request.path, error=str(e))
+        return web.Response(status=499)
+    except Exception as e:
+        log.exception("request failed", method=request.method, path=request.path)
+        return OpenAiError(500, f"the daemon failed on this request: {type(e).__name__}: {e}",
+                           code="internal_error").response()
+
+
+async def _on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer on these paths names its job; a streamed output of unknown type gets its type."""
+    if not request.path.startswith(OPENAI_PATHS):
+        return
+    job = request.get(_JOB_KEY)
+    if job is not None:
+        response.headers[JOB_HEADER] = str(job)
+    ctype = request.get(_CONTENT_TYPE_KEY)
+    if ctype is not None and response.content_type == "application/octet-stream":
+        response.content_type = str(ctype)
+
+
+@dataclass
+class _Generation:
+    """What a text job produced so far, from its events."""
+
+    text_stage: str                 # whose segments are the answer
+    token_stage: str | None         # the vLLM stage whose progress counts the tokens
+    pieces: list[str] = field(default_factory=list)
+    segments: int = 0
+    tokens: int | None = None
+    max_tokens: int | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.tokens if self.tokens is not None else self.segments
+
+    @property
+    def finish_reason(self) -> str:
+        return "length" if self.max_tokens is not None and self.completion_tokens >= self.max_tokens else "stop"
+
+
+class OpenAiApi:
+    """The OpenAI-shaped handlers, on the `Api`'s collaborators (config, store, scheduler, info)."""
+
+    def __init__(self, api: Api) -> None:
+        self.api = api
+
+    def mount(self, app: web.Application) -> None:
+        app.middlewares.append(openai_errors)
+        app.on_response_prepare.append(_on_prepare)
+        app.add_routes([
+            web.get("/v1/models", self.list_models),
+            web.get("/v1/models/{model}", self.get_model),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/images/generations", self.images),
+            web.post("/v1/audio/speech", self.speech),
+        ])
+
+    # ------------------------------------------------------------------ models
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list",
+                                  "data": [self._model(p) for p in self.api.config.pipelines.values()]})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        return web.json_response(self._model(self._find(request.match_info["model"])))
+
+    def _model(self, p: PipelineConfig) -> dict[str, Any]:
+        produces = self._produces(p)
+        endpoints = sorted({e for kind in (produces or _ENDPOINTS) for e in _ENDPOINTS.get(kind, [])})
+        return {"id": p.name, "object": "model", "created": int(self.api.info.started), "owned_by": "omnid",
+                "omnid": {"stages": list(p.stages),
+                          "engines": [self.api.config.stages[s].engine for s in p.stages],
+                          "outputs": produces, "endpoints": endpoints}}
+
+    def _produces(self, p: PipelineConfig) -> list[str] | None:
+        """The kinds of output the pipeline produces; None when a python last stage has not shown
+        it yet (the kinds of its latest successful job's outputs, when there is one)."""
+        kinds: set[str] = set()
+        for s in p.sinks:
+            kind = _ENGINE_KIND.get(self.api.config.stages[s].engine)
+            if kind is not None:
+                kinds.add(kind)
+                continue
+            last = self.api.store.list(None, JobState.SUCCEEDED, p.name, 1)
+            if not last:
+                return None
+            kinds |= {str(o["kind"]) for o in last[0].outputs if o.get("stage") == s}
+        return sorted(kinds)
+
+    def _find(self, name: Any) -> PipelineConfig:
+        if not isinstance(name, str) or not name:
+            raise _bad("model", "you must provide a model parameter (a pipeline's name)")
+        p = self.api.config.pipelines.get(name)
+        if p is None:
+            raise OpenAiError(404, f"The model `{name}` does not exist (the pipelines: "
+                              f"{', '.join(sorted(self.api.config.pipelines))})", "model", "model_not_found")
+        return p
+
+    def _pipeline(self, body: dict[str, Any], kind: str) -> PipelineConfig:
+        """The pipeline named by `model`, if it produces `kind` (or may: an untried python last stage)."""
+        p = self._find(body.get("model"))
+        produces = self._produces(p)
+        if produces is not None and kind not in produces:
+            raise _bad("model", f"model {p.name!r} produces {', '.join(produces) or 'nothing'}, not {kind}; "
+                       f"{_ENDPOINTS[kind][0]} needs a pipeline that ends in {kind}", "model_not_supported")
+        return p
+
+    # ------------------------------------------------------------------ text
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        p = self._pipeline(body, "text")
+        stream, include_usage = self._common(body)
+        _refuse_chat_features(body)
+        messages = _messages(body.get("messages"))
+        params = self._sampling(p, body, {"include_prompt": False})
+        inputs, summary = self.api._inputs({"messages": json.dumps(messages)}, p)
+        return await self._text_job(request, p, inputs, params, summary, stream, include_usage, chat=True, echo="")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        p = self._pipeline(body, "text")
+        stream, include_usage = self._common(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise _bad("prompt", "prompt must be a string (or a list of one string); token arrays and "
+                       "batches are not supported")
+        for name, ok in (("suffix", None), ("logprobs", None), ("best_of", 1)):
+            if body.get(name) not in (None, ok):
+                raise _bad(name, f"{name} is not supported here")
+        echo = body.get("echo")
+        if echo is not None and not isinstance(echo, bool):
+            raise _bad("echo", "echo must be true or false")
+        stage = self._token_stage(p)
+        extra: dict[str, Any] = {"include_prompt": False}
+        if stage is not None and self.api.config.stages[stage].defaults.get("prompt_template"):
+            extra["prompt_template"] = ""           # a completion continues the prompt as it is
+        params = self._sampling(p, body, extra)
+        inputs, summary = self.api._inputs({"prompt": prompt}, p)
+        return await self._text_job(request, p, inputs, params, summary, stream, include_usage, chat=False,
+                                    echo=prompt if echo else "")
+
+    def _common(self, body: dict[str, Any]) -> tuple[bool, bool]:
+        """`n` (1 only), `stream`, `stream_options.include_usage`."""
+        n = body.get("n")
+        if n is not None and (isinstance(n, bool) or n != 1):
+            raise _bad("n", f"n must be 1 here (one job, one answer), not {n!r}")
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise _bad("stream", "stream must be true or false")
+        options = body.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise _bad("stream_options", "stream_options must be an object")
+        if options and not stream:
+            raise _bad("stream_options", "stream_options is only allowed when stream is true")
+        return bool(stream), bool((options or {}).get("include_usage"))
+
+    def _token_stage(self, p: PipelineConfig) -> str | None:
+        """The vLLM stage whose params the sampling fields set: a last stage, else the last one."""
+        vllm = [s for s in p.stages if self.api.config.stages[s].engine == "vllm"]
+        sinks = [s for s in vllm if s in p.sinks]
+        return (sinks or vllm)[-1] if vllm else None
+
+    def _text_stage(self, p: PipelineConfig) -> str:
+        """The last stage whose text segments are the answer: a vLLM one, else a python one."""
+        engines = {s: self.api.config.stages[s].engine for s in p.sinks}
+        for wanted in ("vllm", "python"):
+            for s in p.sinks:
+                if engines[s] == wanted:
+                    return s
+        raise _bad("model", f"model {p.name!r} does not end in text", "model_not_supported")
+
+    def _sampling(self, p: PipelineConfig, body: dict[str, Any], extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """The OpenAI sampling fields as the vLLM stage's params, each checked by omnid's rules."""
+        stage = self._token_stage(p)
+        if stage is None:
+            return {}                   # no vLLM stage: nothing to sample (the fields are ignored)
+        defaults = self.api.config.stages[stage].defaults
+        values: dict[str, Any] = {}
+        for name, key in _SAMPLING:
+            value = body.get(name)
+            if value is None or (name == "stop" and value == []):
+                continue
+            why = job_param_problem(stage, "vllm", defaults, key, value)
+            if why is not None:
+                raise _bad(name, f"{name}: {why}")
+            values[key] = value
+        values.update(extra)
+        return {stage: values}
+
+    async def _text_job(self, request: web.Request, p: PipelineConfig, inputs: dict[str, Any],
+                        params: dict[str, dict[str, Any]], summary: dict[str, Any], stream: bool,
+                        include_usage: bool, chat: bool, echo: str) -> web.StreamResponse:
+        gen = _Generation(self._text_stage(p), self._token_stage(p))
+        job = self._submit(request, p, inputs, params, summary)
+        kind = "chat.completion" if chat else "text_completion"
+        head = {"id": ("chatcmpl-" if chat else "cmpl-") + job.id, "object": kind,
+                "created": int(job.created_at), "model": p.name}
+        try:
+            if stream:
+                return await self._stream_text(request, job, gen, head, chat, include_usage, echo)
+            text = echo + "".join([piece async for piece in self._deltas(request, job, gen)])
+            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            return web.json_response({**head, "choices": [choice], "usage": _usage(gen)})
+        finally:
+            self._abandon(request, job.id)
+
+    async def _stream_text(self, request: web.Request, job: JobRecord, gen: _Generation, head: dict[str, Any],
+                           chat: bool, include_usage: bool, echo: str) -> web.StreamResponse:
+        """Server-sent events: one chunk per text segment, a last one with `finish_reason`, `[DONE]`."""
+        head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+
+        def chunk(text: str | None, finish: str | None = None, first: bool = False) -> dict[str, Any]:
+            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+            if chat:
+                choice["delta"] = ({"role": "assistant", "content": ""} if first
+                                   else {} if text is None else {"content": text})
+            else:
+                choice["text"] = text or ""
+            return {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
+
+        try:
+            if chat:
+                await _send(resp, chunk(None, first=True))
+            if echo:
+                await _send(resp, chunk(echo))
+            try:
+                async for piece in self._deltas(request, job, gen):
+                    await _send(resp, chunk(piece))
+            except OpenAiError as e:        # the job ended badly: said in the stream, as servers do
+                await _send(resp, {"error": {"message": e.message, "type": e.type, "param": None, "code": e.code}})
+            else:
+                await _send(resp, chunk(None, gen.finish_reason))
+                if include_usage:
+                    await _send(resp, {**head, "choices": [], "usage": _usage(gen)})
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionError as e:
+            log.debug("chat stream reader went away", job=job.id, error=str(e))
+        return resp
+
+    async def _deltas(self, request: web.Request, job: JobRecord, gen: _Generation) -> AsyncIterator[str]:
+        """The answer's text as its segments come; raises OpenAiError if the job ends badly. A last
+        stage that streamed no text is answered with its `text` output once the job ended."""
+        async for ev in self._follow(request, job.id):
+            stage = ev.get("stage")
+            if ev["type"] == EventType.PROGRESS and stage == gen.token_stage:
+                gen.tokens, gen.max_tokens = int(ev["done"]), int(ev["total"])
+            elif ev["type"] == EventType.SEGMENT and stage == gen.text_stage:
+                gen.segments += 1
+                text = ev.get("text")
+                if text:
+                    gen.pieces.append(text)
+                    yield text
+        record = self._succeeded(job.id)
+        if not gen.pieces:
+            text_out = _pick(record.outputs, "text", "text", gen.text_stage)
+            if text_out is not None:
+                text = (await self._read(record, text_out)).decode("utf-8", errors="replace")
+                if text:
+                    gen.pieces.append(text)
+                    yield text
+
+    # ------------------------------------------------------------------ images
+
+    async def images(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        p = self._pipeline(body, "image")
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise _bad("prompt", "prompt must be a non-empty string")
+        n = body.get("n")
+        if n is not None and (isinstance(n, bool) or n != 1):
+            raise _bad("n", f"n must be 1 here (one job, one image), not {n!r}")
+        if body.get("response_format") not in (None, "b64_json"):
+            raise _bad("response_format", "only response_format \"b64_json\" is supported (omnid serves no URLs)")
+        if body.get("output_format") not in (None, "png"):
+            raise _bad("output_format", "only output_format \"png\" is supported")
+        draw = next((s for s in reversed(p.stages) if self.api.config.stages[s].engine == "diffusers"), None)
+        params: dict[str, dict[str, Any]] = {}
+        size = body.get("size")
+        if size is not None and size != "auto":
+            m = _SIZE.match(size) if isinstance(size, str) else None
+            if m is None:
+                raise _bad("size", f"size must be \"WIDTHxHEIGHT\" (e.g. \"64x64\") or \"auto\", not {size!r}")
+            if draw is None:
+                raise _bad("size", f"model {p.name!r} has no diffusers stage to set the size of")
+            params[draw] = {"width": int(m.group(1)), "height": int(m.group(2))}
+            for key, value in params[draw].items():
+                why = job_param_problem(draw, "diffusers", self.api.config.stages[draw].defaults, key, value)
+                if why is not None:
+                    raise _bad("size", f"size: {why}")
+        inputs, summary = self.api._inputs({self._prompt_key(p): prompt}, p)
+        job = self._submit(request, p, inputs, params, summary)
+        try:
+            async for _ in self._follow(request, job.id):
+                pass
+            record = self._succeeded(job.id)
+            images = [o for o in record.outputs if o["kind"] == "image"]
+            if not images:
+                raise OpenAiError(500, f"job {job.id} of {p.name!r} produced no image "
+                                  f"(its outputs: {', '.join(o['name'] for o in record.outputs) or 'none'})",
+                                  code="no_image", retry=False)
+            revised_out = _pick(record.outputs, "text", "prompt", None)
+            revised = (await self._read(record, revised_out)).decode("utf-8", "replace") if revised_out else None
+            data = []
+            for out in images:
+                item = {"b64_json": base64.b64encode(await self._read(record, out)).decode("ascii")}
+                if revised is not None:
+                    item["revised_prompt"] = revised
+                data.append(item)
+            return web.json_response({"created": int(job.created_at), "data": data})
+        finally:
+            self._abandon(request, job.id)
+
+    # ------------------------------------------------------------------ speech
+
+    async def speech(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        p = self._pipeline(body, "audio")
+        text = body.get("input")
+        if not isinstance(text, str) or not text:
+            raise _bad("input", "input must be a non-empty string")
+        if body.get("response_format") not in (None, "wav"):
+            raise _bad("response_format", "only response_format \"wav\" is supported")
+        if body.get("stream_format") not in (None, "audio"):
+            raise _bad("stream_format", "only stream_format \"audio\" is supported (the bytes, as they come)")
+        voice = body.get("voice")
+        params: dict[str, dict[str, Any]] = {}
+        for s in p.sinks:        # `voice` goes to a last stage that declares it in its defaults
+            if voice is not None and "voice" in self.api.config.stages[s].defaults:
+                params[s] = {"voice": voice}
+        inputs, summary = self.api._inputs({self._prompt_key(p, "text"): text}, p)
+        job = self._submit(request, p, inputs, params, summary)
+        name = self._audio_name(p)
+        request[_CONTENT_TYPE_KEY] = "audio/wav"
+        try:
+            current = self.api.scheduler.job(job.id) or job
+            try:
+                if current.terminal:
+                    return self.api._output_file(current, name)
+                return await self.api._stream_output(request, current, name)
+            except Refused:
+                self._succeeded(job.id)          # the job's own error, if it ended badly
+                raise
+        finally:
+            self._abandon(request, job.id)
+
+    def _audio_name(self, p: PipelineConfig) -> str:
+        """The audio output's name: as the pipeline's latest successful job had it, else "audio"."""
+        last = self.api.store.list(None, JobState.SUCCEEDED, p.name, 1)
+        for out in last[0].outputs if last else []:
+            if out["kind"] == "audio":
+                return str(out["name"])
+        return "audio"
+
+    # ------------------------------------------------------------------ jobs
+
+    def _prompt_key(self, p: PipelineConfig, python_key: str = "prompt") -> str:
+        """The input a text goes in: `prompt` for vLLM and diffusers first stages, else `python_key`."""
+        engines = {self.api.config.stages[s].engine for s in p.sources}
+        return "prompt" if engines & {"vllm", "diffusers"} else python_key
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = await self.api._json_body(request)
+        except Refused as e:
+            raise OpenAiError(e.status, e.message, code=str(e.code)) from None
+        if not isinstance(body, dict):
+            raise _bad(None, "the request body must be a JSON object")
+        return body
+
+    def _submit(self, request: web.Request, p: PipelineConfig, inputs: dict[str, Any],
+                params: dict[str, dict[str, Any]], summary: dict[str, Any]) -> JobRecord:
+        """An ordinary job of the caller's (what `POST /v1/jobs` does after its checks)."""
+        info = self.api.info
+        if info.stopping:
+            raise Refused(503, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        if info.draining:
+            raise Refused(503, ErrorCode.DRAINING, "the daemon is stopping; try again once it is back")
+        job = self.api.scheduler.submit(request["uid"], p.name, inputs, params, None, summary)
+        self.api.store.flush()
+        request[_JOB_KEY] = job.id
+        log.info("audit", action="submit", uid=request["uid"], job=job.id, pipeline=p.name, via=request.path)
+        return job
+
+    def _abandon(self, request: web.Request, job_id: str) -> None:
+        """The answer is over (sent, failed, or its caller went away): a job still live is cancelled."""
+        if job_id in self.api.scheduler.live:
+            self.api.scheduler.cancel(job_id)
+            log.info("audit", action="cancel", uid=request["uid"], job=job_id, why="the caller went away",
+                     via=request.path)
+
+    async def _follow(self, request: web.Request, job_id: str) -> AsyncIterator[dict[str, Any]]:
+        """The job's events from its start until it ended; ConnectionResetError if the caller hangs up."""
+        sent = 0
+        past, queue = self.api.scheduler.subscribe(job_id)
+        try:
+            while True:
+                for ev in past:
+                    sent += 1
+                    yield ev
+                if queue is None:
+                    return
+                while True:
+                    try:
+                        ev_or_end = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+                    except TimeoutError:
+                        if _gone(request):
+                            raise ConnectionResetError("the client went away") from None
+                        continue
+                    if ev_or_end is None:
+                        return
+                    if ev_or_end is LAGGED:
+                        break
+                    sent += 1
+                    yield ev_or_end
+                # fell behind: the rest is in the store
+                self.api.scheduler.unsubscribe(job_id, queue)
+                past, queue = self.api.scheduler.subscribe(job_id, after=sent)
+        finally:
+            if queue is not None:
+                self.api.scheduler.unsubscribe(job_id, queue)
+
+    def _succeeded(self, job_id: str) -> JobRecord:
+        """The ended job's record; OpenAiError when it did not succeed."""
+        record = self.api.scheduler.job(job_id)
+        if record is None:
+            raise OpenAiError(500, f"job {job_id} was deleted before it was answered", code="unknown_job",
+                              retry=False)
+        if record.state is not JobState.SUCCEEDED:
+            err = record.error or {}
+            raise OpenAiError(504 if record.state is JobState.TIMED_OUT else 500,
+                              f"job {job_id} {record.state}: {err.get('message') or 'no reason given'}",
+                              code=str(err.get("code") or record.state), retry=False)
+        return record
+
+    async def _read(self, record: JobRecord, out: dict[str, Any]) -> bytes:
+        path = self.api.store.job_dir(record.id) / out["file"]
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, path.read_bytes)
+        except FileNotFoundError:
+            raise OpenAiError(410, f"output {out['name']!r} of job {record.id} is no longer on disk",
+                              code=str(ErrorCode.OUTPUT_GONE)) from None
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _messages(raw: Any) -> list[dict[str, str]]:
+    """The chat's messages as [{"role", "content"}] with text content (parts joined); `developer`
+    is given to the template as `system`."""
+    if not isinstance(raw, list) or not raw:
+        raise _bad("messages", "messages must be a non-empty array of {\"role\", \"content\"}")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise _bad(f"messages[{i}]", f"messages[{i}] must be an object")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise _bad(f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}, "
+                       f"not {role!r}")
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        if isinstance(content, list):
+            texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
+            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+                raise _bad(f"messages[{i}].content", "only text content parts are supported")
+            content = "\n".join(t for t in texts if isinstance(t, str))
+        if not isinstance(content, str):
+            raise _bad(f"messages[{i}].content", f"messages[{i}].content must be a string or text parts")
+        out.append({"role": "system" if role == "developer" else str(role), "content": content})
+    return out
+
+
+def _refuse_chat_features(body: dict[str, Any]) -> None:
+    """What a chat may ask that omnid does not do: 400 rather than an answer that ignores it."""
+    if body.get("tools") or body.get("functions") or body.get("function_call") not in (None, "none"):
+        raise _bad("tools", "tools and function calling are not supported")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise _bad("tool_choice", "tools and function calling are not supported")
+    if body.get("logprobs") or body.get("top_logprobs") is not None:
+        raise _bad("logprobs", "logprobs are not supported")
+    if body.get("logit_bias"):
+        raise _bad("logit_bias", "logit_bias is not supported")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise _bad("response_format", "only response_format {\"type\": \"text\"} is supported")
+    modalities = body.get("modalities")
+    if body.get("audio") is not None or (isinstance(modalities, list) and set(modalities) - {"text"}):
+        raise _bad("modalities", "a chat answers text only (use /v1/audio/speech with a pipeline that ends in audio)")
+
+
+def _pick(outputs: list[dict[str, Any]], kind: str, name: str, stage: str | None) -> dict[str, Any] | None:
+    """The output of `kind` named `name` (else the first of that kind), of `stage` if given."""
+    mine = [o for o in outputs if o["kind"] == kind and (stage is None or o.get("stage") == stage)]
+    return next((o for o in mine if o["name"] == name), mine[0] if mine and stage is not None else None)
+
+
+def _usage(gen: _Generation) -> dict[str, int]:
+    # The engines do not report prompt tokens (yet): 0, and the total is the completion's.
+    return {"prompt_tokens": 0, "completion_tokens": gen.completion_tokens, "total_tokens": gen.completion_tokens}
+
+
+async def _send(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
+    await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")

@@ -1,0 +1,223 @@
+"""The OpenAI-compatible endpoints, through the official `openai` package over the Unix socket.
+
+One daemon for the module (vLLM and diffusers on the tiny models in .models/, the demo's toy
+vocoder, and a slow python text stage to hang up on). Every request is an ordinary job: the tests
+look it up in `GET /v1/jobs` as its owner sees it. Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from conftest import MODELS, ROOT, RunningDaemon, daemon_config, launch, short_tmpdir, stop_and_check, wait_for, \
+    wait_ready
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+pytestmark = pytest.mark.engines
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+CHAT = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Tell me about the sea."}]
+
+
+def _models() -> None:
+    from omnid.tinymodels import is_built
+    if not (is_built(MODELS / "llm", "llm") and is_built(MODELS / "sd", "sd")):
+        subprocess.run([sys.executable, "-m", "omnid.tinymodels", str(MODELS)], check=True)
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[RunningDaemon]:
+    _models()
+    d = short_tmpdir()
+    stages = {
+        "expand": {"engine": "vllm", "model": str(MODELS / "llm"), "devices": [],
+                   "args": {"max_model_len": 256, "dtype": "bfloat16", "seed": 0},
+                   "defaults": {"max_tokens": 12, "temperature": 0.9, "seed": 7, "include_prompt": True}},
+        "draw": {"engine": "diffusers", "model": str(MODELS / "sd"), "devices": [],
+                 "defaults": {"num_inference_steps": 2, "guidance_scale": 5.0, "seed": 0}},
+        "speak": {"engine": "python", "function": "demo_stages:vocoder",
+                  "python_path": [str(ROOT / "etc" / "examples")], "defaults": {"seconds_per_word": 0.02}},
+        # a python last stage that writes text slowly: 200 segments, 50 ms apart
+        "slow": {"engine": "python", "function": "teststages:count",
+                 "python_path": [str(ROOT / "tests" / "fixtures")], "defaults": {"n": 200, "delay": 0.05}},
+    }
+    pipelines = {
+        "chat": {"stages": ["expand"]},
+        "t2i": {"stages": ["expand", "draw"],
+                "edges": [{"from": "expand", "to": "draw", "window": -1, "map": {"prompt": "text"}}]},
+        "speak": {"stages": ["expand", "speak"],
+                  "edges": [{"from": "expand", "to": "speak", "window": 4, "map": {"text": "text"}}]},
+        "slow": {"stages": ["slow"]},
+    }
+    cfg = daemon_config(d, stages, pipelines, {"heartbeat_timeout_s": 60.0})
+    rd = RunningDaemon(launch(cfg, d / "omnid.log"), d, cfg, d / "omnid.sock", d / "state", d / "lock",
+                       d / "omnid.log")
+    try:
+        wait_ready(rd, timeout=300)
+        yield rd
+    finally:
+        problems = stop_and_check(rd)
+        shutil.rmtree(d, ignore_errors=True)
+        assert not problems, "\n".join(problems)
+
+
+@pytest.fixture(scope="module")
+def client(daemon: RunningDaemon) -> Iterator[Any]:
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(daemon.socket)), timeout=120)
+    # No retries: a retried request would be a second job.
+    c = openai.OpenAI(base_url="http://omnid/v1", api_key="unused", http_client=http, max_retries=0)
+    yield c
+    c.close()
+
+
+def _job(daemon: RunningDaemon, job_id: str) -> dict[str, Any]:
+    """The job as its owner lists it (`GET /v1/jobs`)."""
+    jobs = {j["id"]: j for j in daemon.client.jobs(limit=1000)["jobs"]}
+    assert job_id in jobs, f"job {job_id} is not in the caller's jobs"
+    job = jobs[job_id]
+    assert job["owner_uid"] == os.getuid()
+    return job
+
+
+def test_models_are_the_pipelines(client: Any) -> None:
+    models = {m.id: m for m in client.models.list()}
+    assert set(models) == {"chat", "t2i", "speak", "slow"}
+    chat = models["chat"]
+    assert chat.object == "model" and chat.owned_by == "omnid"
+    assert chat.model_extra["omnid"]["outputs"] == ["text"]
+    assert chat.model_extra["omnid"]["stages"] == ["expand"]
+    assert "/v1/chat/completions" in chat.model_extra["omnid"]["endpoints"]
+    assert models["t2i"].model_extra["omnid"]["outputs"] == ["image"]
+    assert client.models.retrieve("t2i").id == "t2i"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("nope")
+    assert e.value.code == "model_not_found"
+
+
+def test_chat_plain_and_streamed_say_the_same(client: Any, daemon: RunningDaemon) -> None:
+    plain = client.chat.completions.create(model="chat", messages=CHAT, temperature=0, max_tokens=8, seed=3)
+    content = plain.choices[0].message.content
+    assert plain.object == "chat.completion" and plain.model == "chat"
+    assert plain.choices[0].message.role == "assistant"
+    assert isinstance(content, str) and content.strip()
+    # the random model never says EOS: it stops at max_tokens, each token counted
+    assert plain.choices[0].finish_reason == "length"
+    assert plain.usage.completion_tokens == 8
+    assert plain.usage.total_tokens == plain.usage.prompt_tokens + 8
+
+    stream = client.chat.completions.create(model="chat", messages=CHAT, temperature=0, max_tokens=8, seed=3,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(deltas) == content
+    assert len([d for d in deltas if d]) >= 2                      # it came in pieces
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and not any(finishes[:-1])
+    assert chunks[-1].usage.completion_tokens == 8
+    assert chunks[0].choices[0].delta.role == "assistant"
+
+    for answer_id in (plain.id, chunks[0].id):
+        assert answer_id.startswith("chatcmpl-")
+        job = _job(daemon, answer_id.removeprefix("chatcmpl-"))
+        assert job["pipeline"] == "chat" and job["state"] == "succeeded"
+        assert "messages" in job["inputs"] and "prompt" not in job["inputs"]
+        assert job["params"] == {"expand": {"max_tokens": 8, "temperature": 0, "seed": 3, "include_prompt": False}}
+
+
+def test_completion(client: Any, daemon: RunningDaemon) -> None:
+    done = client.completions.create(model="chat", prompt="The morning was", max_tokens=5, temperature=0)
+    text = done.choices[0].text
+    assert done.object == "text_completion" and text.strip() and not text.startswith("The morning")
+    assert done.usage.completion_tokens == 5 and done.choices[0].finish_reason == "length"
+    echoed = client.completions.create(model="chat", prompt="The morning was", max_tokens=5, temperature=0,
+                                       echo=True)
+    assert echoed.choices[0].text == "The morning was" + text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="chat", prompt="The morning was", max_tokens=5, temperature=0, stream=True))
+    assert streamed == text
+    assert _job(daemon, done.id.removeprefix("cmpl-"))["state"] == "succeeded"
+
+
+def test_image(client: Any, daemon: RunningDaemon) -> None:
+    raw = client.images.with_raw_response.generate(model="t2i", prompt="a red fox", size="64x64")
+    image = raw.parse()
+    png = base64.b64decode(image.data[0].b64_json)
+    assert png.startswith(PNG_MAGIC)
+    assert struct.unpack(">II", png[16:24]) == (64, 64)           # IHDR: width, height
+    assert image.data[0].revised_prompt.startswith("a red fox")   # what the LLM stage wrote
+    job = _job(daemon, raw.headers["x-omnid-job"])
+    assert job["pipeline"] == "t2i" and job["state"] == "succeeded"
+    assert job["params"] == {"draw": {"width": 64, "height": 64}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.images.generate(model="t2i", prompt="a red fox", response_format="url")
+    assert e.value.param == "response_format"
+
+
+def test_speech_streams_a_wav(client: Any, daemon: RunningDaemon) -> None:
+    with client.audio.speech.with_streaming_response.create(model="speak", input="the sea at night",
+                                                            voice="alloy", response_format="wav") as resp:
+        assert resp.headers["content-type"] == "audio/wav"
+        job_id = resp.headers["x-omnid-job"]
+        chunks = list(resp.iter_bytes())
+    audio = b"".join(chunks)
+    assert audio[:4] == b"RIFF" and audio[8:12] == b"WAVE" and len(audio) > 1000
+    job = _job(daemon, job_id)
+    assert job["pipeline"] == "speak" and job["state"] == "succeeded"
+    final, _ = daemon.client.output(job_id, "audio")
+    assert audio == final
+
+
+def test_a_streamed_chat_that_hangs_up_cancels_its_job(client: Any, daemon: RunningDaemon) -> None:
+    stream = client.chat.completions.create(model="slow", messages=CHAT, stream=True)
+    pieces = []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        if len(pieces) == 2:
+            break
+    stream.close()
+    assert pieces == ["0 ", "1 "]
+    job_id = chunk.id.removeprefix("chatcmpl-")
+    job = wait_for(lambda: (j := _job(daemon, job_id))["state"] != "running" and j, 30,
+                   f"job {job_id} to end after its caller hung up")
+    assert job["state"] == "cancelled", job
+
+
+def test_errors_are_openai_shaped(client: Any, daemon: RunningDaemon) -> None:
+    before = len(daemon.client.jobs(limit=1000)["jobs"])
+    with pytest.raises(openai.NotFoundError) as nf:
+        client.chat.completions.create(model="nope", messages=CHAT)
+    assert nf.value.code == "model_not_found" and nf.value.param == "model"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="chat", messages=CHAT, n=2)
+    assert bad.value.param == "n" and bad.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="chat", messages=CHAT, temperature=-1)
+    assert bad.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="t2i", messages=CHAT)          # it ends in an image
+    assert bad.value.code == "model_not_supported"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.audio.speech.create(model="chat", input="hello", voice="alloy")
+    assert bad.value.code == "model_not_supported"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="chat", messages=[{"role": "wizard", "content": "hi"}])
+    assert len(daemon.client.jobs(limit=1000)["jobs"]) == before           # no job for a refusal
+    # once the vocoder pipeline has run, the model list knows what it produces
+    speak = client.models.retrieve("speak")
+    assert speak.model_extra["omnid"]["outputs"] in (None, ["audio", "text"])
+    # the omnid API itself is unchanged: a chat job is also an ordinary POST /v1/jobs
+    job = daemon.client.submit("chat", {"messages": '[{"role": "user", "content": "hi"}]'},
+                               {"expand": {"max_tokens": 3}})
+    assert daemon.wait(job["id"], timeout=60)["state"] == "succeeded"
