@@ -105,8 +105,10 @@ def test_every_registered_route_is_documented(daemon: RunningDaemon, openapi: di
     # The app as the daemon builds it (its collaborators are not needed to register the routes).
     from omnid.config import load
     from omnid.supervisor.api import Api, DaemonInfo
+    from omnid.supervisor.openai_api import OpenAiApi
     from omnid.supervisor.openapi import openapi_document
     api = Api(load(daemon.config_path), None, None, {}, None, DaemonInfo(os.getpid(), 0.0, "x"))  # type: ignore[arg-type]
+    OpenAiApi(api).mount(api.app)
     registered = {(r.method.lower(), r.resource.canonical) for r in api.app.router.routes()
                   if r.resource is not None and r.method != "HEAD"}
     assert len(registered) >= 15

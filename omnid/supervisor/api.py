@@ -151,9 +151,7 @@ class Api:
             web.get("/v1/ready", self.ready),
             web.get("/metrics", self.get_metrics),
         ])
-        from omnid.supervisor.openai_api import OpenAiApi     # (here: it imports this module)
-        OpenAiApi(self).mount(app)      # /v1/models, /v1/chat/completions, ... (openai_api.py)
-        self.app = app
+        self.app = app                  # (the daemon mounts the OpenAI-compatible paths: openai_api.py)
 
     # ------------------------------------------------------------------ helpers
 

@@ -42,6 +42,7 @@ from omnid.metrics import Metrics
 from omnid.retention import Retention
 from omnid.store import JobStore, StateDirBusy
 from omnid.supervisor.api import Api, DaemonInfo
+from omnid.supervisor.openai_api import OpenAiApi
 from omnid.supervisor.reload import Reloader
 from omnid.supervisor.scheduler import Scheduler
 from omnid.supervisor.stage import StageHandle
@@ -208,6 +209,7 @@ class Daemon:
         self._retention = Retention(self.config.daemon, store,
                                     lambda: set(sched.live) | {job for _, job in sched.stopping})
         api = Api(self.config, store, self.scheduler, self.stages, metrics, self.info)
+        OpenAiApi(api).mount(api.app)       # /v1/models, /v1/chat/completions, ... on the same socket
         self.reloader = Reloader(self.config, self.stages, self.scheduler, api, make_handle, self.device_locks,
                                  self._load_locks)
         return api

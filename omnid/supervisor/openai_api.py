@@ -1,7 +1,7 @@
 """OpenAI-compatible endpoints on the daemon's socket; each request is one ordinary omnid job.
 
-Runs in the supervisor's event-loop thread, inside the socket API's aiohttp application (`Api`
-mounts it: `OpenAiApi(api).mount(app)`). Handlers never block: they submit a job through the
+Runs in the supervisor's event-loop thread, inside the socket API's aiohttp application (the
+daemon mounts it: `OpenAiApi(api).mount(api.app)`). Handlers never block: they submit a job through the
 scheduler, wait on the job's event queue (an asyncio queue, looked at every DISCONNECT_POLL_S for
 a caller that hung up) and read small output files in the loop's default executor. Speech streams
 through the API's own `?stream=1` helper (`Api._stream_output`).

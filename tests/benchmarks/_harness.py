@@ -501,12 +501,13 @@ def engines_config() -> tuple[dict[str, Any], dict[str, Any]]:
     """vLLM (batched and one at a time), diffusers and two streaming consumers, in one daemon.
 
     Pipelines: s8 / sall (streaming, window 8 / -1), llm / llm1 (vLLM alone, max_inflight 16 / 1),
-    draw (diffusers alone), t2i (vLLM expands the prompt, diffusers draws it).
+    draw / drawb (diffusers alone, one job at a time / batched up to 8), t2i (vLLM expands the prompt, diffusers draws it).
     """
     stages = {
         "gen": vllm_stage(max_inflight=16),
         "gen1": vllm_stage(max_inflight=1),
         "draw": sd_stage(),
+        "drawb": sd_stage(max_inflight=8),      # in-stage batching: compatible jobs in one pipeline call
         "down8": py_stage("consume_windows"),
         "downall": py_stage("consume_windows"),
     }
@@ -518,6 +519,7 @@ def engines_config() -> tuple[dict[str, Any], dict[str, Any]]:
         "llm": {"stages": ["gen"]},
         "llm1": {"stages": ["gen1"]},
         "draw": {"stages": ["draw"]},
+        "drawb": {"stages": ["drawb"]},
         "t2i": {"stages": ["gen", "draw"], "edges": [{"from": "gen", "to": "draw", "map": {"prompt": "text"}}]},
     }
     return stages, pipelines
