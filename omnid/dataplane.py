@@ -343,7 +343,11 @@ class Listener:
                         return
                     if item is None:
                         continue            # a pool request or a reservation, answered
-                    admitted = self._admit(item)
+                    try:
+                        admitted = self._admit(item)
+                    except Exception as e:  # the receiver could not take it: say dropped, keep serving
+                        log.exception("admitting a data item failed", job=item.job, error=str(e))
+                        admitted = False
                     del item                # a dropped item's values free their slot now
                     try:
                         conn.sendall(ACK_FULL if admitted is None else ACK_ADMITTED if admitted else ACK_DROPPED)

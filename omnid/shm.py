@@ -25,6 +25,7 @@ import os
 import pickle
 import threading
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,13 +46,25 @@ class ShmPool:
         os.ftruncate(self.fd, capacity)
         self.mm = mmap.mmap(self.fd, capacity)
         self._lock = threading.Lock()
+        # Values collected anywhere (even by the cyclic GC inside `reserve`, under the lock) only
+        # queue their slot here; the next call under the lock frees it. (deque.append is atomic.)
+        self._released: deque[int] = deque()
         self._free: list[tuple[int, int]] = [(0, capacity)]      # (offset, size), sorted, coalesced
         self._slots: dict[int, tuple[int, int]] = {}             # offset -> (size, values still alive)
+
+    def collected(self, offset: int) -> None:
+        """A value built on the slot was garbage collected (a finalizer: never blocks)."""
+        self._released.append(offset)
+
+    def _drain_released(self) -> None:
+        while self._released:
+            self._release_locked(self._released.popleft())
 
     def reserve(self, size: int) -> int | None:
         """Room for `size` bytes: its offset, or None when the pool has no such room now."""
         size = _align(max(size, 1))
         with self._lock:
+            self._drain_released()
             for i, (off, free) in enumerate(self._free):
                 if free >= size:
                     if free == size:
@@ -73,27 +86,32 @@ class ShmPool:
     def release(self, offset: int) -> None:
         """One value of the slot is gone (or the slot was never used): free it with its last value."""
         with self._lock:
-            entry = self._slots.get(offset)
-            if entry is None:
-                return
-            size, alive = entry
-            if alive > 1:
-                self._slots[offset] = (size, alive - 1)
-                return
-            del self._slots[offset]
-            self._free.append((offset, size))
-            self._free.sort()
-            merged: list[tuple[int, int]] = []
-            for off, n in self._free:
-                if merged and merged[-1][0] + merged[-1][1] == off:
-                    merged[-1] = (merged[-1][0], merged[-1][1] + n)
-                else:
-                    merged.append((off, n))
-            self._free = merged
+            self._drain_released()
+            self._release_locked(offset)
+
+    def _release_locked(self, offset: int) -> None:
+        entry = self._slots.get(offset)
+        if entry is None:
+            return
+        size, alive = entry
+        if alive > 1:
+            self._slots[offset] = (size, alive - 1)
+            return
+        del self._slots[offset]
+        self._free.append((offset, size))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for off, n in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == off:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            else:
+                merged.append((off, n))
+        self._free = merged
 
     def usage(self) -> tuple[int, int]:
         """(bytes in slots, slots taken)."""
         with self._lock:
+            self._drain_released()
             return sum(size for size, _ in self._slots.values()), len(self._slots)
 
 
@@ -195,7 +213,7 @@ class _Unpickler(pickle.Unpickler):
         import numpy
         raw = numpy.frombuffer(self.pool.mm, dtype=numpy.uint8, count=pid.nbytes, offset=at)
         # The slot is freed when `raw` goes: every view built below keeps it alive.
-        weakref.finalize(raw, self.pool.release, self.base)
+        weakref.finalize(raw, self.pool.collected, self.base)
         self.built += 1
         if pid.kind == "array":
             return raw.view(numpy.dtype(pid.dtype)).reshape(pid.shape)

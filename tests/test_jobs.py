@@ -389,3 +389,11 @@ def test_delete_finished_job_and_refuse_running(start_daemon: Callable[..., Runn
 
     d.client.cancel(running)
     assert d.client.delete(running) == {"deleted": running}     # terminal now: deletable
+
+
+def test_a_stage_that_stops_a_job_on_its_own_fails_it_at_once(start_daemon) -> None:
+    d = start_daemon({"s": py_stage("stops_itself")}, {"p": {"stages": ["s"]}})
+    t0 = time.monotonic()
+    doc = d.wait(d.submit("p", {"text": "x"}, timeout_s=60), timeout=30)
+    assert doc["state"] == "failed" and "stopped the job without a cancel" in doc["error"]["message"], doc
+    assert time.monotonic() - t0 < 20                  # not left to its 60 s timeout

@@ -146,3 +146,16 @@ def test_a_second_sigterm_cuts_the_drain_short(start_daemon: Start) -> None:
     assert d.proc.wait(20) == 0
     assert time.monotonic() - t0 < 15
     assert os.path.exists(d.state_dir / "omnid.db")
+
+
+def test_a_restart_without_an_unfinished_jobs_pipeline_and_stage_still_starts(start_daemon: Start) -> None:
+    d = short_tmpdir()
+    stages = {"keep": py_stage("echo"), "legacy": py_stage("sleep", defaults={"seconds": 30})}
+    first = start_daemon(stages, {"p": {"stages": ["keep"]}, "old": {"stages": ["legacy"]}}, dir=d)
+    job = first.submit("old", {"text": "x"})
+    wait_started(first, job, "legacy")
+    first.kill9()
+    second = start_daemon({"keep": stages["keep"]}, {"p": {"stages": ["keep"]}}, dir=d)   # both gone
+    doc = second.client.job(job)
+    assert doc["state"] == "failed" and "without its pipeline 'old'" in doc["error"]["message"], doc
+    assert second.wait(second.submit("p", {"text": "y"}))["state"] == "succeeded"

@@ -66,6 +66,8 @@ class RequestContext:
         It feeds the job's streaming edges (`window = N`) and, in a pipeline's last stage, the
         outputs clients read while the job runs; its text shows in the job's events.
         """
+        if self.done:                       # it failed (or stopped) already: nothing more goes out
+            return
         error = self._on_segment(outputs, is_last)
         if error is not None:
             self.fail(error)

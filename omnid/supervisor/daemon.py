@@ -158,6 +158,8 @@ class Daemon:
             await self._serve(api)                                  # 2
             if not await self._start_stages():                      # 3
                 return 0
+            if self.scheduler is not None:
+                self.scheduler.arm_restored()
             systemd.notify(f"READY=1\nSTATUS=serving {len(self.config.pipelines)} pipelines")
             log.info("ready", startup_s=round(time.time() - self.info.started, 3))
             self._serving = True

@@ -53,6 +53,7 @@ class Reloader:
         self.definitions: dict[str, PipelineConfig] = dict(config.pipelines)  # key -> definition
         self._lock = asyncio.Lock()
         self._removals: set[asyncio.Task[None]] = set()
+        self._retiring: dict[str, StageHandle] = {}      # removed stages still finishing their jobs
         self.reloads = 0
 
     def worker_config(self, config: Config) -> Config:
@@ -86,6 +87,10 @@ class Reloader:
             log.error("reload refused: only a restart can change these", keys=[f"daemon.{k}" for k in fixed])
             return f"reload refused: daemon.{', daemon.'.join(fixed)} change only with a restart; still serving"
         old = self.config
+        back = sorted(n for n in new.stages if n in self._retiring)
+        if back:
+            return (f"reload refused: stage(s) {', '.join(back)} removed by the last reload still finish their "
+                    "jobs; reload again once they have stopped; still serving")
         added = [n for n in new.stages if n not in old.stages]
         removed = [n for n in old.stages if n not in new.stages]
         changed = [n for n in new.stages if n in old.stages and new.stages[n] != old.stages[n]]
@@ -125,7 +130,8 @@ class Reloader:
         self.api.config = new
         # 4. Removed stages finish what they have, then stop.
         for name in removed:
-            task = asyncio.get_running_loop().create_task(self._retire(name))
+            self._retiring[name] = self.stages[name]
+            task = asyncio.get_running_loop().create_task(self._retire(name, self.stages[name]))
             self._removals.add(task)
             task.add_done_callback(self._removals.discard)
         self.reloads += 1
@@ -152,15 +158,17 @@ class Reloader:
             keys[name] = key
         return keys
 
-    async def _retire(self, name: str) -> None:
-        """A stage removed by a reload: stop it once no live job needs it."""
-        while any(name in job.record.stages for job in self.scheduler.live.values()):
-            await asyncio.sleep(0.2)
-        handle = self.stages.get(name)
-        if handle is not None and name not in self.config.stages:
+    async def _retire(self, name: str, handle: StageHandle) -> None:
+        """A stage removed by a reload: stop its worker once no live job needs it."""
+        try:
+            while any(name in job.record.stages for job in self.scheduler.live.values()):
+                await asyncio.sleep(0.2)
             await handle.stop(self.config.daemon.stop_grace_s)
-            del self.stages[name]
+            if self.stages.get(name) is handle:
+                del self.stages[name]
             log.info("stage removed", stage=name)
+        finally:
+            self._retiring.pop(name, None)
 
     async def stop(self) -> None:
         for task in list(self._removals):

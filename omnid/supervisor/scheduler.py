@@ -57,6 +57,7 @@ class Scheduler:
         self.metrics = metrics
         self.live: dict[str, LiveJob] = {}
         self.keys: dict[str, str] = {name: name for name in config.pipelines}   # name -> the current key
+        self._unarmed: list[LiveJob] = []       # restored jobs whose timers wait for the stages
         self.stopping: dict[tuple[str, str], asyncio.TimerHandle] = {}   # (stage, job) -> grace kill
         self.recovery = Recovery(self)
         self.loop = asyncio.get_running_loop()
@@ -157,13 +158,20 @@ class Scheduler:
                                 message=f"the daemon was interrupted; running the job again "
                                         f"(attempt {job.attempts + 1})")
             self.store.save(record)
-            job.timer = self.loop.call_later(record.timeout_s, self._timed_out, job.id)
+            self._unarmed.append(job)       # its timer starts once the stages are up (`arm_restored`)
             restored.append(job)
         for src in sorted({s for job in restored for s in job.pipeline.sources}):
             self.feed([job for job in restored if src in job.pipeline.sources], src)
         if restored:
             log.info("jobs taken back after a restart", queued=sum(j.record.state is JobState.QUEUED for j in restored),
                      rerun=sum(j.record.state is JobState.RUNNING for j in restored), took_s=round(time.time() - now, 3))
+
+    def arm_restored(self) -> None:
+        """The stages are up: restored jobs' timeouts start now (loading models is not their time)."""
+        for job in self._unarmed:
+            if job.id in self.live and job.timer is None:
+                job.timer = self.loop.call_later(job.record.timeout_s, self._timed_out, job.id)
+        self._unarmed = []
 
     def feed(self, jobs: list[LiveJob], stage: str, front: bool = False) -> None:
         """Send jobs' own inputs, in this order, to one of their pipelines' first stages."""
@@ -286,7 +294,12 @@ class Scheduler:
                                            "stage": stage})
 
     def on_stopped(self, job: LiveJob, stage: str, msg: P.Stopped) -> None:
+        # Only a job that already ended gets here when it was cancelled (it is not live any more).
+        # A live one was stopped by its stage on its own (a function that raised Cancelled): it
+        # cannot go on without that stage's outputs.
         job.stage(stage).set_state(StageRunState.CANCELLED, time.time())
+        self.finish(job, JobState.FAILED, {"code": str(ErrorCode.STAGE_FAILED), "stage": stage,
+                                           "message": f"stage {stage!r} stopped the job without a cancel"})
 
     # ------------------------------------------------------------------ ending jobs
 
@@ -315,7 +328,9 @@ class Scheduler:
         job.events.emit(EventType.STATE, **fields)
         job.events.close()
         for name in job.pipeline.stages:
-            h = self.stages[name]
+            h = self.stages.get(name)
+            if h is None:                   # a stage the config no longer has (a job restored after a change)
+                continue
             if state is not JobState.SUCCEEDED:
                 h.send(P.Cancel(job.id, reason=str(state)))
             h.send(P.Forget(job.id))
@@ -388,8 +403,9 @@ class Scheduler:
             if job.timer is not None:
                 job.timer.cancel()
             for name in job.pipeline.stages:
-                self.stages[name].send(P.Cancel(job.id, reason="drain"))
-                self.stages[name].send(P.Forget(job.id))
+                if (h := self.stages.get(name)) is not None:
+                    h.send(P.Cancel(job.id, reason="drain"))
+                    h.send(P.Forget(job.id))
             self.recovery.forget(job.id)
             job.events.close()
         self.store.flush()

@@ -129,6 +129,7 @@ class StageHandle:
         self._load_error: str | None = None
         self._stopping = False
         self._restart_task: asyncio.Task[None] | None = None
+        self._restarting = asyncio.Lock()   # `restart` (asked for: reload, omnictl stage restart)
 
     def attach(self, listener: StageListener) -> None:
         """From now on, tell `listener` what the worker says and does."""
@@ -357,6 +358,10 @@ class StageHandle:
         get up to `idle_timeout` to finish, then it is stopped and a new one started; a stage given
         up after a crash loop starts afresh. Returns once the new worker is ready (or failed).
         Jobs still running at the kill fail or retry as for any dead worker, with `reason`."""
+        async with self._restarting:        # one restart at a time: two would start two workers
+            await self._restart_now(reason, idle_timeout)
+
+    async def _restart_now(self, reason: str, idle_timeout: float) -> None:
         deadline = time.monotonic() + idle_timeout
         while self.running and self.alive and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -226,6 +226,7 @@ class StageWorker:
         """
         index = item.window or 0
         key = (item.job, item.src)
+        keys = self._stream_keys(item) if index == 0 else []     # (may wait for a reload: not under the lock)
         with self._lock:
             if self.is_dead(item.job):
                 self.dropped += 1
@@ -235,7 +236,7 @@ class StageWorker:
                 if index != 0:
                     return None                     # cannot happen: windows come in order
                 job = item.job
-                stream = EdgeStream(self._stream_keys(item), self.stage.queue_capacity,
+                stream = EdgeStream(keys, self.stage.queue_capacity,
                                     is_cancelled=lambda: self.is_dead(job))
                 stream.put(0, item.inputs, item.last)
                 try:
@@ -346,7 +347,7 @@ class StageWorker:
             self._step()
             # 3. emit outputs of the requests that completed
             for job in [j for j, ctx in self.inflight.items() if ctx.done]:
-                self._complete(self.inflight.pop(job))
+                self._complete(self.inflight.pop(job))     # (no local keeps the job's inputs alive)
             self._offer_windows()
             self.flush()
             if time.monotonic() >= self._pruned_at + 1.0:
@@ -354,9 +355,9 @@ class StageWorker:
                 self.sender.prune()             # a dead downstream's pool is unmapped within a second
                 self.window_sender.prune()
             # 4. every request waits for its next window: sleep until one (or a cancel) arrives
+            self.wakeup.clear()                 # before looking: a window that comes after wakes us
             if engine.has_work() and not engine.ready():
                 self.wakeup.wait(0.05)
-                self.wakeup.clear()
         engine.close()
 
     def _take_input(self) -> bool:
@@ -485,6 +486,11 @@ class StageWorker:
             self.post(P.Segment(job=job, index=data["index"], is_last=data["is_last"], text=data["text"]))
 
     def _complete(self, ctx: RequestContext) -> None:
+        if ctx.outcome == "failed":
+            try:
+                self.engine.abort(ctx.job)      # a request that failed mid-way leaves the engine too
+            except Exception:
+                pass
         item = self.items.pop(ctx.job)
         pipeline = self._pipeline(item.pipeline)
         try:
@@ -579,7 +585,13 @@ class StageWorker:
             job, dst = key
             line = self.unsent[key]
             while line and not self.is_dead(job):
-                answer = self.window_sender.offer(dst, line[0])
+                try:
+                    answer = self.window_sender.offer(dst, line[0])
+                except Exception as e:      # a window that cannot be sent (not picklable): this job alone
+                    line.clear()
+                    self.post(P.Failed(job=job, error=_clip(f"streaming to stage {dst!r} failed: "
+                                                           f"{type(e).__name__}: {e}"), code="edge_failed"))
+                    break
                 if answer is None:
                     break                   # no room (or restarting): later
                 window = line.popleft()
@@ -604,8 +616,13 @@ class StageWorker:
         no new input is taken, so the stage as a whole still stops at the watermark.
         """
         self.flush()                        # what happened so far is known before we wait here
-        ok = self.sender.send(dst, item, abandon=lambda: self.is_dead(item.job) or self.shutting_down.is_set(),
-                              on_wait=self._step, busy=self.engine.has_work)
+        try:
+            ok = self.sender.send(dst, item, abandon=lambda: self.is_dead(item.job) or self.shutting_down.is_set(),
+                                  on_wait=self._step, busy=self.engine.has_work)
+        except Exception as e:              # an output that cannot be sent (not picklable): this job alone
+            self.post(P.Failed(job=item.job, error=_clip(f"handing its outputs to stage {dst!r} failed: "
+                                                        f"{type(e).__name__}: {e}"), code="edge_failed"))
+            return
         if ok:
             self.triggers += 1
             self.post(P.Delivered(job=item.job, dst=dst))

@@ -186,3 +186,13 @@ def test_offered_windows_use_the_pool_and_report_a_full_one(env: Env) -> None:
     assert held is not None
     env.pool.release(held)
     assert env.sender.offer("down", window) is True
+
+
+def test_a_value_collected_while_the_pool_is_locked_does_not_deadlock() -> None:
+    pool = shm.ShmPool("gc", MB)
+    slot = pool.reserve(1000)
+    assert slot is not None
+    pool.claim(slot, 1)
+    with pool._lock:                       # as when the cyclic GC runs inside reserve()
+        pool.collected(slot)               # the finalizer: must not wait for the lock
+    assert pool.usage() == (0, 0)          # freed by the next call under the lock
