@@ -353,7 +353,7 @@ class Api:
 
     async def output(self, request: web.Request) -> web.StreamResponse:
         """One output file; with `?stream=1`, a live job's output as its last stage produces it."""
-        stream = _stream_flag(request.query.get("stream"))
+        stream = _flag(request.query.get("stream"), "stream")
         job = self._job(request)
         name = request.match_info["name"]
         if not stream or job.terminal:
@@ -581,16 +581,6 @@ class Api:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
         data = generate_latest(self.metrics.registry)
         return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-def _stream_flag(value: str | None) -> bool:
-    """`?stream=`: 1/true streams, 0/false (or none) does not; anything else is refused."""
-    if value is None:
-        return False
-    flag = _STREAM_FLAGS.get(value.strip().lower())
-    if flag is None:
-        raise Refused(400, ErrorCode.INVALID_REQUEST, f"stream must be 1 or true (or 0 or false), not {value!r}")
-    return flag
 
 
 def _flag(value: str | None, name: str) -> bool:
