@@ -540,10 +540,8 @@ class StageWorker:
                 continue
             try:
                 inputs = apply_edge(edge, self.stage.name, ctx.outputs or {})
-            except Exception as e:
-                error = str(e) if isinstance(e, EdgeError) else \
-                    f"edge {self.stage.name} -> {edge.dst}: {type(e).__name__}: {e}"
-                self.post(P.Failed(job=ctx.job, error=_clip(error), code="edge_failed"))
+            except EdgeError as e:
+                self.post(P.Failed(job=ctx.job, error=_clip(str(e)), code="edge_failed"))
                 return
             handoffs.append((edge.dst, WorkItem(job=ctx.job, pipeline=item.pipeline, src=self.stage.name,
                                                 inputs=inputs, params=item.params)))
@@ -566,9 +564,8 @@ class StageWorker:
         try:
             # An empty last window only says "that was all": nothing to map.
             inputs = apply_edge(edge, self.stage.name, values) if values else {}
-        except Exception as e:
-            return str(e) if isinstance(e, EdgeError) else \
-                f"edge {self.stage.name} -> {edge.dst}: {type(e).__name__}: {e}"
+        except EdgeError as e:
+            return str(e)
         window = WorkItem(job=item.job, pipeline=item.pipeline, src=self.stage.name, inputs=inputs,
                           params=item.params, window=index, last=last)
         self.unsent.setdefault((item.job, edge.dst), deque()).append(window)
@@ -702,7 +699,19 @@ class EdgeError(Exception):
 
 
 def apply_edge(edge: EdgeConfig, src: str, outputs: dict[str, Any]) -> dict[str, Any]:
-    """Map upstream outputs to downstream inputs: by `map`, through `transform`, or by name."""
+    """Map upstream outputs to downstream inputs: by `map`, through `transform`, or by name.
+
+    Every failure is an EdgeError whose message names the edge.
+    """
+    try:
+        return _apply_edge(edge, src, outputs)
+    except EdgeError:
+        raise
+    except Exception as e:
+        raise EdgeError(f"edge {src} -> {edge.dst}: {type(e).__name__}: {e}") from e
+
+
+def _apply_edge(edge: EdgeConfig, src: str, outputs: dict[str, Any]) -> dict[str, Any]:
     where = f"edge {src} -> {edge.dst}"
     if edge.transform:
         from omnid.engines.python_engine import import_ref, user_error
