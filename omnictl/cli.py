@@ -478,12 +478,13 @@ def stage() -> None:
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for it.")
 @pass_settings
 def stage_restart(settings: Settings, name: str, no_wait: bool, timeout: float) -> None:
-    """Replace NAME's worker (one given up after a crash loop too): its running jobs finish first.
+    """Replace NAME's workers (one given up after a crash loop too), one replica after the other:
+    each one's running jobs finish first. A sleeping stage is woken instead.
 
-    Waits until the new worker is ready (exit 0) or the stage failed (exit 1)."""
+    Waits until every new worker is ready (exit 0) or the stage failed (exit 1)."""
     client = settings.client()
     answer = client.restart_stage(name)
-    old_pid = (answer.get("stage") or {}).get("pid")
+    old_pids = set(_replica_pids(answer.get("stage") or {}))
     if no_wait:
         if settings.json:
             _print_json(answer)
@@ -494,7 +495,8 @@ def stage_restart(settings: Settings, name: str, no_wait: bool, timeout: float) 
     while True:
         snap: dict[str, Any] = next((s for s in client.stages().get("stages", []) if s.get("name") == name), {})
         state = snap.get("state")
-        if state in ("ready", "busy") and snap.get("pid") not in (None, old_pid):
+        pids = _replica_pids(snap)
+        if state in ("ready", "busy") and pids and None not in pids and not old_pids & set(pids):
             break
         if state == "failed" or time.monotonic() > deadline:
             if settings.json:
@@ -507,6 +509,64 @@ def stage_restart(settings: Settings, name: str, no_wait: bool, timeout: float) 
         _print_json(snap)
     else:
         click.echo(f"{name}: ready (pid {snap.get('pid')}, loaded in {snap.get('load_s')} s)")
+
+
+def _replica_pids(snap: dict[str, Any]) -> list[Any]:
+    replicas = snap.get("replicas")
+    if isinstance(replicas, list) and replicas:
+        return [r.get("pid") for r in replicas if isinstance(r, dict)]
+    return [snap.get("pid")] if snap else []
+
+
+@stage.command("sleep")
+@click.argument("name", shell_complete=complete_stages)
+@json_option
+@pass_settings
+def stage_sleep(settings: Settings, name: str) -> None:
+    """Stop NAME's workers now, giving back their memory and GPUs; its next job wakes it (or
+    `omnictl stage wake`). Refused (exit 4) while it has jobs in progress."""
+    answer = settings.client().sleep_stage(name)
+    if settings.json:
+        _print_json(answer)
+    else:
+        click.echo(f"{name}: {'asleep already' if answer.get('already') else 'going to sleep'}")
+
+
+@stage.command("wake")
+@click.argument("name", shell_complete=complete_stages)
+@json_option
+@click.option("--no-wait", is_flag=True, help="Return at once instead of waiting for its workers.")
+@click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for them.")
+@pass_settings
+def stage_wake(settings: Settings, name: str, no_wait: bool, timeout: float) -> None:
+    """Load a sleeping stage's workers again, before its next job needs them.
+
+    Waits until it is ready (exit 0) or could not wake (exit 1)."""
+    client = settings.client()
+    answer = client.wake_stage(name)
+    if no_wait or answer.get("already"):
+        if settings.json:
+            _print_json(answer)
+        else:
+            click.echo(f"{name}: {'awake already' if answer.get('already') else 'waking'}")
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        snap: dict[str, Any] = next((s for s in client.stages().get("stages", []) if s.get("name") == name), {})
+        state = snap.get("state")
+        if state in ("ready", "busy", "degraded"):
+            break
+        if state in ("failed", "sleeping") or time.monotonic() > deadline:
+            if settings.json:
+                _print_json(snap)
+            click.echo(f"omnictl: {name}: {state or 'gone'}: {snap.get('last_error') or 'not awake in time'}",
+                       err=True)
+            raise click.exceptions.Exit(int(ExitCode.JOB_FAILED))
+        time.sleep(0.2)
+    if settings.json:
+        _print_json(snap)
+    else:
+        click.echo(f"{name}: {state} (woke in {snap.get('wake_s')} s)")
 
 
 @command(click.argument("name", required=False, shell_complete=complete_pipelines))
@@ -524,7 +584,8 @@ def pipelines(settings: Settings, name: str | None) -> None:
 
 @command()
 def health(settings: Settings) -> None:
-    """Exit 0 when every stage is ready, else 1 and name the stages that are not."""
+    """Exit 0 when every stage takes jobs (ready, degraded: some replicas down, or sleeping: it wakes
+    for its next job), else 1 and name the stages that do not."""
     ok, body = settings.client().ready()
     if settings.json:
         _print_json(body)
@@ -550,12 +611,16 @@ def metrics(settings: Settings) -> None:
                  "an ISO 8601 time or a Unix time."),
     click.option("-n", "--tail", type=click.IntRange(0, 100000), metavar="N", help="Only the last N lines."),
     click.option("-t", "--timestamps", is_flag=True, help="Prefix each line with the UTC time the daemon read it."),
+    click.option("-r", "--replica", type=click.IntRange(0), metavar="N", help="Replica N of a stage that has "
+                 "several (default: 0)."),
 )
 def logs(settings: Settings, stage: str | None, follow: bool, since: str | None, tail: int | None,
-         timestamps: bool) -> None:
+         timestamps: bool, replica: int | None) -> None:
     """Print what STAGE's worker wrote to stdout and stderr (without STAGE: the daemon's own records);
     root or the daemon's admin group. --json: one {"ts", "line"} object per line."""
-    for line in settings.client().logs(stage, since=since, tail=tail, follow=follow):
+    if replica is not None and stage is None:
+        _fail("--replica needs a STAGE", ExitCode.USAGE)
+    for line in settings.client().logs(stage, since=since, tail=tail, follow=follow, replica=replica):
         ts, _, text = line.partition(" ")
         if settings.json:
             _print_json_line({"ts": ts, "line": text})

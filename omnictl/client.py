@@ -375,8 +375,18 @@ class Client:
         return self._json("GET", "/v1/stages")
 
     def restart_stage(self, name: str) -> JSON:
-        """``POST /v1/stages/{name}/restart`` (root or the daemon's admin group): a new worker; 202."""
+        """``POST /v1/stages/{name}/restart`` (root or the daemon's admin group): new workers; 202."""
         return self._json("POST", f"/v1/stages/{quote(name, safe='')}/restart")
+
+    def sleep_stage(self, name: str) -> JSON:
+        """``POST /v1/stages/{name}/sleep`` (root or the admin group): stop its workers until a job
+        needs it; 202 (200 if asleep already); 409 ``stage_busy`` while it has jobs."""
+        return self._json("POST", f"/v1/stages/{quote(name, safe='')}/sleep")
+
+    def wake_stage(self, name: str) -> JSON:
+        """``POST /v1/stages/{name}/wake`` (root or the admin group): load a sleeping stage again;
+        202 (200 if awake already)."""
+        return self._json("POST", f"/v1/stages/{quote(name, safe='')}/wake")
 
     def logs(
         self,
@@ -385,6 +395,7 @@ class Client:
         since: str | float | None = None,
         tail: int | None = None,
         follow: bool = False,
+        replica: int | None = None,
     ) -> Iterator[str]:
         """``GET /v1/stages/{stage}/logs`` (``stage=None``: ``GET /v1/logs``, the daemon's own records):
         yield each line, ``"<UTC time it was read> <line>"``, without its newline (root or the daemon's
@@ -395,7 +406,7 @@ class Client:
         closes the generator (or the daemon stops). Connecting is bounded by the client's timeout.
         """
         path = "/v1/logs" if stage is None else f"/v1/stages/{quote(stage, safe='')}/logs"
-        query = {"since": since, "tail": tail, "follow": "1" if follow else None}
+        query = {"since": since, "tail": tail, "follow": "1" if follow else None, "replica": replica}
         conn, response = self._open("GET", path, query=query)
         try:
             self._check(response)

@@ -213,35 +213,48 @@ def final_state_line(job: JSON, now: float | None = None) -> str:
 
 
 def stages_table(stages: Iterable[JSON]) -> str:
-    """The ``omnictl stages`` table."""
+    """The ``omnictl stages`` table: one row per stage, and one per replica under a stage that has
+    several (`draw#1`); a stage's row sums its replicas."""
     rows = []
     for stage in stages:
-        devices = stage.get("devices")
-        if isinstance(devices, list):
-            device_text = ",".join(str(d) for d in devices) if devices else "cpu"
-        else:
-            device_text = None
-        depth, capacity = stage.get("queue_depth"), stage.get("queue_capacity")
-        queue = None if depth is None else (f"{depth}/{capacity}" if capacity is not None else str(depth))
-        cpu = stage.get("cpu_percent")
-        rows.append(
-            [
-                stage.get("name"),
-                stage.get("engine"),
-                stage.get("state"),
-                stage.get("pid"),
-                device_text,
-                queue,
-                stage.get("jobs_done"),
-                stage.get("restarts"),
-                format_bytes(stage.get("rss_bytes")),
-                f"{cpu:.1f}" if isinstance(cpu, (int, float)) else None,
-                format_duration(stage.get("uptime_s")),
-                shorten(stage.get("last_error"), 40) if stage.get("last_error") else None,
-            ]
-        )
+        replicas = stage.get("replicas")
+        many = isinstance(replicas, list) and len(replicas) > 1
+        rows.append(_stage_row(stage, str(stage.get("name")), pid=None if many else stage.get("pid")))
+        if many:
+            for r in replicas or []:
+                if isinstance(r, dict):
+                    label = f"  {r.get('label') or r.get('name')}" + (" (retiring)" if r.get("retiring") else "")
+                    rows.append(_stage_row(r, label, pid=r.get("pid")))
     headers = ["NAME", "ENGINE", "STATE", "PID", "DEVICES", "QUEUE", "DONE", "RESTARTS", "RSS", "CPU%", "UPTIME", "LAST ERROR"]
     return table(headers, rows)
+
+
+def _stage_row(stage: JSON, name: str, pid: Any) -> list[Any]:
+    devices = stage.get("devices")
+    if isinstance(devices, list):
+        device_text = ",".join(str(d) for d in devices) if devices else "cpu"
+    else:
+        device_text = None
+    depth, capacity = stage.get("queue_depth"), stage.get("queue_capacity")
+    queue = None if depth is None else (f"{depth}/{capacity}" if capacity is not None else str(depth))
+    cpu = stage.get("cpu_percent")
+    state = stage.get("state")
+    if state == "sleeping" and stage.get("idle_unload_s"):
+        state = f"sleeping (idle_unload_s {stage.get('idle_unload_s'):g})"
+    return [
+        name,
+        stage.get("engine"),
+        state,
+        pid,
+        device_text,
+        queue,
+        stage.get("jobs_done"),
+        stage.get("restarts"),
+        format_bytes(stage.get("rss_bytes")),
+        f"{cpu:.1f}" if isinstance(cpu, (int, float)) else None,
+        format_duration(stage.get("uptime_s")),
+        shorten(stage.get("last_error"), 40) if stage.get("last_error") else None,
+    ]
 
 
 def _format_edge(edge: JSON) -> str:
@@ -368,7 +381,12 @@ def ready_text(ok: bool, body: JSON) -> str:
         lines = [f"not ready: {names}"]
     pairs = _stage_states(body.get("stages"))
     width = max((len(name) for name, _ in pairs), default=0)
-    lines += [f"  {name.ljust(width)}  {state}" for name, state in pairs]
+    down = body.get("replicas_down") if isinstance(body.get("replicas_down"), dict) else {}
+    for name, state in pairs:
+        lines.append(f"  {name.ljust(width)}  {state}")
+        replicas = down.get(name) if isinstance(down, dict) else None
+        if isinstance(replicas, dict) and replicas:
+            lines.append(f"  {''.ljust(width)}  down: " + ", ".join(f"{r} ({s})" for r, s in replicas.items()))
     return "\n".join(lines)
 
 
@@ -454,6 +472,11 @@ class EventPrinter:
         elif kind == "error":
             code = event.get("code")
             self._line(f"{stage}: error: {event.get('message')}" + (f" ({code})" if code else ""))
+        elif kind == "stage_waking":
+            self._line(f"{stage}: asleep; waking it")
+        elif kind == "stage_awake":
+            woke = event.get("wake_s")
+            self._line(f"{stage}: awake" + (f" (loaded in {format_duration(woke)})" if woke is not None else ""))
 
     def _progress(self, stage: str, event: JSON) -> None:
         if stage in self._texting:

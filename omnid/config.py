@@ -16,7 +16,7 @@ import os
 import sys
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -104,11 +104,35 @@ class StageConfig:
     # python stages: `package.module:function` called once for up to max_inflight queued requests,
     # fn(inputs: list[dict], params: list[dict], ctxs: list[RequestContext]) -> list[dict | Exception]
     batch_function: str | None = None
+    # Capacity: `replicas` workers of this stage, each with its own device set (`replica_devices`,
+    # from `devices = [[0], [1]]`; empty: every replica gets `devices`). `devices` is their union.
+    replicas: int = 1
+    replica_devices: tuple[tuple[int, ...], ...] = ()
+    idle_unload_s: float | None = None      # no work this long: the workers stop (sleeping) until a job comes
 
     @property
     def accepted_params(self) -> frozenset[str] | None:
         """Parameter names a job may set for this stage; None means any."""
         return stage_accepts(self.engine, self.defaults)
+
+    def devices_of(self, replica: int) -> tuple[int, ...]:
+        """The GPUs replica `replica` runs on."""
+        return self.replica_devices[replica] if self.replica_devices else self.devices
+
+    def for_replica(self, replica: int) -> StageConfig:
+        """This stage as one replica's worker sees it: `devices` are that replica's own."""
+        if not self.replica_devices:
+            return self
+        return replace(self, devices=self.devices_of(replica), replica_devices=())
+
+    def same_worker(self, other: StageConfig, replica: int) -> bool:
+        """Would replica `replica` of `other` be the same worker as of this one? (A reload that
+        changes only `replicas`, `idle_unload_s` or other replicas' devices keeps it running.)"""
+        if replica >= other.replicas or replica >= self.replicas:
+            return False
+        fleet = ("replicas", "replica_devices", "idle_unload_s", "devices")
+        mine = replace(self, **{k: getattr(other, k) for k in fleet})
+        return mine == other and self.devices_of(replica) == other.devices_of(replica)
 
 
 @dataclass(frozen=True)
@@ -212,7 +236,7 @@ class _Checker:
             return default
         return value
 
-    def positive(self, data: Mapping[str, Any], key: str, path: str, default: float,
+    def positive(self, data: Mapping[str, Any], key: str, path: str, default: float | None,
                  *, integer: bool = False, allow_zero: bool = False) -> Any:
         value = self.get(data, key, path, int if integer else (int, float), default)
         if value is not default and (value < 0 or (value == 0 and not allow_zero)):
@@ -307,7 +331,9 @@ def _parse_daemon(c: _Checker, raw: Any, base: Path) -> DaemonConfig:
 
 
 _STAGE_KEYS = ("engine", "model", "function", "python_path", "devices", "exclusive",
-               "max_inflight", "queue_capacity", "shm_pool_mb", "args", "defaults", "env", "batch_function")
+               "max_inflight", "queue_capacity", "shm_pool_mb", "args", "defaults", "env", "batch_function",
+               "replicas", "idle_unload_s")
+MAX_REPLICAS = 64
 
 
 def _check_callable_ref(c: _Checker, ref: str, path: str, python_path: tuple[Path, ...]) -> None:
@@ -388,15 +414,7 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
             _check_callable_ref(c, batch_function, f"{path}.batch_function", python_path)
         if model_raw is not None:
             model = _resolve(base, model_raw)
-    devices_raw = c.get(s, "devices", path, list, [])
-    devices: list[int] = []
-    for i, d in enumerate(devices_raw):
-        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-            c.add(f"{path}.devices[{i}]", f"must be a GPU index >= 0, not {d!r}")
-        elif d in devices:
-            c.add(f"{path}.devices[{i}]", f"device {d} is given twice")
-        else:
-            devices.append(d)
+    devices, replica_devices, replicas = _parse_devices(c, s, path)
     max_inflight = c.positive(s, "max_inflight", path, 1, integer=True)
     if engine == "diffusers" and max_inflight > 64:
         # up to max_inflight compatible jobs run as one batched pipeline call: keep that call bounded
@@ -404,7 +422,8 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
                                       f"must be from 1 to 64, not {max_inflight}")
     args = c.get(s, "args", path, dict, {})
     if engine == "vllm":
-        _check_vllm_parallelism(c, path, args, devices)
+        for one in (replica_devices or (tuple(devices),)):
+            _check_vllm_parallelism(c, path, args, list(one))
     defaults = c.get(s, "defaults", path, dict, {})
     env = c.get(s, "env", path, dict, {})
     for k, v in env.items():
@@ -421,6 +440,7 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
     exclusive = bool(c.get(s, "exclusive", path, bool, False))
     queue_capacity = c.positive(s, "queue_capacity", path, 4, integer=True)
     shm_pool_mb = c.positive(s, "shm_pool_mb", path, 1024, integer=True, allow_zero=True)
+    idle_unload_s = c.positive(s, "idle_unload_s", path, None)
     if engine is None:
         return None
     return StageConfig(
@@ -428,8 +448,57 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
         devices=tuple(devices), exclusive=exclusive, max_inflight=max_inflight,
         queue_capacity=queue_capacity, shm_pool_mb=shm_pool_mb,
         args=dict(args), defaults=dict(defaults), env={k: str(v) for k, v in env.items()},
-        batch_function=batch_function,
+        batch_function=batch_function, replicas=replicas, replica_devices=replica_devices,
+        idle_unload_s=float(idle_unload_s) if idle_unload_s is not None else None,
     )
+
+
+def _device_list(c: _Checker, raw: list[Any], path: str) -> list[int]:
+    devices: list[int] = []
+    for i, d in enumerate(raw):
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            c.add(f"{path}[{i}]", f"must be a GPU index >= 0, not {d!r}")
+        elif d in devices:
+            c.add(f"{path}[{i}]", f"device {d} is given twice")
+        else:
+            devices.append(d)
+    return devices
+
+
+def _parse_devices(c: _Checker, s: Mapping[str, Any], path: str
+                   ) -> tuple[list[int], tuple[tuple[int, ...], ...], int]:
+    """`devices` and `replicas`: (the union of the devices, each replica's own set or (), replicas).
+
+    `devices = [0, 1]`: every replica on GPUs 0 and 1 (one replica: the usual case);
+    `devices = [[0], [1]]`: one set per replica, as many sets as `replicas` (which it implies).
+    """
+    raw = c.get(s, "devices", path, list, [])
+    replicas = c.positive(s, "replicas", path, None, integer=True)
+    if replicas is not None and replicas > MAX_REPLICAS:
+        c.add(f"{path}.replicas", f"must be from 1 to {MAX_REPLICAS}, not {replicas}")
+        replicas = MAX_REPLICAS
+    if raw and all(isinstance(d, list) for d in raw):
+        sets = [_device_list(c, d, f"{path}.devices[{i}]") for i, d in enumerate(raw)]
+        if replicas is not None and replicas != len(sets):
+            c.add(f"{path}.devices", f"gives {len(sets)} device sets (one per replica), but replicas = {replicas}")
+        for i, one in enumerate(sets):
+            if not one:
+                c.add(f"{path}.devices[{i}]", "a replica's device set is empty (leave `devices` out for the CPU)")
+        union = sorted({d for one in sets for d in one})
+        shared = sorted(d for d in union if sum(d in one for one in sets) > 1)
+        if shared and s.get("exclusive") is True:
+            c.add(f"{path}.devices", f"device(s) {shared} are given to more than one replica, "
+                                     "but the stage is exclusive")
+        return union, tuple(tuple(one) for one in sets), len(sets)
+    if any(isinstance(d, list) for d in raw):
+        c.add(f"{path}.devices", "is either a list of GPU indexes ([0, 1]) or one list per replica "
+                                 "([[0], [1]]), not a mix")
+        return [], (), replicas or 1
+    devices = _device_list(c, raw, f"{path}.devices")
+    if devices and (replicas or 1) > 1 and s.get("exclusive") is True:
+        c.add(f"{path}.devices", f"all {replicas} replicas would share device(s) {devices}, but the stage is "
+                                 "exclusive: give each replica its own set (devices = [[0], [1]])")
+    return devices, (), replicas or 1
 
 
 def _parse_edge(c: _Checker, raw: Any, path: str, members: tuple[str, ...],

@@ -74,6 +74,9 @@ class WorkItem:
 
     `window` is None for a whole hand-off; on a streaming edge it is the window's index
     (0, 1, ...) and `last` marks the job's last window. Windows are offered (`Sender.offer`).
+
+    `routes` pins the job to one replica of each stage (the supervisor chose them by load); every
+    hand-off, window and resend of the job goes to that replica (0 when a stage has one).
     """
 
     job: str
@@ -83,6 +86,7 @@ class WorkItem:
     params: dict[str, dict[str, Any]] = field(default_factory=dict)
     window: int | None = None
     last: bool = True
+    routes: dict[str, int] = field(default_factory=dict)   # stage -> the replica that serves this job there
 
 
 def encode(item: WorkItem) -> bytes:
@@ -212,11 +216,15 @@ class Sender:
                 return None
         return plain()                      # no pool there, or the values are larger than it
 
-    def send(self, dst: str, item: WorkItem, abandon: Callable[[], bool],
+    def send(self, to: str | Callable[[], str], item: WorkItem, abandon: Callable[[], bool],
              on_wait: Callable[[], None] | None = None, busy: Callable[[], bool] | None = None) -> bool:
-        """Deliver `item` to stage `dst`, waiting while its queue is full.
+        """Deliver `item` to the worker at address `to`, waiting while its queue is full.
 
-        Retries across a restart of `dst` (its socket comes back). Returns True
+        `to` may be a callable, asked again at every attempt: the job may be rerouted to another
+        replica while it waits (the one it had was given up).
+
+        Retries across a restart of the worker (its socket comes back), and across its
+        shutdown (a worker that stops, to sleep, closes without acknowledging). Returns True
         once admitted or dropped by the receiver, False if `abandon()` became
         true first (the job ended, or this process is shutting down). While it
         waits, `on_wait()` is called between polls, every few ms while `busy()`.
@@ -235,8 +243,10 @@ class Sender:
             return plain[0]
 
         start = time.monotonic()
+        dst = ""
         try:
             while not abandon():
+                dst = to() if callable(to) else to
                 try:
                     sock = self._connect(dst)
                     sock.settimeout(None)
@@ -293,6 +303,11 @@ class Sender:
             self._drop(dst)
 
 
+class Closing(Exception):
+    """Raised by `admit` when the receiver is shutting down: the connection is closed without an
+    answer, so the sender keeps the item and tries again (the next worker at that address takes it)."""
+
+
 class Listener:
     """Accepts data connections for one stage and hands each item to `admit`.
 
@@ -320,6 +335,14 @@ class Listener:
     def start(self) -> None:
         self._thread.start()
 
+    def close(self) -> None:
+        """Take no new connection (a worker that shuts down); the path stays for its successor."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
     def _accept_loop(self) -> None:
         while True:
             try:
@@ -345,6 +368,8 @@ class Listener:
                         continue            # a pool request or a reservation, answered
                     try:
                         admitted = self._admit(item)
+                    except Closing:
+                        return              # no answer: the sender keeps it and retries elsewhere/later
                     except Exception as e:  # the receiver could not take it: say dropped, keep serving
                         log.exception("admitting a data item failed", job=item.job, error=str(e))
                         admitted = False

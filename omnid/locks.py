@@ -107,3 +107,27 @@ class DeviceLocks:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+class DeviceLeases:
+    """Which users (stages) need which devices of one `DeviceLocks`: a device's lock file is held
+    while any user needs it, and let go when the last one stops (a stage that sleeps gives its GPUs
+    back to other programs; waking takes them again, or says who holds them now)."""
+
+    def __init__(self, locks: DeviceLocks) -> None:
+        self.locks = locks
+        self._users: dict[str, frozenset[int]] = {}
+
+    def hold(self, user: str, devices: Iterable[int]) -> None:
+        """`user` needs `devices`: lock those not held yet (non-blocking; DeviceBusy names the holder)."""
+        wanted = frozenset(devices)
+        self.locks.acquire(wanted)
+        self._users[user] = self._users.get(user, frozenset()) | wanted
+
+    def drop(self, user: str) -> tuple[int, ...]:
+        """`user` needs none of its devices any more; returns the devices unlocked."""
+        mine = self._users.pop(user, frozenset())
+        needed = frozenset().union(*self._users.values()) if self._users else frozenset()
+        free = sorted(d for d in mine - needed if d in self.locks.held)
+        self.locks.release(free)
+        return tuple(free)

@@ -23,11 +23,21 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from omnid.supervisor.stage import StageHandle
+    from omnid.supervisor.stage_group import StageGroup
+
+_LABELS = ["stage", "replica"]
 
 
 class _StageCollector(Collector):
-    def __init__(self, stages: Mapping[str, "StageHandle"]) -> None:
+    """Per worker: labels `stage` and `replica` ("0" for a stage of one); and per stage, its state."""
+
+    def __init__(self, stages: Mapping[str, "StageGroup"]) -> None:
         self.stages = stages
+
+    def _workers(self) -> Iterator[tuple[list[str], "StageHandle"]]:
+        for group in list(self.stages.values()):
+            for h in group.replicas:
+                yield [h.name, str(h.replica)], h
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         counters = {
@@ -38,51 +48,65 @@ class _StageCollector(Collector):
             "window_triggers": ("omnid_stage_window_triggers", "Hand-offs that triggered a downstream stage"),
         }
         for field, (name, doc) in counters.items():
-            fam = CounterMetricFamily(name, doc, labels=["stage"])
-            for h in self.stages.values():
-                fam.add_metric([h.name], getattr(h.totals, field) + getattr(h.stats, field))
+            fam = CounterMetricFamily(name, doc, labels=_LABELS)
+            for labels, h in self._workers():
+                fam.add_metric(labels, getattr(h.totals, field) + getattr(h.stats, field))
             yield fam
         depth = GaugeMetricFamily("omnid_stage_queue_depth", "Items waiting in the stage's input queue",
-                                  labels=["stage"])
-        cap = GaugeMetricFamily("omnid_stage_queue_capacity", "The input queue's high watermark", labels=["stage"])
+                                  labels=_LABELS)
+        cap = GaugeMetricFamily("omnid_stage_queue_capacity", "The input queue's high watermark", labels=_LABELS)
         up = GaugeMetricFamily("omnid_stage_up", "1 when the stage's worker is warm (ready or busy)",
-                               labels=["stage"])
+                               labels=_LABELS)
         gpu = GaugeMetricFamily("omnid_stage_gpu_memory_bytes", "GPU memory the stage's worker holds (torch's "
-                                "reserved memory; absent on the CPU)", labels=["stage"])
+                                "reserved memory; absent on the CPU)", labels=_LABELS)
         rss = GaugeMetricFamily("omnid_stage_rss_bytes", "Resident memory of the stage's worker and its children",
-                                labels=["stage"])
-        restarts = CounterMetricFamily("omnid_stage_restarts", "Worker restarts", labels=["stage"])
-        done = CounterMetricFamily("omnid_stage_jobs_done", "Jobs the stage finished", labels=["stage"])
+                                labels=_LABELS)
+        restarts = CounterMetricFamily("omnid_stage_restarts", "Worker restarts", labels=_LABELS)
+        done = CounterMetricFamily("omnid_stage_jobs_done", "Jobs the stage finished", labels=_LABELS)
         shm_used = GaugeMetricFamily("omnid_stage_shm_used_bytes",
-                                     "Bytes of the stage's shared-memory pool held by values in flight", labels=["stage"])
+                                     "Bytes of the stage's shared-memory pool held by values in flight", labels=_LABELS)
         shm_cap = GaugeMetricFamily("omnid_stage_shm_capacity_bytes", "The stage's shared-memory pool size",
-                                    labels=["stage"])
-        shm_slots = GaugeMetricFamily("omnid_stage_shm_slots", "Slots of the pool taken", labels=["stage"])
-        for h in self.stages.values():
-            depth.add_metric([h.name], h.stats.depth)
-            cap.add_metric([h.name], h.stage.queue_capacity)
-            up.add_metric([h.name], 1 if h.state.warm else 0)
-            restarts.add_metric([h.name], h.restarts)
-            done.add_metric([h.name], h.jobs_done)
-            shm_used.add_metric([h.name], h.stats.shm_used)
-            shm_cap.add_metric([h.name], h.stats.shm_capacity)
-            shm_slots.add_metric([h.name], h.stats.shm_slots)
+                                    labels=_LABELS)
+        shm_slots = GaugeMetricFamily("omnid_stage_shm_slots", "Slots of the pool taken", labels=_LABELS)
+        for labels, h in self._workers():
+            depth.add_metric(labels, h.stats.depth)
+            cap.add_metric(labels, h.stage.queue_capacity)
+            up.add_metric(labels, 1 if h.state.warm else 0)
+            restarts.add_metric(labels, h.restarts)
+            done.add_metric(labels, h.jobs_done)
+            shm_used.add_metric(labels, h.stats.shm_used)
+            shm_cap.add_metric(labels, h.stats.shm_capacity)
+            shm_slots.add_metric(labels, h.stats.shm_slots)
             if h.gpu_memory_bytes is not None:
-                gpu.add_metric([h.name], h.gpu_memory_bytes)
+                gpu.add_metric(labels, h.gpu_memory_bytes)
             usage = h.usage()
             if usage is not None:
-                rss.add_metric([h.name], usage)
+                rss.add_metric(labels, usage)
         yield from (depth, cap, up, restarts, done, shm_used, shm_cap, shm_slots, gpu, rss)
+        sleeping = GaugeMetricFamily("omnid_stage_sleeping", "1 while the stage sleeps (idle_unload_s, or by "
+                                     "hand): its workers are stopped until a job wakes it", labels=["stage"])
+        replicas = GaugeMetricFamily("omnid_stage_replicas", "Replicas the stage is configured with",
+                                     labels=["stage"])
+        serving = GaugeMetricFamily("omnid_stage_replicas_up", "Replicas of the stage that are warm (ready or busy)",
+                                    labels=["stage"])
+        for group in list(self.stages.values()):
+            sleeping.add_metric([group.name], 1 if group.sleeping else 0)
+            replicas.add_metric([group.name], group.stage.replicas)
+            serving.add_metric([group.name], sum(1 for h in group.replicas if h.state.warm))
+        yield from (sleeping, replicas, serving)
         windows = CounterMetricFamily("omnid_edge_windows", "Windows a streaming edge carried downstream",
                                       labels=["src", "dst"])
-        for h in self.stages.values():
-            for dst in sorted(set(h.windows) | set(h.windows_before)):
-                windows.add_metric([h.name, dst], h.windows.get(dst, 0) + h.windows_before.get(dst, 0))
+        sent: dict[tuple[str, str], int] = {}
+        for _, h in self._workers():
+            for dst in set(h.windows) | set(h.windows_before):
+                sent[(h.name, dst)] = sent.get((h.name, dst), 0) + h.windows.get(dst, 0) + h.windows_before.get(dst, 0)
+        for (src, dst), n in sorted(sent.items()):
+            windows.add_metric([src, dst], n)
         yield windows
 
 
 class Metrics:
-    def __init__(self, stages: Mapping[str, "StageHandle"]) -> None:
+    def __init__(self, stages: Mapping[str, "StageGroup"]) -> None:
         self.registry = CollectorRegistry()
         self.submitted = Counter("omnid_jobs_submitted", "Jobs accepted", ["pipeline"], registry=self.registry)
         self.finished = Counter("omnid_jobs_finished", "Jobs that reached a terminal state",

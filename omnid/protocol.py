@@ -5,7 +5,7 @@ message is a small frozen dataclass pickled over the worker's duplex control
 pipe. Payloads (a stage's inputs and outputs) never travel here: they go from
 stage to stage over the data plane (`omnid.dataplane`).
 
-Supervisor -> worker: `Cancel`, `Forget`, `Resend`, `Shutdown`, `Reconfigure`.
+Supervisor -> worker: `Cancel`, `Forget`, `Resend`, `Reroute`, `Shutdown`, `Reconfigure`.
 Worker -> supervisor: `Ready`, `LoadFailed`, `Heartbeat`, and the per-job
 events `Admitted`, `Started`, `Progress`, `Segment`, `Output`, `Finished`,
 `Failed`, `Stopped`, `Delivered`, `ResendMissing`; the main thread's messages
@@ -36,9 +36,25 @@ class WorkerSpec:
     data_dir: Path          # where every stage's data-plane socket lives
     jobs_dir: Path          # where sink stages write a job's outputs
     parent_pid: int
+    replica: int = 0        # which of the stage's replicas this worker is
 
-    def socket_for(self, stage: str) -> Path:
-        return self.data_dir / f"{stage}.sock"
+    def socket_for(self, address: str) -> Path:
+        """The data-plane socket of a worker, by its `address(stage, replica)`."""
+        return socket_path(self.data_dir, address)
+
+
+def address(stage: str, replica: int = 0) -> str:
+    """How the data plane names one replica of a stage: `draw.0`, `draw.1` (stage names have no dots)."""
+    return f"{stage}.{replica}"
+
+
+def socket_path(data_dir: Path, address: str) -> Path:
+    return data_dir / f"{address}.sock"
+
+
+def replica_label(stage: str, replica: int) -> str:
+    """How logs and process titles name a replica: the stage's name alone for the first, `draw#1` after."""
+    return stage if replica == 0 else f"{stage}#{replica}"
 
 
 # --------------------------------------------------------------- supervisor -> worker
@@ -65,6 +81,17 @@ class Resend:
 
     job: str
     dst: str
+    replica: int = 0        # the replica of `dst` the job goes to now
+
+
+@dataclass(frozen=True)
+class Reroute:
+    """The job's work for stage `stage` goes to its replica `replica` from now on (the one it was
+    given is down for good): hand-offs and windows not yet admitted go there."""
+
+    job: str
+    stage: str
+    replica: int
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,10 @@ class WorkerState(StrEnum):
 
     starting -> waiting_for_device -> loading -> ready <-> busy; on death: restarting
     (backoff) -> loading ..., or failed when it keeps crashing or cannot load; stopped at shutdown.
+
+    A stage (all its replicas) is also `degraded`: some replicas serve, others are down; and
+    `sleeping`: idle for `idle_unload_s` (or put to sleep by hand), its workers stopped until a job
+    wakes it.
     """
 
     STARTING = "starting"
@@ -77,11 +81,18 @@ class WorkerState(StrEnum):
     RESTARTING = "restarting"
     FAILED = "failed"
     STOPPED = "stopped"
+    DEGRADED = "degraded"           # a stage: some replicas serve, some are down
+    SLEEPING = "sleeping"           # a stage (or replica): stopped while idle; the next job wakes it
 
     @property
     def warm(self) -> bool:
         """The engine is loaded and the worker takes jobs."""
         return self in WARM_WORKER_STATES
+
+    @property
+    def serving(self) -> bool:
+        """A stage that takes jobs now or on demand: warm, degraded (some replicas up) or sleeping."""
+        return self.warm or self in (WorkerState.DEGRADED, WorkerState.SLEEPING)
 
 
 WARM_WORKER_STATES = frozenset({WorkerState.READY, WorkerState.BUSY})
@@ -97,6 +108,8 @@ class EventType(StrEnum):
     OUTPUT = "output"                    # name, file, kind, content_type, size, stage
     STAGE_FINISHED = "stage_finished"    # stage, elapsed_s
     ERROR = "error"                      # stage, code, message
+    STAGE_WAKING = "stage_waking"        # stage: it was asleep; the job waits while it loads
+    STAGE_AWAKE = "stage_awake"          # stage, load_s: it is awake again
 
 
 class ErrorCode(StrEnum):
@@ -121,6 +134,7 @@ class ErrorCode(StrEnum):
     SHUTTING_DOWN = "shutting_down"
     NOT_ADMIN = "not_admin"             # root or daemon.admin_group only (stage restart)
     UNKNOWN_STAGE = "unknown_stage"
+    STAGE_BUSY = "stage_busy"           # a stage with jobs in progress is not put to sleep
     DRAINING = "draining"               # SIGTERM: no new jobs; running ones finish, queued ones wait for the next start
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
@@ -135,6 +149,7 @@ class ErrorCode(StrEnum):
     TIMED_OUT = "timed_out"
     DAEMON_STOPPING = "daemon_stopping"
     DAEMON_RESTARTED = "daemon_restarted"
+    WAKE_FAILED = "wake_failed"         # a sleeping stage could not be loaded again
 
 
 # ------------------------------------------------------------------------------ the job record
@@ -150,6 +165,7 @@ class StageRun:
     finished_at: float | None = None
     elapsed_s: float | None = None
     segments: int = 0
+    replica: int | None = None   # which replica of the stage serves the job (chosen by load at submit)
 
     def set_state(self, state: StageRunState, now: float) -> None:
         """Change state, stamping `started_at` on running and `finished_at` when it ends."""
@@ -161,13 +177,15 @@ class StageRun:
 
     def to_doc(self) -> dict[str, Any]:
         return {"state": str(self.state), "progress": self.progress, "started_at": self.started_at,
-                "finished_at": self.finished_at, "elapsed_s": self.elapsed_s, "segments": self.segments}
+                "finished_at": self.finished_at, "elapsed_s": self.elapsed_s, "segments": self.segments,
+                "replica": self.replica}
 
     @classmethod
     def from_doc(cls, doc: dict[str, Any]) -> StageRun:
         return cls(state=StageRunState(doc["state"]), progress=doc.get("progress"),
                    started_at=doc.get("started_at"), finished_at=doc.get("finished_at"),
-                   elapsed_s=doc.get("elapsed_s"), segments=int(doc.get("segments", 0)))
+                   elapsed_s=doc.get("elapsed_s"), segments=int(doc.get("segments", 0)),
+                   replica=doc.get("replica"))
 
 
 @dataclass

@@ -333,13 +333,13 @@ def test_metrics_count_jobs_and_stage_events(start_daemon: Callable[..., Running
     assert sample(m, "omnid_job_duration_seconds_count", pipeline="p") == 3
     assert sample(m, "omnid_job_duration_seconds_count", pipeline="f") == 1
     assert 0 < sample(m, "omnid_job_duration_seconds_sum", pipeline="p") < 30
-    assert sample(m, "omnid_stage_jobs_done_total", stage="s") == 2          # the cancelled one is not done
-    assert sample(m, "omnid_stage_jobs_done_total", stage="bad") == 0
-    assert sample(m, "omnid_stage_restarts_total", stage="victim") == 1
-    assert sample(m, "omnid_stage_restarts_total", stage="doomed") == 1
-    assert sample(m, "omnid_stage_restarts_total", stage="s") == 0
+    assert sample(m, "omnid_stage_jobs_done_total", stage="s", replica="0") == 2          # the cancelled one is not done
+    assert sample(m, "omnid_stage_jobs_done_total", stage="bad", replica="0") == 0
+    assert sample(m, "omnid_stage_restarts_total", stage="victim", replica="0") == 1
+    assert sample(m, "omnid_stage_restarts_total", stage="doomed", replica="0") == 1
+    assert sample(m, "omnid_stage_restarts_total", stage="s", replica="0") == 0
     for stage, up in (("s", 1), ("bad", 1), ("victim", 1), ("doomed", 0)):
-        assert sample(m, "omnid_stage_up", stage=stage) == up, stage
-    assert sample(m, "omnid_stage_queue_capacity", stage="s") == 3
-    assert sample(m, "omnid_stage_queue_capacity", stage="bad") == d.stages()["bad"]["queue_capacity"]
-    assert sample(m, "omnid_stage_queue_depth", stage="s") == 0
+        assert sample(m, "omnid_stage_up", stage=stage, replica="0") == up, stage
+    assert sample(m, "omnid_stage_queue_capacity", stage="s", replica="0") == 3
+    assert sample(m, "omnid_stage_queue_capacity", stage="bad", replica="0") == d.stages()["bad"]["queue_capacity"]
+    assert sample(m, "omnid_stage_queue_depth", stage="s", replica="0") == 0

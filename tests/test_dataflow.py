@@ -22,7 +22,7 @@ T = 0.3            # one stage's work in the pipelining test, seconds
 
 def metric(text: str, name: str, stage: str) -> float:
     """One sample of a per-stage metric in Prometheus text format."""
-    m = re.search(rf'^{name}(?:_total)?\{{stage="{stage}"\}} (\S+)$', text, re.M)
+    m = re.search(rf'^{name}(?:_total)?\{{replica="0",stage="{stage}"\}} (\S+)$', text, re.M)
     assert m, f"no {name} for stage {stage} in /metrics:\n{text}"
     return float(m.group(1))
 

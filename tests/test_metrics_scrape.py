@@ -40,7 +40,7 @@ def test_the_scrape_has_what_people_graph_and_is_served_over_tcp(
     assert value(text, 'omnid_job_queue_wait_seconds_count{pipeline="p"}') == 1
     assert value(text, 'omnid_stage_duration_seconds_count{stage="gen"}') == 1
     assert value(text, 'omnid_stage_segments_total{stage="gen"}') == 6            # 5 and the closing one
-    assert value(text, 'omnid_stage_rss_bytes{stage="gen"}') > 10 << 20
+    assert value(text, 'omnid_stage_rss_bytes{replica="0",stage="gen"}') > 10 << 20
     assert "omnid_stage_segments_total" in d.client.metrics()          # the same registry on the socket
     try:                                                  # only /metrics over TCP: never the API
         urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/jobs", timeout=10)

@@ -157,7 +157,8 @@ def omnid_in_dev_shm() -> set[str]:
 
 def metric(d: RunningDaemon, name: str, stage_name: str) -> float:
     for line in d.client.metrics().splitlines():      # a counter is exposed as NAME_total
-        if line.startswith((f'{name}{{stage="{stage_name}"}} ', f'{name}_total{{stage="{stage_name}"}} ')):
+        labels = f'{{replica="0",stage="{stage_name}"}} '
+        if line.startswith((f'{name}{labels}', f'{name}_total{labels}')):
             return float(line.split()[-1])
     raise AssertionError(f"no {name} for stage {stage_name} in /metrics")
 

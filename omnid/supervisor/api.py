@@ -27,7 +27,7 @@ import pwd
 import socket
 import struct
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,8 +44,8 @@ from omnid.supervisor.errors import Refused
 from omnid.supervisor.live_job import LAGGED
 from omnid.supervisor.openapi import describe_pipeline, openapi_document
 from omnid.supervisor.scheduler import Scheduler
-from omnid.supervisor.stage import StageHandle
-from omnid.vocabulary import TERMINAL_JOB_STATES, ErrorCode, JobRecord, JobState
+from omnid.supervisor.stage_group import StageGroup
+from omnid.vocabulary import TERMINAL_JOB_STATES, ErrorCode, JobRecord, JobState, WorkerState
 from omnid.worker.outputs import stream_file
 
 log = structlog.get_logger("omnid.api")
@@ -72,6 +72,7 @@ class DaemonInfo:
     version: str
     stopping: bool = False
     draining: bool = False
+    starting: bool = True           # until every stage's first workers are up (then degraded counts as ready)
 
 
 RETRY_AFTER_S = 2      # what 429 and 503 answers suggest to wait before trying again
@@ -121,7 +122,7 @@ async def errors_middleware(request: web.Request,
 
 
 class Api:
-    def __init__(self, config: Config, store: JobStore, scheduler: Scheduler, stages: Mapping[str, StageHandle],
+    def __init__(self, config: Config, store: JobStore, scheduler: Scheduler, stages: Mapping[str, StageGroup],
                  metrics: Metrics, info: DaemonInfo) -> None:
         self.config = config
         self.store = store
@@ -145,6 +146,8 @@ class Api:
             web.get("/v1/openapi.json", self.openapi),
             web.get("/v1/stages", self.list_stages),
             web.post("/v1/stages/{name}/restart", self.restart_stage),
+            web.post("/v1/stages/{name}/sleep", self.sleep_stage),
+            web.post("/v1/stages/{name}/wake", self.wake_stage),
             web.get("/v1/stages/{name}/logs", self.stage_logs),
             web.get("/v1/logs", self.daemon_logs),
             web.get("/v1/health", self.health),
@@ -463,20 +466,57 @@ class Api:
     async def list_stages(self, request: web.Request) -> web.Response:
         return web.json_response({"stages": [h.snapshot() for h in self.stages.values()]})
 
-    async def restart_stage(self, request: web.Request) -> web.Response:
-        """Replace a stage's worker (one given up after a crash loop too); root or the admin group.
-        202 at once: the stage's state in `GET /v1/stages` says when it is ready."""
-        self._check_admin(request["uid"])
+    def _stage(self, request: web.Request) -> StageGroup:
         name = request.match_info["name"]
-        handle = self.stages.get(name)
-        if handle is None:
+        group = self.stages.get(name)
+        if group is None:
             raise Refused(404, ErrorCode.UNKNOWN_STAGE, f"no stage {name!r}; known: {', '.join(sorted(self.stages))}")
-        task = asyncio.get_running_loop().create_task(
-            handle.restart(f"asked for by uid {request['uid']}", self.config.daemon.drain_timeout_s))
+        return group
+
+    def _background(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        log.info("audit", action="restart_stage", uid=request["uid"], stage=name)
-        return web.json_response({"restarting": name, "stage": handle.snapshot()}, status=202)
+
+    async def restart_stage(self, request: web.Request) -> web.Response:
+        """Replace a stage's workers (one given up after a crash loop too), one replica after the
+        other; root or the admin group. A sleeping stage is woken instead. 202 at once: the stage's
+        state in `GET /v1/stages` says when it is ready."""
+        self._check_admin(request["uid"])
+        group = self._stage(request)
+        self._background(group.restart(f"asked for by uid {request['uid']}", self.config.daemon.drain_timeout_s))
+        log.info("audit", action="restart_stage", uid=request["uid"], stage=group.name)
+        return web.json_response({"restarting": group.name, "stage": group.snapshot()}, status=202)
+
+    async def sleep_stage(self, request: web.Request) -> web.Response:
+        """Stop a stage's workers now, releasing their memory and GPUs, until a job (or `wake`) needs
+        it; root or the admin group. 409 while it has work; 202 at once (`sleeping` in its state soon)."""
+        self._check_admin(request["uid"])
+        group = self._stage(request)
+        if self.scheduler.has_work(group.name):
+            raise Refused(409, ErrorCode.STAGE_BUSY, f"stage {group.name!r} has jobs in progress; put it to sleep "
+                          "once they are done (or cancel them)", stage=group.name)
+        if group.state is WorkerState.FAILED:
+            raise Refused(409, ErrorCode.STAGE_FAILED, f"stage {group.name!r} has failed; restart it instead "
+                          f"(omnictl stage restart {group.name})", stage=group.name)
+        already = group.sleeping or group.dozing
+        self.scheduler.put_to_sleep(group)
+        log.info("audit", action="sleep_stage", uid=request["uid"], stage=group.name)
+        return web.json_response({"sleeping": group.name, "already": already, "stage": group.snapshot()},
+                                 status=200 if already else 202)
+
+    async def wake_stage(self, request: web.Request) -> web.Response:
+        """Load a sleeping stage's workers again (before its next job: no wait then); root or the
+        admin group. 202 at once; 200 when it is awake already."""
+        self._check_admin(request["uid"])
+        group = self._stage(request)
+        awake = not (group.sleeping or group.dozing or group.waking is not None)
+        if not awake:
+            group.touch()
+            group.wake_soon()
+        log.info("audit", action="wake_stage", uid=request["uid"], stage=group.name)
+        return web.json_response({"waking": group.name, "already": awake, "stage": group.snapshot()},
+                                 status=200 if awake else 202)
 
     def _check_admin(self, uid: int) -> None:
         if uid == 0:
@@ -499,10 +539,14 @@ class Api:
         """A stage worker's stdout and stderr (root or daemon.admin_group): `TIME LINE` text lines,
         `?since=` (10m, 1h, ISO 8601, Unix time), `?tail=N`, `?follow=1` (sent as they come)."""
         self._check_admin(request["uid"])
-        name = request.match_info["name"]
-        if name not in self.stages:
-            raise Refused(404, ErrorCode.UNKNOWN_STAGE, f"no stage {name!r}; known: {', '.join(sorted(self.stages))}")
-        return await self._send_log(request, stage_logs.stage_log_path(self.config.daemon.state_dir, name))
+        group = self._stage(request)
+        raw = request.query.get("replica", "0")
+        if not raw.isdigit() or int(raw) >= max(group.stage.replicas, len(group.replicas)):
+            raise Refused(400, ErrorCode.INVALID_REQUEST, f"replica must be from 0 to "
+                          f"{max(group.stage.replicas, len(group.replicas)) - 1} (stage {group.name!r} has "
+                          f"{group.stage.replicas}), not {raw!r}")
+        return await self._send_log(request, stage_logs.stage_log_path(self.config.daemon.state_dir, group.name,
+                                                                       int(raw)))
 
     async def daemon_logs(self, request: web.Request) -> web.StreamResponse:
         """The daemon's own records (root or daemon.admin_group); the query as for a stage's logs."""
@@ -569,10 +613,14 @@ class Api:
                                   "stopping_jobs": len(self.scheduler.stopping)})
 
     async def ready(self, request: web.Request) -> web.Response:
+        """Ready when every stage takes jobs: warm, degraded (some replicas down: listed in
+        `replicas_down`) or sleeping (it wakes for its next job)."""
         states = {name: str(h.state) for name, h in self.stages.items()}
-        not_ready = sorted(name for name, h in self.stages.items() if not h.state.warm)
+        not_ready = sorted(name for name, h in self.stages.items()
+                           if not h.state.serving or (self.info.starting and not h.state.warm))
+        down = {name: {h.label: str(h.state) for h in g.down()} for name, g in self.stages.items() if g.down()}
         body: dict[str, Any] = {"ready": not not_ready and not self.info.draining, "stages": states,
-                                "not_ready": not_ready}
+                                "not_ready": not_ready, "replicas_down": down}
         if self.info.draining:
             body["draining"] = True
         return web.json_response(body, status=200 if body["ready"] else 503)

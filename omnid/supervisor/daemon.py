@@ -36,8 +36,9 @@ import structlog
 from aiohttp import web
 
 from omnid import __version__, paths, systemd
+from omnid import protocol as P
 from omnid.config import Config
-from omnid.locks import DeviceBusy, DeviceLocks
+from omnid.locks import DeviceBusy, DeviceLeases, DeviceLocks
 from omnid.metrics import Metrics
 from omnid.retention import Retention
 from omnid.store import JobStore, StateDirBusy
@@ -46,6 +47,7 @@ from omnid.supervisor.openai_api import OpenAiApi
 from omnid.supervisor.reload import Reloader
 from omnid.supervisor.scheduler import Scheduler
 from omnid.supervisor.stage import StageHandle
+from omnid.supervisor.stage_group import StageGroup
 from omnid.supervisor.stage_logs import DaemonLogHandler, install_daemon_log, remove_daemon_log
 from omnid.vocabulary import WorkerState
 
@@ -105,8 +107,9 @@ class Daemon:
         self.config = config
         self.info = DaemonInfo(pid=os.getpid(), started=time.time(), version=__version__)
         self.device_locks = DeviceLocks(config.daemon.lock_dir, owner=f"omnid {config.source or ''}".strip())
+        self.leases = DeviceLeases(self.device_locks)     # which stage needs which locked GPU (sleep frees them)
         self.data_dir = Path(tempfile.mkdtemp(prefix="omnid-data-"))
-        self.stages: dict[str, StageHandle] = {}
+        self.stages: dict[str, StageGroup] = {}
         self.store: JobStore | None = None
         self.scheduler: Scheduler | None = None
         self._runner: web.AppRunner | None = None
@@ -163,6 +166,7 @@ class Daemon:
             systemd.notify(f"READY=1\nSTATUS=serving {len(self.config.pipelines)} pipelines")
             log.info("ready", startup_s=round(time.time() - self.info.started, 3))
             self._serving = True
+            self.info.starting = False
             if self._reload_wanted:
                 self.request_reload()
             await self._main_loop()                                 # 4
@@ -199,20 +203,25 @@ class Daemon:
         """The parts, each built after what it uses: stage handles, metrics, scheduler, API."""
         self._load_locks = {d: asyncio.Lock() for d in self.config.devices}   # one loader per device at a time
 
-        def make_handle(config: Config, name: str) -> StageHandle:
-            return StageHandle(config, config.stages[name], self.data_dir, store.jobs_dir, self._load_locks)
+        def make_replica(config: Config, name: str, replica: int) -> StageHandle:
+            return StageHandle(config, config.stages[name], self.data_dir, store.jobs_dir, self._load_locks,
+                               replica)
 
-        self.stages = {name: make_handle(self.config, name) for name in self.config.stages}
+        def make_stage(config: Config, name: str) -> StageGroup:
+            self.leases.hold(name, config.stages[name].devices)     # locked already (`_take_locks`, reload)
+            return StageGroup(config, name, make_replica, self.leases)
+
+        self.stages = {name: make_stage(self.config, name) for name in self.config.stages}
         metrics = Metrics(self.stages)
-        self.scheduler = Scheduler(self.config, store, self.stages, lambda stage: self.data_dir / f"{stage}.sock",
-                                   metrics)
+        self.scheduler = Scheduler(self.config, store, self.stages,
+                                   lambda address: P.socket_path(self.data_dir, address), metrics)
         self.scheduler.restore(store.unfinished())     # what the last daemon accepted and did not finish
         sched = self.scheduler
         self._retention = Retention(self.config.daemon, store,
                                     lambda: set(sched.live) | {job for _, job in sched.stopping})
         api = Api(self.config, store, self.scheduler, self.stages, metrics, self.info)
         OpenAiApi(api).mount(api.app)       # /v1/models, /v1/chat/completions, ... on the same socket
-        self.reloader = Reloader(self.config, self.stages, self.scheduler, api, make_handle, self.device_locks,
+        self.reloader = Reloader(self.config, self.stages, self.scheduler, api, make_stage, self.device_locks,
                                  self._load_locks)
         return api
 
@@ -262,10 +271,10 @@ class Daemon:
                 if stop in done:
                     return False
                 for t in done:
-                    h = tasks[t]
                     t.result()
-                    if h.state is WorkerState.FAILED:
-                        raise StartupError(f"stage {h.name!r} failed to start: {h.last_error}")
+                    for h in tasks[t]:
+                        if h.state is WorkerState.FAILED:
+                            raise StartupError(f"stage {h.label!r} failed to start: {h.last_error}")
             return not self._stop.is_set()
         finally:
             for t in pending:
@@ -282,8 +291,10 @@ class Daemon:
                 await asyncio.wait_for(self._stop.wait(), timeout=min(1.0, watchdog or 1.0))
             except asyncio.TimeoutError:
                 pass
-            for h in self.stages.values():
+            for h in list(self.stages.values()):
                 h.check_heartbeat()
+            if self.scheduler is not None and not self.info.draining:
+                self.scheduler.tend_sleep()         # idle stages with idle_unload_s go to sleep
             self._retention.maybe_run()             # finished jobs past keep_jobs / keep_jobs_days
             if watchdog and time.monotonic() - last_ping >= watchdog:
                 systemd.notify("WATCHDOG=1")

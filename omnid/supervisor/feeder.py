@@ -1,6 +1,6 @@
 """Feeders: the threads that deliver jobs' own inputs to the first stages of their pipelines.
 
-Runs in the supervisor process, one thread per source stage (`feeder-STAGE`). A feeder blocks on
+Runs in the supervisor process, one thread per replica of a source stage (`feeder-STAGE.N`). A feeder blocks on
 the stage's data-plane watermark (`dataplane.Sender.send`) so that the event loop never does; the
 event loop only pushes items (`push`, non-blocking) and reads `is_live` through a callable that
 looks a job id up in a dict (safe from another thread: a single dict lookup).
@@ -16,12 +16,17 @@ from omnid.dataplane import Sender, WorkItem
 
 
 class Feeder:
-    """A thread that delivers jobs' inputs to one first stage, in FIFO order."""
+    """A thread that delivers jobs' inputs to one first stage's replica, in FIFO order.
 
-    def __init__(self, stage: str, sender: Sender, is_live: Callable[[str], bool]) -> None:
+    `address_of(job)`: where the job's input goes, asked again at every attempt (a job whose replica
+    was given up while it waited here is moved to another one)."""
+
+    def __init__(self, stage: str, sender: Sender, is_live: Callable[[str], bool],
+                 address_of: Callable[[str], str] | None = None) -> None:
         self.stage = stage
         self._sender = sender
         self._is_live = is_live
+        self._address_of = address_of
         self._items: deque[WorkItem] = deque()
         self._cv = threading.Condition()
         self._stop = False
@@ -55,4 +60,6 @@ class Feeder:
                 item = self._items.popleft()
             if not self._is_live(item.job):
                 continue
-            self._sender.send(self.stage, item, abandon=lambda: self._stop or not self._is_live(item.job))
+            to = self._address_of
+            self._sender.send((lambda: to(item.job)) if to is not None else self.stage, item,
+                              abandon=lambda: self._stop or not self._is_live(item.job))

@@ -93,3 +93,13 @@ class LiveJob:
 
     def stage(self, name: str) -> StageRun:
         return self.record.stages[name]
+
+    def route(self, stage: str) -> int:
+        """The replica of `stage` that serves this job."""
+        run = self.record.stages.get(stage)
+        return run.replica or 0 if run is not None else 0
+
+    @property
+    def routes(self) -> dict[str, int]:
+        """stage -> replica, for every stage of the job (what its work items carry)."""
+        return {name: run.replica or 0 for name, run in self.record.stages.items()}

@@ -125,8 +125,8 @@ def schemas(config: Config) -> dict[str, Any]:
         "state": _enum(StageRunState),
         "progress": _nullable(_obj({"done": _INT, "total": _nullable(_INT)}, ["done"])),
         "started_at": _nullable(_NUM), "finished_at": _nullable(_NUM), "elapsed_s": _nullable(_NUM),
-        "segments": _INT,
-    }, ["state", "progress", "started_at", "finished_at", "elapsed_s", "segments"], extra=False)
+        "segments": _INT, "replica": _nullable(_INT),
+    }, ["state", "progress", "started_at", "finished_at", "elapsed_s", "segments", "replica"], extra=False)
     output = _obj({"name": _STR, "file": _STR, "kind": _STR, "content_type": _STR, "size": _INT,
                    "stage": _STR}, ["name", "file", "kind", "content_type"])
     job_error = _obj({"code": _enum(ErrorCode), "message": _STR, "stage": _nullable(_STR)}, ["code", "message"])
@@ -173,6 +173,11 @@ def schemas(config: Config) -> dict[str, Any]:
         "gpu_memory_bytes": _nullable(_INT), "uptime_s": _nullable(_NUM), "load_s": _nullable(_NUM),
         "last_error": _nullable(_STR), "model": _nullable(_STR), "function": _nullable(_STR),
     }
+    replica_keys = {**stage_keys, "replica": _INT, "label": _STR, "retiring": _BOOL}
+    stage_keys = {**stage_keys, "replica_count": _INT, "down": {"type": "array", "items": _STR},
+                  "idle_unload_s": _nullable(_NUM), "idle_s": _nullable(_NUM), "slept_at": _nullable(_NUM),
+                  "wake_s": _nullable(_NUM),
+                  "replicas": {"type": "array", "items": _obj(replica_keys, ["name", "replica", "state", "pid"])}}
     return {
         "Error": _obj({"error": _obj({"code": _enum(ErrorCode), "message": _STR}, ["code", "message"])},
                       ["error"], extra=False),
@@ -185,7 +190,7 @@ def schemas(config: Config) -> dict[str, Any]:
         "Event": _obj({"type": _enum(EventType), "job": _STR, "ts": _NUM, "stage": _STR, "state": _enum(JobState),
                        "error": _nullable(_ref("JobError")), "done": _INT, "total": _nullable(_INT), "index": _INT,
                        "is_last": _BOOL, "text": _STR, "code": _enum(ErrorCode), "message": _STR,
-                       "elapsed_s": _nullable(_NUM)}, ["type", "job", "ts"]),
+                       "elapsed_s": _nullable(_NUM), "wake_s": _nullable(_NUM)}, ["type", "job", "ts"]),
         "Deleted": _obj({"deleted": _STR}, ["deleted"], extra=False),
         "Edge": edge,
         "Pipeline": _obj(pipeline_keys, pipeline_keys),
@@ -194,11 +199,15 @@ def schemas(config: Config) -> dict[str, Any]:
         "Stage": _obj(stage_keys, ["name", "engine", "state", "pid"]),
         "StageList": _obj({"stages": {"type": "array", "items": _ref("Stage")}}, ["stages"]),
         "Restarting": _obj({"restarting": _STR, "stage": _ref("Stage")}, ["restarting", "stage"]),
+        "Sleeping": _obj({"sleeping": _STR, "already": _BOOL, "stage": _ref("Stage")}, ["sleeping", "stage"]),
+        "Waking": _obj({"waking": _STR, "already": _BOOL, "stage": _ref("Stage")}, ["waking", "stage"]),
         "Health": _obj({"status": {"const": "ok"}, "pid": _INT, "uptime_s": _NUM, "version": _STR,
                         "live_jobs": _INT, "stopping_jobs": _INT},
                        ["status", "pid", "uptime_s", "version", "live_jobs"]),
         "Ready": _obj({"ready": _BOOL, "stages": {"type": "object", "additionalProperties": _enum(WorkerState)},
-                       "not_ready": {"type": "array", "items": _STR}, "draining": _BOOL},
+                       "not_ready": {"type": "array", "items": _STR}, "draining": _BOOL,
+                       "replicas_down": {"type": "object", "additionalProperties": {
+                           "type": "object", "additionalProperties": _enum(WorkerState)}}},
                       ["ready", "stages", "not_ready"]),
     }
 
@@ -269,20 +278,32 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
         parameters=[_path_param("name", "the pipeline's name")]),
     ("GET", "/v1/stages"): _op("Every stage's worker", {"200": _json(_ref("StageList"), "the stages")}),
     ("POST", "/v1/stages/{name}/restart"): _op(
-        "Replace a stage's worker (root or daemon.admin_group)", {"202": _json(_ref("Restarting"), "restarting")},
+        "Replace a stage's workers, one replica after the other; wake it if it sleeps (root or "
+        "daemon.admin_group)", {"202": _json(_ref("Restarting"), "restarting")},
+        parameters=[_path_param("name", "the stage's name")]),
+    ("POST", "/v1/stages/{name}/sleep"): _op(
+        "Stop a stage's workers until a job needs it, freeing their memory and GPUs (root or "
+        "daemon.admin_group); 409 stage_busy while it has jobs",
+        {"202": _json(_ref("Sleeping"), "going to sleep"), "200": _json(_ref("Sleeping"), "asleep already")},
+        parameters=[_path_param("name", "the stage's name")]),
+    ("POST", "/v1/stages/{name}/wake"): _op(
+        "Load a sleeping stage's workers again (root or daemon.admin_group)",
+        {"202": _json(_ref("Waking"), "waking"), "200": _json(_ref("Waking"), "awake already")},
         parameters=[_path_param("name", "the stage's name")]),
     ("GET", "/v1/stages/{name}/logs"): _op(
         "A stage worker's stdout and stderr, one `TIME LINE` per line (root or daemon.admin_group)",
         {"200": {"description": "text lines, each prefixed with the UTC time it was read",
                  "content": {"text/plain": {"schema": _STR}}}},
-        parameters=[_path_param("name", "the stage's name"), *_LOG_QUERY]),
+        parameters=[_path_param("name", "the stage's name"), *_LOG_QUERY,
+                    _query("replica", {"type": "integer", "minimum": 0}, "which replica (0 by default)")]),
     ("GET", "/v1/logs"): _op(
         "The daemon's own records, one `TIME LINE` per line (root or daemon.admin_group)",
         {"200": {"description": "text lines, each prefixed with the UTC time it was written",
                  "content": {"text/plain": {"schema": _STR}}}},
         parameters=_LOG_QUERY),
     ("GET", "/v1/health"): _op("Alive: pid, uptime, version, live jobs", {"200": _json(_ref("Health"), "alive")}),
-    ("GET", "/v1/ready"): _op("Every stage warm (200), or not (503)",
+    ("GET", "/v1/ready"): _op("Every stage takes jobs: warm, degraded (some replicas down) or sleeping (200), "
+                              "or not (503)",
                               {"200": _json(_ref("Ready"), "ready"), "503": _json(_ref("Ready"), "not ready")}),
     ("GET", "/metrics"): _op("Prometheus metrics", {"200": {"description": "Prometheus text exposition",
                                                             "content": {"text/plain": {"schema": _STR}}}}),

@@ -9,7 +9,10 @@ The rules:
 - jobs queued in the dead worker, and outputs it had produced but not yet handed downstream, are
   asked for again once the worker is back: from the feeder (the job's own inputs) or from the
   upstream worker's kept copy (`Resend`); if that copy is gone too, the upstream computes it again;
-- a stage given up for good fails every live job that needs it.
+- a replica given up for good hands its jobs to the stage's other replicas (`reroute`); the stage
+  given up for good (no replica left) fails every live job that needs it.
+
+Everything is per replica: a job is only the business of the replica that serves it (`LiveJob.route`).
 """
 
 from __future__ import annotations
@@ -21,29 +24,37 @@ from typing import TYPE_CHECKING, Any, Protocol
 from omnid import protocol as P
 from omnid.store import JobStore
 from omnid.supervisor.live_job import LiveJob
-from omnid.vocabulary import ErrorCode, EventType, JobState, StageRunState
+from omnid.vocabulary import ErrorCode, EventType, JobState, StageRunState, WorkerState
 
 if TYPE_CHECKING:
     from omnid.supervisor.stage import StageHandle
+    from omnid.supervisor.stage_group import StageGroup
 
 
 class JobControl(Protocol):
     """What recovery needs of the scheduler."""
 
     live: dict[str, LiveJob]
-    stages: Mapping[str, StageHandle]
+    stages: Mapping[str, StageGroup]
     store: JobStore
 
     def feed(self, jobs: list[LiveJob], stage: str, front: bool = False) -> None: ...
 
     def finish(self, job: LiveJob, state: JobState, error: dict[str, Any] | None = None) -> None: ...
 
+    def reroute(self, job: LiveJob, stage: str) -> int: ...
+
 
 class Recovery:
     def __init__(self, jobs: JobControl) -> None:
         self._jobs = jobs
-        # stage -> jobs whose input for that stage must be asked for again once its worker is back
-        self.resend_after_restart: dict[str, set[str]] = {s: set() for s in jobs.stages}
+        # worker address -> jobs whose input for that worker must be asked for again once it is back
+        self.resend_after_restart: dict[str, set[str]] = {}
+
+    def _worker(self, job: LiveJob, stage: str) -> StageHandle | None:
+        """The replica of `stage` that serves `job`."""
+        group = self._jobs.stages.get(stage)
+        return group.replica(job.route(stage)) if group is not None else None
 
     def forget(self, job_id: str) -> None:
         """The job ended: nothing is to be resent for it."""
@@ -57,9 +68,12 @@ class Recovery:
     def worker_died(self, handle: StageHandle, reason: str) -> None:
         """Fail (or retry) the jobs the worker ran; remember what it held, to ask for it again."""
         name = handle.name
+        address = P.address(name, handle.replica)
+        if len(self._jobs.stages[name].replicas) > 1:
+            reason = f"(replica {handle.replica}) {reason}"
         now = time.time()
         for job in list(self._jobs.live.values()):
-            if name not in job.record.stages:
+            if name not in job.record.stages or job.route(name) != handle.replica:
                 continue
             run = job.stage(name)
             undelivered = run.state is StageRunState.SUCCEEDED and any(
@@ -81,7 +95,7 @@ class Recovery:
                     job.events.emit(EventType.ERROR, stage=name, code=str(ErrorCode.WORKER_DIED),
                                     message=f"stage {name!r} {reason}; retrying (attempt {job.attempts + 1})")
                     run.set_state(StageRunState.QUEUED, now)
-                    self.resend_after_restart.setdefault(name, set()).add(job.id)
+                    self.resend_after_restart.setdefault(address, set()).add(job.id)
                 else:
                     run.set_state(StageRunState.FAILED, now)
                     msg = f"stage {name!r} {reason} while running this job"
@@ -90,11 +104,26 @@ class Recovery:
                                       {"code": str(ErrorCode.WORKER_DIED), "message": msg, "stage": name})
             elif run.state is StageRunState.QUEUED or undelivered:
                 run.set_state(StageRunState.QUEUED, now)
-                self.resend_after_restart.setdefault(name, set()).add(job.id)
+                self.resend_after_restart.setdefault(address, set()).add(job.id)
+
+    def worker_slept(self, handle: StageHandle) -> None:
+        """The worker was stopped for its stage to sleep, with no work as far as we knew: a job
+        that reached it meanwhile is asked for again when it wakes (nothing fails)."""
+        name = handle.name
+        now = time.time()
+        for job in self._jobs.live.values():
+            run = job.record.stages.get(name)
+            if run is None or job.route(name) != handle.replica:
+                continue
+            undelivered = run.state is StageRunState.SUCCEEDED and any(
+                (name, e.dst) not in job.delivered for e in job.pipeline.outgoing(name))
+            if run.state.busy or undelivered:
+                run.set_state(StageRunState.QUEUED, now)
+                self.resend_after_restart.setdefault(P.address(name, handle.replica), set()).add(job.id)
 
     def worker_back(self, handle: StageHandle) -> None:
         """The worker is READY again: ask for the inputs its predecessor lost, oldest job first."""
-        pending = self.resend_after_restart.pop(handle.name, set())
+        pending = self.resend_after_restart.pop(P.address(handle.name, handle.replica), set())
         live = self._jobs.live
         jobs = sorted((live[j] for j in pending if j in live), key=lambda j: j.record.created_at)
         fed_by_the_feeder = [job for job in jobs if not job.pipeline.incoming(handle.name)]
@@ -112,22 +141,44 @@ class Recovery:
         for edge in incoming:
             if job.stage(edge.src).state is not StageRunState.SUCCEEDED:
                 continue                    # not produced yet: it will be delivered when it is
-            if not self._jobs.stages[edge.src].send(P.Resend(job.id, stage)):
+            upstream = self._worker(job, edge.src)
+            if upstream is None or not upstream.send(P.Resend(job.id, stage, job.route(stage))):
                 self.rerun(job, edge.src)   # that worker is down: its copy is gone with it
 
     def rerun(self, job: LiveJob, stage: str) -> None:
         """`stage`'s outputs of `job` were lost with a dead worker: compute them again."""
         job.stage(stage).set_state(StageRunState.QUEUED, time.time())
         job.delivered = {d for d in job.delivered if d[0] != stage}
-        if self._jobs.stages[stage].state.warm:
+        worker = self._worker(job, stage)
+        if worker is not None and worker.state.warm:
             self.inputs_for(job, stage)
         else:
-            self.resend_after_restart.setdefault(stage, set()).add(job.id)
+            self.resend_after_restart.setdefault(P.address(stage, job.route(stage)), set()).add(job.id)
 
     def stage_failed(self, handle: StageHandle, error: str) -> None:
-        """The stage is given up for good: every live job that needs it fails."""
+        """A replica is given up for good. Its jobs move to the stage's other replicas while one
+        still serves (or may: restarting, loading); when none is left, every live job that needs
+        the stage fails."""
+        name = handle.name
+        group = self._jobs.stages[name]
+        others = [h for h in group.replicas[:group.active]
+                  if h is not handle and h.state is not WorkerState.FAILED]
+        if others:
+            lost = self.resend_after_restart.pop(P.address(name, handle.replica), set())
+            for job in list(self._jobs.live.values()):
+                run = job.record.stages.get(name)
+                if run is None or job.route(name) != handle.replica or not run.state.open:
+                    continue
+                self._jobs.reroute(job, name)
+                if job.id in lost:
+                    worker = self._worker(job, name)
+                    if worker is not None and worker.state.warm:
+                        self.inputs_for(job, name)
+                    else:
+                        self.resend_after_restart.setdefault(P.address(name, job.route(name)), set()).add(job.id)
+            return
         for job in list(self._jobs.live.values()):
-            if handle.name in job.record.stages:
-                msg = f"stage {handle.name!r} has failed: {error}"
+            if name in job.record.stages:
+                msg = f"stage {name!r} has failed: {error}"
                 self._jobs.finish(job, JobState.FAILED,
-                                  {"code": str(ErrorCode.STAGE_FAILED), "message": msg, "stage": handle.name})
+                                  {"code": str(ErrorCode.STAGE_FAILED), "message": msg, "stage": name})

@@ -8,8 +8,11 @@ What a reload does:
   so is a change to what only a restart can change (the socket, the state and lock dirs);
 - unchanged stages keep their warm workers (same pids); they learn the new pipelines (`Reconfigure`);
 - new stages are loaded before any pipeline sends them work; a stage whose definition changed
-  gets a new worker once its running jobs have finished (up to `drain_timeout_s`), before it takes
-  new work; a stage that was removed finishes its jobs and then stops;
+  gets new workers, one replica after the other, each once its running jobs have finished (up to
+  `drain_timeout_s`); a stage that was removed finishes its jobs and then stops;
+- a change of `replicas` (or `idle_unload_s`) alone touches no running worker: new replicas load
+  and join, extra ones take no new job and stop once theirs are done; a sleeping stage stays
+  asleep and wakes with its new definition;
 - pipelines switch at once, for new jobs; a job in flight finishes on the definition it started
   with (a changed pipeline gets a new key, `name~N`, and the workers keep the old one for it).
 """
@@ -30,6 +33,7 @@ from omnid.locks import DeviceBusy, DeviceLocks
 from omnid.supervisor.api import Api
 from omnid.supervisor.scheduler import Scheduler
 from omnid.supervisor.stage import StageHandle
+from omnid.supervisor.stage_group import StageGroup
 from omnid.vocabulary import WorkerState
 
 log = structlog.get_logger("omnid.reload")
@@ -39,8 +43,8 @@ FIXED_DAEMON_KEYS = ("socket", "state_dir", "lock_dir", "socket_mode", "socket_g
 
 
 class Reloader:
-    def __init__(self, config: Config, stages: dict[str, StageHandle], scheduler: Scheduler, api: Api,
-                 make_handle: Callable[[Config, str], StageHandle], device_locks: DeviceLocks,
+    def __init__(self, config: Config, stages: dict[str, StageGroup], scheduler: Scheduler, api: Api,
+                 make_handle: Callable[[Config, str], StageGroup], device_locks: DeviceLocks,
                  load_locks: dict[int, asyncio.Lock]) -> None:
         self.config = config                    # the public one: pipelines by name
         self.stages = stages                    # the daemon's own dict, changed in place
@@ -53,7 +57,8 @@ class Reloader:
         self.definitions: dict[str, PipelineConfig] = dict(config.pipelines)  # key -> definition
         self._lock = asyncio.Lock()
         self._removals: set[asyncio.Task[None]] = set()
-        self._retiring: dict[str, StageHandle] = {}      # removed stages still finishing their jobs
+        self._retiring: dict[str, StageGroup] = {}      # removed stages still finishing their jobs
+        self._retiring_replicas: set[StageHandle] = set()   # replicas a smaller `replicas` let go
         self.reloads = 0
 
     def worker_config(self, config: Config) -> Config:
@@ -91,6 +96,10 @@ class Reloader:
         if back:
             return (f"reload refused: stage(s) {', '.join(back)} removed by the last reload still finish their "
                     "jobs; reload again once they have stopped; still serving")
+        if self._retiring_replicas:
+            names = ", ".join(sorted(h.label for h in self._retiring_replicas))
+            return (f"reload refused: replica(s) {names} let go by the last reload still finish their jobs; "
+                    "reload again once they have stopped; still serving")
         added = [n for n in new.stages if n not in old.stages]
         removed = [n for n in old.stages if n not in new.stages]
         changed = [n for n in new.stages if n in old.stages and new.stages[n] != old.stages[n]]
@@ -109,7 +118,7 @@ class Reloader:
             handle.attach(self.scheduler)
             self.stages[name] = handle
         await asyncio.gather(*(h.start() for h in fresh.values()))
-        broken = [n for n, h in fresh.items() if h.state is WorkerState.FAILED]
+        broken = [n for n, h in fresh.items() if any(r.state is WorkerState.FAILED for r in h)]
         if broken:
             await asyncio.gather(*(h.stop(0) for h in fresh.values()))
             for n in fresh:
@@ -117,12 +126,14 @@ class Reloader:
             errors = "; ".join(f"{n}: {fresh[n].last_error}" for n in broken)
             log.error("reload refused: new stages could not load", errors=errors)
             return f"reload refused: new stage(s) could not load ({errors}); still serving"
-        # 2. Every other worker learns the new pipelines; changed stages get a new worker.
+        # 2. Every other worker learns the new pipelines; changed stages get new workers (or
+        #    replicas more or fewer).
         for name in new.stages:
             if name not in added:
                 self.stages[name].reconfigure(worker_config)
-        await asyncio.gather(*(self.stages[n].restart("its definition changed in a config reload",
-                                                      new.daemon.drain_timeout_s) for n in changed))
+        results = await asyncio.gather(*(self._apply(self.stages[n], old, new, worker_config) for n in changed))
+        restarted = [n for n, replaced in zip(changed, results) if replaced]
+        resized = [n for n in changed if new.stages[n].replicas != old.stages[n].replicas]
         # 3. The switch: new jobs run on the new pipelines.
         self.config = new
         self.keys = keys
@@ -136,11 +147,11 @@ class Reloader:
             task.add_done_callback(self._removals.discard)
         self.reloads += 1
         failed = [n for n in changed if self.stages[n].state is WorkerState.FAILED]
-        summary = (f"reloaded {path}: {len(added)} stage(s) added, {len(changed)} restarted, {len(removed)} "
-                   f"removed; {len(new.pipelines)} pipelines")
+        summary = (f"reloaded {path}: {len(added)} stage(s) added, {len(restarted)} restarted, "
+                   f"{len(resized)} resized, {len(removed)} removed; {len(new.pipelines)} pipelines")
         if failed:
             summary += f"; stage(s) {', '.join(failed)} failed to load their new definition"
-        log.info("reloaded", added=added, changed=changed, removed=removed, failed=failed,
+        log.info("reloaded", added=added, restarted=restarted, resized=resized, removed=removed, failed=failed,
                  pipelines=sorted(new.pipelines))
         return summary
 
@@ -158,7 +169,41 @@ class Reloader:
             keys[name] = key
         return keys
 
-    async def _retire(self, name: str, handle: StageHandle) -> None:
+    async def _apply(self, group: StageGroup, old: Config, new: Config, worker_config: Config) -> bool:
+        """A stage whose definition changed: replicas added or let go, and new workers for the
+        replicas whose own definition changed (one after the other). True if any was replaced."""
+        before, after = old.stages[group.name], new.stages[group.name]
+        fresh, extra = group.resize_to(worker_config)
+        if group.sleeping or group.dozing:
+            for h in fresh:                 # they load when the stage wakes
+                h.state = WorkerState.SLEEPING
+            for h in extra:
+                group.drop_retired(h)
+            return False
+        for h in extra:
+            self._retiring_replicas.add(h)
+            task = asyncio.get_running_loop().create_task(self._retire_replica(group, h))
+            self._removals.add(task)
+            task.add_done_callback(self._removals.discard)
+        await asyncio.gather(*(h.start() for h in fresh))
+        changed = [h for h in group.replicas[:group.active]
+                   if h not in fresh and not before.same_worker(after, h.replica)]
+        for h in changed:
+            await h.restart("its definition changed in a config reload", new.daemon.drain_timeout_s)
+        return bool(changed)
+
+    async def _retire_replica(self, group: StageGroup, handle: StageHandle) -> None:
+        """A replica a smaller `replicas` let go: it takes no new job; it stops once its jobs are done."""
+        try:
+            while handle.running or self.scheduler.assigned(group.name)[handle.replica:handle.replica + 1] != [0]:
+                await asyncio.sleep(0.2)
+            await handle.stop(self.config.daemon.stop_grace_s)
+            group.drop_retired(handle)
+            log.info("replica removed", stage=handle.label)
+        finally:
+            self._retiring_replicas.discard(handle)
+
+    async def _retire(self, name: str, handle: StageGroup) -> None:
         """A stage removed by a reload: stop its worker once no live job needs it."""
         try:
             while any(name in job.record.stages for job in self.scheduler.live.values()):

@@ -18,6 +18,7 @@ To add a worker message: define it in `omnid.protocol`, write `on_<message>` her
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import secrets
 import time
@@ -37,6 +38,7 @@ from omnid.supervisor.feeder import Feeder
 from omnid.supervisor.live_job import EventQueue, LiveJob
 from omnid.supervisor.recovery import Recovery
 from omnid.supervisor.stage import StageHandle
+from omnid.supervisor.stage_group import StageGroup
 from omnid.vocabulary import ErrorCode, EventType, JobRecord, JobState, StageRun, StageRunState, WorkerState
 
 log = structlog.get_logger("omnid.scheduler")
@@ -49,7 +51,7 @@ def new_job_id() -> str:
 class Scheduler:
     """Owns the live jobs; the `StageListener` of every stage handle."""
 
-    def __init__(self, config: Config, store: JobStore, stages: Mapping[str, StageHandle],
+    def __init__(self, config: Config, store: JobStore, stages: Mapping[str, StageGroup],
                  data_socket: Callable[[str], Path], metrics: Metrics | None = None) -> None:
         self.config = config
         self.store = store
@@ -58,25 +60,34 @@ class Scheduler:
         self.live: dict[str, LiveJob] = {}
         self.keys: dict[str, str] = {name: name for name in config.pipelines}   # name -> the current key
         self._unarmed: list[LiveJob] = []       # restored jobs whose timers wait for the stages
-        self.stopping: dict[tuple[str, str], asyncio.TimerHandle] = {}   # (stage, job) -> grace kill
+        self.stopping: dict[tuple[str, str], asyncio.TimerHandle] = {}   # (worker address, job) -> grace kill
         self.recovery = Recovery(self)
         self.loop = asyncio.get_running_loop()
         self._data_socket = data_socket
-        self.feeders: dict[str, Feeder] = {}
-        self._add_feeders()
-        for handle in stages.values():
-            handle.attach(self)
+        self.feeders: dict[str, Feeder] = {}    # worker address -> its feeder (first stages only)
+        self._sleeps: set[asyncio.Task[None]] = set()
+        for group in stages.values():
+            group.attach(self)
 
-    def _add_feeders(self) -> None:
-        for s in sorted({s for p in self.config.pipelines.values() for s in p.sources} - set(self.feeders)):
-            self.feeders[s] = Feeder(s, Sender(self._data_socket, self.config.daemon.shm_min_bytes), self.is_live)
+    def _feeder(self, stage: str, replica: int) -> Feeder:
+        address = P.address(stage, replica)
+        feeder = self.feeders.get(address)
+        if feeder is None:
+            feeder = self.feeders[address] = Feeder(
+                address, Sender(self._data_socket, self.config.daemon.shm_min_bytes), self.is_live,
+                lambda job: self._address(job, stage))
+        return feeder
+
+    def _address(self, job_id: str, stage: str) -> str:
+        """Where a job's input for `stage` goes now (its replica may change while a feeder waits)."""
+        job = self.live.get(job_id)
+        return P.address(stage, job.route(stage) if job is not None else 0)
 
     def reconfigure(self, config: Config, keys: dict[str, str]) -> None:
         """A reload: new jobs use `config` (and the workers' pipeline `keys`); live jobs keep the
         definition they started with. New stages are in `stages` already, attached to this."""
         self.config = config
         self.keys = dict(keys)
-        self._add_feeders()
 
     def is_live(self, job_id: str) -> bool:
         return job_id in self.live
@@ -96,8 +107,8 @@ class Scheduler:
             h = self.stages[name]
             if h.state is WorkerState.FAILED:
                 raise Refused(503, ErrorCode.STAGE_FAILED, f"stage {name!r} of pipeline {pipeline_name!r} has "
-                              f"failed and is not restarted: {h.last_error}. Fix the cause, then restart omnid "
-                              "(systemctl restart omnid)", stage=name)
+                              f"failed and is not restarted: {h.last_error}. Fix the cause, then restart it "
+                              f"(omnictl stage restart {name}, or systemctl restart omnid)", stage=name)
         queued = sum(1 for j in self.live.values()
                      if j.pipeline.name == pipeline_name and j.record.state is JobState.QUEUED)
         limit = self.config.daemon.max_queued_jobs
@@ -110,6 +121,7 @@ class Scheduler:
                            stages={s: StageRun() for s in pipeline.stages})
         job = LiveJob(record, pipeline, inputs, self.store)
         job.key = self.keys[pipeline_name]
+        self._route(job)
         self.live[job.id] = job
         self.store.save(record)
         self.store.keep_inputs(job.id, inputs)
@@ -117,9 +129,108 @@ class Scheduler:
         job.timer = self.loop.call_later(timeout, self._timed_out, job.id)
         if self.metrics:
             self.metrics.job_submitted(pipeline_name)
+        self._wake_for(job)
         for src in pipeline.sources:
             self.feed([job], src)
         return record
+
+    # ------------------------------------------------------------------ replicas
+
+    def assigned(self, stage: str) -> list[int]:
+        """Per replica of `stage`: the live jobs given to it and not done there (queued in it,
+        running in it, or on their way to it from upstream)."""
+        group = self.stages[stage]
+        counts = [0] * len(group.replicas)
+        for job in self.live.values():
+            run = job.record.stages.get(stage)
+            if run is not None and run.state.open and (run.replica or 0) < len(counts):
+                counts[run.replica or 0] += 1
+        return counts
+
+    def _route(self, job: LiveJob) -> None:
+        """Give the job one replica of each of its stages, the least loaded (`StageGroup.pick`)."""
+        for name, run in job.record.stages.items():
+            group = self.stages.get(name)
+            if group is not None:
+                run.replica = group.pick(self.assigned(name)) if len(group.replicas) > 1 else 0
+
+    def reroute(self, job: LiveJob, stage: str) -> int:
+        """The job's replica of `stage` is down for good: give it another; upstream workers and the
+        feeder send there from now on. Returns the new replica."""
+        group = self.stages[stage]
+        run = job.stage(stage)
+        run.replica = None                  # not counted where it was
+        new = group.pick(self.assigned(stage))
+        run.replica = new
+        for edge in job.pipeline.incoming(stage):
+            if (up := self.stages.get(edge.src)) is not None:
+                up.send(P.Reroute(job.id, stage, new))
+        log.info("job moved to another replica", job=job.id, stage=stage, replica=new)
+        return new
+
+    # ------------------------------------------------------------------ sleeping stages
+
+    def has_work(self, stage: str) -> bool:
+        """A live job still needs the stage (or a stopped job's work there is not over yet)."""
+        group = self.stages[stage]
+        if group.running or any(addr.rpartition(".")[0] == stage for addr, _ in self.stopping):
+            return True
+        return any((run := job.record.stages.get(stage)) is not None and run.state.open
+                   for job in self.live.values())
+
+    def _wake_for(self, job: LiveJob) -> None:
+        """The job needs its stages: each one asleep (or falling asleep) is woken; the job hears of it."""
+        for name in job.pipeline.stages:
+            group = self.stages.get(name)
+            if group is None:
+                continue
+            group.touch()
+            if group.sleeping or group.dozing or group.waking is not None:
+                job.events.emit(EventType.STAGE_WAKING, stage=name)
+                task = group.wake_soon()
+                task.add_done_callback(functools.partial(self._woke, job.id, name))
+
+    def _woke(self, job_id: str, stage: str, task: asyncio.Task[bool]) -> None:
+        job = self.live.get(job_id)
+        if job is None or task.cancelled():     # cancelled: the daemon stops (the job is kept for its next start)
+            return
+        group = self.stages[stage]
+        ok = task.exception() is None and task.result()
+        if ok:
+            job.events.emit(EventType.STAGE_AWAKE, stage=stage, wake_s=group.wake_s)
+            return
+        why = group.sleep_error or group.last_error or "it could not load"
+        self.finish(job, JobState.FAILED, {"code": str(ErrorCode.WAKE_FAILED), "stage": stage,
+                                           "message": f"stage {stage!r} was asleep and could not wake: {why}"})
+
+    def tend_sleep(self) -> None:
+        """Once a second: a stage idle for its `idle_unload_s` goes to sleep; a stage with work is not idle."""
+        for group in list(self.stages.values()):
+            if self.has_work(group.name):
+                group.touch()
+                continue
+            limit = group.stage.idle_unload_s
+            if limit is not None and group.idle_for() >= limit and group.state.warm:
+                self.put_to_sleep(group)
+
+    def put_to_sleep(self, group: StageGroup) -> None:
+        """Stop the stage's workers now (it has no work: `has_work`, checked by the caller)."""
+        if group.sleeping or group.dozing or group.waking is not None:
+            return
+        group.dozing = True                 # from now on a job for it wakes it again
+        task = self.loop.create_task(self._sleep(group), name=f"sleep-{group.name}")
+        self._sleeps.add(task)
+        task.add_done_callback(self._sleeps.discard)
+
+    async def _sleep(self, group: StageGroup) -> None:
+        try:
+            await group.sleep(self.config.daemon.stop_grace_s)
+        finally:
+            group.dozing = False
+        for h in group.replicas:            # a job that slipped in while the workers stopped goes again
+            self.recovery.worker_slept(h)
+        if group.sleeping and self.has_work(group.name):
+            group.wake_soon()
 
     def restore(self, unfinished: list[Unfinished]) -> None:
         """Take back the jobs a previous daemon accepted and did not finish, oldest first.
@@ -151,6 +262,7 @@ class Scheduler:
                 self.finish(job, JobState.FAILED, {"code": str(ErrorCode.DAEMON_RESTARTED), "message": problem})
                 continue
             record.stages = {s: StageRun() for s in pipeline.stages}
+            self._route(job)
             if was_running:
                 job.attempts += 1
                 self.store.keep_inputs(job.id, job.inputs, job.attempts)
@@ -174,9 +286,15 @@ class Scheduler:
         self._unarmed = []
 
     def feed(self, jobs: list[LiveJob], stage: str, front: bool = False) -> None:
-        """Send jobs' own inputs, in this order, to one of their pipelines' first stages."""
-        self.feeders[stage].push([WorkItem(job=job.id, pipeline=job.key, src=None, inputs=job.inputs,
-                                           params=job.record.params) for job in jobs], front=front)
+        """Send jobs' own inputs, in this order, to one of their pipelines' first stages (each to
+        its replica there)."""
+        by_replica: dict[int, list[WorkItem]] = {}
+        for job in jobs:
+            by_replica.setdefault(job.route(stage), []).append(
+                WorkItem(job=job.id, pipeline=job.key, src=None, inputs=job.inputs, params=job.record.params,
+                         routes=job.routes))
+        for replica, items in by_replica.items():
+            self._feeder(stage, replica).push(items, front=front)
 
     # ------------------------------------------------------------------ events to clients
 
@@ -206,23 +324,25 @@ class Scheduler:
         if handler is None:
             return                          # Heartbeat, LoadFailed: the handle's own business
         job_id: str = getattr(msg, "job")
+        address = P.address(handle.name, handle.replica)
         if isinstance(msg, (P.Stopped, P.Failed, P.Finished)):
-            timer = self.stopping.pop((handle.name, job_id), None)
+            timer = self.stopping.pop((address, job_id), None)
             if timer is not None:
                 timer.cancel()
         job = self.live.get(job_id)
-        if job is None or handle.name not in job.record.stages:
-            return                          # a late word about a job that is over: nothing to do
+        if job is None or handle.name not in job.record.stages or job.route(handle.name) != handle.replica:
+            return                          # a late word about a job that is over (or moved): nothing to do
         handler(self, job, handle.name, msg)
 
     def on_exit(self, handle: StageHandle, reason: str) -> None:
         """A stage worker died (it will be restarted)."""
-        for key in [k for k in self.stopping if k[0] == handle.name]:
+        address = P.address(handle.name, handle.replica)
+        for key in [k for k in self.stopping if k[0] == address]:
             self.stopping.pop(key).cancel()
         self.recovery.worker_died(handle, reason)
 
     def on_failed(self, handle: StageHandle, error: str) -> None:
-        """A stage was given up for good."""
+        """A replica was given up for good (the stage, when it was the last one serving)."""
         self.recovery.stage_failed(handle, error)
 
     # ------------------------------------------------------------------ one handler per job message
@@ -336,7 +456,8 @@ class Scheduler:
             h.send(P.Forget(job.id))
         grace = self.config.daemon.cancel_grace_s
         for name in busy_stages:
-            self.stopping[(name, job.id)] = self.loop.call_later(grace, self._grace_expired, name, job.id)
+            address = P.address(name, job.route(name))
+            self.stopping[(address, job.id)] = self.loop.call_later(grace, self._grace_expired, address, job.id)
         self.recovery.forget(job.id)
         self.store.drop_inputs(job.id)
         if self.metrics:
@@ -354,10 +475,12 @@ class Scheduler:
         tmp.write_text(json.dumps(manifest, indent=2))
         tmp.replace(folder / "manifest.json")
 
-    def _grace_expired(self, stage: str, job_id: str) -> None:
-        self.stopping.pop((stage, job_id), None)
-        h = self.stages[stage]
-        if job_id in h.running:
+    def _grace_expired(self, address: str, job_id: str) -> None:
+        self.stopping.pop((address, job_id), None)
+        stage, _, replica = address.rpartition(".")
+        group = self.stages.get(stage)
+        h = group.replica(int(replica)) if group is not None else None
+        if h is not None and job_id in h.running:
             h.kill(f"job {job_id} did not stop within {self.config.daemon.cancel_grace_s:g} s of its cancel",
                    counts=False)
 
@@ -424,6 +547,8 @@ class Scheduler:
         self.store.flush()
         for f in self.feeders.values():
             f.stop()
+        for task in self._sleeps:
+            task.cancel()
 
 
 # A worker's per-job message -> its handler, called with the live job and the stage's name.

@@ -95,10 +95,12 @@ class StageHandle:
     """One stage worker process and its life cycle."""
 
     def __init__(self, config: Config, stage: StageConfig, data_dir: Path, jobs_dir: Path,
-                 device_locks: dict[int, asyncio.Lock]) -> None:
+                 device_locks: dict[int, asyncio.Lock], replica: int = 0) -> None:
         self.config = config
-        self.stage = stage
+        self.replica = replica
+        self.stage = stage.for_replica(replica)     # `devices`: this replica's own
         self.name = stage.name
+        self.label = P.replica_label(stage.name, replica)   # for logs: `draw`, `draw#1`
         self.data_dir = data_dir
         self.jobs_dir = jobs_dir
         self.device_locks = device_locks
@@ -168,9 +170,9 @@ class StageHandle:
         # fd by the spawn method, like `child`); we store and forward its lines (stage_logs.py).
         log_read, log_write = _SPAWN.Pipe(duplex=False)
         spec = P.WorkerSpec(stage=self.name, config=self.config, data_dir=self.data_dir,
-                            jobs_dir=self.jobs_dir, parent_pid=os.getpid())
+                            jobs_dir=self.jobs_dir, parent_pid=os.getpid(), replica=self.replica)
         from omnid.worker.main import worker_main
-        proc = _SPAWN.Process(target=worker_main, args=(spec, child, log_write), name=f"omnid-stage-{self.name}",
+        proc = _SPAWN.Process(target=worker_main, args=(spec, child, log_write), name=f"omnid-stage-{self.label}",
                               daemon=False)
         self.state = WorkerState.LOADING
         self._attempt_over.clear()
@@ -188,7 +190,7 @@ class StageHandle:
         log_write.close()                  # the worker's (and its children's) copies alone: EOF when they are gone
         self._close_log_pipe()             # the last incarnation's, if its EOF has not come yet
         daemon = self.config.daemon
-        self._log_pipe = PipeReader(log_read, log_file(stage_log_path(daemon.state_dir, self.name),
+        self._log_pipe = PipeReader(log_read, log_file(stage_log_path(daemon.state_dir, self.name, self.replica),
                                                        daemon.log_file_max_bytes, daemon.log_file_keep))
         self._log_pipe.start(asyncio.get_running_loop())
         self.process = proc
@@ -198,7 +200,7 @@ class StageHandle:
         self._sampler.reset()
         self._pipe = ControlPipe(parent, self._on_message)
         asyncio.get_running_loop().add_reader(proc.sentinel, self._on_sentinel)
-        log.info("stage worker spawned", stage=self.name, pid=proc.pid, devices=list(self.stage.devices),
+        log.info("stage worker spawned", stage=self.label, pid=proc.pid, devices=list(self.stage.devices),
                  restarts=self.restarts)
 
     async def _wait_attempt(self) -> None:
@@ -235,7 +237,7 @@ class StageHandle:
             self.last_heartbeat = time.monotonic()
             self._became_ready = True
             self._attempt_over.set()
-            log.info("stage ready", stage=self.name, pid=msg.pid, load_s=round(msg.load_s, 3))
+            log.info("stage ready", stage=self.label, pid=msg.pid, load_s=round(msg.load_s, 3))
         elif isinstance(msg, P.LoadFailed):
             self._load_error = msg.error.strip()
         elif isinstance(msg, P.Started):
@@ -256,7 +258,7 @@ class StageHandle:
             call(self._listener)
         except Exception:
             # Not `event=`: that is the name of structlog's message argument.
-            log.exception("handling a stage event failed", stage=self.name, what=what)
+            log.exception("handling a stage event failed", stage=self.label, what=what)
 
     # ------------------------------------------------------------------ death and restart
 
@@ -294,7 +296,8 @@ class StageHandle:
         reason = f"worker (pid {proc.pid}) {describe_exit(code)}"
         if self._load_error:
             reason += f": {_error_summary(self._load_error)}"
-        self.last_error = reason
+        if not self._stopping:          # a planned stop (shutdown, sleep) is no error
+            self.last_error = reason
         self.running = ()
         # Fold this incarnation's counters into the totals, for monotonic metrics.
         self.totals = P.QueueStats(**{k: getattr(self.totals, k) + getattr(self.stats, k)
@@ -308,7 +311,7 @@ class StageHandle:
             self.state = WorkerState.STOPPED
             self._attempt_over.set()
             return
-        log.error("stage worker died", stage=self.name, pid=proc.pid, exit=code, reason=reason)
+        log.error("stage worker died", stage=self.label, pid=proc.pid, exit=code, reason=reason)
         self._notify("exit", lambda listener: listener.on_exit(self, reason))
         # End the start attempt that is waiting (it holds the device load locks).
         self._attempt_over.set()
@@ -329,7 +332,7 @@ class StageHandle:
         self.state = WorkerState.FAILED
         self.last_error = error
         self._attempt_over.set()
-        log.error("stage failed", stage=self.name, error=error)
+        log.error("stage failed", stage=self.label, error=error)
         self._notify("failed", lambda listener: listener.on_failed(self, error))
 
     async def _restart(self, delay: float) -> None:
@@ -340,7 +343,7 @@ class StageHandle:
         try:
             await self.start()
         except Exception as e:             # e.g. spawn hit a file-descriptor limit: try again later
-            log.exception("restarting the stage worker failed", stage=self.name)
+            log.exception("restarting the stage worker failed", stage=self.label)
             self.last_error = f"restart failed: {type(e).__name__}: {e}"
             self._schedule_restart(None)
 
@@ -350,7 +353,7 @@ class StageHandle:
         """A reload: later spawns use `config` (this stage's definition in it may be new: `restart`
         applies it); the live worker learns the new pipelines and daemon settings now."""
         self.config = config
-        self.stage = config.stages[self.name]
+        self.stage = config.stages[self.name].for_replica(self.replica)
         self.send(P.Reconfigure(config))
 
     async def restart(self, reason: str, idle_timeout: float) -> None:
@@ -367,7 +370,7 @@ class StageHandle:
             await asyncio.sleep(0.05)
         self._policy = RestartPolicy.from_config(self.config.daemon)   # asked for: past crashes forgiven
         old = self.pid
-        log.info("restarting stage", stage=self.name, pid=old, reason=reason)
+        log.info("restarting stage", stage=self.label, pid=old, reason=reason)
         if self.alive:
             self.kill(f"restarted: {reason}", counts=False)        # the sentinel handler starts the next one
         elif self.state is not WorkerState.RESTARTING:
@@ -379,6 +382,18 @@ class StageHandle:
             if self.state is WorkerState.FAILED or (self.state.warm and self.pid not in (None, old)):
                 return
             await asyncio.sleep(0.05)
+
+    async def wake(self) -> None:
+        """Start a new worker after `stop` (its stage slept): as at the daemon's start, with its
+        crash history forgotten; one that cannot load is given up (the listener hears it)."""
+        if self._restart_task is not None:
+            self._restart_task.cancel()
+        self._stopping = False
+        self._policy = RestartPolicy.from_config(self.config.daemon)
+        self.state = WorkerState.STARTING
+        await self.start()
+        if not self._stopping and self.state is WorkerState.FAILED and not self._became_ready:
+            self._fail_for_good(self.last_error or "could not load its engine")
 
     # ------------------------------------------------------------------ control
 
@@ -395,7 +410,7 @@ class StageHandle:
         proc = self.process
         if proc is not None and self.alive:
             self._policy.note_kill(counts)
-            log.warning("killing stage worker", stage=self.name, pid=proc.pid, reason=reason)
+            log.warning("killing stage worker", stage=self.label, pid=proc.pid, reason=reason)
             self._load_error = reason
             _kill_group(proc.pid)
             if proc.pid is not None:
@@ -445,7 +460,8 @@ class StageHandle:
         pid = self.pid
         usage = self._sampler.sample(pid)
         return {
-            "name": self.name, "engine": self.stage.engine, "state": str(self.state), "pid": pid,
+            "name": self.name, "replica": self.replica, "label": self.label,
+            "engine": self.stage.engine, "state": str(self.state), "pid": pid,
             "devices": list(self.stage.devices), "queue_depth": self.stats.depth,
             "queue_capacity": self.stage.queue_capacity, "max_inflight": self.stage.max_inflight,
             "running": list(self.running), "jobs_done": self.jobs_done,

@@ -84,8 +84,10 @@ def daemon_log_path(state_dir: Path) -> Path:
     return log_dir(state_dir) / DAEMON_LOG
 
 
-def stage_log_path(state_dir: Path, stage: str) -> Path:
-    return log_dir(state_dir) / STAGES_DIR / f"{stage}.log"
+def stage_log_path(state_dir: Path, stage: str, replica: int = 0) -> Path:
+    """A stage worker's log file: `draw.log`, and `draw#1.log` for its replica 1."""
+    name = stage if replica == 0 else f"{stage}#{replica}"
+    return log_dir(state_dir) / STAGES_DIR / f"{name}.log"
 
 
 def stored(line: bytes) -> bytes:

@@ -40,7 +40,7 @@ from typing import Any
 
 from omnid import protocol as P
 from omnid.config import EdgeConfig, PipelineConfig
-from omnid.dataplane import Listener, Sender, WorkItem
+from omnid.dataplane import Closing, Listener, Sender, WorkItem
 from omnid.engines.base import Engine, RequestContext
 from omnid.shm import ShmPool
 from omnid.worker.outputs import StreamWriter, clear_stream
@@ -73,7 +73,7 @@ def _set_process_name(name: str) -> None:
 
 def _setup_environment(spec: P.WorkerSpec) -> None:
     """Device visibility and quiet, offline libraries, before any heavy import."""
-    stage = spec.config.stages[spec.stage]
+    stage = spec.config.stages[spec.stage].for_replica(spec.replica)
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in stage.devices)
     for var in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):   # systemd talks to the supervisor only
         os.environ.pop(var, None)
@@ -99,7 +99,7 @@ class StageWorker:
     def __init__(self, spec: P.WorkerSpec, conn: Connection) -> None:
         self.spec = spec
         self.config = spec.config
-        self.stage = spec.config.stages[spec.stage]
+        self.stage = spec.config.stages[spec.stage].for_replica(spec.replica)
         self.conn = conn
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()          # guards the dicts below (control thread vs main)
@@ -109,6 +109,8 @@ class StageWorker:
         self.outbox: dict[tuple[str, str], WorkItem] = {}    # (job, dst) -> what we sent, until Forget
         self.received: set[tuple[str, str | None]] = set()   # (job, src) parts taken, until Forget
         self.resends: queue.Queue[P.Resend] = queue.Queue()
+        self.reroutes: dict[tuple[str, str], int] = {}   # (job, stage) -> its new replica there, until Forget
+        self.listener: Listener | None = None
         self.inflight: dict[str, RequestContext] = {}    # job -> its request, in the engine
         self.items: dict[str, WorkItem] = {}             # job -> the item that started it
         self.live_outputs: dict[str, StreamWriter] = {}  # job -> a last stage's stream files, while it runs
@@ -184,7 +186,7 @@ class StageWorker:
             try:        # `items`/`inflight` belong to the main thread: retry if it changed them meanwhile
                 with self._lock:
                     jobs = {j for j, _ in self.outbox} | set(self.partial) | {j for j, _ in self.received} \
-                        | {j for j, _ in self.streams}
+                        | {j for j, _ in self.streams} | {j for j, _ in self.reroutes}
                 windows = {j for j, _ in self.builders} | {j for j, _ in self.unsent}
                 return len(jobs | windows | set(self.items) | set(self.inflight) | set(self.live_outputs))
             except RuntimeError:
@@ -197,7 +199,9 @@ class StageWorker:
         """
         if item.window is not None:
             return self._admit_window(item)
-        while not self.shutting_down.is_set():
+        while True:
+            if self.shutting_down.is_set():
+                raise Closing()         # not admitted, not dropped: the sender tries our successor
             if self.is_dead(item.job):
                 self.dropped += 1
                 return False
@@ -216,7 +220,6 @@ class StageWorker:
             self.send(P.Admitted(job=item.job, src=item.src, depth=self.inbox.qsize()))
             self.wakeup.set()
             return True
-        return False
 
     def _admit_window(self, item: WorkItem) -> bool | None:
         """A window of a streamed job (a data-conn thread); answers at once, None when there is no room.
@@ -224,6 +227,8 @@ class StageWorker:
         The first window starts the job here: it takes a place in the input queue, like any input.
         The later ones go straight to the job's stream, whose own bound is `queue_capacity` windows.
         """
+        if self.shutting_down.is_set():
+            raise Closing()
         index = item.window or 0
         key = (item.job, item.src)
         keys = self._stream_keys(item) if index == 0 else []     # (may wait for a reload: not under the lock)
@@ -269,7 +274,7 @@ class StageWorker:
         """Control thread: apply the supervisor's messages (one handler each); exit when it is gone."""
         handlers: dict[type, Callable[[Any], None]] = {
             P.Cancel: self.on_cancel, P.Forget: self.on_forget, P.Resend: self.on_resend,
-            P.Shutdown: self.on_shutdown, P.Reconfigure: self.on_reconfigure,
+            P.Reroute: self.on_reroute, P.Shutdown: self.on_shutdown, P.Reconfigure: self.on_reconfigure,
         }
         while True:
             try:
@@ -297,15 +302,30 @@ class StageWorker:
             self.received = {k for k in self.received if k[0] != msg.job}
             for key in [k for k in self.outbox if k[0] == msg.job]:
                 del self.outbox[key]
+            for route in [k for k in self.reroutes if k[0] == msg.job]:
+                del self.reroutes[route]
             for stream_key in [k for k in self.streams if k[0] == msg.job]:
                 self.streams.pop(stream_key).cancel()
         self.wakeup.set()                   # the main thread drops the job's unsent windows
 
     def on_resend(self, msg: P.Resend) -> None:
+        self.on_reroute(P.Reroute(msg.job, msg.dst, msg.replica))
         self.resends.put(msg)           # served by the main thread, between engine steps
+
+    def on_reroute(self, msg: P.Reroute) -> None:
+        with self._lock:
+            if not self.is_dead(msg.job):
+                self.reroutes[(msg.job, msg.stage)] = msg.replica
 
     def on_shutdown(self, msg: P.Shutdown) -> None:
         self.shutting_down.set()
+        if self.listener is not None:
+            self.listener.close()       # senders now wait for the next worker at our address
+
+    def address(self, item: WorkItem, dst: str) -> str:
+        """Where the job's work for stage `dst` goes: the replica the supervisor chose (or moved it to)."""
+        replica = self.reroutes.get((item.job, dst))
+        return P.address(dst, item.routes.get(dst, 0) if replica is None else replica)
 
     def on_reconfigure(self, msg: P.Reconfigure) -> None:
         with self._reconfigured:
@@ -544,7 +564,7 @@ class StageWorker:
                 self.post(P.Failed(job=ctx.job, error=_clip(str(e)), code="edge_failed"))
                 return
             handoffs.append((edge.dst, WorkItem(job=ctx.job, pipeline=item.pipeline, src=self.stage.name,
-                                                inputs=inputs, params=item.params)))
+                                                inputs=inputs, params=item.params, routes=item.routes)))
         self.post(P.Finished(job=ctx.job, elapsed_s=elapsed))
         for dst, out in handoffs:
             with self._lock:
@@ -567,7 +587,7 @@ class StageWorker:
         except EdgeError as e:
             return str(e)
         window = WorkItem(job=item.job, pipeline=item.pipeline, src=self.stage.name, inputs=inputs,
-                          params=item.params, window=index, last=last)
+                          params=item.params, window=index, last=last, routes=item.routes)
         self.unsent.setdefault((item.job, edge.dst), deque()).append(window)
         return None
 
@@ -583,7 +603,7 @@ class StageWorker:
             line = self.unsent[key]
             while line and not self.is_dead(job):
                 try:
-                    answer = self.window_sender.offer(dst, line[0])
+                    answer = self.window_sender.offer(self.address(line[0], dst), line[0])
                 except Exception as e:      # a window that cannot be sent (not picklable): this job alone
                     line.clear()
                     self.post(P.Failed(job=job, error=_clip(f"streaming to stage {dst!r} failed: "
@@ -614,7 +634,7 @@ class StageWorker:
         """
         self.flush()                        # what happened so far is known before we wait here
         try:
-            ok = self.sender.send(dst, item, abandon=lambda: self.is_dead(item.job) or self.shutting_down.is_set(),
+            ok = self.sender.send(lambda: self.address(item, dst), item, abandon=lambda: self.is_dead(item.job) or self.shutting_down.is_set(),
                                   on_wait=self._step, busy=self.engine.has_work)
         except Exception as e:              # an output that cannot be sent (not picklable): this job alone
             self.post(P.Failed(job=item.job, error=_clip(f"handing its outputs to stage {dst!r} failed: "
@@ -777,14 +797,18 @@ def _capture_output(log_pipe: Connection | None, log_format: str) -> str:
 def worker_main(spec: P.WorkerSpec, conn: Connection, log_pipe: Connection | None = None) -> None:
     """Process entry point (spawned). `log_pipe`: the write end of this stage's stdout/stderr pipe."""
     _die_with_parent(spec.parent_pid)
-    _set_process_name(f"omnid:{spec.stage}")
+    label = P.replica_label(spec.stage, spec.replica)
+    _set_process_name(f"omnid:{label}")
     log_format = _capture_output(log_pipe, spec.config.daemon.log_format)   # before anything is printed
     os.setpgrp()                                   # our own group: the supervisor signals the whole tree
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the supervisor's to handle
     _setup_environment(spec)
     from omnid import logs
-    logs.configure(spec.config.daemon.log_level, log_format, process=f"stage:{spec.stage}",
+    logs.configure(spec.config.daemon.log_level, log_format, process=f"stage:{label}",
                    stage=spec.stage)             # every record, the engine's too: structlog, `stage=NAME`
+    if spec.replica:
+        import structlog
+        structlog.contextvars.bind_contextvars(replica=spec.replica)
     worker = StageWorker(spec, conn)
     threading.Thread(target=worker.control_loop, name="control", daemon=True).start()
     t0 = time.monotonic()
@@ -795,7 +819,8 @@ def worker_main(spec: P.WorkerSpec, conn: Connection, log_pipe: Connection | Non
         stage = worker.stage
         if stage.shm_pool_mb:
             worker.pool = ShmPool(stage.name, stage.shm_pool_mb << 20)
-        listener = Listener(spec.socket_for(spec.stage), worker.admit, worker.pool,
+        listener = worker.listener = Listener(spec.socket_for(P.address(spec.stage, spec.replica)), worker.admit,
+                                              worker.pool,
                             device="cuda" if stage.devices else None)
     except BaseException as e:
         tb = traceback.format_exc(limit=-3)

@@ -66,10 +66,12 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.DRAINING: 503,
     ErrorCode.NOT_ADMIN: 403,
     ErrorCode.UNKNOWN_STAGE: 404,
+    ErrorCode.STAGE_BUSY: 409,     # a stage with jobs in progress is not put to sleep
 }
 # Codes the real API also answers with another status: unknown_pipeline is a 400 in a job
 # (POST /v1/jobs) and a 404 as the path's resource (GET /v1/pipelines/{name}).
-ALSO_STATUS: dict[ErrorCode, set[int]] = {ErrorCode.UNKNOWN_PIPELINE: {404}}
+# stage_failed is a 409 for `POST /v1/stages/{name}/sleep` (restart it instead).
+ALSO_STATUS: dict[ErrorCode, set[int]] = {ErrorCode.UNKNOWN_PIPELINE: {404}, ErrorCode.STAGE_FAILED: {409}}
 
 # /v1/jobs/{id} and everything under it: the real API answers unknown_job for an id it does not know.
 _JOB_PATH = re.compile(r"^/v1/jobs/([^/]+)(?:/.*)?$")

@@ -427,3 +427,55 @@ def test_paths_resolve_relative_to_base(tmp_path: Path, models: Path, monkeypatc
     # Relative to base only: the same data with another base finds no model.
     found = problems(data, tmp_path / "elsewhere")
     assert set(found) == {"stages.gen.model", "stages.post.function"}
+
+
+# ------------------------------------------------------------------------- replicas and sleeping
+
+
+def one_stage(**stage: Any) -> dict[str, Any]:
+    return {"stages": {"a": py(**stage)}, "pipelines": {"p": {"stages": ["a"]}}}
+
+
+def test_replicas_share_devices_or_get_one_set_each(tmp_path: Path) -> None:
+    a = parse(one_stage(replicas=3), tmp_path).stages["a"]
+    assert (a.replicas, a.devices, a.replica_devices) == (3, (), ())
+    assert [a.for_replica(i).devices for i in range(3)] == [(), (), ()]
+    cfg = parse(one_stage(devices=[[1], [0, 2]]), tmp_path)
+    a = cfg.stages["a"]
+    assert (a.replicas, a.devices, a.replica_devices) == (2, (0, 1, 2), ((1,), (0, 2)))
+    assert a.for_replica(1).devices == (0, 2) and a.for_replica(1).replica_devices == ()
+    assert cfg.devices == (0, 1, 2)
+    shared = parse(one_stage(devices=[0], replicas=2), tmp_path).stages["a"]
+    assert [shared.for_replica(i).devices for i in range(2)] == [(0,), (0,)]
+    assert parse(one_stage(idle_unload_s=5), tmp_path).stages["a"].idle_unload_s == 5.0
+    assert parse(one_stage(), tmp_path).stages["a"].idle_unload_s is None
+
+
+@pytest.mark.parametrize("stage, path, fragment", [
+    ({"replicas": 0}, "stages.a.replicas", "must be > 0"),
+    ({"replicas": 65}, "stages.a.replicas", "from 1 to 64"),
+    ({"replicas": "2"}, "stages.a.replicas", "must be an integer"),
+    ({"devices": [[0], [1]], "replicas": 3}, "stages.a.devices", "gives 2 device sets (one per replica), but replicas = 3"),
+    ({"devices": [[0], 1]}, "stages.a.devices", "not a mix"),
+    ({"devices": [[0], []]}, "stages.a.devices[1]", "a replica's device set is empty"),
+    ({"devices": [[0], [0, 0]]}, "stages.a.devices[1][1]", "device 0 is given twice"),
+    ({"devices": [[0], [0]], "exclusive": True}, "stages.a.devices", "more than one replica"),
+    ({"devices": [0], "replicas": 2, "exclusive": True}, "stages.a.devices", "would share device(s) [0]"),
+    ({"idle_unload_s": 0}, "stages.a.idle_unload_s", "must be > 0"),
+    ({"idle_unload_s": True}, "stages.a.idle_unload_s", "not a boolean"),
+])
+def test_bad_replicas_and_sleep_settings_are_reported(tmp_path: Path, stage: dict[str, Any], path: str,
+                                                      fragment: str) -> None:
+    reported(one_stage(**stage), tmp_path, path, fragment)
+
+
+def test_a_reload_of_replicas_alone_keeps_the_workers(tmp_path: Path) -> None:
+    before = parse(one_stage(devices=[[0], [1]]), tmp_path).stages["a"]
+    more = parse(one_stage(devices=[[0], [1], [2]]), tmp_path).stages["a"]
+    moved = parse(one_stage(devices=[[0], [3]]), tmp_path).stages["a"]
+    other = parse(one_stage(devices=[[0], [1]], max_inflight=2), tmp_path).stages["a"]
+    assert before.same_worker(more, 0) and before.same_worker(more, 1) and not before.same_worker(more, 2)
+    assert before.same_worker(moved, 0) and not before.same_worker(moved, 1)
+    assert not before.same_worker(other, 0)
+    sleepy = parse(one_stage(devices=[[0], [1]], idle_unload_s=9), tmp_path).stages["a"]
+    assert before.same_worker(sleepy, 0) and before.same_worker(sleepy, 1)

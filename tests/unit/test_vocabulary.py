@@ -15,14 +15,16 @@ from omnid.vocabulary import (LIVE_JOB_STATES, TERMINAL_JOB_STATES, WARM_WORKER_
 API_STRINGS: dict[type, list[str]] = {
     JobState: ["queued", "running", "succeeded", "failed", "cancelled", "timed_out"],
     StageRunState: ["pending", "queued", "running", "succeeded", "failed", "cancelled"],
-    WorkerState: ["starting", "waiting_for_device", "loading", "ready", "busy", "restarting", "failed", "stopped"],
-    EventType: ["state", "stage_started", "progress", "segment", "output", "stage_finished", "error"],
+    WorkerState: ["starting", "waiting_for_device", "loading", "ready", "busy", "restarting", "failed", "stopped",
+                  "degraded", "sleeping"],
+    EventType: ["state", "stage_started", "progress", "segment", "output", "stage_finished", "error",
+                "stage_waking", "stage_awake"],
     ErrorCode: ["bad_json", "invalid_request", "invalid_input", "missing_input", "invalid_param",
                 "unknown_pipeline", "unknown_job", "ambiguous_job", "unknown_output", "output_gone",
-                "job_not_finished", "not_yours", "no_credentials", "too_large", "queue_full", "shutting_down", "not_admin", "unknown_stage", "draining",
+                "job_not_finished", "not_yours", "no_credentials", "too_large", "queue_full", "shutting_down", "not_admin", "unknown_stage", "stage_busy", "draining",
                 "not_found", "method_not_allowed", "http_error", "internal_error", "stage_failed",
                 "worker_died", "edge_failed", "output_failed", "cancelled", "timed_out", "daemon_stopping",
-                "daemon_restarted"],
+                "daemon_restarted", "wake_failed"],
 }
 
 
@@ -72,7 +74,8 @@ def test_to_doc_key_order_is_the_apis() -> None:
     doc = a_record().to_doc()
     assert list(doc) == DOC_KEYS
     assert list(doc["stages"]) == ["expand", "draw"]
-    assert list(doc["stages"]["draw"]) == ["state", "progress", "started_at", "finished_at", "elapsed_s", "segments"]
+    assert list(doc["stages"]["draw"]) == ["state", "progress", "started_at", "finished_at", "elapsed_s", "segments",
+                                         "replica"]
     text = json.dumps(doc)
     assert text.index('"id"') < text.index('"pipeline"') < text.index('"state"') < text.index('"owner_uid"')
 
@@ -82,7 +85,8 @@ def test_a_new_record_is_queued_with_pending_stages() -> None:
     assert doc["state"] == "queued" and doc["started_at"] is None and doc["finished_at"] is None
     assert doc["outputs"] == [] and doc["error"] is None
     assert doc["stages"]["expand"] == {"state": "pending", "progress": None, "started_at": None,
-                                       "finished_at": None, "elapsed_s": None, "segments": 0}
+                                       "finished_at": None, "elapsed_s": None, "segments": 0,
+                                       "replica": None}
 
 
 def finished_record() -> JobRecord:

@@ -27,6 +27,7 @@ from omnid.store import JobStore
 from omnid.supervisor import scheduler as scheduler_module
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.scheduler import Scheduler
+from omnid.supervisor.stage_group import StageGroup
 from omnid.vocabulary import ErrorCode, EventType, JobState, StageRunState, WorkerState
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
@@ -35,8 +36,11 @@ FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 class FakeStage:
     """What the scheduler uses of a `StageHandle`: a name, a state, `send`, `kill`, `running`."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, replica: int = 0) -> None:
         self.name = name
+        self.replica = replica
+        self.label = P.replica_label(name, replica)
+        self.stats = P.QueueStats()
         self.state = WorkerState.READY
         self.running: tuple[str, ...] = ()
         self.last_error: str | None = None
@@ -62,11 +66,12 @@ class FakeStage:
 
 
 def make_config(tmp: Path, pipelines: dict[str, Any], stages: tuple[str, ...] = ("a", "b"),
-                **daemon: Any) -> Config:
+                replicas: dict[str, int] | None = None, **daemon: Any) -> Config:
     stage = {"engine": "python", "function": "teststages:echo", "python_path": [str(FIXTURES)]}
     return parse({"daemon": {"socket": str(tmp / "s.sock"), "state_dir": str(tmp / "state"),
                              "lock_dir": str(tmp / "lock"), **daemon},
-                  "stages": {s: dict(stage) for s in stages}, "pipelines": pipelines}, base=tmp)
+                  "stages": {s: dict(stage, replicas=(replicas or {}).get(s, 1)) for s in stages},
+                  "pipelines": pipelines}, base=tmp)
 
 
 class Harness:
@@ -76,13 +81,16 @@ class Harness:
         self.tmp = tmp
         self.config = config
         self.store = JobStore(config.daemon.state_dir)
-        self.stages = {name: FakeStage(name) for name in config.stages}
+        # Real stage groups of fake replicas; `stages[name]` is a stage's first replica.
+        self.groups = {name: StageGroup(config, name, lambda c, n, i: FakeStage(n, i)) for name in config.stages}
+        self.stages: dict[str, FakeStage] = {name: g.replicas[0] for name, g in self.groups.items()}  # type: ignore[misc]
         self.fed: queue.Queue[tuple[str, WorkItem]] = queue.Queue()
-        self.listeners = [Listener(tmp / f"{name}.sock", self._admit(name)) for name in config.stages]
+        self.listeners = [Listener(P.socket_path(tmp, P.address(name, i)), self._admit(P.replica_label(name, i)))
+                          for name, st in config.stages.items() for i in range(st.replicas)]
         for listener in self.listeners:
             listener.start()
-        self.sched = Scheduler(config, self.store, self.stages,
-                               lambda stage: tmp / f"{stage}.sock")
+        self.sched = Scheduler(config, self.store, self.groups,  # type: ignore[arg-type]
+                               lambda address: P.socket_path(tmp, address))
 
     def _admit(self, stage: str) -> Callable[[WorkItem], bool]:
         def admit(item: WorkItem) -> bool:
@@ -112,12 +120,12 @@ class Harness:
 
 
 def run(tmp_path: Path, pipelines: dict[str, Any], test: Callable[[Harness], Awaitable[None]],
-        **daemon: Any) -> None:
+        replicas: dict[str, int] | None = None, **daemon: Any) -> None:
     """Run `test` on a fresh loop with a scheduler for `pipelines` (stages a and b)."""
     short = Path(tempfile.mkdtemp(prefix="omnid-u-", dir="/tmp"))   # AF_UNIX paths are short
 
     async def main() -> None:
-        h = Harness(short, make_config(short, pipelines, **daemon))
+        h = Harness(short, make_config(short, pipelines, replicas=replicas, **daemon))
         try:
             await test(h)
         finally:
@@ -266,7 +274,7 @@ def test_a_worker_death_fails_its_running_job_and_requeues_the_rest(tmp_path: Pa
         assert failed is not None and failed.state is JobState.FAILED
         assert failed.error == {"code": "worker_died", "stage": "a",
                                 "message": "stage 'a' worker (pid 1) was killed by SIGKILL while running this job"}
-        assert h.sched.recovery.resend_after_restart["a"] == {queued, done_upstream}
+        assert h.sched.recovery.resend_after_restart["a.0"] == {queued, done_upstream}
         h.say("a", P.Ready(pid=2, load_s=0.1))                  # back: the lost inputs are asked for again
         refed = {(await asyncio.to_thread(h.next_fed))[1].job for _ in range(2)}
         assert refed == {queued, done_upstream}
@@ -432,7 +440,7 @@ def test_drain_sets_queued_jobs_aside_and_lets_running_ones_finish(tmp_path: Pat
 def test_every_per_job_worker_message_has_a_handler() -> None:
     per_job = {cls for cls in vars(P).values()
                if isinstance(cls, type) and cls.__module__ == P.__name__ and "job" in getattr(cls, "__annotations__", {})
-               and cls not in (P.Cancel, P.Forget, P.Resend)}          # those go the other way
+               and cls not in (P.Cancel, P.Forget, P.Resend, P.Reroute)}   # those go the other way
     assert per_job == set(scheduler_module._HANDLERS)
     for cls, handler in scheduler_module._HANDLERS.items():
         assert handler.__name__.startswith("on_"), (cls, handler)
@@ -479,3 +487,73 @@ def test_a_subscriber_that_falls_behind_is_dropped_and_catches_up_from_the_store
         assert [e["done"] for e in rest] == list(range(1, n + 1))  # nothing lost: it is all stored
         assert q2 is not None and q2.empty()
     run(tmp_path, ONE, test)
+
+
+# ------------------------------------------------------------------ replicas
+
+def replica(h: Harness, stage: str, i: int) -> FakeStage:
+    return h.groups[stage].replicas[i]      # type: ignore[return-value]
+
+
+def test_jobs_go_to_the_least_loaded_replica_and_are_fed_there(tmp_path: Path) -> None:
+    async def test(h: Harness) -> None:
+        jobs = [h.submit(inputs={"text": f"j{k}"}) for k in range(4)]
+        routes = [h.sched.job(j).stages["a"].replica for j in jobs]
+        assert routes == [0, 1, 0, 1]
+        fed = [await asyncio.to_thread(h.next_fed) for _ in range(4)]
+        assert {item.job: where for where, item in fed} == {j: f"a#{r}" if r else "a" for j, r in zip(jobs, routes)}
+        assert all(item.routes == {"a": routes[jobs.index(item.job)]} for _, item in fed)
+        # replica 0 finishes its two: the next job goes there (least work), not in turn
+        for j in jobs[::2]:
+            h.sched.on_message(replica(h, "a", 0), P.Started(j))
+            h.sched.on_message(replica(h, "a", 0), P.Finished(j, 0.1))
+        assert h.sched.job(h.submit()).stages["a"].replica == 0
+        # a replica's word about a job it does not serve is ignored
+        h.sched.on_message(replica(h, "a", 0), P.Finished(jobs[1], 0.1))
+        assert h.sched.job(jobs[1]).state is JobState.QUEUED
+    run(tmp_path, ONE, test, replicas={"a": 2})
+
+
+def test_a_dead_replica_touches_only_its_own_jobs(tmp_path: Path) -> None:
+    async def test(h: Harness) -> None:
+        jobs = [h.submit(inputs={"text": f"j{k}"}) for k in range(4)]     # replicas 0, 1, 0, 1
+        for _ in jobs:
+            await asyncio.to_thread(h.next_fed)
+        for j, r in zip(jobs, (0, 1, 0, 1)):
+            h.sched.on_message(replica(h, "a", r), P.Admitted(j, None, 1))
+        for j, r in zip(jobs[:2], (0, 1)):
+            h.sched.on_message(replica(h, "a", r), P.Started(j))
+        h.sched.on_exit(replica(h, "a", 1), "worker (pid 9) was killed by SIGKILL")
+        states = [h.sched.job(j).state for j in jobs]
+        assert states == [JobState.RUNNING, JobState.FAILED, JobState.QUEUED, JobState.QUEUED]
+        assert "(replica 1)" in h.sched.job(jobs[1]).error["message"]
+        assert h.sched.recovery.resend_after_restart == {"a.1": {jobs[3]}}
+    run(tmp_path, ONE, test, replicas={"a": 2})
+
+
+def test_a_replica_given_up_moves_its_jobs_to_the_others(tmp_path: Path) -> None:
+    async def test(h: Harness) -> None:
+        jobs = [h.submit(inputs={"text": f"j{k}"}) for k in range(4)]     # a: 0, 1, 0, 1; b: 0, 1, 0, 1
+        for _ in jobs:
+            await asyncio.to_thread(h.next_fed)
+        assert [h.sched.job(j).stages["b"].replica for j in jobs] == [0, 1, 0, 1]
+        dead = replica(h, "b", 1)
+        dead.state = WorkerState.FAILED
+        h.sched.on_failed(dead, "crashed 6 times")
+        assert all(h.sched.job(j).state is JobState.QUEUED for j in jobs), "a degraded stage fails nothing"
+        assert [h.sched.job(j).stages["b"].replica for j in jobs] == [0, 0, 0, 0]
+        # the upstream replicas were told where the moved jobs' hand-offs go now
+        told = [m for r in (0, 1) for m in replica(h, "a", r).sent if isinstance(m, P.Reroute)]
+        assert sorted((m.job, m.stage, m.replica) for m in told) == sorted(
+            (j, "b", 0) for j in jobs[1::2] for _ in (0, 1))
+        assert h.groups["b"].state is WorkerState.DEGRADED
+        # the last one given up: the stage fails, and so does every job that needs it
+        last = replica(h, "b", 0)
+        last.state = WorkerState.FAILED
+        h.sched.on_failed(last, "crashed 6 times")
+        assert h.groups["b"].state is WorkerState.FAILED
+        assert all(h.sched.job(j).state is JobState.FAILED for j in jobs)
+        with pytest.raises(Refused) as refused:
+            h.submit()
+        assert refused.value.code is ErrorCode.STAGE_FAILED
+    run(tmp_path, CHAIN, test, replicas={"a": 2, "b": 2})
