@@ -67,3 +67,15 @@ def tensor_take(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> dic
     t = inputs["tensor"]
     return {"handoff_s": now - float(inputs["t_sent"]), "clone_s": float(inputs["clone_s"]),
             "nbytes": int(t.numel() * t.element_size()), "dtype": str(t.dtype)}
+
+
+def burn(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    """CPU-bound work: spins until this process has used `cpu_s` seconds of CPU (a model's forward
+    pass stands in here; the GIL keeps it to one core per worker)."""
+    cpu_s = float(params.get("cpu_s", 0.2))
+    end = time.process_time() + cpu_s
+    x = 0
+    while time.process_time() < end:
+        for i in range(2000):
+            x += i * i
+    return {"text": str(x % 7)}

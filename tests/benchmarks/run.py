@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import ROOT, Ctx, Row, Shared, fmt, shared_daemons  # noqa: E402
+import bench_capacity  # noqa: E402
 import bench_control  # noqa: E402
 import bench_dataplane  # noqa: E402
 import bench_engines  # noqa: E402
@@ -74,6 +75,10 @@ BENCHES: list[Bench] = [
     Bench("api_concurrency", "control", bench_control.bench_api_concurrency,
           ["POST /v1/jobs, 32 clients, 2-stage no-op: jobs/s", "GET /v1/jobs/{id}, 32 clients: req/s"],
           (120, 60), ("control",)),
+    Bench("replicas", "capacity", bench_capacity.bench_replicas,
+          ["CPU-bound python stage, N jobs: 2 replicas, jobs/s"], (150, 80), ()),
+    Bench("wake", "capacity", bench_capacity.bench_wake,
+          ["sleeping tiny-vLLM stage: submit -> job done (wake included)"], (200, 120), ()),
     Bench("supervisor_rss", "control", bench_control.bench_supervisor_rss,
           ["supervisor RSS after N no-op jobs"], (150, 45), ("control",)),
 ]
