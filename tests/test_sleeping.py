@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -122,3 +123,19 @@ def test_sleep_and_wake_by_hand(start_daemon: Start) -> None:
     assert again.returncode == 0 and "awake already" in again.stdout
     unknown = omnictl(d, "stage", "sleep", "nope")
     assert unknown.returncode != 0 and "no stage 'nope'" in unknown.stderr
+
+
+def test_a_reload_while_asleep_keeps_it_asleep_and_it_wakes_with_the_new_definition(start_daemon: Start) -> None:
+    d = start_daemon({"z": py_stage("echo")}, {"p": {"stages": ["z"]}})
+    assert omnictl(d, "stage", "sleep", "z").returncode == 0
+    d.wait_stage_state("z", ("sleeping",), timeout=15)
+    config = d.config_path.read_text().replace('[stages."z"]\n', '[stages."z"]\n"replicas" = 2\n')
+    d.config_path.write_text(config)
+    d.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: len(d.stages()["z"]["replicas"]) == 2, 30, "the reload to add a replica")
+    snap = d.stages()["z"]
+    assert snap["state"] == "sleeping" and [r["pid"] for r in snap["replicas"]] == [None, None]
+    docs = [d.submit("p", {"text": str(k)}) for k in range(2)]
+    assert all(d.wait(j, timeout=60)["state"] == "succeeded" for j in docs)
+    snap = d.stages()["z"]
+    assert snap["state"] in ("ready", "busy") and all(r["pid"] for r in snap["replicas"])
