@@ -174,7 +174,7 @@ class Reloader:
         replicas whose own definition changed (one after the other). True if any was replaced."""
         before, after = old.stages[group.name], new.stages[group.name]
         fresh, extra = group.resize_to(worker_config)
-        if group.sleeping or group.dozing:
+        if group.sleeping:
             for h in fresh:                 # they load when the stage wakes
                 h.state = WorkerState.SLEEPING
             for h in extra:

@@ -224,9 +224,11 @@ class Scheduler:
 
     async def _sleep(self, group: StageGroup) -> None:
         try:
-            await group.sleep(self.config.daemon.stop_grace_s)
+            slept = await group.sleep(self.config.daemon.stop_grace_s)
         finally:
             group.dozing = False
+        if not slept:                       # a job came first: it stays awake
+            return
         for h in group.replicas:            # a job that slipped in while the workers stopped goes again
             self.recovery.worker_slept(h)
         if group.sleeping and self.has_work(group.name):

@@ -61,16 +61,28 @@ class FakeStage:
     def kill(self, reason: str, counts: bool = True) -> None:
         self.kills.append((reason, counts))
 
+    async def stop(self, grace: float) -> None:
+        await asyncio.sleep(getattr(self, "stop_s", 0.01))
+        self.state = WorkerState.STOPPED
+        self.stops = getattr(self, "stops", 0) + 1
+
+    async def wake(self) -> None:
+        await asyncio.sleep(0.01)
+        self.state = WorkerState.READY
+        self.wakes = getattr(self, "wakes", 0) + 1
+
     def sent_of(self, kind: type, job: str) -> list[Any]:
         return [m for m in self.sent if isinstance(m, kind) and getattr(m, "job", None) == job]
 
 
 def make_config(tmp: Path, pipelines: dict[str, Any], stages: tuple[str, ...] = ("a", "b"),
-                replicas: dict[str, int] | None = None, **daemon: Any) -> Config:
+                replicas: dict[str, int] | None = None, a: dict[str, Any] | None = None, **daemon: Any) -> Config:
+    """`a`: more keys for stage a."""
     stage = {"engine": "python", "function": "teststages:echo", "python_path": [str(FIXTURES)]}
     return parse({"daemon": {"socket": str(tmp / "s.sock"), "state_dir": str(tmp / "state"),
                              "lock_dir": str(tmp / "lock"), **daemon},
-                  "stages": {s: dict(stage, replicas=(replicas or {}).get(s, 1)) for s in stages},
+                  "stages": {s: dict(stage, replicas=(replicas or {}).get(s, 1), **((a or {}) if s == "a" else {}))
+                             for s in stages},
                   "pipelines": pipelines}, base=tmp)
 
 
@@ -120,12 +132,12 @@ class Harness:
 
 
 def run(tmp_path: Path, pipelines: dict[str, Any], test: Callable[[Harness], Awaitable[None]],
-        replicas: dict[str, int] | None = None, **daemon: Any) -> None:
+        replicas: dict[str, int] | None = None, a: dict[str, Any] | None = None, **daemon: Any) -> None:
     """Run `test` on a fresh loop with a scheduler for `pipelines` (stages a and b)."""
     short = Path(tempfile.mkdtemp(prefix="omnid-u-", dir="/tmp"))   # AF_UNIX paths are short
 
     async def main() -> None:
-        h = Harness(short, make_config(short, pipelines, replicas=replicas, **daemon))
+        h = Harness(short, make_config(short, pipelines, replicas=replicas, a=a, **daemon))
         try:
             await test(h)
         finally:
@@ -557,3 +569,47 @@ def test_a_replica_given_up_moves_its_jobs_to_the_others(tmp_path: Path) -> None
             h.submit()
         assert refused.value.code is ErrorCode.STAGE_FAILED
     run(tmp_path, CHAIN, test, replicas={"a": 2, "b": 2})
+
+
+# ------------------------------------------------------------------ sleeping stages
+
+def test_an_idle_stage_sleeps_and_a_job_wakes_it(tmp_path: Path) -> None:
+    async def test(h: Harness) -> None:
+        group = h.groups["a"]
+        group.idle_since -= 10
+        h.sched.tend_sleep()
+        assert group.dozing
+        await asyncio.sleep(0.1)
+        assert group.sleeping and group.state is WorkerState.SLEEPING and h.stages["a"].stops == 1
+        job = h.submit()
+        await asyncio.sleep(0.1)
+        assert not group.sleeping and group.state is WorkerState.READY and h.stages["a"].wakes == 1
+        assert [e["type"] for e in h.events(job)] == ["state", "stage_waking", "stage_awake"]
+        assert h.sched.has_work("a")
+        h.sched.tend_sleep()                # it has work: not idle
+        assert not group.dozing and group.idle_for() < 1
+    run(tmp_path, ONE, test, a={"idle_unload_s": 5})
+
+
+def test_a_job_that_comes_while_it_falls_asleep_wakes_it_without_resending_anything(tmp_path: Path) -> None:
+    async def test(h: Harness) -> None:
+        group = h.groups["a"]
+        h.sched.put_to_sleep(group)
+        job = h.submit()                    # before the sleep even started: it is called off
+        await asyncio.sleep(0.1)
+        assert not group.sleeping and group.state is WorkerState.READY
+        assert getattr(h.stages["a"], "stops", 0) == 0
+        assert h.sched.recovery.pending() == 0
+        assert h.sched.job(job).state is JobState.QUEUED
+        h.say("a", P.Started(job))
+        h.say("a", P.Finished(job, 0.1))
+        assert not h.sched.has_work("a")
+        h.stages["a"].stop_s = 0.2          # its workers take a while to stop
+        h.sched.put_to_sleep(group)
+        await asyncio.sleep(0.05)
+        assert group.dozing and not group.sleeping
+        late = h.submit()                   # comes while they stop: it waits for the sleep, then wakes it
+        await asyncio.sleep(0.4)
+        assert not group.sleeping and h.stages["a"].stops == 1 and h.stages["a"].wakes == 1
+        assert [e["type"] for e in h.events(late)] == ["state", "stage_waking", "stage_awake"]
+    run(tmp_path, ONE, test)
