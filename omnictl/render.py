@@ -141,6 +141,10 @@ def _format_progress(progress: Any) -> str:
 def _format_input(value: Any) -> str:
     if isinstance(value, Mapping) and "b64" in value:
         return f"<file {value.get('filename') or '?'}>"
+    if isinstance(value, Mapping) and "size" in value:          # a file input, as the job shows it
+        return f"<file {value.get('filename') or '?'}, {format_bytes(value.get('size'))}>"
+    if isinstance(value, list) and value and all(isinstance(v, Mapping) and "size" in v for v in value):
+        return ", ".join(_format_input(v) for v in value)
     return shorten(value if isinstance(value, str) else repr(value), 60)
 
 
