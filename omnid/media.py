@@ -585,8 +585,9 @@ def resample(samples: Any, src: int, dst: int) -> Any:
     padded = np.concatenate([np.zeros(half, np.float32), x, np.zeros(half + 1, np.float32)])
     out: Any = np.empty(n_out, dtype=np.float32)
     for start in range(0, n_out, _RESAMPLE_CHUNK):
-        n = np.arange(start, min(n_out, start + _RESAMPLE_CHUNK), dtype=np.int64) * src
-        base, phase = n // dst, (n % dst) // g
+        n: Any = np.arange(start, min(n_out, start + _RESAMPLE_CHUNK), dtype=np.int64) * src
+        base: Any = n // dst
+        phase: Any = (n % dst) // g
         window = padded[base[:, None] + (offsets + half)[None, :]]
         out[start:start + n.shape[0]] = np.einsum("ij,ij->i", window, taps[phase])
     return out
