@@ -320,6 +320,8 @@ def pipeline_detail(doc: JSON) -> str:
             spec = spec if isinstance(spec, Mapping) else {}
             need = "required" if spec.get("required") else "optional"
             lines.append(f"  {name}  {spec.get('type') or 'any'}, {need}  (stage {stage}, {info.get('engine')})")
+            if spec.get("type") == "file" and spec.get("description"):      # a media input: what it takes
+                lines.append(f"      {spec['description']}")
         if not info.get("known", True):
             lines.append(f"  stage {stage} ({info.get('engine')}): {info.get('note') or 'unknown'}")
     parts.append("\n".join(lines))

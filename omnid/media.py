@@ -397,8 +397,11 @@ def chat_for_media(messages: list[dict[str, Any]] | None, text: str, counts: Map
 
     - A prompt (`messages` None): one user message, the items first, then the text.
     - A chat whose messages place their media parts: as it is; its parts must match the items.
-    - A chat without media parts: the items go first in its last user message.
+    - A chat without media parts: the items go first in its last user message (a chat without
+      either: as it is).
     """
+    if messages is not None and not any(counts.values()) and not any(chat_media_counts(messages).values()):
+        return messages                 # a plain chat: as it is
     if messages is None:
         parts: list[dict[str, Any]] = [{"type": k} for k in MEDIA_KINDS for _ in range(counts.get(k, 0))]
         if text:

@@ -250,6 +250,8 @@ def test_openai_chat_with_an_image_url(daemon: RunningDaemon, openai_client: Any
     url = "data:image/png;base64," + base64.b64encode(png("red")).decode()
     chat = [{"role": "user", "content": [{"type": "text", "text": "What is in the picture?"},
                                          {"type": "image_url", "image_url": {"url": url}}]}]
+    assert openai_client.models.retrieve("describe").model_extra["omnid"]["media"] == ["image"]
+    assert openai_client.models.retrieve("chat").model_extra["omnid"]["media"] == []
     answer = openai_client.chat.completions.with_raw_response.create(model="describe", messages=chat, max_tokens=6)
     completion = answer.parse()
     assert completion.choices[0].message.content.strip()
@@ -262,6 +264,14 @@ def test_openai_chat_with_an_image_url(daemon: RunningDaemon, openai_client: Any
     stream = openai_client.chat.completions.create(model="describe", messages=chat, max_tokens=6, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
         completion.choices[0].message.content
+
+
+def test_a_text_chat_to_a_media_model(openai_client: Any) -> None:
+    """No media: the chat still goes through the model's processor's template."""
+    completion = openai_client.chat.completions.create(
+        model="describe", messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+        max_tokens=4)
+    assert completion.choices[0].message.content.strip()
 
 
 def test_openai_chat_with_input_audio(openai_client: Any) -> None:
@@ -391,5 +401,10 @@ def test_discovery_says_what_media_a_pipeline_takes(daemon: RunningDaemon) -> No
     assert "at most 2 per job" in inputs["inputs"]["image"]["description"]
     assert inputs["media"]["image"] == 2 and inputs["media"]["max_pixels"] == PIXELS
     assert "image" not in daemon.client.pipeline("chat")["inputs"]["expand"]["inputs"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    shown = subprocess.run([sys.executable, "-m", "omnictl", "--socket", str(daemon.socket), "pipelines", "describe"],
+                           env=env, capture_output=True, text=True, timeout=30)
+    assert shown.returncode == 0 and "image  file, optional  (stage describe, vllm)" in shown.stdout, shown
+    assert "at most 2 per job" in shown.stdout
     info = daemon.stages()["listen"]["info"]
     assert info["media"] == {"audio": 1} and info["audio_rate"] == 16000

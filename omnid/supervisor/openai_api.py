@@ -8,7 +8,8 @@ through the API's own `?stream=1` helper (`Api._stream_output`).
 
 - `GET /v1/models`, `GET /v1/models/{model}`: the pipelines as models (`omnid.outputs`: what each
   produces: `text` for a vLLM last stage, `image` for diffusers; for a python last stage, the kinds
-  of outputs its latest successful job had, null before it has one).
+  of outputs its latest successful job had, null before it has one; `omnid.media`: the media its
+  chats may hold, `image`, `audio`, `video`).
 - `POST /v1/chat/completions`, `POST /v1/completions`: pipelines that end in text. A chat's
   messages are one job input `messages` (JSON text), which the vLLM stage renders with its
   tokenizer's chat template; the answer is the text segments of the text-producing last stage.
@@ -193,7 +194,8 @@ class OpenAiApi:
         return {"id": p.name, "object": "model", "created": int(self.api.info.started), "owned_by": "omnid",
                 "omnid": {"stages": list(p.stages),
                           "engines": [self.api.config.stages[s].engine for s in p.stages],
-                          "outputs": produces, "endpoints": endpoints}}
+                          "outputs": produces, "endpoints": endpoints,
+                          "media": list(stage.media.kinds) if (stage := self._media_stage(p)) else []}}
 
     def _produces(self, p: PipelineConfig) -> list[str] | None:
         """The kinds of output the pipeline produces; None when a python last stage has not shown

@@ -296,6 +296,8 @@ def test_chat_without_parts_gets_the_media_in_its_last_user_message() -> None:
     assert chat[3]["content"] == "and this?"                 # the caller's chat is not changed
     with pytest.raises(M.MediaError, match="no user message"):
         M.chat_for_media([{"role": "system", "content": "x"}], "", {"image": 1})
+    plain = [{"role": "user", "content": "hi"}]
+    assert M.chat_for_media(plain, "", {}) is plain           # no media: the chat as it is
 
 
 def test_detect_kinds_reads_config_json(tmp_path: Any) -> None:
