@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -160,3 +161,13 @@ def test_bad_content_parts_name_their_place(part: dict[str, Any], words: str) ->
         _messages([{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}])
     assert e.value.status == 400 and e.value.param == "messages[0].content[1]"
     assert words in e.value.message
+
+
+def test_the_door_imports_no_decoder() -> None:
+    """The supervisor checks media from their headers: no numpy, PIL, torch or vLLM in its process."""
+    code = ("import sys, omnid.media, omnid.config, omnid.supervisor.api, omnid.supervisor.openai_api; "
+            "print(sorted(m for m in ('numpy', 'PIL', 'torch', 'vllm', 'transformers') if m in sys.modules))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, cwd="/", env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
