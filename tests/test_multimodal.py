@@ -408,3 +408,27 @@ def test_discovery_says_what_media_a_pipeline_takes(daemon: RunningDaemon) -> No
     assert "at most 2 per job" in shown.stdout
     info = daemon.stages()["listen"]["info"]
     assert info["media"] == {"audio": 1} and info["audio_rate"] == 16000
+
+
+def test_media_answers_match_the_openapi_document(daemon: RunningDaemon) -> None:
+    """The job request, the job documents with media summaries, the pipeline description and the
+    door's refusal, against GET /v1/openapi.json (as tests/test_discovery.py does for the rest)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    doc = daemon.client.openapi()
+
+    def check(schema_name: str, body: Any) -> None:
+        jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{schema_name}",
+                                         "components": doc["components"]}).validate(body)
+
+    requests = [{"pipeline": "describe", "inputs": {"image": [b64file(png(), "a.png"), b64file(png("blue"))]}},
+                {"pipeline": "listen", "inputs": {"audio": {"samples": [0.0, 0.5, -0.5], "rate": 8000}}}]
+    for request in requests:
+        check("JobRequest", request)
+        job = daemon.client.submit(request["pipeline"], request["inputs"])
+        check("Job", job)
+        check("Job", daemon.wait(job["id"]))
+    check("PipelineDescription", daemon.client.pipeline("describe"))
+    with pytest.raises(ApiError) as e:
+        daemon.submit("describe", {"image": b64file(b"text")})
+    check("Error", e.value.body)
+    assert e.value.body["error"]["input"] == "image"

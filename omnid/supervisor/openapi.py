@@ -203,7 +203,10 @@ def schemas(config: Config) -> dict[str, Any]:
         "last_error": _nullable(_STR), "model": _nullable(_STR), "function": _nullable(_STR),
     }
     return {
-        "Error": _obj({"error": _obj({"code": _enum(ErrorCode), "message": _STR}, ["code", "message"])},
+        "Error": _obj({"error": _obj({"code": _enum(ErrorCode), "message": _STR,
+                                      "input": {**_STR, "description": "the input a 400 invalid_media or "
+                                                                       "media_not_accepted is about"}},
+                                     ["code", "message"])},
                       ["error"], extra=False),
         "JobRequest": _job_request(config),
         "Job": _obj(job_keys, job_keys, extra=False),
