@@ -1,5 +1,5 @@
 # omnid — set-up, demo and tests. Everything lands in .venv/, .models/, .run/ and demo-out/.
-#   make demo   set everything up, build the tiny models, run a real pipeline, leave files in demo-out/
+#   make demo   set everything up, build the tiny models, run real pipelines, leave files in demo-out/
 #   make test   set everything up, build the tiny models, type-check (mypy), run the test suite
 SHELL := /bin/bash
 .ONESHELL:
@@ -62,6 +62,14 @@ demo: setup models
 	$(VENV)/bin/omnictl submit t2i_framed --prompt "a red fox in the snow" --wait -o demo-out/t2i_framed
 	echo; echo "== speak: vLLM streams its text, 4 tokens at a time, to a python vocoder that speaks as it arrives"
 	$(VENV)/bin/omnictl submit speak --prompt "good morning" --param expand.max_tokens=48 --wait -o demo-out/speak
+	echo; echo "== draw_describe: diffusers draws, a vision-language model (tiny LLaVA) describes the picture"
+	$(VENV)/bin/omnictl submit draw_describe --prompt "a lighthouse on a cliff at dusk" --wait -o demo-out/draw_describe
+	echo; echo "== describe: the same model on an image file (t2i's picture)"
+	$(VENV)/bin/omnictl submit describe --file image=demo-out/t2i/image.png --wait -o demo-out/describe
+	echo; echo "== speak_listen: vLLM writes, the vocoder speaks, an audio-language model (tiny Qwen2-Audio) listens"
+	$(VENV)/bin/omnictl submit speak_listen --prompt "good morning" --wait -o demo-out/speak_listen
+	echo; echo "== listen: the same model on a WAV file (speak's audio, resampled to 16 kHz)"
+	$(VENV)/bin/omnictl submit listen --file audio=demo-out/speak/audio.wav --wait -o demo-out/listen
 	echo; $(VENV)/bin/omnictl status
 	echo; echo "Files to open:"; find demo-out -type f | sort
 

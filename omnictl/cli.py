@@ -214,9 +214,16 @@ def _parse_files(_ctx: click.Context, _param: click.Parameter, values: tuple[str
         if not path:
             raise click.BadParameter(f"{value!r} names no file", param_hint="KEY=PATH")
         try:
-            files[key] = file_input(path)
+            data = file_input(path)
         except OSError as exc:
             raise click.BadParameter(f"cannot read {path}: {exc.strerror or exc}", param_hint="KEY=PATH") from None
+        # The same KEY again: a list of files, in order (several images for one job, a video's frames).
+        if key not in files:
+            files[key] = data
+        elif isinstance(files[key], list):
+            files[key].append(data)
+        else:
+            files[key] = [files[key], data]
     return files
 
 
@@ -320,7 +327,8 @@ def cli(ctx: click.Context, socket: str | None, json_output: bool) -> None:
     click.argument("pipeline", shell_complete=complete_pipelines),
     click.option("--prompt", metavar="TEXT", help="Shorthand for --input prompt=TEXT."),
     click.option("--input", "inputs", multiple=True, metavar="KEY=VALUE", callback=_parse_inputs, help="A string input."),
-    click.option("--file", "files", multiple=True, metavar="KEY=PATH", callback=_parse_files, help="A file input."),
+    click.option("--file", "files", multiple=True, metavar="KEY=PATH", callback=_parse_files,
+                 help="A file input (an image, a WAV file, ...); the same KEY again makes a list of files."),
     click.option(
         "--param", "params", multiple=True, metavar="STAGE.KEY=VALUE", callback=_parse_params,
         help="A stage parameter; VALUE is JSON if it parses, else a string.",

@@ -141,6 +141,10 @@ def _format_progress(progress: Any) -> str:
 def _format_input(value: Any) -> str:
     if isinstance(value, Mapping) and "b64" in value:
         return f"<file {value.get('filename') or '?'}>"
+    if isinstance(value, Mapping) and "size" in value:          # a file input, as the job shows it
+        return f"<file {value.get('filename') or '?'}, {format_bytes(value.get('size'))}>"
+    if isinstance(value, list) and value and all(isinstance(v, Mapping) and "size" in v for v in value):
+        return ", ".join(_format_input(v) for v in value)
     return shorten(value if isinstance(value, str) else repr(value), 60)
 
 
@@ -329,6 +333,8 @@ def pipeline_detail(doc: JSON) -> str:
             spec = spec if isinstance(spec, Mapping) else {}
             need = "required" if spec.get("required") else "optional"
             lines.append(f"  {name}  {spec.get('type') or 'any'}, {need}  (stage {stage}, {info.get('engine')})")
+            if spec.get("type") == "file" and spec.get("description"):      # a media input: what it takes
+                lines.append(f"      {spec['description']}")
         if not info.get("known", True):
             lines.append(f"  stage {stage} ({info.get('engine')}): {info.get('note') or 'unknown'}")
     parts.append("\n".join(lines))

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from omnid import paths
+from omnid.media import MEDIA_KINDS, NO_MEDIA, MediaLimits, detect_kinds
 from omnid.params import ENGINE_PARAMS, check_param, parallel_size, stage_accepts
 
 ENGINES = ("vllm", "diffusers", "python")
@@ -109,6 +110,8 @@ class StageConfig:
     replicas: int = 1
     replica_devices: tuple[tuple[int, ...], ...] = ()
     idle_unload_s: float | None = None      # no work this long: the workers stop (sleeping) until a job comes
+    # vllm stages: the media (image, audio, video) a job may give it, and their limits
+    media: MediaLimits = NO_MEDIA
 
     @property
     def accepted_params(self) -> frozenset[str] | None:
@@ -332,8 +335,40 @@ def _parse_daemon(c: _Checker, raw: Any, base: Path) -> DaemonConfig:
 
 _STAGE_KEYS = ("engine", "model", "function", "python_path", "devices", "exclusive",
                "max_inflight", "queue_capacity", "shm_pool_mb", "args", "defaults", "env", "batch_function",
-               "replicas", "idle_unload_s")
+               "replicas", "idle_unload_s", "media")
 MAX_REPLICAS = 64
+_MEDIA_KEYS = (*MEDIA_KINDS, "max_bytes", "max_pixels", "max_audio_s", "max_video_frames")
+_MARKER_WORDS = {"image": "vision_config (nor image token)", "audio": "audio_config (nor audio token)",
+                 "video": "video token"}
+
+
+def _parse_media(c: _Checker, raw: Any, path: str, engine: str | None, model: Path | None) -> MediaLimits:
+    """`[stages.NAME.media]`: per kind, how many items a job may give (default: 1 for each kind the
+    model's config.json shows, else 0), and the limits on each item."""
+    path = f"{path}.media"
+    detected = detect_kinds(model) if engine == "vllm" else ()
+    if raw is None:
+        return MediaLimits(**{k: 1 for k in detected}, detected=detected) if detected else NO_MEDIA
+    m = c.table(raw, path)
+    if engine is not None and engine != "vllm":
+        c.add(path, f"only vllm stages take media inputs (a {engine} stage gets its inputs as they are)")
+        return NO_MEDIA
+    c.unknown(m, _MEDIA_KEYS, path)
+    counts: dict[str, int] = {}
+    for kind in MEDIA_KINDS:
+        n = c.positive(m, kind, path, 1 if kind in detected else 0, integer=True, allow_zero=True)
+        if kind in m and n > 0 and kind not in detected and model is not None and (model / "config.json").is_file():
+            c.add(f"{path}.{kind}", f"the model {str(model)!r} takes no {kind} input: its config.json has "
+                                    f"no {_MARKER_WORDS[kind]} (set 0, or leave it out)")
+        counts[kind] = n
+    return MediaLimits(
+        **counts,
+        max_bytes=c.positive(m, "max_bytes", path, NO_MEDIA.max_bytes, integer=True),
+        max_pixels=c.positive(m, "max_pixels", path, NO_MEDIA.max_pixels, integer=True),
+        max_audio_s=float(c.positive(m, "max_audio_s", path, NO_MEDIA.max_audio_s)),
+        max_video_frames=c.positive(m, "max_video_frames", path, NO_MEDIA.max_video_frames, integer=True),
+        detected=detected,
+    )
 
 
 def _check_callable_ref(c: _Checker, ref: str, path: str, python_path: tuple[Path, ...]) -> None:
@@ -424,6 +459,11 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
     if engine == "vllm":
         for one in (replica_devices or (tuple(devices),)):
             _check_vllm_parallelism(c, path, args, list(one))
+        if "limit_mm_per_prompt" in args:
+            c.add(f"{path}.args.limit_mm_per_prompt", "set the media a job may give in the stage's media table "
+                  "instead (media.image, media.audio, media.video): omnid passes them to vLLM as this, and "
+                  "checks jobs against them")
+    media = _parse_media(c, s.get("media"), path, engine, model)
     defaults = c.get(s, "defaults", path, dict, {})
     env = c.get(s, "env", path, dict, {})
     for k, v in env.items():
@@ -448,7 +488,7 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
         devices=tuple(devices), exclusive=exclusive, max_inflight=max_inflight,
         queue_capacity=queue_capacity, shm_pool_mb=shm_pool_mb,
         args=dict(args), defaults=dict(defaults), env={k: str(v) for k, v in env.items()},
-        batch_function=batch_function, replicas=replicas, replica_devices=replica_devices,
+        batch_function=batch_function, media=media, replicas=replicas, replica_devices=replica_devices,
         idle_unload_s=float(idle_unload_s) if idle_unload_s is not None else None,
     )
 
@@ -549,6 +589,25 @@ def _parse_edge(c: _Checker, raw: Any, path: str, members: tuple[str, ...],
     return EdgeConfig(src=src, dst=dst, window=window, map=mapping, transform=transform)
 
 
+def _check_media_edges(c: _Checker, path: str, edges: list[EdgeConfig], stages: Mapping[str, StageConfig]) -> None:
+    """An edge that hands media (by its map, or a diffusers stage's `image` by name) to a vllm stage
+    whose model takes none would fail every job: said now."""
+    for edge in edges:
+        src, dst = stages.get(edge.src), stages.get(edge.dst)
+        if dst is None or dst.engine != "vllm":
+            continue
+        if edge.map is not None:
+            names = [(f"{path}.map.{k}", k) for k in edge.map]
+        elif edge.transform is None and src is not None and src.engine == "diffusers":
+            names = [(path, "image")]           # what a diffusers stage gives, passed on by name
+        else:
+            names = []
+        for where, kind in names:
+            if kind in MEDIA_KINDS and dst.media.count(kind) == 0:
+                c.add(where, f"stage {edge.dst!r} takes no {kind} input (the media its model takes: "
+                             f"{', '.join(dst.media.kinds) or 'none'}; stages.{edge.dst}.media)")
+
+
 def _find_cycle(stages: tuple[str, ...], edges: list[EdgeConfig]) -> list[str] | None:
     graph = {s: [e.dst for e in edges if e.src == s] for s in stages}
     state: dict[str, int] = {}
@@ -597,6 +656,7 @@ def _parse_pipeline(c: _Checker, name: str, raw: Any, known_stages: Mapping[str,
     if edges_raw is None:
         # A plain chain: each stage feeds the next, outputs passed by name.
         edges = [EdgeConfig(src=a, dst=b) for a, b in zip(members, members[1:])]
+        _check_media_edges(c, f"{path}.stages", edges, parsed)
     else:
         seen: set[tuple[str, str]] = set()
         for i, raw_edge in enumerate(edges_raw):
@@ -609,6 +669,7 @@ def _parse_pipeline(c: _Checker, name: str, raw: Any, known_stages: Mapping[str,
                 continue
             seen.add((edge.src, edge.dst))
             edges.append(edge)
+            _check_media_edges(c, f"{path}.edges[{i}]", [edge], parsed)
         for edge in edges:
             others = [e.src for e in edges if e.dst == edge.dst and e is not edge]
             if edge.window > 0 and others:

@@ -62,14 +62,18 @@ PRAGMA user_version = 2;
 
 
 def _encode_inputs(inputs: dict[str, Any]) -> str:
-    """A job's inputs as JSON; file inputs (bytes) as {"__b64__": ...}."""
+    """A job's inputs as JSON; file inputs (bytes, alone or in a list) as {"__b64__": ...}."""
     def enc(v: Any) -> Any:
+        if isinstance(v, list):
+            return [enc(x) for x in v]
         return {"__b64__": base64.b64encode(v).decode("ascii")} if isinstance(v, (bytes, bytearray)) else v
     return json.dumps({k: enc(v) for k, v in inputs.items()})
 
 
 def _decode_inputs(text: str) -> dict[str, Any]:
     def dec(v: Any) -> Any:
+        if isinstance(v, list):
+            return [dec(x) for x in v]
         return base64.b64decode(v["__b64__"]) if isinstance(v, dict) and set(v) == {"__b64__"} else v
     return {k: dec(v) for k, v in json.loads(text).items()}
 

@@ -121,6 +121,8 @@ class ErrorCode(StrEnum):
     INVALID_INPUT = "invalid_input"
     MISSING_INPUT = "missing_input"
     INVALID_PARAM = "invalid_param"
+    INVALID_MEDIA = "invalid_media"             # not an image / WAV, over a limit, more items than allowed
+    MEDIA_NOT_ACCEPTED = "media_not_accepted"   # a media input for a stage whose model takes none
     UNKNOWN_PIPELINE = "unknown_pipeline"
     UNKNOWN_JOB = "unknown_job"
     AMBIGUOUS_JOB = "ambiguous_job"

@@ -12,17 +12,26 @@ deltas are streamed as text segments (`RequestOutputKind.DELTA`); the stage's
 output `text` is the whole generation (prefixed by the prompt when the job
 sets `include_prompt`). An input `messages` (a chat, as JSON text) replaces
 `prompt`: it is rendered with the tokenizer's chat template.
+
+Media inputs (`image`, `audio`, `video`; `omnid.media`) go to vLLM as `multi_modal_data`, in a
+prompt the model's own processor renders with its chat template: a `{"type": "image"}` part per
+item, where the template writes the model's placeholder, which vLLM's processing expands into the
+item's tokens. They are decoded here, in `add` (audio resampled to the rate of the model's feature
+extractor); a bad one fails its job alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from omnid import media as M
 from omnid.config import StageConfig
 from omnid.params import VLLM_OMNID_PARAMS, check_param, merged, parallel_size
 from omnid.engines.base import Engine, RequestContext
@@ -49,9 +58,15 @@ def engine_args(stage: StageConfig) -> dict[str, Any]:
     if not stage.devices:
         # CUDA graphs and torch.compile warm-up cost ~40 s on a CPU and buy nothing there.
         args["enforce_eager"] = True
+    limits = stage.media.vllm_limits()
+    if limits:                          # (--check refuses limit_mm_per_prompt in args: media says it)
+        args["limit_mm_per_prompt"] = limits
     args.update(stage.args)
     args.setdefault("distributed_executor_backend", "mp" if parallel_size(stage.args) > 1 else "uni")
     return args
+
+
+DEFAULT_AUDIO_RATE = 16000      # when the processor does not say (Whisper-style encoders take 16 kHz)
 
 
 PROGRESS_EVERY = 8      # tokens between two progress reports (and one at the end)
@@ -73,35 +88,75 @@ class VllmEngine(Engine):
         self._ids = itertools.count()
         self._requests: dict[str, _Request] = {}
         self._by_job: dict[str, str] = {}
+        self.media = stage.media
+        self._processor: Any = None         # the model's processor: media prompts, its chat template
+        self._audio_rate = DEFAULT_AUDIO_RATE
+        if self.media.kinds:
+            self._processor = self._load_processor()
         self._render = self._renderer()
+        # A chat template writes its own special tokens: a rendered chat is tokenized without them.
+        self._render_chat = self._renderer(chat=True)
 
-    def _renderer(self) -> Any:
-        """vLLM >= 0.30 wants rendered prompts; older ones take a plain string."""
+    def _renderer(self, chat: bool = False) -> Callable[[Any], Any]:
+        """vLLM >= 0.30 wants rendered prompts; older ones take a plain string (or prompt dict)."""
         try:
             from vllm.renderers.inputs.preprocess import parse_model_prompt
             renderer = self.engine.renderer
             tok_params = renderer.default_cmpl_tok_params
+            if chat:
+                tok_params = dataclasses.replace(renderer.default_chat_tok_params, add_special_tokens=False)
 
-            def render(text: str) -> Any:
-                (rendered,) = renderer.render_cmpl([parse_model_prompt(self.engine.model_config, text)], tok_params)
+            def render(prompt: Any) -> Any:
+                (rendered,) = renderer.render_cmpl([parse_model_prompt(self.engine.model_config, prompt)],
+                                                   tok_params)
                 return rendered
             render("warm-up")
             return render
         except Exception:
-            return lambda text: text
+            return lambda prompt: prompt
+
+    def _load_processor(self) -> Any:
+        """The model's processor (its chat template writes the media placeholders), and the audio
+        rate its feature extractor wants."""
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(str(self.stage.model),
+                                                  trust_remote_code=bool(self.stage.args.get("trust_remote_code")))
+        template = getattr(processor, "chat_template", None) or \
+            getattr(getattr(processor, "tokenizer", None), "chat_template", None)
+        if not template:
+            raise RuntimeError(f"stage {self.stage.name!r} takes {', '.join(self.media.kinds)} inputs, but the "
+                               f"processor of {self.stage.model} has no chat template to place them with")
+        rate = getattr(getattr(processor, "feature_extractor", None), "sampling_rate", None)
+        if isinstance(rate, int) and rate > 0:
+            self._audio_rate = rate
+        return processor
 
     def info(self) -> dict[str, Any]:
         cfg = self.engine.model_config
-        return {"model": str(self.stage.model), "dtype": str(getattr(cfg, "dtype", "")),
-                "max_model_len": getattr(cfg, "max_model_len", None)}
+        info: dict[str, Any] = {"model": str(self.stage.model), "dtype": str(getattr(cfg, "dtype", "")),
+                                "max_model_len": getattr(cfg, "max_model_len", None)}
+        if self.media.kinds:
+            info["media"] = {k: self.media.count(k) for k in self.media.kinds}
+            if "audio" in self.media.kinds:
+                info["audio_rate"] = self._audio_rate
+        return info
 
     def add(self, ctx: RequestContext) -> None:
         prompt = ctx.inputs.get("prompt")
         messages = ctx.inputs.get("messages")
-        if messages is not None:        # a chat: rendered with the model's chat template instead
-            prompt = ""
+        try:
+            media = self._media(ctx.inputs)
+        except M.MediaError as e:
+            ctx.fail(str(e))
+            return
+        except Exception as e:          # a decoder's own failure: this job's input, not the engine
+            ctx.fail(f"a media input cannot be read: {type(e).__name__}: {e}")
+            return
+        if messages is not None or (prompt is None and media):
+            prompt = ""                 # a chat (rendered with the chat template), or media alone
         if not isinstance(prompt, str):
-            ctx.fail(f"a vllm stage needs a text input \"prompt\" (or \"messages\"); "
+            ctx.fail(f"a vllm stage needs a text input \"prompt\" (or \"messages\", or media); "
                      f"got {sorted(ctx.inputs) or 'no inputs'}")
             return
         params = merged(self.stage.defaults, ctx.params)
@@ -113,20 +168,83 @@ class VllmEngine(Engine):
         own = {key: params.pop(key) for key in VLLM_OMNID_PARAMS if key in params}
         include_prompt = bool(own.get("include_prompt", False))
         template = own.get("prompt_template")
-        text: Any = str(template).replace("{prompt}", prompt) if template else prompt
+        text = str(template).replace("{prompt}", prompt) if template else prompt
         params.setdefault("max_tokens", self.default_max_tokens)
         try:
-            if messages is not None:
-                text = self._chat_prompt(messages)
+            if media or (messages is not None and self._processor is not None):
+                rendered = self._media_prompt(messages, text, media)
+            elif messages is not None:
+                rendered = self._render(self._chat_prompt(messages))
+            else:
+                rendered = self._render(text)
             sampling = self._SamplingParams(**params, output_kind=self._delta)
             request_id = f"{ctx.job}-{next(self._ids)}"
-            self.engine.add_request(request_id, self._render(text), sampling)
-        except Exception as e:          # bad parameter values, a prompt longer than the model
-            ctx.fail(f"{type(e).__name__}: {e}")
+            self.engine.add_request(request_id, rendered, sampling)
+        except M.MediaError as e:
+            ctx.fail(str(e))
+            return
+        except Exception as e:          # bad parameter values, a prompt longer than the model, media
+            ctx.fail(f"{type(e).__name__}: {e}")    # its processor cannot take
             return
         prefix = prompt if include_prompt else ""
         self._requests[request_id] = _Request(ctx, prefix, int(params["max_tokens"]))
         self._by_job[ctx.job] = request_id
+
+    def _media(self, inputs: dict[str, Any]) -> dict[str, list[Any]]:
+        """The job's media inputs, decoded as vLLM takes them, by kind; MediaError names the input.
+
+        The door checked a job's own files already; this is the check of what arrives through an
+        edge (an upstream stage's image, say), and the decoding of everything.
+        """
+        found: dict[str, list[Any]] = {}
+        for kind in M.MEDIA_KINDS:
+            if inputs.get(kind) is None:
+                continue
+            items = M.as_items(kind, inputs[kind])
+            allowed = self.media.count(kind)
+            if not allowed:
+                takes = ", ".join(self.media.kinds) or "none"
+                raise M.MediaError(f"input {kind!r}: stage {self.stage.name!r} takes no {kind} input "
+                                   f"(the media its model takes: {takes})")
+            if len(items) > allowed:
+                raise M.MediaError(f"input {kind!r}: {len(items)} items, but stage {self.stage.name!r} takes at "
+                                   f"most {allowed} per job (media.{kind})")
+            decoded = []
+            for index, item in enumerate(items):
+                try:
+                    decoded.append(self._decode(kind, item))
+                except M.MediaError as e:
+                    where = f" (item {index + 1} of {len(items)})" if len(items) > 1 else ""
+                    raise M.MediaError(f"input {kind!r}{where}: {e}") from None
+            if decoded:
+                found[kind] = decoded
+        return found
+
+    def _decode(self, kind: str, item: Any) -> Any:
+        if kind == "image":
+            return M.load_image(item, self.media)
+        if kind == "audio":
+            return (M.load_audio(item, self.media, self._audio_rate), self._audio_rate)
+        return M.load_video(item, self.media)
+
+    def _media_prompt(self, messages: Any, text: str, media: dict[str, list[Any]]) -> Any:
+        """A prompt with its media: the chat (one user message of the media and `text`, or the job's
+        `messages`) rendered by the model's processor's chat template, and the decoded items."""
+        if self._processor is None:
+            raise M.MediaError(f"stage {self.stage.name!r} takes no media inputs")
+        if isinstance(messages, str):
+            messages = json.loads(messages)
+        if messages is not None and (not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages)):
+            raise ValueError("\"messages\" must be a list of {\"role\", \"content\"} objects")
+        counts = {kind: len(items) for kind, items in media.items()}
+        chat = M.chat_for_media(messages, text, counts)
+        rendered = self._processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        if isinstance(rendered, list):      # (some processors answer a batch of one)
+            rendered = rendered[0]
+        prompt: dict[str, Any] = {"prompt": rendered}
+        if media:
+            prompt["multi_modal_data"] = media
+        return self._render_chat(prompt)
 
     def _chat_prompt(self, messages: Any) -> dict[str, Any]:
         """`messages` (a list of {"role", "content"}, or that list as JSON text) rendered with the

@@ -35,7 +35,8 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from omnid.config import Config, PipelineConfig
+from omnid import media
+from omnid.config import Config, PipelineConfig, StageConfig
 from omnid.metrics import Metrics
 from omnid.params import job_param_problem, plain_value
 from omnid.store import JobStore
@@ -228,6 +229,8 @@ class Api:
         return web.json_response(job.to_doc(), status=201, headers={"Location": f"/v1/jobs/{job.id}"})
 
     def _inputs(self, raw: Any, pipeline: PipelineConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A job's `inputs` as JSON gives them, decoded (files to bytes) and checked for the
+        pipeline's first stages; with the summary the job document shows."""
         if not isinstance(raw, dict):
             raise Refused(400, ErrorCode.INVALID_REQUEST, "\"inputs\" must be an object of named inputs")
         inputs: dict[str, Any] = {}
@@ -238,32 +241,91 @@ class Api:
             if isinstance(value, (str, int, float, bool)) or value is None:
                 if not plain_value(value):
                     raise Refused(400, ErrorCode.INVALID_INPUT, f"input {key!r} is not a finite number")
-                inputs[key] = summary[key] = value
-                if isinstance(value, str) and len(value) > SUMMARY_CHARS:   # listings stay small
-                    summary[key] = value[:SUMMARY_CHARS] + f"... ({len(value)} characters)"
-            elif isinstance(value, dict) and set(value) <= {"b64", "filename"} and isinstance(value.get("b64"), str):
-                try:
-                    data = base64.b64decode(value["b64"], validate=True)
-                except (binascii.Error, ValueError):
-                    raise Refused(400, ErrorCode.INVALID_INPUT, f"input {key!r}: \"b64\" is not valid base64") from None
-                inputs[key] = data
-                summary[key] = {"filename": value.get("filename"), "size": len(data)}
+                inputs[key] = value
+                summary[key] = self.text_summary(value) if isinstance(value, str) else value
+            elif _is_file(value) or _is_samples(value):
+                inputs[key], summary[key] = _file_or_samples(key, value)
+            elif isinstance(value, list) and value and all(_is_file(v) or _is_samples(v) for v in value):
+                decoded = [_file_or_samples(f"{key}[{i}]", v) for i, v in enumerate(value)]
+                inputs[key] = [data for data, _ in decoded]
+                summary[key] = [doc for _, doc in decoded]
             elif isinstance(value, list) and plain_value(value):
                 inputs[key] = summary[key] = value
             else:
                 raise Refused(400, ErrorCode.INVALID_INPUT, f"input {key!r} must be a string, number, boolean, list of "
-                              "those, or a file {\"b64\": ..., \"filename\": ...}")
+                              "those, a file {\"b64\": ..., \"filename\": ...} or a list of files, or audio samples "
+                              "{\"samples\": [...], \"rate\": HZ}")
+        self.check_inputs(inputs, summary, pipeline)
+        return inputs, summary
+
+    @staticmethod
+    def text_summary(value: str) -> str:
+        """A text input as the job document shows it: long ones cut (listings stay small)."""
+        return value if len(value) <= SUMMARY_CHARS else value[:SUMMARY_CHARS] + f"... ({len(value)} characters)"
+
+    def check_inputs(self, inputs: dict[str, Any], summary: dict[str, Any], pipeline: PipelineConfig) -> None:
+        """What the pipeline's first stages need of a job's (decoded) inputs: a vllm or diffusers
+        stage's text `prompt`, a vllm stage's media within its limits (each file's type and size
+        read from its header; `summary` gains what was read). Refused names the input."""
         for src in pipeline.sources:
             stage = self.config.stages[src]
+            has_media = stage.engine == "vllm" and self._check_media(stage, pipeline, inputs, summary)
             if stage.engine in ("vllm", "diffusers") and isinstance(inputs.get("prompt"), bytes):
                 raise Refused(400, ErrorCode.INVALID_INPUT, f"input \"prompt\" of {stage.engine} stage {src!r} must be "
                               "text, not a file (use --prompt or --input prompt=...)")
-            if stage.engine == "vllm" and isinstance(inputs.get("messages"), str):
-                continue                # a chat (JSON text): the stage renders it with its chat template
+            if stage.engine == "vllm" and (isinstance(inputs.get("messages"), str) or has_media):
+                continue                # a chat (JSON text), or media: the stage renders its chat template
             if stage.engine in ("vllm", "diffusers") and not isinstance(inputs.get("prompt"), str):
                 raise Refused(400, ErrorCode.MISSING_INPUT, f"pipeline {pipeline.name!r} starts with {stage.engine} stage "
                               f"{src!r}, which needs a text input \"prompt\"")
-        return inputs, summary
+
+    def _check_media(self, stage: StageConfig, pipeline: PipelineConfig, inputs: dict[str, Any],
+                     summary: dict[str, Any]) -> bool:
+        """A vllm first stage's media inputs against its `media` limits; True if the job has any."""
+        found = False
+        for kind in media.MEDIA_KINDS:
+            value = inputs.get(kind)
+            if value is None:
+                continue
+            found = True
+            if not stage.media.count(kind):
+                raise Refused(400, ErrorCode.MEDIA_NOT_ACCEPTED, f"input {kind!r}: pipeline {pipeline.name!r} starts "
+                              f"with stage {stage.name!r}, whose model takes no {kind} input (the media it takes: "
+                              f"{', '.join(stage.media.kinds) or 'none'})", input=kind)
+            files = value if isinstance(value, list) else [value]
+            if not all(isinstance(v, bytes) for v in files):
+                what = "a list of frame files" if kind == "video" else "a file {\"b64\": ...} or a list of files"
+                raise Refused(400, ErrorCode.INVALID_MEDIA, f"input {kind!r} must be {what}", input=kind)
+            try:
+                found_items = media.check_media(kind, value, stage.media)
+            except media.MediaError as e:
+                raise Refused(400, ErrorCode.INVALID_MEDIA, f"input {kind!r}{_filename(summary.get(kind))}: {e} "
+                              f"(stage {stage.name!r})", input=kind) from None
+            doc = summary.get(kind)
+            if isinstance(doc, dict) and found_items:
+                doc.update(found_items[0])
+            elif isinstance(doc, list) and kind != "video":
+                for item_doc, found_doc in zip(doc, found_items):
+                    if isinstance(item_doc, dict):
+                        item_doc.update(found_doc)
+        chat = inputs.get("messages")
+        if isinstance(chat, str) and '"type"' in chat:      # a chat may place media parts of its own
+            try:
+                placed = media.chat_media_counts(json.loads(chat))
+            except ValueError:
+                placed = {}             # (the stage says what is wrong with it)
+            for kind, n in placed.items():
+                if not n:
+                    continue
+                if not stage.media.count(kind):
+                    raise Refused(400, ErrorCode.MEDIA_NOT_ACCEPTED, f"input \"messages\" has {kind} parts, but "
+                                  f"stage {stage.name!r}'s model takes no {kind} input", input="messages")
+                given = len(media.as_items(kind, inputs[kind])) if inputs.get(kind) is not None else 0
+                if n != given:
+                    raise Refused(400, ErrorCode.INVALID_MEDIA, f"input \"messages\" has {n} {kind} part(s), but "
+                                  f"input {kind!r} gives {given}", input=kind)
+                found = True
+        return found
 
     def _params(self, raw: Any, pipeline: PipelineConfig) -> dict[str, dict[str, Any]]:
         if not isinstance(raw, dict):
@@ -629,6 +691,35 @@ class Api:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
         data = generate_latest(self.metrics.registry)
         return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _is_file(value: Any) -> bool:
+    return isinstance(value, dict) and set(value) <= {"b64", "filename"} and isinstance(value.get("b64"), str)
+
+
+def _is_samples(value: Any) -> bool:
+    return isinstance(value, dict) and set(value) == {"samples", "rate"}
+
+
+def _file_or_samples(key: str, value: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+    """A file input's bytes, or audio samples as a WAV file; and the summary the job shows of it."""
+    if "samples" in value:
+        try:
+            wav = media.samples_to_wav(value["samples"], value["rate"])
+        except media.MediaError as e:
+            raise Refused(400, ErrorCode.INVALID_MEDIA, f"input {key!r}: {e}", input=key.partition("[")[0]) from None
+        return wav, {"samples": len(value["samples"]), "rate": value["rate"], "size": len(wav)}
+    try:
+        data = base64.b64decode(value["b64"], validate=True)
+    except (binascii.Error, ValueError):
+        raise Refused(400, ErrorCode.INVALID_INPUT, f"input {key!r}: \"b64\" is not valid base64") from None
+    return data, {"filename": value.get("filename"), "size": len(data)}
+
+
+def _filename(doc: Any) -> str:
+    """` (cat.png)`, for an error about a named file input."""
+    name = doc.get("filename") if isinstance(doc, dict) else None
+    return f" ({name})" if isinstance(name, str) and name else ""
 
 
 def _flag(value: str | None, name: str) -> bool:

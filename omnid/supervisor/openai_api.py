@@ -8,10 +8,14 @@ through the API's own `?stream=1` helper (`Api._stream_output`).
 
 - `GET /v1/models`, `GET /v1/models/{model}`: the pipelines as models (`omnid.outputs`: what each
   produces: `text` for a vLLM last stage, `image` for diffusers; for a python last stage, the kinds
-  of outputs its latest successful job had, null before it has one).
+  of outputs its latest successful job had, null before it has one; `omnid.media`: the media its
+  chats may hold, `image`, `audio`, `video`).
 - `POST /v1/chat/completions`, `POST /v1/completions`: pipelines that end in text. A chat's
   messages are one job input `messages` (JSON text), which the vLLM stage renders with its
   tokenizer's chat template; the answer is the text segments of the text-producing last stage.
+  A chat's media parts (`image_url` with a data: URL, `input_audio`) become the job's `image` and
+  `audio` inputs, in order, and `{"type": "image"}` / `{"type": "audio"}` parts in its messages,
+  where the model's template puts its placeholders; they are checked like any job's media.
 - `POST /v1/images/generations`: pipelines that end in an image (`b64_json` only).
 - `POST /v1/audio/speech`: pipelines that end in audio (`wav` only), streamed as it is produced.
 
@@ -35,7 +39,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from aiohttp import web
 
-from omnid.config import PipelineConfig
+from omnid import media as M
+from omnid.config import PipelineConfig, StageConfig
 from omnid.params import job_param_problem
 from omnid.supervisor.api import _gone
 from omnid.supervisor.errors import Refused
@@ -189,7 +194,8 @@ class OpenAiApi:
         return {"id": p.name, "object": "model", "created": int(self.api.info.started), "owned_by": "omnid",
                 "omnid": {"stages": list(p.stages),
                           "engines": [self.api.config.stages[s].engine for s in p.stages],
-                          "outputs": produces, "endpoints": endpoints}}
+                          "outputs": produces, "endpoints": endpoints,
+                          "media": list(stage.media.kinds) if (stage := self._media_stage(p)) else []}}
 
     def _produces(self, p: PipelineConfig) -> list[str] | None:
         """The kinds of output the pipeline produces; None when a python last stage has not shown
@@ -231,10 +237,50 @@ class OpenAiApi:
         p = self._pipeline(body, "text")
         stream, include_usage = self._common(body)
         _refuse_chat_features(body)
-        messages = _messages(body.get("messages"))
+        messages, parts = _messages(body.get("messages"))
         params = self._sampling(p, body, {"include_prompt": False})
-        inputs, summary = self.api._inputs({"messages": json.dumps(messages)}, p)
+        if not parts:
+            inputs, summary = self.api._inputs({"messages": json.dumps(messages)}, p)
+        else:
+            inputs, summary = self._media_inputs(p, json.dumps(messages), parts)
         return await self._text_job(request, p, inputs, params, summary, stream, include_usage, chat=True, echo="")
+
+    def _media_inputs(self, p: PipelineConfig, messages: str,
+                      parts: list[tuple[str, bytes, str]]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A chat with media parts as a job's inputs: `messages`, and `image` / `audio` lists in the
+        order of their parts. Each part is checked against the limits of the stage that takes the
+        chat (400 naming the part), then the whole as any job's inputs are."""
+        stage = self._media_stage(p)
+        inputs: dict[str, Any] = {"messages": messages}
+        summary: dict[str, Any] = {"messages": self.api.text_summary(messages)}
+        for kind, data, where in parts:
+            limits = stage.media if stage is not None else M.NO_MEDIA
+            items = inputs.setdefault(kind, [])
+            if not limits.count(kind):
+                raise _bad(where, f"model {p.name!r} takes no {kind} input (the media it takes: "
+                                  f"{', '.join(limits.kinds) or 'none'})", "media_not_accepted")
+            if len(items) >= limits.count(kind):
+                raise _bad(where, f"model {p.name!r} takes at most {limits.count(kind)} {kind} item(s) per request",
+                           str(ErrorCode.INVALID_MEDIA))
+            try:
+                (doc,) = M.check_media(kind, data, limits)
+            except M.MediaError as e:
+                raise _bad(where, f"{where}: {e}", str(ErrorCode.INVALID_MEDIA)) from None
+            items.append(data)
+            summary.setdefault(kind, []).append({"filename": None, "size": len(data), **doc})
+        try:
+            self.api.check_inputs(inputs, summary, p)
+        except Refused as e:
+            raise _bad("messages", e.message, str(e.code)) from None
+        return inputs, summary
+
+    def _media_stage(self, p: PipelineConfig) -> StageConfig | None:
+        """The stage a chat's media go to: the pipeline's first vLLM stage."""
+        for name in p.sources:
+            stage = self.api.config.stages[name]
+            if stage.engine == "vllm":
+                return stage
+        return None
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -574,12 +620,15 @@ class OpenAiApi:
 # ---------------------------------------------------------------------------- helpers
 
 
-def _messages(raw: Any) -> list[dict[str, str]]:
-    """The chat's messages as [{"role", "content"}] with text content (parts joined); `developer`
-    is given to the template as `system`."""
+def _messages(raw: Any) -> tuple[list[dict[str, Any]], list[tuple[str, bytes, str]]]:
+    """The chat's messages as [{"role", "content"}], and its media parts in order as (kind, bytes,
+    where). Text content stays text (parts joined); a message with media parts keeps its parts,
+    each media part replaced by `{"type": "image"}` or `{"type": "audio"}`. `developer` is given
+    to the template as `system`."""
     if not isinstance(raw, list) or not raw:
         raise _bad("messages", "messages must be a non-empty array of {\"role\", \"content\"}")
-    out = []
+    out: list[dict[str, Any]] = []
+    media: list[tuple[str, bytes, str]] = []
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
             raise _bad(f"messages[{i}]", f"messages[{i}] must be an object")
@@ -591,14 +640,68 @@ def _messages(raw: Any) -> list[dict[str, str]]:
         if content is None and role == "assistant":
             content = ""
         if isinstance(content, list):
-            texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
-            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
-                raise _bad(f"messages[{i}].content", "only text content parts are supported")
-            content = "\n".join(t for t in texts if isinstance(t, str))
-        if not isinstance(content, str):
-            raise _bad(f"messages[{i}].content", f"messages[{i}].content must be a string or text parts")
+            content = _content_parts(content, f"messages[{i}].content", media)
+        if not isinstance(content, (str, list)):
+            raise _bad(f"messages[{i}].content", f"messages[{i}].content must be a string or an array of "
+                       "content parts")
         out.append({"role": "system" if role == "developer" else str(role), "content": content})
+    return out, media
+
+
+_PART_KINDS = {"image_url": "image", "input_audio": "audio"}
+
+
+def _content_parts(parts: list[Any], where: str, media: list[tuple[str, bytes, str]]) -> str | list[dict[str, Any]]:
+    """A message's content parts: text (joined into one string when there is nothing else), or the
+    parts with each image or audio taken out into `media`."""
+    out: list[dict[str, Any]] = []
+    for j, part in enumerate(parts):
+        at = f"{where}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part, dict) and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url" and isinstance(part, dict):
+            media.append(("image", _image_url(part.get("image_url"), at), at))
+            out.append({"type": "image"})
+        elif kind == "input_audio" and isinstance(part, dict):
+            media.append(("audio", _input_audio(part.get("input_audio"), at), at))
+            out.append({"type": "audio"})
+        else:
+            raise _bad(at, f"{at}: content parts are text ({{\"type\": \"text\", \"text\"}}), image_url (a data: URL) "
+                           f"or input_audio (wav), not {kind!r}")
+    if all(p["type"] == "text" for p in out):
+        return "\n".join(p["text"] for p in out)
     return out
+
+
+def _image_url(value: Any, where: str) -> bytes:
+    """An `image_url` part's image: `{"url": "data:image/png;base64,..."}` (or the URL alone)."""
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str):
+        raise _bad(where, f"{where}.image_url must be {{\"url\": \"data:image/...;base64,...\"}}")
+    if not url.startswith("data:"):
+        raise _bad(where, f"{where}: only data: URLs are supported (data:image/png;base64,...): omnid fetches "
+                          "nothing from the network")
+    head, comma, payload = url.partition(",")
+    if not comma or not head.endswith(";base64"):
+        raise _bad(where, f"{where}: the data: URL must be base64 (data:image/png;base64,...)")
+    return _b64(payload, where)
+
+
+def _input_audio(value: Any, where: str) -> bytes:
+    """An `input_audio` part's WAV file: `{"data": BASE64, "format": "wav"}`."""
+    if not isinstance(value, dict) or not isinstance(value.get("data"), str):
+        raise _bad(where, f"{where}.input_audio must be {{\"data\": BASE64, \"format\": \"wav\"}}")
+    if value.get("format", "wav") != "wav":
+        raise _bad(where, f"{where}: only \"wav\" audio is supported, not {value.get('format')!r}")
+    return _b64(value["data"], where)
+
+
+def _b64(text: str, where: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (ValueError, TypeError):
+        raise _bad(where, f"{where}: the data is not valid base64") from None
 
 
 def _refuse_chat_features(body: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from omnid.config import Config, PipelineConfig, StageConfig
+from omnid.media import IMAGE_FORMATS, MEDIA_KINDS
 from omnid.params import PLAIN_VALUE_SCHEMA, describe_stage_params, stage_params_schema
 from omnid.vocabulary import ErrorCode, EventType, JobState, StageRunState, WorkerState
 
@@ -43,11 +44,30 @@ UNKNOWN_OUTPUTS = ("whatever the function returns: str -> NAME.txt, image -> NAM
 # ------------------------------------------------------------------ GET /v1/pipelines/{name}
 
 
+_MEDIA_INPUTS = {
+    "image": ("file", "an image file ({IMAGE_FORMATS}), or a list of them: at most {n} per job, {max_pixels} "
+                      "pixels and {max_bytes} bytes each"),
+    "audio": ("file", "a WAV file (PCM or float), or samples {{\"samples\": [...], \"rate\": HZ}}, or a list of "
+                      "those: at most {n} per job, {max_audio_s:g} s and {max_bytes} bytes each"),
+    "video": ("file", "a video as a list of frame files ({IMAGE_FORMATS}): at most {n} per job, "
+                      "{max_video_frames} frames"),
+}
+
+
 def _stage_inputs(stage: StageConfig) -> dict[str, Any]:
     if stage.engine in PROMPT_ENGINES:
-        return {"known": True, "engine": stage.engine,
-                "inputs": {"prompt": {"type": "string", "required": True,
-                                      "description": f"the text prompt of {stage.engine} stage {stage.name!r}"}}}
+        kinds = stage.media.kinds if stage.engine == "vllm" else ()
+        what = f"the text prompt of {stage.engine} stage {stage.name!r}"
+        inputs: dict[str, Any] = {"prompt": {"type": "string", "required": not kinds,
+                                             "description": what + (" (optional with media)" if kinds else "")}}
+        for kind in kinds:
+            typ, text = _MEDIA_INPUTS[kind]
+            inputs[kind] = {"type": typ, "required": False, "description": text.format(
+                IMAGE_FORMATS=IMAGE_FORMATS, n=stage.media.count(kind), **stage.media.as_api())}
+        doc = {"known": True, "engine": stage.engine, "inputs": inputs}
+        if kinds:
+            doc["media"] = stage.media.as_api()
+        return doc
     return {"known": False, "engine": stage.engine, "inputs": {}, "note": UNKNOWN_INPUTS}
 
 
@@ -98,7 +118,10 @@ _STR = {"type": "string"}
 _BOOL = {"type": "boolean"}
 _FILE_INPUT = _obj({"b64": {"type": "string", "contentEncoding": "base64"}, "filename": _nullable(_STR)},
                    ["b64"], extra=False)
-_INPUT_VALUE = {"anyOf": [PLAIN_VALUE_SCHEMA, _FILE_INPUT]}
+_SAMPLES_INPUT = _obj({"samples": {"type": "array", "items": _NUM, "minItems": 1},
+                       "rate": {"type": "integer", "minimum": 1, "maximum": 768000}}, ["samples", "rate"], extra=False)
+_INPUT_VALUE = {"anyOf": [PLAIN_VALUE_SCHEMA, _FILE_INPUT, _SAMPLES_INPUT,
+                          {"type": "array", "items": {"anyOf": [_FILE_INPUT, _SAMPLES_INPUT]}, "minItems": 1}]}
 
 
 def _job_request(config: Config) -> dict[str, Any]:
@@ -107,7 +130,9 @@ def _job_request(config: Config) -> dict[str, Any]:
     variants = []
     for pipeline in config.pipelines.values():
         sources = [config.stages[s] for s in pipeline.sources]
-        needs_prompt = any(s.engine in PROMPT_ENGINES for s in sources)
+        # (a vllm stage that takes media may get media alone; `messages` is the other alternative)
+        needs_prompt = any(s.engine in PROMPT_ENGINES and not (s.engine == "vllm" and s.media.kinds)
+                           for s in sources)
         inputs = {"type": "object", "additionalProperties": _INPUT_VALUE,
                   "properties": {"prompt": _STR} if needs_prompt else {},
                   "required": ["prompt"] if needs_prompt else []}
@@ -130,7 +155,9 @@ def schemas(config: Config) -> dict[str, Any]:
     output = _obj({"name": _STR, "file": _STR, "kind": _STR, "content_type": _STR, "size": _INT,
                    "stage": _STR}, ["name", "file", "kind", "content_type"])
     job_error = _obj({"code": _enum(ErrorCode), "message": _STR, "stage": _nullable(_STR)}, ["code", "message"])
-    input_summary = {"anyOf": [PLAIN_VALUE_SCHEMA, _obj({"filename": _nullable(_STR), "size": _INT}, ["size"])]}
+    file_summary = _obj({"filename": _nullable(_STR), "size": _INT, "format": _STR, "width": _INT, "height": _INT,
+                         "seconds": _NUM, "rate": _INT, "channels": _INT, "samples": _INT}, ["size"])
+    input_summary = {"anyOf": [PLAIN_VALUE_SCHEMA, file_summary, {"type": "array", "items": file_summary}]}
     job_keys = {
         "id": _STR, "pipeline": _STR, "state": _enum(JobState), "owner_uid": _INT,
         "created_at": _NUM, "started_at": _nullable(_NUM), "finished_at": _nullable(_NUM), "timeout_s": _NUM,
@@ -152,6 +179,8 @@ def schemas(config: Config) -> dict[str, Any]:
         **pipeline_keys,
         "inputs": {"type": "object", "additionalProperties": _obj(
             {"known": _BOOL, "engine": _STR, "note": _STR,
+             "media": _obj({**{k: _INT for k in MEDIA_KINDS}, "max_bytes": _INT, "max_pixels": _INT,
+                            "max_audio_s": _NUM, "max_video_frames": _INT}, [*MEDIA_KINDS]),
              "inputs": {"type": "object", "additionalProperties": _obj(
                  {"type": _STR, "required": _BOOL, "description": _STR}, ["type", "required"])}},
             ["known", "engine", "inputs"])},
@@ -179,7 +208,10 @@ def schemas(config: Config) -> dict[str, Any]:
                   "wake_s": _nullable(_NUM),
                   "replicas": {"type": "array", "items": _obj(replica_keys, ["name", "replica", "state", "pid"])}}
     return {
-        "Error": _obj({"error": _obj({"code": _enum(ErrorCode), "message": _STR}, ["code", "message"])},
+        "Error": _obj({"error": _obj({"code": _enum(ErrorCode), "message": _STR,
+                                      "input": {**_STR, "description": "the input a 400 invalid_media or "
+                                                                       "media_not_accepted is about"}},
+                                     ["code", "message"])},
                       ["error"], extra=False),
         "JobRequest": _job_request(config),
         "Job": _obj(job_keys, job_keys, extra=False),

@@ -48,6 +48,8 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_INPUT: 400,
     ErrorCode.MISSING_INPUT: 400,
     ErrorCode.INVALID_PARAM: 400,
+    ErrorCode.INVALID_MEDIA: 400,
+    ErrorCode.MEDIA_NOT_ACCEPTED: 400,
     ErrorCode.UNKNOWN_PIPELINE: 400,
     ErrorCode.AMBIGUOUS_JOB: 400,
     ErrorCode.NOT_YOURS: 403,
