@@ -98,6 +98,8 @@ class RawItem:
     payload: bytes
     buf: Any = None
     size: int = 0
+    job: str = ""               # for logs only (the bridge does not unpickle the item)
+    release: Callable[[], None] | None = None   # frees the shared-memory slot `buf` sits on
 
     def encoded(self) -> shm.Encoded | None:
         if self.buf is None:
@@ -366,7 +368,7 @@ class Listener:
     (`item.window` set) it answers at once and may return None: no room, offer again.
     """
 
-    def __init__(self, path: Path, admit: Callable[[WorkItem], bool | None], pool: shm.ShmPool | None = None,
+    def __init__(self, path: Path, admit: Callable[[Any], bool | None], pool: shm.ShmPool | None = None,
                  device: str | None = None) -> None:
         self.path = path
         self._admit = admit
