@@ -235,7 +235,11 @@ def _node(stage: JSON) -> str | None:
     if placement is None:
         return None
     if placement == "ray":
-        return f"ray:{stage.get('node')}" if stage.get("node") else "ray"
+        ray = stage.get("ray")
+        node_id = ray.get("node_id") if isinstance(ray, dict) else None
+        if not stage.get("node"):
+            return "ray"
+        return f"ray:{stage.get('node')}" + (f"/{str(node_id)[:8]}" if node_id else "")
     return str(placement)
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import os
 import queue
+import signal
 import threading
 import time
 from collections import OrderedDict
@@ -62,7 +63,14 @@ def connect(address: str) -> None:
         if ray.is_initialized():
             return
         t0 = time.monotonic()
+        # Ray installs C-level handlers for SIGTERM (a stack dump, then death by the signal): keep the
+        # daemon's own (drain, then exit 0). Called in the main thread (the event loop's).
+        saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         ray.init(address=address, namespace="omnid", log_to_driver=True, configure_logging=False)
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in saved.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
         log.info("connected to Ray", address=address, seconds=round(time.monotonic() - t0, 2),
                  nodes=sum(1 for n in ray.nodes() if n.get("Alive")))
 
@@ -125,7 +133,7 @@ class RayStageHandle(StageHandle):
     def where(self) -> dict[str, Any]:
         node = self._location.get("node_ip") if self._actor is not None else None
         return {"placement": "ray", "node": node, "ray": {k: self._location.get(k) for k in
-                                                          ("node_id", "node_ip", "host", "actor_id")}
+                                                          ("node_id", "node_ip", "node_name", "host", "actor_id")}
                 if self._actor is not None and self._location else None}
 
     def _sample(self) -> Any:
@@ -194,6 +202,9 @@ class RayStageHandle(StageHandle):
                 self._call(self._actor_gone, inc, e)
                 return
             if messages:
+                for msg in messages:
+                    if isinstance(msg, P.Ready):
+                        _resolve_node(msg.info.get("ray"))
                 self._call(self._on_messages, inc, messages)
 
     def _send_control(self, actor: Any, inc: int, control: queue.Queue[object]) -> None:
@@ -366,13 +377,29 @@ class RayStageHandle(StageHandle):
             bridge.close()
 
 
+def _resolve_node(where: Any) -> None:
+    """The actor's node as the cluster names it (its address and name), from its node id."""
+    import ray
+    if not isinstance(where, dict) or not where.get("node_id"):
+        return
+    try:
+        for node in ray.nodes():
+            if node.get("NodeID") == where["node_id"]:
+                where["node_ip"] = node.get("NodeManagerAddress") or where.get("node_ip")
+                where["node_name"] = node.get("NodeName")
+                return
+    except Exception:
+        pass
+
+
 def _actor_error(error: BaseException) -> str:
     """The gist of Ray's long actor-death message."""
     text = str(error)
     for marker in ("Worker exit detail:", "The actor died because", "The actor is dead because"):
         if marker in text:
-            text = text[text.index(marker):]
+            text = text[text.index(marker):].removeprefix("Worker exit detail:").strip()
             break
+    text = text.split(" Some common causes include", 1)[0]
     return _error_summary(text, 300) or type(error).__name__
 
 

@@ -1,0 +1,265 @@
+"""Ray-placed stages (`placement = "ray"`) on a real local Ray cluster: a head and a second raylet
+on this machine, started once for the whole test session (`ray_cluster`), and stopped at its end.
+
+The second raylet has a custom resource (`node2`) and a label; the Ray-placed stages ask for it, so
+their actors run there (checked: the actor's process is a child of that raylet). What is checked:
+
+- a pipeline whose second stage runs on the second raylet succeeds, its node shows in `/v1/stages`
+  and `omnictl stages`; large values (fp16 and bf16 tensors, a numpy array, bytes) cross both ways
+  (local -> Ray -> local) bit-exact, with dtype and shape; arrays arrive read-only, tensors writable;
+- cancel and timeout stop the job inside the Ray-placed worker, as for a local one;
+- `kill -9` of the actor mid-job fails the job naming the stage and the death, the stage comes back
+  (a new actor), and the next job succeeds; with `retries`, the job is run again and succeeds;
+- after the jobs (and the daemon) end, no StageActor process is left, Ray's object store holds no
+  object and the stage's resources are free again.
+
+Skipped, saying why, only when `ray` cannot be imported (`make test` installs the `ray` extra).
+Never `ray stop`: it would stop every Ray cluster of this user on the machine, other runs' too;
+the fixture stops the processes of its own cluster (found by its temp dir) instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from conftest import FIXTURES, ROOT, RunningDaemon, py_stage, wait_for, wait_gone, wait_started
+
+pytest.importorskip("ray", reason="the `ray` extra is not installed (pip install 'omnid[ray]')")
+
+if str(FIXTURES) not in sys.path:
+    sys.path.insert(0, str(FIXTURES))
+import shmstages  # noqa: E402
+
+Start = Callable[..., RunningDaemon]
+RAY = str(Path(sys.executable).with_name("ray"))
+MB = 1 << 20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RayCluster:
+    address: str
+    temp_dir: Path
+    env: dict[str, str]
+
+    def processes(self) -> list[psutil.Process]:
+        """Every process of this cluster (found by its temp dir), with their children."""
+        found: dict[int, psutil.Process] = {}
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if any(str(self.temp_dir) in part for part in (p.info["cmdline"] or [])):
+                    found[p.pid] = p
+                    for c in p.children(recursive=True):
+                        found[c.pid] = c
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return list(found.values())
+
+    def raylet(self, resource: str) -> psutil.Process:
+        for p in self.processes():
+            try:
+                cmd = " ".join(p.cmdline())
+            except psutil.NoSuchProcess:
+                continue
+            if "/raylet " in f"{cmd} " and f"static_resource_list={resource}," in cmd.replace(" ", "") \
+                    or ("raylet/raylet" in cmd and f"{resource}," in cmd):
+                return p
+        raise AssertionError(f"no raylet with resource {resource!r}")
+
+    def actors(self) -> list[psutil.Process]:
+        out = []
+        for p in self.processes():
+            try:
+                if p.cmdline() and p.cmdline()[0].startswith("ray::StageActor"):
+                    out.append(p)
+            except psutil.NoSuchProcess:
+                continue
+        return out
+
+    def cli(self, *args: str) -> str:
+        r = subprocess.run([RAY, *args, "--address", self.address], capture_output=True, text=True,
+                           env=self.env, timeout=60)
+        return r.stdout + r.stderr
+
+    def stop(self) -> None:
+        procs = self.processes()
+        for p in procs:
+            try:
+                p.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=5)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[RayCluster]:
+    """A Ray head (2 CPUs, 300 MB object store) and a second raylet (1 CPU, 200 MB, resource `node2`,
+    label omnid-node=node2), on this machine; ports and temp dir of their own."""
+    temp_dir = Path(tempfile.mkdtemp(prefix="omnid-ray-", dir="/tmp"))
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "RAY_DISABLE_USAGE_STATS": "1"}
+    cluster = RayCluster(f"127.0.0.1:{port}", temp_dir, env)
+    common = ["--temp-dir", str(temp_dir), "--disable-usage-stats"]
+    head = [RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
+            "--object-store-memory=300000000", "--include-dashboard=false", f"--dashboard-port={_free_port()}",
+            f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}", *common]
+    node2 = [RAY, "start", f"--address={cluster.address}", "--node-ip-address=127.0.0.1", "--num-cpus=1",
+             "--object-store-memory=200000000", '--resources={"node2": 4}', '--labels={"omnid-node": "node2"}',
+             f"--dashboard-agent-listen-port={_free_port()}", *common]
+    try:
+        for cmd in (head, node2):
+            r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, start_new_session=True)
+            assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout}\n{r.stderr}"
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def start_ray_daemon(start_daemon: Start, ray_cluster: RayCluster) -> Callable[..., RunningDaemon]:
+    def start(stages: dict[str, Any], pipelines: dict[str, Any], daemon: dict[str, Any] | None = None,
+              **kw: Any) -> RunningDaemon:
+        return start_daemon(stages, pipelines, {"ray_address": ray_cluster.address, **(daemon or {})},
+                            env={"PYTHONPATH": ray_cluster.env["PYTHONPATH"], "RAY_DISABLE_USAGE_STATS": "1"}, **kw)
+    return start
+
+
+def on_node2(**extra: Any) -> dict[str, Any]:
+    return {"placement": "ray", "ray": {"num_cpus": 0, "resources": {"node2": 1}}, **extra}
+
+
+def ray_stage(d: RunningDaemon, name: str) -> dict[str, Any]:
+    snap = d.stages()[name]
+    assert snap["placement"] == "ray", snap
+    return snap
+
+
+def check_nothing_left(cluster: RayCluster) -> None:
+    """No StageActor process, no object in Ray's store, node2's resources all free."""
+    wait_for(lambda: not cluster.actors(), 15, "every StageActor process to be gone")
+
+    def store_empty() -> bool:
+        out = cluster.cli("memory", "--stats-only")
+        return "Plasma memory usage 0 MiB, 0 objects" in out
+    try:
+        wait_for(store_empty, 20, "Ray's object store to hold no object", every=1.0)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{cluster.cli('memory', '--stats-only')}") from None
+    wait_for(lambda: "0.0/4.0 node2" in cluster.cli("status"), 20, "node2's resources to be free", every=1.0)
+
+
+def test_second_stage_on_the_second_raylet_and_large_values_both_ways(start_ray_daemon: Start,
+                                                                       ray_cluster: RayCluster) -> None:
+    shm = {"engine": "python", "python_path": [str(FIXTURES)]}
+    stages = {"front": py_stage("echo"), "back": py_stage("sleep", **on_node2()),
+              "produce": {**shm, "function": "shmstages:produce"},
+              "relay": {**shm, "function": "raystages:relay", **on_node2()},
+              "check": {**shm, "function": "shmstages:check"}}
+    d = start_ray_daemon(stages, {"p": {"stages": ["front", "back"]},
+                                  "big": {"stages": ["produce", "relay", "check"]}})
+    back = ray_stage(d, "back")
+    assert back["state"] == "ready" and back["node"] and back["ray"]["node_id"] and back["pid"], back
+    node2 = ray_cluster.raylet("node2")
+    assert psutil.Process(back["pid"]).ppid() == node2.pid, "the actor does not run on the second raylet"
+    job = d.submit("p", {"text": "hi"}, {"back": {"seconds": 0.2}})
+    doc = d.wait(job, 60)
+    assert doc["state"] == "succeeded", doc["error"]
+    assert d.client.output(job, "text")[0] == b"echo:hi|back"
+    assert int(d.client.output(job, "pid")[0]) == back["pid"]
+    out = subprocess.run([sys.executable, "-m", "omnictl", "--socket", str(d.socket), "stages"],
+                         capture_output=True, text=True, timeout=30).stdout
+    assert f"ray:{back['node']}/{back['ray']['node_id'][:8]}" in out and "NODE" in out, out
+    # Large values: local -> Ray-placed -> local, exact, each way through the object store.
+    writable = "f16,bf16"       # tensors: copies of their own; the array "arr": zero-copy, read-only
+    job = d.submit("big", {}, {"produce": {"f16_mb": 8, "bf16_mb": 2, "arr_mb": 4, "blob_mb": 2, "seed": 5},
+                               "relay": {"expect_writable": writable}})
+    doc = d.wait(job, 120)
+    assert doc["state"] == "succeeded", f"{doc['error']}\n{d.diagnose(job)}"
+    rep = json.loads(d.client.output(job, "report")[0])
+    for name in ("f16", "bf16", "arr", "blob"):
+        assert rep["got"][name]["digest"] == rep["sent"][name]["digest"], name
+    assert rep["got"]["bf16"]["dtype"] == "bfloat16" and rep["got"]["f16"]["shape"] == [8 * MB // 2 // 512, 512]
+    wait_for(lambda: all(d.stages()[s]["tracked_jobs"] == 0 for s in ("back", "relay")), 10,
+             "the Ray-placed workers to forget the jobs")
+    d.stop()
+    check_nothing_left(ray_cluster)
+
+
+def test_cancel_and_timeout_stop_the_ray_placed_worker(start_ray_daemon: Start, tmp_path: Path) -> None:
+    d = start_ray_daemon({"t": py_stage("ticker", **on_node2())}, {"p": {"stages": ["t"]}})
+    pid = ray_stage(d, "t")["pid"]
+    for how, timeout_s in (("cancel", None), ("timeout", 1.0)):
+        ticks, stopped = tmp_path / f"{how}.ticks", tmp_path / f"{how}.stopped"
+        params = {"t": {"seconds": 30, "ticks": str(ticks), "stopped": str(stopped)}}
+        job = d.submit("p", {"text": how}, params, timeout_s=timeout_s)
+        wait_started(d, job, "t")
+        wait_for(ticks.exists, 10, "the ticker to tick")
+        t0 = time.monotonic()
+        if how == "cancel":
+            d.client.cancel(job)
+        doc = d.wait(job, 30)
+        assert doc["state"] == ("cancelled" if how == "cancel" else "timed_out"), doc
+        if how == "timeout":
+            assert doc["error"]["stage"] == "t", doc["error"]
+        # It stopped inside the engine, in the actor's process (not by a restart).
+        wait_for(stopped.exists, 5, f"the ticker to see its {how}")
+        assert stopped.read_text() == f"cancelled {pid}\n"
+        assert time.monotonic() - t0 < 5
+    snap = d.stages()["t"]
+    assert snap["pid"] == pid and snap["restarts"] == 0, "cancel and timeout must not restart the worker"
+    wait_for(lambda: d.stages()["t"]["tracked_jobs"] == 0, 10, "the worker to forget both jobs")
+
+
+def test_kill_9_of_the_actor_mid_job(start_ray_daemon: Start, ray_cluster: RayCluster) -> None:
+    d = start_ray_daemon({"front": py_stage("echo"), "back": py_stage("sleep", **on_node2())},
+                         {"p": {"stages": ["front", "back"]}, "r": {"stages": ["front", "back"], "retries": 1}})
+    first = ray_stage(d, "back")["pid"]
+    job = d.submit("p", {"text": "a"}, {"back": {"seconds": 5}})
+    wait_started(d, job, "back")
+    os.kill(first, signal.SIGKILL)
+    doc = d.wait(job, 30)
+    assert doc["state"] == "failed" and doc["error"]["code"] == "worker_died", doc
+    assert doc["error"]["stage"] == "back" and f"pid {first}" in doc["error"]["message"], doc["error"]
+    snap = d.wait_stage_state("back", ("ready",), timeout=60)
+    assert snap["pid"] not in (None, first) and snap["restarts"] == 1, snap
+    assert "died" in (snap["last_error"] or ""), snap
+    assert wait_gone([first]) == []
+    # With retries, a kill mid-job runs it again on the new actor.
+    second = snap["pid"]
+    job = d.submit("r", {"text": "b"}, {"back": {"seconds": 2}})
+    wait_started(d, job, "back")
+    os.kill(second, signal.SIGKILL)
+    doc = d.wait(job, 60)
+    assert doc["state"] == "succeeded", doc["error"]
+    assert d.client.output(job, "text")[0] == b"echo:b|back"
+    assert d.wait_stage_state("back", ("ready",))["restarts"] == 2
+    d.stop()
+    check_nothing_left(ray_cluster)
