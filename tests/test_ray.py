@@ -40,6 +40,7 @@ import pytest
 from conftest import FIXTURES, ROOT, RunningDaemon, py_stage, wait_for, wait_gone, wait_started
 
 pytest.importorskip("ray", reason="the `ray` extra is not installed (pip install 'omnid[ray]')")
+pytestmark = pytest.mark.ray
 
 if str(FIXTURES) not in sys.path:
     sys.path.insert(0, str(FIXTURES))
