@@ -22,123 +22,33 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
-from conftest import FIXTURES, ROOT, RunningDaemon, py_stage, wait_for, wait_gone, wait_started
+from conftest import FIXTURES, RunningDaemon, py_stage, wait_for, wait_gone, wait_started
+from raycluster import RayCluster, start_cluster
 
 pytest.importorskip("ray", reason="the `ray` extra is not installed (pip install 'omnid[ray]')")
 pytestmark = pytest.mark.ray
 
-if str(FIXTURES) not in sys.path:
-    sys.path.insert(0, str(FIXTURES))
-import shmstages  # noqa: E402
-
 Start = Callable[..., RunningDaemon]
-RAY = str(Path(sys.executable).with_name("ray"))
 MB = 1 << 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class RayCluster:
-    address: str
-    temp_dir: Path
-    env: dict[str, str]
-
-    def processes(self) -> list[psutil.Process]:
-        """Every process of this cluster (found by its temp dir), with their children."""
-        found: dict[int, psutil.Process] = {}
-        for p in psutil.process_iter(["cmdline"]):
-            try:
-                if any(str(self.temp_dir) in part for part in (p.info["cmdline"] or [])):
-                    found[p.pid] = p
-                    for c in p.children(recursive=True):
-                        found[c.pid] = c
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-        return list(found.values())
-
-    def raylet(self, resource: str) -> psutil.Process:
-        for p in self.processes():
-            try:
-                cmd = " ".join(p.cmdline())
-            except psutil.NoSuchProcess:
-                continue
-            if "/raylet " in f"{cmd} " and f"static_resource_list={resource}," in cmd.replace(" ", "") \
-                    or ("raylet/raylet" in cmd and f"{resource}," in cmd):
-                return p
-        raise AssertionError(f"no raylet with resource {resource!r}")
-
-    def actors(self) -> list[psutil.Process]:
-        out = []
-        for p in self.processes():
-            try:
-                if p.cmdline() and p.cmdline()[0].startswith("ray::StageActor"):
-                    out.append(p)
-            except psutil.NoSuchProcess:
-                continue
-        return out
-
-    def cli(self, *args: str) -> str:
-        r = subprocess.run([RAY, *args, "--address", self.address], capture_output=True, text=True,
-                           env=self.env, timeout=60)
-        return r.stdout + r.stderr
-
-    def stop(self) -> None:
-        procs = self.processes()
-        for p in procs:
-            try:
-                p.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=10)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=5)
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[RayCluster]:
     """A Ray head (2 CPUs, 300 MB object store) and a second raylet (1 CPU, 200 MB, resource `node2`,
-    label omnid-node=node2), on this machine; ports and temp dir of their own."""
-    temp_dir = Path(tempfile.mkdtemp(prefix="omnid-ray-", dir="/tmp"))
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "RAY_DISABLE_USAGE_STATS": "1"}
-    cluster = RayCluster(f"127.0.0.1:{port}", temp_dir, env)
-    common = ["--temp-dir", str(temp_dir), "--disable-usage-stats"]
-    head = [RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
-            "--object-store-memory=300000000", "--include-dashboard=false", f"--dashboard-port={_free_port()}",
-            f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}", *common]
-    node2 = [RAY, "start", f"--address={cluster.address}", "--node-ip-address=127.0.0.1", "--num-cpus=1",
-             "--object-store-memory=200000000", '--resources={"node2": 4}', '--labels={"omnid-node": "node2"}',
-             f"--dashboard-agent-listen-port={_free_port()}", *common]
+    label omnid-node=node2), on this machine, for the whole session; stopped at its end."""
+    cluster = start_cluster()
     try:
-        for cmd in (head, node2):
-            r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, start_new_session=True)
-            assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout}\n{r.stderr}"
         yield cluster
     finally:
         cluster.stop()

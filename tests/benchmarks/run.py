@@ -30,6 +30,7 @@ from _harness import ROOT, Ctx, Row, Shared, fmt, shared_daemons  # noqa: E402
 import bench_control  # noqa: E402
 import bench_dataplane  # noqa: E402
 import bench_engines  # noqa: E402
+import bench_ray  # noqa: E402
 import bench_streaming  # noqa: E402
 
 
@@ -74,6 +75,12 @@ BENCHES: list[Bench] = [
     Bench("api_concurrency", "control", bench_control.bench_api_concurrency,
           ["POST /v1/jobs, 32 clients, 2-stage no-op: jobs/s", "GET /v1/jobs/{id}, 32 clients: req/s"],
           (120, 60), ("control",)),
+    Bench("ray", "ray", bench_ray.bench_ray,
+          ["Ray hop: 3-stage no-op, middle stage Ray-placed, p50",
+           "256 MiB fp16 hand-off, local -> local (same run)",
+           "256 MiB fp16 hand-off, local -> Ray-placed (across raylets)",
+           "256 MiB fp16 hand-off, Ray-placed -> local (across raylets)"],
+          (240, 150), ()),
     Bench("supervisor_rss", "control", bench_control.bench_supervisor_rss,
           ["supervisor RSS after N no-op jobs"], (150, 45), ("control",)),
 ]
