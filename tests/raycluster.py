@@ -37,7 +37,10 @@ class RayCluster:
     def processes(self) -> list[psutil.Process]:
         """Every process of this cluster (found by its temp dir), with their children."""
         found: dict[int, psutil.Process] = {}
+        me = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
         for p in psutil.process_iter(["cmdline"]):
+            if p.pid in me:
+                continue
             try:
                 if any(str(self.temp_dir) in part for part in (p.info["cmdline"] or [])):
                     found[p.pid] = p

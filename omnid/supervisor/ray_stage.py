@@ -56,21 +56,35 @@ _DEAD_KEPT = 4096
 _connect_lock = threading.Lock()
 
 
+def connected() -> bool:
+    import ray
+    return bool(ray.is_initialized())
+
+
+async def connect_async(address: str) -> None:
+    """Join the Ray cluster as a driver (once per daemon), without blocking the event loop (an
+    unreachable cluster takes ray.init about 20 s to give up on).
+
+    Ray installs C-level handlers for SIGTERM and SIGINT (a stack dump, then death by the signal):
+    the daemon's own (drain, then exit 0) are put back, here in the event loop's (main) thread."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        await asyncio.to_thread(connect, address)
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in saved.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
+
+
 def connect(address: str) -> None:
-    """Join the Ray cluster as a driver (once per daemon)."""
+    """Join the Ray cluster as a driver (once per daemon); blocks."""
     import ray
     with _connect_lock:
         if ray.is_initialized():
             return
         t0 = time.monotonic()
-        # Ray installs C-level handlers for SIGTERM (a stack dump, then death by the signal): keep the
-        # daemon's own (drain, then exit 0). Called in the main thread (the event loop's).
-        saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         ray.init(address=address, namespace="omnid", log_to_driver=True, configure_logging=False)
-        if threading.current_thread() is threading.main_thread():
-            for sig, handler in saved.items():
-                if handler is not None:
-                    signal.signal(sig, handler)
         log.info("connected to Ray", address=address, seconds=round(time.monotonic() - t0, 2),
                  nodes=sum(1 for n in ray.nodes() if n.get("Alive")))
 
@@ -144,11 +158,27 @@ class RayStageHandle(StageHandle):
 
     # ------------------------------------------------------------------ spawn
 
+    async def start(self) -> None:
+        """Join the Ray cluster first (the first time); a cluster that cannot be joined is a worker
+        that could not start: the daemon's start fails naming why, a restart is tried again later."""
+        address = self.config.daemon.ray_address or "auto"
+        if not connected():
+            try:
+                await connect_async(address)
+            except Exception as e:
+                self.state = WorkerState.LOADING
+                self._attempt_over.clear()
+                self._became_ready = False
+                self._load_error = None
+                self._worker_gone(None, None, f"cannot join the Ray cluster at {address}: {type(e).__name__}: "
+                                              f"{_error_summary(str(e), 300)}")
+                return
+        await super().start()
+
     def _spawn(self) -> None:
         import ray
         from omnid.worker.ray_actor import MAX_CONCURRENCY, StageActor
         self._loop = asyncio.get_running_loop()
-        connect(self.config.daemon.ray_address or "auto")
         self._open_bridge()
         spec = P.WorkerSpec(stage=self.name, config=self.config, data_dir=self.data_dir,
                             jobs_dir=Path("/nonexistent/omnid-ray-worker"), parent_pid=os.getpid(),
