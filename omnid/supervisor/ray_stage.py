@@ -330,7 +330,11 @@ class RayStageHandle(StageHandle):
     def _on_messages(self, inc: int, messages: list[object]) -> None:
         if inc != self._incarnation:
             return                          # a late word of an incarnation that is gone
+        from omnid.worker.ray_actor import EXITING
         for msg in messages:
+            if msg == EXITING:              # its worker stopped as asked: end the actor
+                self._end_actor()
+                continue
             if isinstance(msg, P.Ready):
                 self._location = dict(msg.info.get("ray") or {})
                 self._location.setdefault("pid", msg.pid)
@@ -400,6 +404,14 @@ class RayStageHandle(StageHandle):
             self._actor = None
             self._incarnation += 1
         self.state = WorkerState.STOPPED
+
+    def _end_actor(self) -> None:
+        import ray
+        if self._actor is not None:
+            try:
+                ray.kill(self._actor, no_restart=True)
+            except Exception as e:
+                log.warning("ray.kill failed", stage=self.label, error=str(e))
 
     def close_bridge(self) -> None:
         bridge, self._bridge = self._bridge, None

@@ -54,6 +54,7 @@ MAX_CONCURRENCY = 32
 SINK_TIMEOUT_S = 120.0
 # What `admit` answers (the bridge turns it into the data plane's acknowledgements).
 ADMITTED, DROPPED, FULL, CLOSING = "A", "D", "F", "C"
+EXITING = "exiting"     # the worker's last message after a planned stop (Shutdown)
 PLAIN = "plain"         # a request answer: send it again as a plain pickle (the receiver has no pool)
 
 
@@ -299,7 +300,11 @@ class StageActor:
         except BaseException:
             traceback.print_exc()
             os._exit(1)
-        self.channel.taken.wait(2.0)
+        # A planned stop: the supervisor ends the actor (`ray.kill`: a death Ray knows was meant);
+        # if it does not within moments, the process exits by itself.
+        worker.flush()
+        worker.send(EXITING)
+        time.sleep(5.0)
         os._exit(0)
 
     def _write_sink(self, job: str, outputs: dict[str, Any], prefix: str) -> list[P.Output]:
