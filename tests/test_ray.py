@@ -7,6 +7,10 @@ their actors run there (checked: the actor's process is a child of that raylet).
 - a pipeline whose second stage runs on the second raylet succeeds, its node shows in `/v1/stages`
   and `omnictl stages`; large values (fp16 and bf16 tensors, a numpy array, bytes) cross both ways
   (local -> Ray -> local) bit-exact, with dtype and shape; arrays arrive read-only, tensors writable;
+  once the jobs end, Ray's store holds none of their values (the stages still up);
+- backpressure: a Ray-placed stage's watermark blocks its local upstream (its queue never goes
+  past it, the upstream's blocked time grows, order is kept); streaming windows into and out of a
+  Ray-placed stage are the same windows as between two local stages;
 - cancel and timeout stop the job inside the Ray-placed worker, as for a local one;
 - `kill -9` of the actor mid-job fails the job naming the stage and the death, the stage comes back
   (a new actor), and the next job succeeds; with `retries`, the job is run again and succeeds;
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -73,17 +78,20 @@ def ray_stage(d: RunningDaemon, name: str) -> dict[str, Any]:
     return snap
 
 
-def check_nothing_left(cluster: RayCluster) -> None:
-    """No StageActor process, no object in Ray's store, node2's resources all free."""
-    wait_for(lambda: not cluster.actors(), 15, "every StageActor process to be gone")
-
+def wait_store_empty(cluster: RayCluster) -> None:
+    """Ray's object store holds no object, on any node."""
     def store_empty() -> bool:
-        out = cluster.cli("memory", "--stats-only")
-        return "Plasma memory usage 0 MiB, 0 objects" in out
+        return "Plasma memory usage 0 MiB, 0 objects" in cluster.cli("memory", "--stats-only")
     try:
         wait_for(store_empty, 20, "Ray's object store to hold no object", every=1.0)
     except AssertionError as e:
         raise AssertionError(f"{e}\n{cluster.cli('memory', '--stats-only')}") from None
+
+
+def check_nothing_left(cluster: RayCluster) -> None:
+    """No StageActor process, no object in Ray's store, node2's resources all free."""
+    wait_for(lambda: not cluster.actors(), 15, "every StageActor process to be gone")
+    wait_store_empty(cluster)
     wait_for(lambda: "0.0/4.0 node2" in cluster.cli("status"), 20, "node2's resources to be free", every=1.0)
 
 
@@ -120,8 +128,60 @@ def test_second_stage_on_the_second_raylet_and_large_values_both_ways(start_ray_
     assert rep["got"]["bf16"]["dtype"] == "bfloat16" and rep["got"]["f16"]["shape"] == [8 * MB // 2 // 512, 512]
     wait_for(lambda: all(d.stages()[s]["tracked_jobs"] == 0 for s in ("back", "relay")), 10,
              "the Ray-placed workers to forget the jobs")
+    wait_store_empty(ray_cluster)          # the jobs' values are gone from the store, the stages still up
     d.stop()
     check_nothing_left(ray_cluster)
+
+
+def _metric(text: str, name: str, stage: str) -> float:
+    m = re.search(rf'^{name}(?:_total)?\{{replica="0",stage="{stage}"\}} (\S+)$', text, re.M)
+    assert m, f"no {name} for stage {stage} in /metrics"
+    return float(m.group(1))
+
+
+def test_backpressure_and_windows_through_ray_placed_stages(start_ray_daemon: Start) -> None:
+    slow = 0.4
+    stages = {"fast": py_stage("sleep", defaults={"seconds": 0.1}),
+              "slow": py_stage("sleep", defaults={"seconds": slow}, queue_capacity=1, **on_node2()),
+              "src": py_stage("stream_source"), "join": py_stage("stream_join"),
+              "rsrc": py_stage("stream_source", **on_node2()), "rjoin": py_stage("stream_join", **on_node2())}
+    window = {"window": 3, "map": {"text": "text"}}
+    d = start_ray_daemon(stages, {
+        "fs": {"stages": ["fast", "slow"]},
+        "w_local": {"stages": ["src", "join"], "edges": [{"from": "src", "to": "join", **window}]},
+        "w_to_ray": {"stages": ["src", "rjoin"], "edges": [{"from": "src", "to": "rjoin", **window}]},
+        "w_from_ray": {"stages": ["rsrc", "join"], "edges": [{"from": "rsrc", "to": "join", **window}]}})
+    # Backpressure: a Ray-placed stage's watermark blocks its local upstream, as a local one's does.
+    n = 5
+    jobs = [d.submit("fs", {"text": f"j{k}"}) for k in range(n)]
+    depths: list[int] = []
+    blocked = 0.0
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        snap = d.stages()["slow"]
+        depths.append(snap["queue_depth"])
+        blocked = max(blocked, _metric(d.client.metrics(), "omnid_stage_blocked_seconds", "fast"))
+        if all(d.client.job(j)["state"] == "succeeded" for j in jobs[-1:]):
+            break
+        time.sleep(0.03)
+    docs = [d.wait(j, 30) for j in jobs]
+    assert [doc["state"] for doc in docs] == ["succeeded"] * n, [doc["error"] for doc in docs]
+    assert max(depths) == 1, f"the Ray-placed stage's queue went past its watermark: {depths}"
+    assert blocked > slow / 2, f"the upstream was never blocked by the Ray-placed stage: {blocked}"
+    ends = [doc["stages"]["slow"]["finished_at"] for doc in docs]
+    assert ends == sorted(ends)
+    for k, job in enumerate(jobs):
+        assert d.client.output(job, "text")[0].decode() == f"j{k}|fast|slow"
+    # Windows (window = 3) into and out of a Ray-placed stage: the same windows as between local ones.
+    logs = {}
+    for p in ("w_local", "w_to_ray", "w_from_ray"):
+        first = "rsrc" if p == "w_from_ray" else "src"
+        job = d.submit(p, {"text": "x"}, {first: {"n": 10, "delay": 0.02}})
+        doc = d.wait(job, 60)
+        assert doc["state"] == "succeeded", f"{p}: {doc['error']}"
+        logs[p] = d.client.output(job, "log")[0].decode()
+    assert logs["w_local"] == "s0;s1;s2;|s3;s4;s5;|s6;s7;s8;|s9;", logs
+    assert logs["w_to_ray"] == logs["w_local"] and logs["w_from_ray"] == logs["w_local"], logs
 
 
 def test_cancel_and_timeout_stop_the_ray_placed_worker(start_ray_daemon: Start, tmp_path: Path) -> None:
