@@ -12,6 +12,7 @@ their actors run there (checked: the actor's process is a child of that raylet).
   past it, the upstream's blocked time grows, order is kept); streaming windows into and out of a
   Ray-placed stage are the same windows as between two local stages;
 - cancel and timeout stop the job inside the Ray-placed worker, as for a local one;
+- the worker's stdout, stderr and log records reach `omnictl logs STAGE` and the daemon's stderr;
 - `kill -9` of the actor mid-job fails the job naming the stage and the death, the stage comes back
   (a new actor), and the next job succeeds; with `retries`, the job is run again and succeeds;
 - after the jobs (and the daemon) end, no StageActor process is left, Ray's object store holds no
@@ -207,6 +208,29 @@ def test_cancel_and_timeout_stop_the_ray_placed_worker(start_ray_daemon: Start, 
     snap = d.stages()["t"]
     assert snap["pid"] == pid and snap["restarts"] == 0, "cancel and timeout must not restart the worker"
     wait_for(lambda: d.stages()["t"]["tracked_jobs"] == 0, 10, "the worker to forget both jobs")
+
+
+def test_a_ray_placed_workers_output_reaches_omnictl_logs(start_ray_daemon: Start, tmp_path: Path) -> None:
+    (tmp_path / "talkstage.py").write_text(
+        "import logging, sys\n"
+        "def run(inputs, params, ctx):\n"
+        "    print('stdout says', inputs['text'])\n"
+        "    print('stderr says', inputs['text'], file=sys.stderr)\n"
+        "    logging.getLogger('x').warning('logger x says %s', inputs['text'])\n"
+        "    return {'text': inputs['text']}\n")
+    d = start_ray_daemon({"s": {"engine": "python", "function": "talkstage:run", "python_path": [str(tmp_path)],
+                                **on_node2()}}, {"p": {"stages": ["s"]}})
+    job = d.submit("p", {"text": "marker-23"})
+    assert d.wait(job, 30)["state"] == "succeeded"
+
+    def logged() -> list[str]:
+        lines = list(d.client.logs("s"))
+        return lines if any("logger x says marker-23" in line for line in lines) else []
+    lines = [line.split(" ", 1)[1] for line in wait_for(logged, 10, "the Ray-placed worker's lines in `omnictl logs s`")]
+    assert "stdout says marker-23" in lines and "stderr says marker-23" in lines, lines
+    record = json.loads(next(line for line in lines if "logger x says marker-23" in line))
+    assert record["level"] == "warning" and record["stage"] == "s"
+    assert "\nstdout says marker-23\n" in d.log()       # forwarded to the daemon's stderr too
 
 
 def test_kill_9_of_the_actor_mid_job(start_ray_daemon: Start, ray_cluster: RayCluster) -> None:

@@ -47,6 +47,7 @@ from omnid.dataplane import (ACK_FULL, POOL_REQUEST, RESERVE, SHM_ITEM, Closing,
 from omnid.shm import ShmPool
 from omnid.supervisor.process_stats import ProcessSample
 from omnid.supervisor.stage import StageHandle, _error_summary
+from omnid.supervisor.stage_logs import _write_all, log_file, stage_log_path
 from omnid.vocabulary import WorkerState
 
 log = structlog.get_logger("omnid.stage")
@@ -330,15 +331,28 @@ class RayStageHandle(StageHandle):
     def _on_messages(self, inc: int, messages: list[object]) -> None:
         if inc != self._incarnation:
             return                          # a late word of an incarnation that is gone
-        from omnid.worker.ray_actor import EXITING
+        from omnid.worker.ray_actor import EXITING, LogLines
         for msg in messages:
             if msg == EXITING:              # its worker stopped as asked: end the actor
                 self._end_actor()
+                continue
+            if isinstance(msg, LogLines):
+                self._log_lines(msg.lines)
                 continue
             if isinstance(msg, P.Ready):
                 self._location = dict(msg.info.get("ray") or {})
                 self._location.setdefault("pid", msg.pid)
             self._on_message(msg)
+
+    def _log_lines(self, lines: tuple[bytes, ...]) -> None:
+        """The worker's output: into the stage's log file (`omnictl logs`), and to our stderr."""
+        daemon = self.config.daemon
+        log_file(stage_log_path(daemon.state_dir, self.name, self.replica), daemon.log_file_max_bytes,
+                 daemon.log_file_keep).write(lines)
+        try:
+            _write_all(2, b"".join(line + b"\n" for line in lines))
+        except OSError:
+            pass
 
     def _actor_gone(self, inc: int, error: BaseException) -> None:
         if inc != self._incarnation or self._actor is None:

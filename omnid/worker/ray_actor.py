@@ -42,6 +42,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -56,6 +57,53 @@ SINK_TIMEOUT_S = 120.0
 ADMITTED, DROPPED, FULL, CLOSING = "A", "D", "F", "C"
 EXITING = "exiting"     # the worker's last message after a planned stop (Shutdown)
 PLAIN = "plain"         # a request answer: send it again as a plain pickle (the receiver has no pool)
+
+
+@dataclass(frozen=True)
+class LogLines:
+    """Lines the worker wrote to its stdout or stderr (its engine's too), for the supervisor, which
+    keeps them in the stage's log file (`omnictl logs`) and forwards them to its own stderr."""
+
+    lines: tuple[bytes, ...]
+
+
+MAX_LOG_LINE = 16 << 10
+
+
+def _capture_output(channel: QueueChannel) -> None:
+    """fds 1 and 2 -> a pipe whose lines go to the supervisor as `LogLines` (a local worker's go
+    through a pipe to the supervisor; this one's through its control channel)."""
+    read_fd, write_fd = os.pipe()
+    os.dup2(write_fd, 1)
+    os.dup2(write_fd, 2)
+    os.close(write_fd)
+    import io
+    import sys
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True)
+
+    def pump() -> None:
+        partial = b""
+        while True:
+            try:
+                data = os.read(read_fd, 1 << 16)
+            except OSError:
+                return
+            if not data:
+                return
+            buf = partial + data
+            cut = buf.rfind(b"\n")
+            if cut < 0:
+                whole, partial = b"", buf
+            else:
+                whole, partial = buf[:cut], buf[cut + 1:]
+            if len(partial) >= MAX_LOG_LINE:
+                whole, partial = (whole + b"\n" if whole else b"") + partial, b""
+            if whole:
+                channel.send(LogLines(tuple(whole.split(b"\n"))))
+
+    threading.Thread(target=pump, name="log-pump", daemon=True).start()
 
 
 class QueueChannel:
@@ -266,6 +314,7 @@ class StageActor:
         from omnid.worker.main import StageWorker, _clip, _set_process_name, _setup_environment
         spec = self.spec
         label = P.replica_label(spec.stage, spec.replica)
+        _capture_output(self.channel)           # before anything is printed
         _set_process_name(f"omnid:{label}")
         gpus = os.environ.get("CUDA_VISIBLE_DEVICES")     # Ray's choice (ray.num_gpus), not `devices`
         _setup_environment(spec)
