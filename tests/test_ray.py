@@ -117,6 +117,8 @@ def test_second_stage_on_the_second_raylet_and_large_values_both_ways(start_ray_
     out = subprocess.run([sys.executable, "-m", "omnictl", "--socket", str(d.socket), "stages"],
                          capture_output=True, text=True, timeout=30).stdout
     assert f"ray:{back['node']}/{back['ray']['node_id'][:8]}" in out and "NODE" in out, out
+    # RSS and CPU, sampled by the actor on its node
+    wait_for(lambda: (d.stages()["back"]["rss_bytes"] or 0) > 10 << 20, 10, "the actor's RSS in /v1/stages")
     # Large values: local -> Ray-placed -> local, exact, each way through the object store.
     writable = "f16,bf16"       # tensors: copies of their own; the array "arr": zero-copy, read-only
     job = d.submit("big", {}, {"produce": {"f16_mb": 8, "bf16_mb": 2, "arr_mb": 4, "blob_mb": 2, "seed": 5},

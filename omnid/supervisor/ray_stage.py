@@ -127,6 +127,7 @@ class RayStageHandle(StageHandle):
         self._actor: Any = None
         self._incarnation = 0
         self._location: dict[str, Any] = {}
+        self._usage = ProcessSample()
         self._dead_jobs: OrderedDict[str, None] = OrderedDict()    # cancelled or forgotten: stop delivering
         self._control: queue.Queue[object] | None = None
         self._bridge: _Bridge | None = None
@@ -151,11 +152,12 @@ class RayStageHandle(StageHandle):
                                                           ("node_id", "node_ip", "node_name", "host", "actor_id")}
                 if self._actor is not None and self._location else None}
 
-    def _sample(self) -> Any:
-        return ProcessSample()          # the worker may be on another machine: no local RSS / CPU
+    def _sample(self) -> ProcessSample:
+        """RSS and CPU as the actor samples them on its node (the last report)."""
+        return self._usage if self._actor is not None and self._became_ready else ProcessSample()
 
     def usage(self) -> int | None:
-        return None
+        return self._sample().rss_bytes
 
     # ------------------------------------------------------------------ spawn
 
@@ -331,13 +333,16 @@ class RayStageHandle(StageHandle):
     def _on_messages(self, inc: int, messages: list[object]) -> None:
         if inc != self._incarnation:
             return                          # a late word of an incarnation that is gone
-        from omnid.worker.ray_actor import EXITING, LogLines
+        from omnid.worker.ray_actor import EXITING, LogLines, Usage
         for msg in messages:
             if msg == EXITING:              # its worker stopped as asked: end the actor
                 self._end_actor()
                 continue
             if isinstance(msg, LogLines):
                 self._log_lines(msg.lines)
+                continue
+            if isinstance(msg, Usage):
+                self._usage = ProcessSample(rss_bytes=msg.rss_bytes, cpu_percent=msg.cpu_percent)
                 continue
             if isinstance(msg, P.Ready):
                 self._location = dict(msg.info.get("ray") or {})

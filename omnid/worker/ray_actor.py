@@ -67,7 +67,25 @@ class LogLines:
     lines: tuple[bytes, ...]
 
 
+@dataclass(frozen=True)
+class Usage:
+    """The actor process's resident memory (with its children's) and CPU use, sampled on its node
+    (the supervisor cannot: the process may be on another machine)."""
+
+    rss_bytes: int | None
+    cpu_percent: float | None
+
+
 MAX_LOG_LINE = 16 << 10
+
+
+def _report_usage(channel: QueueChannel, interval: float) -> None:
+    from omnid.supervisor.process_stats import ProcessSampler
+    sampler = ProcessSampler()
+    while True:
+        sample = sampler.sample(os.getpid())
+        channel.send(Usage(sample.rss_bytes, sample.cpu_percent))
+        time.sleep(max(interval, 1.0))
 
 
 def _capture_output(channel: QueueChannel) -> None:
@@ -344,6 +362,8 @@ class StageActor:
         self.ready.set()
         worker.send(P.Ready(pid=os.getpid(), load_s=time.monotonic() - t0, info=info))
         threading.Thread(target=worker.heartbeat_loop, name="heartbeat", daemon=True).start()
+        threading.Thread(target=_report_usage, args=(self.channel, spec.config.daemon.heartbeat_interval_s),
+                         name="usage", daemon=True).start()
         try:
             worker.run()
         except BaseException:
