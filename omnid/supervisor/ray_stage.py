@@ -368,7 +368,8 @@ class RayStageHandle(StageHandle):
         self._control = None
         code = P.EXIT_LOAD_FAILED if self._load_error and not self._became_ready else None
         detail = _actor_error(error)
-        self._worker_gone(pid, code, f"Ray actor (pid {pid} on {where}) died: {detail}")
+        what = "was killed (ray.kill)" if "ray.kill" in detail else f"died: {detail}"
+        self._worker_gone(pid, code, f"Ray actor (pid {pid} on {where}) {what}")
 
     # ------------------------------------------------------------------ control
 
