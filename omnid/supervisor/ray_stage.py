@@ -132,8 +132,6 @@ class RayStageHandle(StageHandle):
         self._control: queue.Queue[object] | None = None
         self._bridge: _Bridge | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._senders = {"send": Sender(self._socket_for, config.daemon.shm_min_bytes),
-                         "quick": Sender(self._socket_for, config.daemon.shm_min_bytes)}
 
     def _socket_for(self, address: str) -> Path:
         return P.socket_path(self.data_dir, address)
@@ -207,9 +205,10 @@ class RayStageHandle(StageHandle):
         for target, name in ((self._poll, "ray-poll"), (self._send_control, "ray-control")):
             threading.Thread(target=target, args=(actor, inc, control), name=f"{name}-{self.label}",
                              daemon=True).start()
-        for lane in ("send", "quick"):
-            threading.Thread(target=self._outbound, args=(actor, inc, lane), name=f"ray-out-{lane}-{self.label}",
-                             daemon=True).start()
+        for lane in ("send", "quick"):          # each with a sender of its own (a Sender is single-threaded)
+            sender = Sender(self._socket_for, self.config.daemon.shm_min_bytes)
+            threading.Thread(target=self._outbound, args=(actor, inc, lane, sender),
+                             name=f"ray-out-{lane}-{self.label}", daemon=True).start()
         log.info("stage actor created", stage=self.label, placement="ray", options=_printable(options),
                  restarts=self.restarts)
 
@@ -259,26 +258,30 @@ class RayStageHandle(StageHandle):
             except Exception:
                 return                      # dead: `_poll` reports it
 
-    def _outbound(self, actor: Any, inc: int, lane: str) -> None:
+    def _outbound(self, actor: Any, inc: int, lane: str, sender: Sender) -> None:
         """Carry out the actor's hand-offs, offers and file writes on this machine; answer each."""
         import ray
-        while self._current(inc):
-            try:
-                requests = ray.get(actor.next_outbound.remote(lane, POLL_S))
-            except Exception:
-                return
-            for seq, request in requests:
+        try:
+            while self._current(inc):
                 try:
-                    answer = self._carry_out(inc, lane, request)
-                except Exception as e:
-                    answer = f"{type(e).__name__}: {e}"
-                del request
-                try:
-                    actor.answer.remote(seq, answer)
+                    requests = ray.get(actor.next_outbound.remote(lane, POLL_S))
                 except Exception:
                     return
+                sender.prune()              # a dead receiver's pool is unmapped, as a local worker does
+                for seq, request in requests:
+                    try:
+                        answer = self._carry_out(inc, sender, request)
+                    except Exception as e:
+                        answer = f"{type(e).__name__}: {e}"
+                    del request
+                    try:
+                        actor.answer.remote(seq, answer)
+                    except Exception:
+                        return
+        finally:
+            sender.close()
 
-    def _carry_out(self, inc: int, lane: str, request: tuple[Any, ...]) -> Any:
+    def _carry_out(self, inc: int, sender: Sender, request: tuple[Any, ...]) -> Any:
         from omnid.worker.ray_actor import PLAIN
         kind = request[0]
         if kind == "sink":
@@ -286,7 +289,6 @@ class RayStageHandle(StageHandle):
             _, job, planned = request
             return write_planned(job, self.jobs_dir / job, planned)
         _, dst, raw = request
-        sender = self._senders[lane]
         try:
             if kind == "offer":
                 return sender.offer_raw(dst, raw)
