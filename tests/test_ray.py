@@ -13,6 +13,7 @@ their actors run there (checked: the actor's process is a child of that raylet).
   Ray-placed stage are the same windows as between two local stages;
 - cancel and timeout stop the job inside the Ray-placed worker, as for a local one;
 - the worker's stdout, stderr and log records reach `omnictl logs STAGE` and the daemon's stderr;
+- a reload that changes a Ray-placed stage gives it a new actor; one that would move it is refused;
 - `kill -9` of the actor mid-job fails the job naming the stage and the death, the stage comes back
   (a new actor), and the next job succeeds; with `retries`, the job is run again and succeeds;
 - after the jobs (and the daemon) end, no StageActor process is left, Ray's object store holds no
@@ -233,6 +234,32 @@ def test_a_ray_placed_workers_output_reaches_omnictl_logs(start_ray_daemon: Star
     record = json.loads(next(line for line in lines if "logger x says marker-23" in line))
     assert record["level"] == "warning" and record["stage"] == "s"
     assert "\nstdout says marker-23\n" in d.log()       # forwarded to the daemon's stderr too
+
+
+def test_a_reload_restarts_a_ray_placed_stage_and_refuses_to_move_it(start_ray_daemon: Start,
+                                                                    ray_cluster: RayCluster) -> None:
+    from conftest import daemon_config
+    pipelines = {"p": {"stages": ["s"]}}
+    daemon = {"ray_address": ray_cluster.address}
+    d = start_ray_daemon({"s": py_stage("echo", defaults={"tag": "one"}, **on_node2())}, pipelines)
+    first = ray_stage(d, "s")["pid"]
+
+    def sighup(expect: str) -> None:
+        before = d.log().count(expect)
+        d.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: d.log().count(expect) > before, 60, f"{expect!r} in the daemon's log")
+
+    # its definition changed: a new actor, which serves the new definition
+    daemon_config(d.dir, {"s": py_stage("echo", defaults={"tag": "two"}, **on_node2())}, pipelines, daemon)
+    sighup("reloaded")
+    snap = d.wait_stage_state("s", ("ready",))
+    assert snap["pid"] not in (None, first) and snap["placement"] == "ray", snap
+    job = d.submit("p", {"text": "x"})
+    assert d.wait(job, 30)["state"] == "succeeded" and d.client.output(job, "text")[0] == b"two:x"
+    # moving a running replica between this machine and Ray takes a restart
+    daemon_config(d.dir, {"s": py_stage("echo", defaults={"tag": "two"})}, pipelines, daemon)
+    sighup("reload refused: a replica's placement changed")
+    assert d.stages()["s"]["pid"] == snap["pid"] and d.stages()["s"]["placement"] == "ray"
 
 
 def test_kill_9_of_the_actor_mid_job(start_ray_daemon: Start, ray_cluster: RayCluster) -> None:
