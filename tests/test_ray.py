@@ -16,6 +16,7 @@ their actors run there (checked: the actor's process is a child of that raylet).
 - a reload that changes a Ray-placed stage gives it a new actor; one that would move it is refused;
 - `kill -9` of the actor mid-job fails the job naming the stage and the death, the stage comes back
   (a new actor), and the next job succeeds; with `retries`, the job is run again and succeeds;
+  a hung actor (SIGSTOP: no heartbeats) is killed with `ray.kill` and replaced;
 - after the jobs (and the daemon) end, no StageActor process is left, Ray's object store holds no
   object and the stage's resources are free again.
 
@@ -264,7 +265,8 @@ def test_a_reload_restarts_a_ray_placed_stage_and_refuses_to_move_it(start_ray_d
 
 def test_kill_9_of_the_actor_mid_job(start_ray_daemon: Start, ray_cluster: RayCluster) -> None:
     d = start_ray_daemon({"front": py_stage("echo"), "back": py_stage("sleep", **on_node2())},
-                         {"p": {"stages": ["front", "back"]}, "r": {"stages": ["front", "back"], "retries": 1}})
+                         {"p": {"stages": ["front", "back"]}, "r": {"stages": ["front", "back"], "retries": 1}},
+                         {"heartbeat_timeout_s": 3})
     first = ray_stage(d, "back")["pid"]
     job = d.submit("p", {"text": "a"}, {"back": {"seconds": 5}})
     wait_started(d, job, "back")
@@ -284,6 +286,15 @@ def test_kill_9_of_the_actor_mid_job(start_ray_daemon: Start, ray_cluster: RayCl
     doc = d.wait(job, 60)
     assert doc["state"] == "succeeded", doc["error"]
     assert d.client.output(job, "text")[0] == b"echo:b|back"
-    assert d.wait_stage_state("back", ("ready",))["restarts"] == 2
+    third = d.wait_stage_state("back", ("ready",))
+    assert third["restarts"] == 2
+    # A hung actor (SIGSTOP: no heartbeat) is killed (ray.kill) and replaced, as a hung local worker.
+    os.kill(third["pid"], signal.SIGSTOP)
+    wait_for(lambda: d.stages()["back"]["restarts"] == 3, 60, "the hung actor to be killed and restarted")
+    snap = d.wait_stage_state("back", ("ready",), timeout=60)
+    assert "was killed (ray.kill): hung: no heartbeat for 3 s" in snap["last_error"], snap["last_error"]
+    assert wait_gone([third["pid"]], timeout=15) == []
+    job = d.submit("p", {"text": "c"}, {"back": {"seconds": 0.1}})
+    assert d.wait(job, 30)["state"] == "succeeded"
     d.stop()
     check_nothing_left(ray_cluster)
