@@ -178,14 +178,14 @@ class RayStageHandle(StageHandle):
 
     def _spawn(self) -> None:
         import ray
-        from omnid.worker.ray_actor import MAX_CONCURRENCY, StageActor
+        from omnid.worker.ray_actor import remote_class
         self._loop = asyncio.get_running_loop()
         self._open_bridge()
         spec = P.WorkerSpec(stage=self.name, config=self.config, data_dir=self.data_dir,
                             jobs_dir=Path("/nonexistent/omnid-ray-worker"), parent_pid=os.getpid(),
                             replica=self.replica)
-        options = dict(self.stage.ray.actor_options(), max_restarts=0, max_task_retries=0,
-                       max_concurrency=MAX_CONCURRENCY, name=None, lifetime=None)
+        options = dict(self.stage.ray.actor_options(), max_restarts=0, max_task_retries=0, name=None,
+                       lifetime=None)
         env = {k: v for k, v in os.environ.items() if k == "PYTHONPATH"}
         if env:
             options["runtime_env"] = {"env_vars": env}
@@ -194,7 +194,7 @@ class RayStageHandle(StageHandle):
         self._became_ready = False
         self._load_error = None
         self._location = {}
-        actor = ray.remote(StageActor).options(**options).remote(spec)
+        actor = remote_class().options(**options).remote(spec)
         self._actor = actor
         self._incarnation += 1
         inc = self._incarnation

@@ -24,7 +24,8 @@ shape in the pickle (`omnid.shm`'s codec; bfloat16 too). Arrays arrive zero-copy
 where Ray gives it (same node); a tensor is copied once into memory of its own (torch cannot mark a
 tensor read-only, and the received buffer must never be shared-writable).
 
-Threads in the actor: Ray's (calls, up to `MAX_CONCURRENCY` at once), the worker's main thread
+Threads in the actor: Ray's (calls, up to `MAX_CONCURRENCY` at once, and `admit` calls up to
+`DATA_CONCURRENCY` in a group of their own), the worker's main thread
 (engine load, then the busy loop), its control and heartbeat threads. The actor's process ends with
 `os._exit` like a local worker's, so Ray reports it dead at once.
 """
@@ -51,7 +52,9 @@ from omnid import protocol as P
 from omnid import shm
 from omnid.dataplane import OFFER_TIMEOUT_S, POLL_S, BUSY_POLL_S, Closing, RawItem, WorkItem
 
-MAX_CONCURRENCY = 32
+MAX_CONCURRENCY = 16     # calls at once in the default group: control, the long polls, answers
+DATA_CONCURRENCY = 64    # `admit` calls at once (each may wait at the watermark): their own group, so
+                         # senders waiting for room never starve the control calls and heartbeats
 SINK_TIMEOUT_S = 120.0
 # What `admit` answers (the bridge turns it into the data plane's acknowledgements).
 ADMITTED, DROPPED, FULL, CLOSING = "A", "D", "F", "C"
@@ -307,7 +310,7 @@ def from_raw(payload: bytes, buf: Any, device: str | None = None) -> WorkItem:
 
 class StageActor:
     """One Ray-placed stage worker (see the module docstring). Created by the supervisor with
-    `ray.remote(StageActor).options(max_restarts=0, max_concurrency=MAX_CONCURRENCY, ...)`."""
+    `remote_class()`, `.options(max_restarts=0, ...)`."""
 
     def __init__(self, spec: P.WorkerSpec) -> None:
         self.spec = spec
@@ -404,6 +407,7 @@ class StageActor:
     def answer(self, seq: int, value: Any) -> None:
         self.outbox.answer(seq, value)
 
+    @ray.method(concurrency_group="data")
     def admit(self, payload: bytes, buf: Any, size: int) -> str:
         """One data item from the bridge; blocks at the input queue's watermark (a window: never)."""
         worker = self.worker
@@ -419,6 +423,11 @@ class StageActor:
 
     def ping(self) -> dict[str, Any]:
         return self.location()
+
+
+def remote_class() -> Any:
+    """`StageActor` as a Ray actor class, with its concurrency groups."""
+    return ray.remote(max_concurrency=MAX_CONCURRENCY, concurrency_groups={"data": DATA_CONCURRENCY})(StageActor)
 
 
 def _has_gpu() -> bool:
