@@ -177,7 +177,6 @@ class RayStageHandle(StageHandle):
         await super().start()
 
     def _spawn(self) -> None:
-        import ray
         from omnid.worker.ray_actor import remote_class
         self._loop = asyncio.get_running_loop()
         self._open_bridge()
