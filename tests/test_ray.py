@@ -11,7 +11,9 @@ their actors run there (checked: the actor's process is a child of that raylet).
 - backpressure: a Ray-placed stage's watermark blocks its local upstream (its queue never goes
   past it, the upstream's blocked time grows, order is kept); streaming windows into and out of a
   Ray-placed stage are the same windows as between two local stages;
-- cancel and timeout stop the job inside the Ray-placed worker, as for a local one;
+- cancel and timeout stop the job inside the Ray-placed worker, as for a local one; a job that
+  ignores its cancel past `cancel_grace_s` gets its actor killed and replaced, and the job queued
+  behind it there is not lost;
 - the worker's stdout, stderr and log records reach `omnictl logs STAGE` and the daemon's stderr;
 - a reload that changes a Ray-placed stage gives it a new actor; one that would move it is refused;
 - `kill -9` of the actor mid-job fails the job naming the stage and the death, the stage comes back
@@ -190,7 +192,9 @@ def test_backpressure_and_windows_through_ray_placed_stages(start_ray_daemon: St
 
 
 def test_cancel_and_timeout_stop_the_ray_placed_worker(start_ray_daemon: Start, tmp_path: Path) -> None:
-    d = start_ray_daemon({"t": py_stage("ticker", **on_node2())}, {"p": {"stages": ["t"]}})
+    d = start_ray_daemon({"t": py_stage("ticker", **on_node2()),
+                          "st": py_stage("stubborn", defaults={"seconds": 60}, **on_node2())},
+                         {"p": {"stages": ["t"]}, "s": {"stages": ["st"]}}, {"cancel_grace_s": 1})
     pid = ray_stage(d, "t")["pid"]
     for how, timeout_s in (("cancel", None), ("timeout", 1.0)):
         ticks, stopped = tmp_path / f"{how}.ticks", tmp_path / f"{how}.stopped"
@@ -212,6 +216,18 @@ def test_cancel_and_timeout_stop_the_ray_placed_worker(start_ray_daemon: Start, 
     snap = d.stages()["t"]
     assert snap["pid"] == pid and snap["restarts"] == 0, "cancel and timeout must not restart the worker"
     wait_for(lambda: d.stages()["t"]["tracked_jobs"] == 0, 10, "the worker to forget both jobs")
+    # A job that ignores its cancel past cancel_grace_s: its actor is killed and replaced, and the job
+    # queued behind it in that actor is not lost.
+    old = ray_stage(d, "st")["pid"]
+    job = d.submit("s")
+    wait_started(d, job, "st")
+    behind = d.submit("s", params={"st": {"seconds": 0.1}})
+    assert d.client.cancel(job)["state"] == "cancelled"
+    snap = wait_for(lambda: (x := d.stages()["st"])["restarts"] == 1 and x["state"] in ("ready", "busy") and x,
+                    30, "the stubborn actor to be killed and warm again")
+    assert snap["pid"] not in (None, old) and "cancel" in (snap["last_error"] or ""), snap
+    doc = d.wait(behind, 30)
+    assert doc["state"] == "succeeded" and d.client.output(behind, "text")[0] == b"done anyway", doc
 
 
 def test_a_ray_placed_workers_output_reaches_omnictl_logs(start_ray_daemon: Start, tmp_path: Path) -> None:
