@@ -147,7 +147,7 @@ class RayStageHandle(StageHandle):
     def where(self) -> dict[str, Any]:
         node = self._location.get("node_ip") if self._actor is not None else None
         return {"placement": "ray", "node": node, "ray": {k: self._location.get(k) for k in
-                                                          ("node_id", "node_ip", "node_name", "host", "actor_id")}
+                                                          ("node_id", "node_ip", "node_name", "host", "actor_id", "gpus")}
                 if self._actor is not None and self._location else None}
 
     def _sample(self) -> ProcessSample:

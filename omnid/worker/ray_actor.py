@@ -329,7 +329,7 @@ class StageActor:
         except Exception:
             ip = None
         return {"pid": os.getpid(), "node_id": ctx.get_node_id(), "node_ip": ip, "host": socket.gethostname(),
-                "actor_id": ctx.get_actor_id()}
+                "actor_id": ctx.get_actor_id(), "gpus": [str(g) for g in _gpu_ids()]}
 
     def _main(self) -> None:
         from omnid.worker.main import StageWorker, _clip, _set_process_name, _setup_environment
@@ -343,6 +343,7 @@ class StageActor:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+        spec = self.spec = with_gpus(spec, len(_gpu_ids()))
         from omnid import logs
         logs.configure(spec.config.daemon.log_level, "json", process=f"stage:{label}", stage=spec.stage)
         min_bytes = spec.config.daemon.shm_min_bytes
@@ -425,10 +426,30 @@ class StageActor:
         return self.location()
 
 
+def with_gpus(spec: P.WorkerSpec, n: int) -> P.WorkerSpec:
+    """The spec as this actor's worker sees it: the GPUs Ray gave it (`ray.num_gpus`; visible to
+    it as 0 .. n-1) are its stage's `devices`, so that its engine runs on them as a local worker
+    runs on its `devices`."""
+    if n <= 0:
+        return spec
+    from dataclasses import replace
+    stage = replace(spec.config.stages[spec.stage].for_replica(spec.replica), devices=tuple(range(n)),
+                    replica_devices=())
+    config = replace(spec.config, stages={**spec.config.stages, spec.stage: stage})
+    return replace(spec, config=config)
+
+
+def _gpu_ids() -> list[Any]:
+    try:
+        return list(ray.get_gpu_ids())
+    except Exception:
+        return []
+
+
 def remote_class() -> Any:
     """`StageActor` as a Ray actor class, with its concurrency groups."""
     return ray.remote(max_concurrency=MAX_CONCURRENCY, concurrency_groups={"data": DATA_CONCURRENCY})(StageActor)
 
 
 def _has_gpu() -> bool:
-    return bool(ray.get_gpu_ids())
+    return bool(_gpu_ids())

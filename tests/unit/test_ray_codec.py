@@ -63,3 +63,22 @@ def test_queue_channel_both_ways() -> None:
     assert ch.take(0.01) == []
     ch.put("cancel")
     assert ch.recv() == "cancel"
+
+
+def test_the_gpus_ray_gives_become_the_stage_devices() -> None:
+    import copy
+    from pathlib import Path
+
+    from conftest import FIXTURES
+    from omnid import config as C
+    from omnid import protocol as P
+    data = {"daemon": {"ray_address": "auto"},
+            "stages": {"s": {"engine": "python", "function": "teststages:echo", "python_path": [str(FIXTURES)],
+                             "placement": "ray", "ray": {"num_gpus": 2}}},
+            "pipelines": {"p": {"stages": ["s"]}}}
+    cfg = C.parse(copy.deepcopy(data), base=Path("/"))
+    spec = P.WorkerSpec(stage="s", config=cfg, data_dir=Path("/tmp"), jobs_dir=Path("/tmp"), parent_pid=1)
+    assert R.with_gpus(spec, 0) is spec
+    seen = R.with_gpus(spec, 2)
+    assert seen.config.stages["s"].devices == (0, 1) and seen.config.stages["s"].ray.num_gpus == 2
+    assert spec.config.stages["s"].devices == ()        # the supervisor's own config is untouched
