@@ -229,8 +229,22 @@ def stages_table(stages: Iterable[JSON]) -> str:
                 if isinstance(r, dict):
                     label = f"  {r.get('label') or r.get('name')}" + (" (retiring)" if r.get("retiring") else "")
                     rows.append(_stage_row(r, label, pid=r.get("pid")))
-    headers = ["NAME", "ENGINE", "STATE", "PID", "DEVICES", "QUEUE", "DONE", "RESTARTS", "RSS", "CPU%", "UPTIME", "LAST ERROR"]
+    headers = ["NAME", "ENGINE", "STATE", "PID", "NODE", "DEVICES", "QUEUE", "DONE", "RESTARTS", "RSS", "CPU%", "UPTIME", "LAST ERROR"]
     return table(headers, rows)
+
+
+def _node(stage: JSON) -> str | None:
+    """Where a stage (or replica) runs: `local`, or `ray:<node ip>` for a Ray-placed worker."""
+    placement = stage.get("placement")
+    if placement is None:
+        return None
+    if placement == "ray":
+        ray = stage.get("ray")
+        node_id = ray.get("node_id") if isinstance(ray, dict) else None
+        if not stage.get("node"):
+            return "ray"
+        return f"ray:{stage.get('node')}" + (f"/{str(node_id)[:8]}" if node_id else "")
+    return str(placement)
 
 
 def _stage_row(stage: JSON, name: str, pid: Any) -> list[Any]:
@@ -250,6 +264,7 @@ def _stage_row(stage: JSON, name: str, pid: Any) -> list[Any]:
         stage.get("engine"),
         state,
         pid,
+        _node(stage),
         device_text,
         queue,
         stage.get("jobs_done"),

@@ -85,6 +85,28 @@ class DaemonConfig:
     metrics_listen: tuple[str, int] | None = None   # ("127.0.0.1", 9464): /metrics over TCP too (off)
     log_file_max_bytes: int = 10 << 20      # <state_dir>/logs: each stage's and the daemon's file rotates at this size
     log_file_keep: int = 3                  # ... keeping this many rotated files (.1 .2 .3) besides the current one
+    ray_address: str | None = None          # the Ray cluster of `placement = "ray"` stages ("HOST:6379", "auto")
+
+
+@dataclass(frozen=True)
+class RayNeeds:
+    """What a Ray-placed stage worker asks of the cluster (its actor's resource options)."""
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    memory_mb: int | None = None                                    # a scheduling hint, in MiB
+    resources: Mapping[str, float] = field(default_factory=dict)    # custom resources: {"node2": 1}
+    labels: Mapping[str, str] = field(default_factory=dict)         # a node label selector: {"zone": "b"}
+
+    def actor_options(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.memory_mb:
+            opts["memory"] = self.memory_mb << 20
+        if self.resources:
+            opts["resources"] = dict(self.resources)
+        if self.labels:
+            opts["label_selector"] = dict(self.labels)
+        return opts
 
 
 @dataclass(frozen=True)
@@ -112,6 +134,16 @@ class StageConfig:
     idle_unload_s: float | None = None      # no work this long: the workers stop (sleeping) until a job comes
     # vllm stages: the media (image, audio, video) a job may give it, and their limits
     media: MediaLimits = NO_MEDIA
+    # `placement = "ray"`: the workers run as Ray actors (`ray`: their resource needs); a list gives one
+    # placement per replica ("local" or "ray"). Empty: every replica is a local process.
+    placement: tuple[str, ...] = ()
+    ray: RayNeeds = field(default_factory=RayNeeds)
+
+    def placement_of(self, replica: int) -> str:
+        """"local" or "ray": where replica `replica`'s worker runs."""
+        if not self.placement:
+            return "local"
+        return self.placement[replica] if len(self.placement) > 1 else self.placement[0]
 
     @property
     def accepted_params(self) -> frozenset[str] | None:
@@ -330,12 +362,14 @@ def _parse_daemon(c: _Checker, raw: Any, base: Path) -> DaemonConfig:
         metrics_listen=_host_port(c, c.get(d, "metrics_listen", "daemon", str), "daemon.metrics_listen"),
         log_file_max_bytes=c.positive(d, "log_file_max_bytes", "daemon", 10 << 20, integer=True),
         log_file_keep=c.positive(d, "log_file_keep", "daemon", 3, integer=True, allow_zero=True),
+        ray_address=c.get(d, "ray_address", "daemon", str),
     )
 
 
 _STAGE_KEYS = ("engine", "model", "function", "python_path", "devices", "exclusive",
                "max_inflight", "queue_capacity", "shm_pool_mb", "args", "defaults", "env", "batch_function",
-               "replicas", "idle_unload_s", "media")
+               "replicas", "idle_unload_s", "media", "placement", "ray")
+PLACEMENTS = ("local", "ray")
 MAX_REPLICAS = 64
 _MEDIA_KEYS = (*MEDIA_KINDS, "max_bytes", "max_pixels", "max_audio_s", "max_video_frames")
 _MARKER_WORDS = {"image": "vision_config (nor image token)", "audio": "audio_config (nor audio token)",
@@ -481,6 +515,8 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
     queue_capacity = c.positive(s, "queue_capacity", path, 4, integer=True)
     shm_pool_mb = c.positive(s, "shm_pool_mb", path, 1024, integer=True, allow_zero=True)
     idle_unload_s = c.positive(s, "idle_unload_s", path, None)
+    placement = _parse_placement(c, s, path, replicas, devices)
+    ray = _parse_ray_needs(c, s, path)
     if engine is None:
         return None
     return StageConfig(
@@ -490,7 +526,63 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
         args=dict(args), defaults=dict(defaults), env={k: str(v) for k, v in env.items()},
         batch_function=batch_function, media=media, replicas=replicas, replica_devices=replica_devices,
         idle_unload_s=float(idle_unload_s) if idle_unload_s is not None else None,
+        placement=placement, ray=ray,
     )
+
+
+def _parse_placement(c: _Checker, s: Mapping[str, Any], path: str, replicas: int,
+                     devices: list[int]) -> tuple[str, ...]:
+    """`placement`: "local" (the default), "ray", or one of them per replica."""
+    raw = c.get(s, "placement", path, (str, list))
+    if raw is None:
+        return ()
+    values = [raw] if isinstance(raw, str) else raw
+    out: list[str] = []
+    for i, v in enumerate(values):
+        where = f"{path}.placement" + (f"[{i}]" if isinstance(raw, list) else "")
+        if v not in PLACEMENTS:
+            c.add(where, f"must be one of {', '.join(repr(p) for p in PLACEMENTS)}, not {v!r}")
+            return ()
+        out.append(v)
+    if isinstance(raw, list) and len(out) != replicas:
+        c.add(f"{path}.placement", f"gives {len(out)} placements (one per replica), but replicas = {replicas}")
+        return ()
+    if "ray" in out and devices:
+        c.add(f"{path}.devices", "a Ray-placed stage gets its GPUs from Ray: set ray.num_gpus instead of "
+                                 "devices (GPU indices of this machine)")
+    return tuple(out) if "ray" in out else ()
+
+
+def _parse_ray_needs(c: _Checker, s: Mapping[str, Any], path: str) -> RayNeeds:
+    """`ray = { num_cpus, num_gpus, memory_mb, resources = {...}, labels = {...} }`."""
+    if "ray" not in s:
+        return RayNeeds()
+    where = f"{path}.ray"
+    r = c.table(s["ray"], where)
+    c.unknown(r, ("num_cpus", "num_gpus", "memory_mb", "resources", "labels"), where)
+    resources = c.get(r, "resources", where, dict, {})
+    for k, v in resources.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            c.add(f"{where}.resources.{k}", f"must be a number > 0, not {v!r}")
+    labels = c.get(r, "labels", where, dict, {})
+    for k, v in labels.items():
+        if not isinstance(v, str):
+            c.add(f"{where}.labels.{k}", f"must be a string, not {_typename(v)}")
+    memory = c.positive(r, "memory_mb", where, None, integer=True)
+    return RayNeeds(num_cpus=float(c.positive(r, "num_cpus", where, 1.0, allow_zero=True)),
+                    num_gpus=float(c.positive(r, "num_gpus", where, 0.0, allow_zero=True)),
+                    memory_mb=memory,
+                    resources={k: float(v) for k, v in resources.items()
+                               if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0},
+                    labels={k: v for k, v in labels.items() if isinstance(v, str)})
+
+
+def ray_available() -> bool:
+    """Whether the `ray` extra is installed (`pip install omnid[ray]`), without importing it."""
+    try:
+        return importlib.util.find_spec("ray") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _device_list(c: _Checker, raw: list[Any], path: str) -> list[int]:
@@ -710,6 +802,20 @@ def _check_devices(c: _Checker, stages: Mapping[str, StageConfig]) -> None:
                           f"device {device} is also given to {others}, but this stage is exclusive")
 
 
+def _check_ray(c: _Checker, daemon: DaemonConfig, stages: Mapping[str, StageConfig]) -> None:
+    """Ray-placed stages need the `ray` extra and a cluster to run on."""
+    placed = [s.name for s in stages.values() if "ray" in s.placement]
+    if not placed:
+        return
+    if not ray_available():
+        for name in placed:
+            c.add(f"stages.{name}.placement", "\"ray\" needs Ray, which is not installed: "
+                                             "pip install 'omnid[ray]'")
+    if daemon.ray_address is None:
+        c.add("daemon.ray_address", f"is required: stage(s) {', '.join(placed)} are placed on Ray "
+                                    "(the head's \"HOST:6379\", or \"auto\")")
+
+
 def parse(data: Mapping[str, Any], *, base: Path, source: str = "<config>") -> Config:
     """Validate already-parsed TOML data; raise ConfigError listing every problem."""
     c = _Checker()
@@ -727,6 +833,7 @@ def parse(data: Mapping[str, Any], *, base: Path, source: str = "<config>") -> C
     if not stages_raw:
         c.add("stages", "no stages are defined")
     _check_devices(c, stages)
+    _check_ray(c, daemon, stages)
     pipes_raw = c.table(data.get("pipelines", {}), "pipelines")
     pipelines: dict[str, PipelineConfig] = {}
     for name, raw in pipes_raw.items():

@@ -89,6 +89,29 @@ class WorkItem:
     routes: dict[str, int] = field(default_factory=dict)   # stage -> the replica that serves this job there
 
 
+@dataclass
+class RawItem:
+    """A `WorkItem` in its wire form, passed on without being rebuilt (the Ray bridge: the supervisor
+    never imports torch). `payload` is a pickle; with `buf`, one made by `shm.encode`, whose large
+    values sit in `buf` (a uint8 array or any buffer of `size` bytes) at their offsets, as in a slot."""
+
+    payload: bytes
+    buf: Any = None
+    size: int = 0
+    job: str = ""               # for logs only (the bridge does not unpickle the item)
+    release: Callable[[], None] | None = None   # frees the shared-memory slot `buf` sits on
+
+    def encoded(self) -> shm.Encoded | None:
+        if self.buf is None:
+            return None
+        return shm.Encoded(self.payload, [(shm.blob(self.size), self.buf)], self.size)
+
+
+class NeedsPlain(Exception):
+    """A `RawItem` with large values cannot go to a receiver without a pool (or with a smaller one):
+    its sender must send it again as a plain pickle."""
+
+
 def encode(item: WorkItem) -> bytes:
     return pickle.dumps(item, protocol=5)
 
@@ -198,7 +221,7 @@ class Sender:
                 self._pools[dst] = None
         return self._pools[dst]
 
-    def _frame(self, dst: str, sock: socket.socket, item: WorkItem, encoded: shm.Encoded | None,
+    def _frame(self, dst: str, sock: socket.socket, encoded: shm.Encoded | None,
                plain: Callable[[], bytes]) -> bytes | None:
         """The frame that carries `item`: through the pool when it has large values and the
         destination has room (None: no room now), else a plain pickle."""
@@ -242,6 +265,26 @@ class Sender:
                 plain.append(encode(item))
             return plain[0]
 
+        return self._send(to, encoded, pickled, abandon, on_wait, busy)
+
+    def send_raw(self, to: str | Callable[[], str], raw: RawItem, abandon: Callable[[], bool],
+                 on_wait: Callable[[], None] | None = None, busy: Callable[[], bool] | None = None) -> bool:
+        """`send` for an item in its wire form; raises NeedsPlain when the receiver has no pool for
+        its large values."""
+        return self._send(to, raw.encoded(), lambda: _plain(raw), abandon, on_wait, busy)
+
+    def offer_raw(self, dst: str, raw: RawItem) -> bool | None:
+        """`offer` for an item in its wire form (NeedsPlain: as for `send_raw`)."""
+        return self._offer(dst, raw.encoded(), lambda: _plain(raw))
+
+    def _send(self, to: str | Callable[[], str], encoded: shm.Encoded | None, pickled: Callable[[], bytes],
+              abandon: Callable[[], bool], on_wait: Callable[[], None] | None,
+              busy: Callable[[], bool] | None) -> bool:
+        def wait_tick() -> float:
+            if on_wait is not None:
+                on_wait()
+            return BUSY_POLL_S if busy is not None and busy() else POLL_S
+
         start = time.monotonic()
         dst = ""
         try:
@@ -250,7 +293,7 @@ class Sender:
                 try:
                     sock = self._connect(dst)
                     sock.settimeout(None)
-                    frame = self._frame(dst, sock, item, encoded, pickled)
+                    frame = self._frame(dst, sock, encoded, pickled)
                     if frame is None:          # the pool is full: wait, like at a full queue
                         time.sleep(wait_tick())
                         continue
@@ -282,10 +325,13 @@ class Sender:
         True: admitted. False: dropped (its job is over there). None: no room now, or `dst`
         is not reachable (restarting): offer it again later.
         """
+        return self._offer(dst, shm.encode(item, self.shm_min_bytes), lambda: encode(item))
+
+    def _offer(self, dst: str, encoded: shm.Encoded | None, pickled: Callable[[], bytes]) -> bool | None:
         try:
             sock = self._connect(dst)
             sock.settimeout(OFFER_TIMEOUT_S)
-            frame = self._frame(dst, sock, item, shm.encode(item, self.shm_min_bytes), lambda: encode(item))
+            frame = self._frame(dst, sock, encoded, pickled)
             if frame is None:
                 return None                 # the pool is full
             send_frame(sock, frame)
@@ -303,6 +349,12 @@ class Sender:
             self._drop(dst)
 
 
+def _plain(raw: RawItem) -> bytes:
+    if raw.buf is not None:
+        raise NeedsPlain("the receiver has no shared-memory pool for this item's large values")
+    return raw.payload
+
+
 class Closing(Exception):
     """Raised by `admit` when the receiver is shutting down: the connection is closed without an
     answer, so the sender keeps the item and tries again (the next worker at that address takes it)."""
@@ -316,7 +368,7 @@ class Listener:
     (`item.window` set) it answers at once and may return None: no room, offer again.
     """
 
-    def __init__(self, path: Path, admit: Callable[[WorkItem], bool | None], pool: shm.ShmPool | None = None,
+    def __init__(self, path: Path, admit: Callable[[Any], bool | None], pool: shm.ShmPool | None = None,
                  device: str | None = None) -> None:
         self.path = path
         self._admit = admit

@@ -108,6 +108,11 @@ class ShmPool:
                 merged.append((off, n))
         self._free = merged
 
+    def slot_size(self, offset: int) -> int:
+        """The bytes reserved at `offset` (aligned)."""
+        with self._lock:
+            return self._slots[offset][0]
+
     def usage(self) -> tuple[int, int]:
         """(bytes in slots, slots taken)."""
         with self._lock:
@@ -164,6 +169,11 @@ class _Pickler(pickle.Pickler):
         return ref
 
 
+def blob(nbytes: int) -> _Large:
+    """One raw block of `nbytes` at a slot's start: a whole slot's contents copied in as they are."""
+    return _Large("bytes", 0, nbytes)
+
+
 class Encoded:
     """An item pickled with its large values left out, to be copied into a slot of `size` bytes."""
 
@@ -182,10 +192,27 @@ def encode(obj: Any, min_bytes: int) -> Encoded:
 
 def copy_in(mm: mmap.mmap, base: int, encoded: Encoded) -> None:
     """Copy each large value into the slot at `base` of a pool mapped as `mm` (the sender's side)."""
+    _copy_values(mm, base, encoded)
+
+
+def pack(encoded: Encoded) -> Any:
+    """The large values laid out as `copy_in` lays them in a slot, in one new uint8 numpy array of
+    `encoded.size` bytes (a Ray-placed stage's outputs travel as this one array)."""
+    import numpy
+    buf: Any = numpy.empty(encoded.size, dtype=numpy.uint8)
+    _copy_values(buf, 0, encoded)
+    return buf
+
+
+def _copy_values(mm: Any, base: int, encoded: Encoded) -> None:
     for ref, value in encoded.large:
         at = base + ref.offset
         if ref.kind == "bytes":
-            mm[at:at + ref.nbytes] = value
+            if isinstance(mm, mmap.mmap):
+                mm[at:at + ref.nbytes] = value
+            else:
+                import numpy
+                mm[at:at + ref.nbytes] = numpy.frombuffer(value, dtype=numpy.uint8)
         elif ref.kind == "tensor":
             import torch
             dst = torch.frombuffer(mm, dtype=torch.uint8, count=ref.nbytes, offset=at)

@@ -123,6 +123,7 @@ class Daemon:
         self._tasks: set[asyncio.Task[None]] = set()
         self._load_locks: dict[int, asyncio.Lock] = {}
         self._log_file: DaemonLogHandler | None = None  # our records into <state_dir>/logs/omnid.log too
+        self._uses_ray = False                      # some stage is placed on Ray: disconnect at exit
 
     def request_stop(self) -> None:
         if self._stop.is_set():
@@ -204,6 +205,11 @@ class Daemon:
         self._load_locks = {d: asyncio.Lock() for d in self.config.devices}   # one loader per device at a time
 
         def make_replica(config: Config, name: str, replica: int) -> StageHandle:
+            if config.stages[name].placement_of(replica) == "ray":
+                from omnid.supervisor.ray_stage import RayStageHandle     # imports ray when first used
+                self._uses_ray = True
+                return RayStageHandle(config, config.stages[name], self.data_dir, store.jobs_dir,
+                                      self._load_locks, replica)
             return StageHandle(config, config.stages[name], self.data_dir, store.jobs_dir, self._load_locks,
                                replica)
 
@@ -340,6 +346,13 @@ class Daemon:
         if self.reloader is not None:
             await self.reloader.stop()
         await asyncio.gather(*(h.stop(self.current.daemon.stop_grace_s) for h in list(self.stages.values())))
+        if self._uses_ray:
+            from omnid.supervisor import ray_stage
+            for group in self.stages.values():
+                for handle in group:
+                    if isinstance(handle, ray_stage.RayStageHandle):
+                        handle.close_bridge()
+            ray_stage.disconnect()
         self.device_locks.release()
         shutil.rmtree(self.data_dir, ignore_errors=True)
         if self._socket_path is not None:

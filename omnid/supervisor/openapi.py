@@ -201,6 +201,8 @@ def schemas(config: Config) -> dict[str, Any]:
         "jobs_done": _INT, "restarts": _INT, "rss_bytes": _nullable(_INT), "cpu_percent": _nullable(_NUM),
         "gpu_memory_bytes": _nullable(_INT), "uptime_s": _nullable(_NUM), "load_s": _nullable(_NUM),
         "last_error": _nullable(_STR), "model": _nullable(_STR), "function": _nullable(_STR),
+        "placement": _enum(("local", "ray", "mixed")), "node": _nullable(_STR),
+        "ray": {"type": ["object", "null"]},     # a Ray-placed worker: node_id, node_ip, node_name, host, actor_id
     }
     replica_keys = {**stage_keys, "replica": _INT, "label": _STR, "retiring": _BOOL}
     stage_keys = {**stage_keys, "replica_count": _INT, "down": {"type": "array", "items": _STR},

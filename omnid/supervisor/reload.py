@@ -39,7 +39,8 @@ from omnid.vocabulary import WorkerState
 log = structlog.get_logger("omnid.reload")
 
 # Only a restart can change these (the socket is open, the state dir and lock files are held).
-FIXED_DAEMON_KEYS = ("socket", "state_dir", "lock_dir", "socket_mode", "socket_group", "max_request_bytes")
+FIXED_DAEMON_KEYS = ("socket", "state_dir", "lock_dir", "socket_mode", "socket_group", "max_request_bytes",
+                     "ray_address")
 
 
 class Reloader:
@@ -92,6 +93,13 @@ class Reloader:
             log.error("reload refused: only a restart can change these", keys=[f"daemon.{k}" for k in fixed])
             return f"reload refused: daemon.{', daemon.'.join(fixed)} change only with a restart; still serving"
         old = self.config
+        moved = sorted(n for n in new.stages if n in old.stages and any(
+            old.stages[n].placement_of(i) != new.stages[n].placement_of(i)
+            for i in range(min(old.stages[n].replicas, new.stages[n].replicas))))
+        if moved:
+            log.error("reload refused: a replica's placement changed", stages=moved)
+            return (f"reload refused: stage(s) {', '.join(moved)} would move between this machine and Ray; only a "
+                    "restart moves a running replica (new replicas may go anywhere); still serving")
         back = sorted(n for n in new.stages if n in self._retiring)
         if back:
             return (f"reload refused: stage(s) {', '.join(back)} removed by the last reload still finish their "

@@ -293,7 +293,11 @@ class StageHandle:
         self._close_log_pipe()          # its last lines (a traceback) before the death is logged
         _kill_group(proc.pid)           # anything the engine started dies with it
         code = proc.exitcode
-        reason = f"worker (pid {proc.pid}) {describe_exit(code)}"
+        self._worker_gone(proc.pid, code, f"worker (pid {proc.pid}) {describe_exit(code)}")
+
+    def _worker_gone(self, pid: int | None, code: int | None, reason: str) -> None:
+        """The worker is gone (exit status `code`, None when unknown): a planned stop, or a death
+        the listener hears of, followed by a restart (or the stage's failure)."""
         if self._load_error:
             reason += f": {_error_summary(self._load_error)}"
         if not self._stopping:          # a planned stop (shutdown, sleep) is no error
@@ -311,7 +315,7 @@ class StageHandle:
             self.state = WorkerState.STOPPED
             self._attempt_over.set()
             return
-        log.error("stage worker died", stage=self.label, pid=proc.pid, exit=code, reason=reason)
+        log.error("stage worker died", stage=self.label, pid=pid, exit=code, reason=reason)
         self._notify("exit", lambda listener: listener.on_exit(self, reason))
         # End the start attempt that is waiting (it holds the device load locks).
         self._attempt_over.set()
@@ -456,9 +460,16 @@ class StageHandle:
         pid = self.pid
         return self._sampler.sample(pid).rss_bytes if pid is not None else None
 
+    def where(self) -> dict[str, Any]:
+        """Where the worker runs (`GET /v1/stages`: `placement`, `node`)."""
+        return {"placement": "local", "node": None}
+
+    def _sample(self) -> Any:
+        return self._sampler.sample(self.pid)
+
     def snapshot(self) -> dict[str, Any]:
         pid = self.pid
-        usage = self._sampler.sample(pid)
+        usage = self._sample()
         return {
             "name": self.name, "replica": self.replica, "label": self.label,
             "engine": self.stage.engine, "state": str(self.state), "pid": pid,
@@ -474,4 +485,5 @@ class StageHandle:
             "function": self.stage.function, "info": self.info,
             "shm": {"capacity_bytes": self.stats.shm_capacity, "used_bytes": self.stats.shm_used,
                     "slots": self.stats.shm_slots},
+            **self.where(),
         }

@@ -289,6 +289,8 @@ class StageGroup:
             "cpu_percent": round(sum(cpu), 1) if cpu else None,
             "tracked_jobs": sum(r["tracked_jobs"] for r in replicas),
             "last_error": self.last_error, "shm": shm,
+            "placement": placements.pop() if len(placements := {r["placement"] for r in replicas}) == 1 else "mixed",
+            "node": first["node"] if len(replicas) == 1 else None,
             "down": [h.label for h in self.down()],
             "idle_unload_s": self.stage.idle_unload_s,
             "idle_s": round(self.idle_for(), 1) if not self.sleeping else None,

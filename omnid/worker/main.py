@@ -36,7 +36,7 @@ import traceback
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 from omnid import protocol as P
 from omnid.config import EdgeConfig, PipelineConfig
@@ -93,10 +93,50 @@ def _setup_environment(spec: P.WorkerSpec) -> None:
     sys.path[:0] = [str(p) for p in stage.python_path if str(p) not in sys.path]
 
 
-class StageWorker:
-    """The busy loop of one stage, and the per-job state it keeps (and cleans)."""
+class ControlChannel(Protocol):
+    """The worker's end of its control channel: the supervisor's messages in, its events out.
 
-    def __init__(self, spec: P.WorkerSpec, conn: Connection) -> None:
+    A local worker's is its multiprocessing pipe (`Connection`); a Ray-placed one's is a pair of
+    queues inside its actor (`omnid.worker.ray_actor`). `send_bytes` takes a pickled message."""
+
+    def send(self, obj: Any) -> None: ...
+
+    def send_bytes(self, buf: bytes) -> None: ...
+
+    def recv(self) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+class DataTransport(Protocol):
+    """How a worker hands items to other stages (`dataplane.Sender`: Unix sockets and shared
+    memory on this machine; `ray_actor.RaySender`: through the supervisor's Ray bridge)."""
+
+    blocked_s: float
+
+    def send(self, to: str | Callable[[], str], item: WorkItem, abandon: Callable[[], bool],
+             on_wait: Callable[[], None] | None = None, busy: Callable[[], bool] | None = None) -> bool: ...
+
+    def offer(self, dst: str, item: WorkItem) -> bool | None: ...
+
+    def prune(self) -> None: ...
+
+
+# A sink's outputs -> their files in the job's folder, one `Output` event each (job, outputs, prefix).
+WriteOutputs = Callable[[str, dict[str, Any], str], list[P.Output]]
+
+
+class StageWorker:
+    """The busy loop of one stage, and the per-job state it keeps (and cleans).
+
+    Its two channels are pluggable (a Ray-placed worker runs this same class inside an actor):
+    `conn` (control), `transport` (a factory of data senders) and `write_sink` (a last stage's
+    outputs into the job's folder); `live_sink` says whether a last stage streams its segments to
+    files as it runs (only where the job's folder is on this machine)."""
+
+    def __init__(self, spec: P.WorkerSpec, conn: ControlChannel,
+                 transport: Callable[[], DataTransport] | None = None,
+                 write_sink: WriteOutputs | None = None, live_sink: bool = True) -> None:
         self.spec = spec
         self.config = spec.config
         self.stage = spec.config.stages[spec.stage].for_replica(spec.replica)
@@ -119,7 +159,11 @@ class StageWorker:
         self.builders: dict[tuple[str, str], WindowBuilder] = {}      # (job, dst)
         self.unsent: dict[tuple[str, str], deque[WorkItem]] = {}      # (job, dst)
         self.windows_sent: dict[str, int] = {}                        # dst -> windows admitted there
-        self.window_sender = Sender(spec.socket_for, spec.config.daemon.shm_min_bytes)   # never blocks
+        make_sender: Callable[[], DataTransport] = transport or (
+            lambda: Sender(spec.socket_for, spec.config.daemon.shm_min_bytes))
+        self.write_sink: WriteOutputs = write_sink or self._write_sink
+        self.live_sink = live_sink
+        self.window_sender = make_sender()      # never blocks
         # Downstream side (under _lock): each streamed job's windows, read by its InputStreams.
         self.streams: dict[tuple[str, str | None], EdgeStream] = {}   # (job, src)
         self.wakeup = threading.Event()      # a window, an input or a cancel arrived: the loop looks again
@@ -128,7 +172,7 @@ class StageWorker:
         self._pruned_at = 0.0
         self._flushed_at = 0.0
         self.shutting_down = threading.Event()
-        self.sender = Sender(spec.socket_for, spec.config.daemon.shm_min_bytes)
+        self.sender = make_sender()
         self.pool: ShmPool | None = None                 # this stage's shared memory for large inputs
         self.engine: Engine = _NoEngine()          # until load_engine() returns
         self.enqueued = self.dequeued = self.dropped = self.triggers = 0
@@ -467,7 +511,7 @@ class StageWorker:
         streaming = [e for e in outgoing if e.window > 0]
         sink_dir = self.spec.jobs_dir / job if not outgoing else None
         prefix = self._sink_prefix(pipeline)
-        if sink_dir is not None:
+        if sink_dir is not None and self.live_sink:
             clear_stream(sink_dir, prefix)  # what an earlier attempt (before a retry) streamed
             live_outputs = self.live_outputs[job] = StreamWriter(sink_dir, prefix)
 
@@ -482,7 +526,7 @@ class StageWorker:
                     error = self._queue_window(item, edge, *window, last=builder.closed)
                     if error is not None:
                         return error
-            if sink_dir is not None and outputs:
+            if sink_dir is not None and outputs and self.live_sink:
                 live_outputs.append(outputs)
             return None
 
@@ -494,6 +538,10 @@ class StageWorker:
                              _emit=emit, _is_cancelled=lambda: self.is_dead(job), _on_segment=on_segment,
                              _is_held=held)
         return ctx
+
+    def _write_sink(self, job: str, outputs: dict[str, Any], prefix: str) -> list[P.Output]:
+        from omnid.worker.outputs import write_outputs
+        return write_outputs(job, self.spec.jobs_dir / job, outputs, prefix)
 
     def _sink_prefix(self, pipeline: PipelineConfig) -> str:
         """How this last stage's outputs are named apart from the other last stages' ones."""
@@ -519,7 +567,7 @@ class StageWorker:
             writer = self.live_outputs.pop(ctx.job, None)
             if writer is not None:
                 writer.close()
-            if not pipeline.outgoing(self.stage.name):
+            if not pipeline.outgoing(self.stage.name) and self.live_sink:
                 # A last stage's segments were streamed to files for `?stream=1` readers (who keep
                 # their open file); from now on the job's outputs are its final files.
                 clear_stream(self.spec.jobs_dir / ctx.job, self._sink_prefix(pipeline))
@@ -536,10 +584,9 @@ class StageWorker:
         elapsed = (ctx.ended or time.monotonic()) - ctx.started
         edges = pipeline.outgoing(self.stage.name)
         if not edges:                              # a sink: the outputs are the job's
-            from omnid.worker.outputs import write_outputs
             prefix = self._sink_prefix(pipeline)
             try:
-                events = write_outputs(ctx.job, self.spec.jobs_dir / ctx.job, ctx.outputs or {}, prefix)
+                events = self.write_sink(ctx.job, ctx.outputs or {}, prefix)
             except Exception as e:
                 self.post(P.Failed(job=ctx.job, error=_clip(f"writing outputs failed: {type(e).__name__}: {e}"),
                                    code="output_failed"))

@@ -177,8 +177,17 @@ class StreamWriter:
 
 def write_outputs(job: str, job_dir: Path, outputs: dict[str, Any], prefix: str = "") -> list[Output]:
     """Write every output of a sink stage; return one `Output` event per file."""
-    _private_dirs(job_dir)
-    events: list[Output] = []
+    return write_planned(job, job_dir, plan_outputs(outputs, prefix))
+
+
+# One file of a sink's outputs, encoded but not written: (output name, file name, bytes, content type, kind).
+PlannedFile = tuple[str, str, bytes, str, str]
+
+
+def plan_outputs(outputs: dict[str, Any], prefix: str = "") -> list[PlannedFile]:
+    """Each output value encoded into its file(s), named, but not written (a Ray-placed sink encodes
+    here, on its node, and the supervisor writes them into the job's folder: `write_planned`)."""
+    planned: list[PlannedFile] = []
     taken: set[str] = {"manifest"}        # the scheduler writes manifest.json beside the outputs
     for name, value in outputs.items():
         base = f"{prefix}{name}"
@@ -189,7 +198,17 @@ def write_outputs(job: str, job_dir: Path, outputs: dict[str, Any], prefix: str 
                 out_name, file = f"{base}-{index}", f"{stem}-{index}.{ext}"
             else:
                 out_name, file = base, f"{stem}.{suffix}"
-            size = _write(job_dir / file, data)
-            events.append(Output(job=job, name=out_name, file=file, kind=kind,
-                                 content_type=ctype, size=size))
+            planned.append((out_name, file, data, ctype, kind))
+    return planned
+
+
+def write_planned(job: str, job_dir: Path, planned: list[PlannedFile]) -> list[Output]:
+    """Write planned files into the job's folder; one `Output` event per file."""
+    _private_dirs(job_dir)
+    events: list[Output] = []
+    for out_name, file, data, ctype, kind in planned:
+        if "/" in file or file.startswith(".") or file in ("", ".."):
+            raise ValueError(f"not a file name: {file!r}")
+        size = _write(job_dir / file, data)
+        events.append(Output(job=job, name=out_name, file=file, kind=kind, content_type=ctype, size=size))
     return events

@@ -31,6 +31,7 @@ import bench_capacity  # noqa: E402
 import bench_control  # noqa: E402
 import bench_dataplane  # noqa: E402
 import bench_engines  # noqa: E402
+import bench_ray  # noqa: E402
 import bench_streaming  # noqa: E402
 
 
@@ -79,6 +80,12 @@ BENCHES: list[Bench] = [
           ["CPU-bound python stage, N jobs: 2 replicas, jobs/s"], (150, 80), ()),
     Bench("wake", "capacity", bench_capacity.bench_wake,
           ["sleeping tiny-vLLM stage: submit -> job done (wake included)"], (200, 120), ()),
+    Bench("ray", "ray", bench_ray.bench_ray,
+          ["Ray hop: 3-stage no-op, middle stage Ray-placed, p50",
+           "256 MiB fp16 hand-off, local -> local (same run)",
+           "256 MiB fp16 hand-off, local -> Ray-placed (across raylets)",
+           "256 MiB fp16 hand-off, Ray-placed -> local (across raylets)"],
+          (240, 150), ()),
     Bench("supervisor_rss", "control", bench_control.bench_supervisor_rss,
           ["supervisor RSS after N no-op jobs"], (150, 45), ("control",)),
 ]

@@ -87,12 +87,14 @@ STAGES_DOC = {
             "name": "expand", "engine": "vllm", "state": WorkerState.READY, "pid": 4242, "devices": [0],
             "queue_depth": 1, "queue_capacity": 4, "jobs_done": 17, "restarts": 0, "rss_bytes": 3 * 1024**3,
             "cpu_percent": 12.5, "gpu_memory_bytes": None, "uptime_s": 3725.0, "load_s": 20.1, "last_error": None,
+            "placement": "local", "node": None,
         },
         {
             "name": "draw", "engine": "diffusers", "state": WorkerState.FAILED, "pid": None, "devices": [],
             "queue_depth": 0, "queue_capacity": 4, "jobs_done": 3, "restarts": 2, "rss_bytes": None,
             "cpu_percent": None, "gpu_memory_bytes": None, "uptime_s": None, "load_s": None,
             "last_error": "RuntimeError: model directory missing",
+            "placement": "ray", "node": "10.0.0.2", "ray": {"node_id": "97859021cc72", "node_ip": "10.0.0.2"},
         },
     ]
 }
@@ -587,8 +589,9 @@ def test_stages_and_pipelines_tables(daemon: FakeDaemon) -> None:
     daemon.json("GET", "/v1/stages", STAGES_DOC)
     daemon.json("GET", "/v1/pipelines", PIPELINES_DOC)
     stages = run_cli(daemon, "stages").stdout.splitlines()
-    assert stages[0].split()[:5] == ["NAME", "ENGINE", "STATE", "PID", "DEVICES"]
-    assert stages[1].split()[:6] == ["expand", "vllm", "ready", "4242", "0", "1/4"]
+    assert stages[0].split()[:6] == ["NAME", "ENGINE", "STATE", "PID", "NODE", "DEVICES"]
+    assert stages[1].split()[:7] == ["expand", "vllm", "ready", "4242", "local", "0", "1/4"]
+    assert "ray:10.0.0.2/97859021" in stages[2]      # a Ray-placed stage: its node's address and id
     assert "3.0GiB" in stages[1] and "1h02m" in stages[1]
     assert "cpu" in stages[2] and "model directory missing" in stages[2]
     pipelines = run_cli(daemon, "pipelines").stdout

@@ -479,3 +479,51 @@ def test_a_reload_of_replicas_alone_keeps_the_workers(tmp_path: Path) -> None:
     assert not before.same_worker(other, 0)
     sleepy = parse(one_stage(devices=[[0], [1]], idle_unload_s=9), tmp_path).stages["a"]
     assert before.same_worker(sleepy, 0) and before.same_worker(sleepy, 1)
+
+
+# --------------------------------------------------------------------------- placement = "ray"
+
+
+def ray_config(daemon: dict[str, Any] | None = None, **stage: Any) -> dict[str, Any]:
+    return {"daemon": {"ray_address": "10.0.0.1:6379", **(daemon or {})},
+            "stages": {"a": py(), "b": py(**stage)}, "pipelines": {"p": {"stages": ["a", "b"]}}}
+
+
+def test_ray_placement_and_resource_needs_parse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(C, "ray_available", lambda: True)
+    cfg = parse(ray_config(placement="ray", ray={"num_gpus": 1, "num_cpus": 2, "memory_mb": 512,
+                                                 "resources": {"node2": 1}, "labels": {"zone": "b"}}), tmp_path)
+    b = cfg.stages["b"]
+    assert cfg.daemon.ray_address == "10.0.0.1:6379"
+    assert b.placement == ("ray",) and b.placement_of(0) == "ray" and cfg.stages["a"].placement_of(0) == "local"
+    assert b.ray.actor_options() == {"num_cpus": 2.0, "num_gpus": 1.0, "memory": 512 << 20,
+                                     "resources": {"node2": 1.0}, "label_selector": {"zone": "b"}}
+    mixed = parse(ray_config(placement=["local", "ray"], replicas=2), tmp_path).stages["b"]
+    assert [mixed.placement_of(i) for i in range(2)] == ["local", "ray"]
+    local = parse(ray_config(placement="local"), tmp_path).stages["b"]
+    assert local.placement == () and local.placement_of(0) == "local"
+    pickle.loads(pickle.dumps(cfg))         # handed to workers and actors
+
+
+def test_ray_placement_problems(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(C, "ray_available", lambda: True)
+    found = problems({**ray_config(placement="ray"), "daemon": {}}, tmp_path)
+    assert "is required" in found["daemon.ray_address"][0]
+    found = problems(ray_config(placement="cloud"), tmp_path)
+    assert "must be one of 'local', 'ray'" in found["stages.b.placement"][0]
+    found = problems(ray_config(placement=["ray"], replicas=2), tmp_path)
+    assert "one per replica" in found["stages.b.placement"][0]
+    found = problems(ray_config(placement="ray", devices=[0]), tmp_path)
+    assert "ray.num_gpus" in found["stages.b.devices"][0]
+    found = problems(ray_config(placement="ray", ray={"gpus": 1, "num_cpus": -1, "resources": {"x": "y"}}),
+                     tmp_path)
+    assert "unknown key" in found["stages.b.ray.gpus"][0]
+    assert "stages.b.ray.num_cpus" in found and "stages.b.ray.resources.x" in found
+
+
+def test_ray_placement_without_ray_installed_is_a_check_error(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(C, "ray_available", lambda: False)
+    found = problems(ray_config(placement="ray"), tmp_path)
+    assert found["stages.b.placement"] == ["\"ray\" needs Ray, which is not installed: pip install 'omnid[ray]'"]
+    parse(ray_config(), tmp_path)           # without a Ray-placed stage, no Ray needed
