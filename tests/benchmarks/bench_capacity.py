@@ -16,7 +16,7 @@ from _harness import (Ctx, Daemon, Row, at_least, at_most, fmt, in_threads, p50,
 
 
 def _burst(d: Daemon, pipeline: str, n: int, cpu_s: float) -> float:
-    """Wall seconds for n jobs submitted at once (8 clients) to all end."""
+    """Wall seconds for n jobs submitted at once (one client thread each) to all end."""
     t0 = time.monotonic()
     results = in_threads(n, lambda i: d.run(pipeline, {"text": str(i)}, {pipeline: {"cpu_s": cpu_s}},
                                             timeout=300).check(), timeout=600)
@@ -25,6 +25,7 @@ def _burst(d: Daemon, pipeline: str, n: int, cpu_s: float) -> float:
 
 
 def bench_replicas(ctx: Ctx) -> list[Row]:
+    """Bursts of CPU-bound jobs (1 s of CPU each) to the same python stage with 1 and 2 replicas: jobs/s."""
     # Jobs of a second of CPU each: the supervisor's and the clients' own work (a few ms a job) shares
     # the 2 cores with the replicas, and must stay small beside the work being measured.
     n, cpu_s, rounds = ctx.n(8, 4), 1.0, ctx.n(3, 2)
@@ -51,6 +52,7 @@ def bench_replicas(ctx: Ctx) -> list[Row]:
 
 
 def bench_wake(ctx: Ctx) -> list[Row]:
+    """A sleeping tiny-vLLM stage's next job (submit -> end, its wake included) vs a cold daemon's first job."""
     params = {"llm": {"max_tokens": 16}}
     stages = {"llm": vllm_stage(idle_unload_s=3600)}
     d = start_daemon(stages, {"p": {"stages": ["llm"]}})
