@@ -61,6 +61,7 @@ def _raw_ray_transfer(address: str, n: int) -> list[float]:
 
 
 def bench_ray(ctx: Ctx) -> list[Row]:
+    """A stage hop and a 256 MiB hand-off into and out of a Ray-placed stage, vs local and raw Ray."""
     from raycluster import start_cluster
     ctx.log("starting a Ray cluster (head + second raylet)")
     cluster = start_cluster(head_store=600_000_000, node2_store=600_000_000)
