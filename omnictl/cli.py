@@ -499,24 +499,35 @@ def stage_restart(settings: Settings, name: str, no_wait: bool, timeout: float) 
         else:
             click.echo(f"{name}: restarting")
         return
-    deadline = time.monotonic() + timeout
-    while True:
-        snap: dict[str, Any] = next((s for s in client.stages().get("stages", []) if s.get("name") == name), {})
-        state = snap.get("state")
+
+    def replaced(snap: dict[str, Any]) -> bool:     # ready, every replica a new process
         pids = _replica_pids(snap)
-        if state in ("ready", "busy") and pids and None not in pids and not old_pids & set(pids):
-            break
-        if state == "failed" or time.monotonic() > deadline:
-            if settings.json:
-                _print_json(snap)
-            click.echo(f"omnictl: {name}: {state or 'gone'}: {snap.get('last_error') or 'not ready in time'}",
-                       err=True)
-            raise click.exceptions.Exit(int(ExitCode.JOB_FAILED))
-        time.sleep(0.2)
+        return snap.get("state") in ("ready", "busy") and bool(pids) and None not in pids \
+            and not old_pids & set(pids)
+
+    snap = _wait_for_stage(settings, client, name, timeout, "not ready in time", done=replaced, failed=("failed",))
     if settings.json:
         _print_json(snap)
     else:
         click.echo(f"{name}: ready (pid {snap.get('pid')}, loaded in {snap.get('load_s')} s)")
+
+
+def _wait_for_stage(settings: Settings, client: Client, name: str, timeout: float, late: str,
+                    done: Callable[[dict[str, Any]], bool], failed: tuple[str, ...]) -> dict[str, Any]:
+    """Poll `GET /v1/stages` until stage `name` is `done`; exit 1 when it is in a `failed` state, is
+    gone, or `timeout` passes (saying its state and last error, or `late`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        snap: dict[str, Any] = next((s for s in client.stages().get("stages", []) if s.get("name") == name), {})
+        if snap and done(snap):
+            return snap
+        state = snap.get("state")
+        if not snap or state in failed or time.monotonic() > deadline:
+            if settings.json:
+                _print_json(snap)
+            click.echo(f"omnictl: {name}: {state or 'gone'}: {snap.get('last_error') or late}", err=True)
+            raise click.exceptions.Exit(int(ExitCode.JOB_FAILED))
+        time.sleep(0.2)
 
 
 def _replica_pids(snap: dict[str, Any]) -> list[Any]:
@@ -558,23 +569,14 @@ def stage_wake(settings: Settings, name: str, no_wait: bool, timeout: float) -> 
         else:
             click.echo(f"{name}: {'awake already' if answer.get('already') else 'waking'}")
         return
-    deadline = time.monotonic() + timeout
-    while True:
-        snap: dict[str, Any] = next((s for s in client.stages().get("stages", []) if s.get("name") == name), {})
-        state = snap.get("state")
-        if state in ("ready", "busy", "degraded"):
-            break
-        if state in ("failed", "sleeping") or time.monotonic() > deadline:
-            if settings.json:
-                _print_json(snap)
-            click.echo(f"omnictl: {name}: {state or 'gone'}: {snap.get('last_error') or 'not awake in time'}",
-                       err=True)
-            raise click.exceptions.Exit(int(ExitCode.JOB_FAILED))
-        time.sleep(0.2)
+    # `sleeping` again: the wake failed (`starting` while it runs)
+    snap = _wait_for_stage(settings, client, name, timeout, "not awake in time",
+                           done=lambda snap: snap.get("state") in ("ready", "busy", "degraded"),
+                           failed=("failed", "sleeping"))
     if settings.json:
         _print_json(snap)
     else:
-        click.echo(f"{name}: {state} (woke in {snap.get('wake_s')} s)")
+        click.echo(f"{name}: {snap.get('state')} (woke in {snap.get('wake_s')} s)")
 
 
 @command(click.argument("name", required=False, shell_complete=complete_pipelines))

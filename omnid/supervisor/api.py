@@ -679,7 +679,7 @@ class Api:
         `replicas_down`) or sleeping (it wakes for its next job)."""
         states = {name: str(h.state) for name, h in self.stages.items()}
         not_ready = sorted(name for name, h in self.stages.items()
-                           if not h.state.serving or (self.info.starting and not h.state.warm))
+                           if not h.takes_jobs or (self.info.starting and not h.state.warm))
         down = {name: {h.label: str(h.state) for h in g.down()} for name, g in self.stages.items() if g.down()}
         body: dict[str, Any] = {"ready": not not_ready and not self.info.draining, "stages": states,
                                 "not_ready": not_ready, "replicas_down": down}

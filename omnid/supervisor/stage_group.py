@@ -75,8 +75,8 @@ class StageGroup:
     def state(self) -> WorkerState:
         """ready/busy when every replica serves, degraded when some do, failed when none can;
         otherwise what the replicas are doing (loading, restarting ...); sleeping while asleep."""
-        if self.sleeping:
-            return WorkerState.SLEEPING
+        if self.sleeping:               # asleep; `starting` once a wake is asked for
+            return WorkerState.SLEEPING if self.waking is None else WorkerState.STARTING
         serving = self.replicas[:self.active] or self.replicas
         states = [h.state for h in serving]
         if all(s.warm for s in states):
@@ -86,6 +86,11 @@ class StageGroup:
         if all(s is WorkerState.FAILED for s in states):
             return WorkerState.FAILED
         return next(s for s in states if s is not WorkerState.FAILED)
+
+    @property
+    def takes_jobs(self) -> bool:
+        """Readiness: it serves now (or degraded), sleeps, or is being woken: a job for it is taken."""
+        return self.state.serving or self.waking is not None
 
     @property
     def last_error(self) -> str | None:
