@@ -201,6 +201,7 @@ class Output:
 class Finished:
     job: str
     elapsed_s: float
+    usage: dict[str, int] | None = None     # an engine's counts (vLLM: prompt and completion tokens)
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,12 @@ def test_chat_plain_and_streamed_say_the_same(client: Any, daemon: RunningDaemon
     # the random model never says EOS: it stops at max_tokens, each token counted
     assert plain.choices[0].finish_reason == "length"
     assert plain.usage.completion_tokens == 8
+    assert plain.usage.prompt_tokens > 0                            # the vLLM stage's own count
     assert plain.usage.total_tokens == plain.usage.prompt_tokens + 8
+    longer = client.chat.completions.create(model="chat", messages=CHAT + [
+        {"role": "assistant", "content": "It is large."}, {"role": "user", "content": "And deep?"}],
+        temperature=0, max_tokens=1)
+    assert longer.usage.prompt_tokens > plain.usage.prompt_tokens
 
     stream = client.chat.completions.create(model="chat", messages=CHAT, temperature=0, max_tokens=8, seed=3,
                                             stream=True, stream_options={"include_usage": True})
@@ -125,6 +130,7 @@ def test_chat_plain_and_streamed_say_the_same(client: Any, daemon: RunningDaemon
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == "length" and not any(finishes[:-1])
     assert chunks[-1].usage.completion_tokens == 8
+    assert chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens
     assert chunks[0].choices[0].delta.role == "assistant"
 
     for answer_id in (plain.id, chunks[0].id):
@@ -140,6 +146,9 @@ def test_completion(client: Any, daemon: RunningDaemon) -> None:
     text = done.choices[0].text
     assert done.object == "text_completion" and text.strip() and not text.startswith("The morning")
     assert done.usage.completion_tokens == 5 and done.choices[0].finish_reason == "length"
+    from tokenizers import Tokenizer        # the stage's tokenizer, read here: the count is the real one
+    ids = Tokenizer.from_file(str(MODELS / "llm" / "tokenizer.json")).encode("The morning was").ids
+    assert done.usage.prompt_tokens == len(ids), (done.usage, ids)
     echoed = client.completions.create(model="chat", prompt="The morning was", max_tokens=5, temperature=0,
                                        echo=True)
     assert echoed.choices[0].text == "The morning was" + text

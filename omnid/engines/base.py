@@ -48,6 +48,7 @@ class RequestContext:
     error: str | None = None
     segments: int = 0
     ended: float | None = None          # when the engine completed it (hand-off time not included)
+    usage: dict[str, int] | None = None     # what an engine counts: {"prompt_tokens": N, "completion_tokens": M}
 
     def cancelled(self) -> bool:
         return self._is_cancelled()

@@ -276,6 +276,7 @@ class VllmEngine(Engine):
                 self._by_job.pop(req.ctx.job, None)
                 generated = "".join(req.pieces)
                 sep = " " if req.prefix and generated and not generated[0].isspace() else ""
+                req.ctx.usage = {"prompt_tokens": len(out.prompt_token_ids or ()), "completion_tokens": req.tokens}
                 req.ctx.finish({"text": (req.prefix + sep + generated).strip()})
 
     def abort(self, job: str) -> None:

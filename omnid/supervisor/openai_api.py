@@ -151,6 +151,7 @@ class _Generation:
     segments: int = 0
     tokens: int | None = None
     max_tokens: int | None = None
+    prompt_tokens: int = 0          # what the vLLM stage counted (its stage_finished event's usage)
 
     @property
     def completion_tokens(self) -> int:
@@ -419,6 +420,8 @@ class OpenAiApi:
             stage = ev.get("stage")
             if ev["type"] == EventType.PROGRESS and stage == gen.token_stage:
                 gen.tokens, gen.max_tokens = int(ev["done"]), int(ev["total"])
+            elif ev["type"] == EventType.STAGE_FINISHED and stage == gen.token_stage and ev.get("usage"):
+                gen.prompt_tokens = int(ev["usage"].get("prompt_tokens") or 0)
             elif ev["type"] == EventType.SEGMENT and stage == gen.text_stage:
                 gen.segments += 1
                 text = ev.get("text")
@@ -729,8 +732,9 @@ def _pick(outputs: list[dict[str, Any]], kind: str, name: str, stage: str | None
 
 
 def _usage(gen: _Generation) -> dict[str, int]:
-    # The engines do not report prompt tokens (yet): 0, and the total is the completion's.
-    return {"prompt_tokens": 0, "completion_tokens": gen.completion_tokens, "total_tokens": gen.completion_tokens}
+    """The vLLM stage's own count of the prompt's tokens (0 when the answer came from no vLLM stage)."""
+    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
+            "total_tokens": gen.prompt_tokens + gen.completion_tokens}
 
 
 async def _send(resp: web.StreamResponse, obj: dict[str, Any]) -> None:

@@ -396,7 +396,8 @@ class Scheduler:
         run.elapsed_s = round(msg.elapsed_s, 4)
         if self.metrics:
             self.metrics.stage_finished(stage, msg.elapsed_s)
-        job.events.emit(EventType.STAGE_FINISHED, stage=stage, elapsed_s=run.elapsed_s)
+        job.events.emit(EventType.STAGE_FINISHED, stage=stage, elapsed_s=run.elapsed_s,
+                        **({"usage": dict(msg.usage)} if msg.usage else {}))
         self.store.save(job.record)
         # Every stage, not only the sinks: workers report on separate pipes, so a sink's
         # Finished may be read before an upstream's (fan-in), which must not be left "running".

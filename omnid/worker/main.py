@@ -593,7 +593,7 @@ class StageWorker:
                 return
             for ev in events:
                 self.post(ev)
-            self.post(P.Finished(job=ctx.job, elapsed_s=elapsed))
+            self.post(P.Finished(job=ctx.job, elapsed_s=elapsed, usage=ctx.usage))
             return
         handoffs: list[tuple[str, WorkItem]] = []
         for edge in edges:
@@ -612,7 +612,7 @@ class StageWorker:
                 return
             handoffs.append((edge.dst, WorkItem(job=ctx.job, pipeline=item.pipeline, src=self.stage.name,
                                                 inputs=inputs, params=item.params, routes=item.routes)))
-        self.post(P.Finished(job=ctx.job, elapsed_s=elapsed))
+        self.post(P.Finished(job=ctx.job, elapsed_s=elapsed, usage=ctx.usage))
         for dst, out in handoffs:
             with self._lock:
                 if self.is_dead(ctx.job):
