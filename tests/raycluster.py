@@ -20,6 +20,11 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 RAY = str(Path(sys.executable).with_name("ray"))
+# A test cluster is local and unauthenticated, whatever the user's own Ray set-up: with RAY_AUTH_MODE
+# unset, a head finds a token in ~/.ray (from a two-node set-up) and turns auth on, and its second
+# raylet is refused. Everything that talks to the test cluster (its nodes, the daemons, a driver)
+# gets this.
+CLIENT_ENV = {"RAY_AUTH_MODE": "disabled"}
 
 
 def _free_port() -> int:
@@ -99,7 +104,7 @@ def start_cluster(head_store: int = 300_000_000, node2_store: int = 200_000_000)
     temp_dir = Path(tempfile.mkdtemp(prefix="omnid-ray-", dir="/tmp"))
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "RAY_DISABLE_USAGE_STATS": "1"}
+           "RAY_DISABLE_USAGE_STATS": "1", **CLIENT_ENV}
     cluster = RayCluster(f"127.0.0.1:{port}", temp_dir, env)
     common = ["--temp-dir", str(temp_dir), "--disable-usage-stats"]
     head = [RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",

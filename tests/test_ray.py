@@ -44,7 +44,7 @@ import psutil
 import pytest
 
 from conftest import FIXTURES, RunningDaemon, py_stage, wait_for, wait_gone, wait_started
-from raycluster import RayCluster, start_cluster
+from raycluster import CLIENT_ENV, RayCluster, start_cluster
 
 pytest.importorskip("ray", reason="the `ray` extra is not installed (pip install 'omnid[ray]')")
 pytestmark = pytest.mark.ray
@@ -69,7 +69,8 @@ def start_ray_daemon(start_daemon: Start, ray_cluster: RayCluster) -> Callable[.
     def start(stages: dict[str, Any], pipelines: dict[str, Any], daemon: dict[str, Any] | None = None,
               **kw: Any) -> RunningDaemon:
         return start_daemon(stages, pipelines, {"ray_address": ray_cluster.address, **(daemon or {})},
-                            env={"PYTHONPATH": ray_cluster.env["PYTHONPATH"], "RAY_DISABLE_USAGE_STATS": "1"}, **kw)
+                            env={"PYTHONPATH": ray_cluster.env["PYTHONPATH"], "RAY_DISABLE_USAGE_STATS": "1",
+                                 **CLIENT_ENV}, **kw)
     return start
 
 

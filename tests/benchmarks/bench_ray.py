@@ -10,6 +10,7 @@ The cluster and the daemon are stopped at the end. Needs the `ray` extra.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -62,7 +63,8 @@ def _raw_ray_transfer(address: str, n: int) -> list[float]:
 
 def bench_ray(ctx: Ctx) -> list[Row]:
     """A stage hop and a 256 MiB hand-off into and out of a Ray-placed stage, vs local and raw Ray."""
-    from raycluster import start_cluster
+    from raycluster import CLIENT_ENV, start_cluster
+    os.environ.update(CLIENT_ENV)       # this process's driver and the daemons it starts talk to that cluster
     ctx.log("starting a Ray cluster (head + second raylet)")
     cluster = start_cluster(head_store=600_000_000, node2_store=600_000_000)
     d = None
