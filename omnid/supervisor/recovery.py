@@ -65,10 +65,27 @@ class Recovery:
         """Jobs waiting for a resend (per-job state this class holds)."""
         return sum(len(p) for p in self.resend_after_restart.values())
 
+    def _later(self, job: LiveJob, stage: str) -> None:
+        """Ask for `stage`'s inputs of `job` again once the replica serving it there is READY."""
+        self.resend_after_restart.setdefault(P.address(stage, job.route(stage)), set()).add(job.id)
+
+    def _ask(self, job: LiveJob, stage: str) -> None:
+        """Ask for them now if that replica is warm, else once it is back."""
+        worker = self._worker(job, stage)
+        if worker is not None and worker.state.warm:
+            self.inputs_for(job, stage)
+        else:
+            self._later(job, stage)
+
+    @staticmethod
+    def _undelivered(job: LiveJob, stage: str) -> bool:
+        """`stage` finished the job, but a downstream stage has not admitted its outputs yet."""
+        return job.stage(stage).state is StageRunState.SUCCEEDED and any(
+            (stage, e.dst) not in job.delivered for e in job.pipeline.outgoing(stage))
+
     def worker_died(self, handle: StageHandle, reason: str) -> None:
         """Fail (or retry) the jobs the worker ran; remember what it held, to ask for it again."""
         name = handle.name
-        address = P.address(name, handle.replica)
         if len(self._jobs.stages[name].replicas) > 1:
             reason = f"(replica {handle.replica}) {reason}"
         now = time.time()
@@ -76,8 +93,7 @@ class Recovery:
             if name not in job.record.stages or job.route(name) != handle.replica:
                 continue
             run = job.stage(name)
-            undelivered = run.state is StageRunState.SUCCEEDED and any(
-                (name, e.dst) not in job.delivered for e in job.pipeline.outgoing(name))
+            undelivered = self._undelivered(job, name)
             streams_out = any(e.window > 0 for e in job.pipeline.outgoing(name))
             mid_stream = job.streamed or (streams_out and run.state is StageRunState.RUNNING)
             if mid_stream and (run.state.busy or undelivered):
@@ -95,7 +111,7 @@ class Recovery:
                     job.events.emit(EventType.ERROR, stage=name, code=str(ErrorCode.WORKER_DIED),
                                     message=f"stage {name!r} {reason}; retrying (attempt {job.attempts + 1})")
                     run.set_state(StageRunState.QUEUED, now)
-                    self.resend_after_restart.setdefault(address, set()).add(job.id)
+                    self._later(job, name)
                 else:
                     run.set_state(StageRunState.FAILED, now)
                     msg = f"stage {name!r} {reason} while running this job"
@@ -104,7 +120,7 @@ class Recovery:
                                       {"code": str(ErrorCode.WORKER_DIED), "message": msg, "stage": name})
             elif run.state is StageRunState.QUEUED or undelivered:
                 run.set_state(StageRunState.QUEUED, now)
-                self.resend_after_restart.setdefault(address, set()).add(job.id)
+                self._later(job, name)
 
     def worker_slept(self, handle: StageHandle) -> None:
         """The worker was stopped for its stage to sleep, with no work as far as we knew: a job
@@ -115,11 +131,9 @@ class Recovery:
             run = job.record.stages.get(name)
             if run is None or job.route(name) != handle.replica:
                 continue
-            undelivered = run.state is StageRunState.SUCCEEDED and any(
-                (name, e.dst) not in job.delivered for e in job.pipeline.outgoing(name))
-            if run.state.busy or undelivered:
+            if run.state.busy or self._undelivered(job, name):
                 run.set_state(StageRunState.QUEUED, now)
-                self.resend_after_restart.setdefault(P.address(name, handle.replica), set()).add(job.id)
+                self._later(job, name)
 
     def worker_back(self, handle: StageHandle) -> None:
         """The worker is READY again: ask for the inputs its predecessor lost, oldest job first."""
@@ -149,11 +163,7 @@ class Recovery:
         """`stage`'s outputs of `job` were lost with a dead worker: compute them again."""
         job.stage(stage).set_state(StageRunState.QUEUED, time.time())
         job.delivered = {d for d in job.delivered if d[0] != stage}
-        worker = self._worker(job, stage)
-        if worker is not None and worker.state.warm:
-            self.inputs_for(job, stage)
-        else:
-            self.resend_after_restart.setdefault(P.address(stage, job.route(stage)), set()).add(job.id)
+        self._ask(job, stage)
 
     def stage_failed(self, handle: StageHandle, error: str) -> None:
         """A replica is given up for good. Its jobs move to the stage's other replicas while one
@@ -171,11 +181,7 @@ class Recovery:
                     continue
                 self._jobs.reroute(job, name)
                 if job.id in lost:
-                    worker = self._worker(job, name)
-                    if worker is not None and worker.state.warm:
-                        self.inputs_for(job, name)
-                    else:
-                        self.resend_after_restart.setdefault(P.address(name, job.route(name)), set()).add(job.id)
+                    self._ask(job, name)
             return
         for job in list(self._jobs.live.values()):
             if name in job.record.stages:
