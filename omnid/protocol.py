@@ -48,6 +48,12 @@ def address(stage: str, replica: int = 0) -> str:
     return f"{stage}.{replica}"
 
 
+def parse_address(address: str) -> tuple[str, int]:
+    """(stage, replica) of an `address(stage, replica)`."""
+    stage, _, replica = address.rpartition(".")
+    return stage, int(replica)
+
+
 def socket_path(data_dir: Path, address: str) -> Path:
     return data_dir / f"{address}.sock"
 

@@ -203,7 +203,7 @@ class Reloader:
     async def _retire_replica(self, group: StageGroup, handle: StageHandle) -> None:
         """A replica a smaller `replicas` let go: it takes no new job; it stops once its jobs are done."""
         try:
-            while handle.running or self.scheduler.assigned(group.name)[handle.replica:handle.replica + 1] != [0]:
+            while handle.running or self.scheduler.assigned(group.name)[handle.replica] > 0:
                 await asyncio.sleep(0.2)
             await handle.stop(self.config.daemon.stop_grace_s)
             group.drop_retired(handle)

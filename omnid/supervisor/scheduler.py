@@ -173,7 +173,7 @@ class Scheduler:
     def has_work(self, stage: str) -> bool:
         """A live job still needs the stage (or a stopped job's work there is not over yet)."""
         group = self.stages[stage]
-        if group.running or any(addr.rpartition(".")[0] == stage for addr, _ in self.stopping):
+        if group.running or any(P.parse_address(addr)[0] == stage for addr, _ in self.stopping):
             return True
         return any((run := job.record.stages.get(stage)) is not None and run.state.open
                    for job in self.live.values())
@@ -480,9 +480,9 @@ class Scheduler:
 
     def _grace_expired(self, address: str, job_id: str) -> None:
         self.stopping.pop((address, job_id), None)
-        stage, _, replica = address.rpartition(".")
+        stage, replica = P.parse_address(address)
         group = self.stages.get(stage)
-        h = group.replica(int(replica)) if group is not None else None
+        h = group.replica(replica) if group is not None else None
         if h is not None and job_id in h.running:
             h.kill(f"job {job_id} did not stop within {self.config.daemon.cancel_grace_s:g} s of its cancel",
                    counts=False)
