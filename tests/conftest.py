@@ -244,6 +244,12 @@ class RunningDaemon:
         return self.proc.returncode
 
 
+def omnictl(d: RunningDaemon, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    """Run the real CLI in a subprocess against a daemon; wait for it to exit."""
+    return subprocess.run([sys.executable, "-m", "omnictl", "--socket", str(d.socket), *args],
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
 def wait_gone(pids: list[int], timeout: float = 10) -> list[int]:
     """Wait until none of `pids` is alive (zombies count as gone); return the survivors."""
     deadline = time.monotonic() + timeout

@@ -11,26 +11,23 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from conftest import FIXTURES, RunningDaemon, py_stage, wait_for, wait_gone, wait_started
+from conftest import omnictl as run_omnictl
 
 Start = Callable[..., RunningDaemon]
-OMNICTL = [sys.executable, "-m", "omnictl"]
+omnictl = functools.partial(run_omnictl, timeout=60)
 
 
 def replica_pids(d: RunningDaemon, stage: str) -> list[int | None]:
     return [r["pid"] for r in d.stages()[stage]["replicas"]]
 
-
-def omnictl(d: RunningDaemon, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*OMNICTL, "--socket", str(d.socket), *args], capture_output=True, text=True, timeout=60)
 
 
 def test_jobs_spread_over_the_replicas_and_run_at_once(start_daemon: Start, tmp_path: Path) -> None:
@@ -99,8 +96,7 @@ def test_kill_9_of_one_replica_loses_only_its_job(start_daemon: Start) -> None:
     assert snap["down"] == ["slow#1"]
     ok, body = d.client.ready()
     assert ok and body["stages"]["slow"] == "degraded" and list(body["replicas_down"]["slow"]) == ["slow#1"]
-    health = subprocess.run([*OMNICTL, "--socket", str(d.socket), "health"], capture_output=True, text=True,
-                            timeout=30)
+    health = omnictl(d, "health")
     assert health.returncode == 0 and "down: slow#1" in health.stdout, health.stdout
     docs = {j: d.wait(j, timeout=60) for j in jobs}
     failed = [j for j, doc in docs.items() if doc["state"] != "succeeded"]

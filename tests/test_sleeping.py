@@ -10,9 +10,8 @@
 
 from __future__ import annotations
 
+import functools
 import signal
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,15 +19,13 @@ import psutil
 import pytest
 
 from conftest import RunningDaemon, py_stage, wait_for, wait_gone, wait_started
+from conftest import omnictl as run_omnictl
 
 from omnid.locks import DeviceBusy, DeviceLocks
 
 Start = Callable[..., RunningDaemon]
-OMNICTL = [sys.executable, "-m", "omnictl"]
+omnictl = functools.partial(run_omnictl, timeout=60)
 
-
-def omnictl(d: RunningDaemon, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*OMNICTL, "--socket", str(d.socket), *args], capture_output=True, text=True, timeout=60)
 
 
 def pid_of(d: RunningDaemon, stage: str) -> int | None:

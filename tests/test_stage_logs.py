@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import MODELS, ROOT, RunningDaemon, wait_for, wait_started
+from conftest import MODELS, ROOT, RunningDaemon, omnictl, wait_for, wait_started
 from test_reload import _as_nobody
 
 from omnictl.client import Client
@@ -49,11 +49,6 @@ def talker(tmp: Path) -> dict[str, Any]:
     (tmp / "talkstage.py").write_text(STAGE_MODULE)
     return {"engine": "python", "function": "talkstage:run", "python_path": [str(tmp)],
             "defaults": {"lines": 0, "linger": 0}}
-
-
-def omnictl(d: RunningDaemon, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "omnictl", "--socket", str(d.socket), *args],
-                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 def run_job(d: RunningDaemon, text: str, **params: Any) -> None:
