@@ -572,7 +572,7 @@ class Api:
         admin group. 202 at once; 200 when it is awake already."""
         self._check_admin(request["uid"])
         group = self._stage(request)
-        awake = not (group.sleeping or group.dozing or group.waking is not None)
+        awake = not group.resting
         if not awake:
             group.touch()
             group.wake_soon()

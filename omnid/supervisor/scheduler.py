@@ -172,11 +172,15 @@ class Scheduler:
 
     def has_work(self, stage: str) -> bool:
         """A live job still needs the stage (or a stopped job's work there is not over yet)."""
-        group = self.stages[stage]
-        if group.running or any(P.parse_address(addr)[0] == stage for addr, _ in self.stopping):
-            return True
-        return any((run := job.record.stages.get(stage)) is not None and run.state.open
-                   for job in self.live.values())
+        return stage in self._stages_with_work()
+
+    def _stages_with_work(self) -> set[str]:
+        """Every stage some live job still needs, or that still runs a stopped job (one pass)."""
+        busy = {P.parse_address(addr)[0] for addr, _ in self.stopping}
+        busy.update(name for name, group in self.stages.items() if group.running)
+        for job in self.live.values():
+            busy.update(name for name, run in job.record.stages.items() if run.state.open)
+        return busy
 
     def _wake_for(self, job: LiveJob) -> None:
         """The job needs its stages: each one asleep (or falling asleep) is woken; the job hears of it."""
@@ -185,7 +189,7 @@ class Scheduler:
             if group is None:
                 continue
             group.touch()
-            if group.sleeping or group.dozing or group.waking is not None:
+            if group.resting:
                 job.events.emit(EventType.STAGE_WAKING, stage=name)
                 task = group.wake_soon()
                 task.add_done_callback(functools.partial(self._woke, job.id, name))
@@ -205,8 +209,9 @@ class Scheduler:
 
     def tend_sleep(self) -> None:
         """Once a second: a stage idle for its `idle_unload_s` goes to sleep; a stage with work is not idle."""
+        busy = self._stages_with_work()
         for group in list(self.stages.values()):
-            if self.has_work(group.name):
+            if group.name in busy:
                 group.touch()
                 continue
             limit = group.stage.idle_unload_s
@@ -215,7 +220,7 @@ class Scheduler:
 
     def put_to_sleep(self, group: StageGroup) -> None:
         """Stop the stage's workers now (it has no work: `has_work`, checked by the caller)."""
-        if group.sleeping or group.dozing or group.waking is not None:
+        if group.resting:
             return
         group.dozing = True                 # from now on a job for it wakes it again
         task = self.loop.create_task(self._sleep(group), name=f"sleep-{group.name}")

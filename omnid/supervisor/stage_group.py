@@ -88,6 +88,11 @@ class StageGroup:
         return next(s for s in states if s is not WorkerState.FAILED)
 
     @property
+    def resting(self) -> bool:
+        """Asleep, falling asleep, or being woken: a job for it must (still) wake it."""
+        return self.sleeping or self.dozing or self.waking is not None
+
+    @property
     def takes_jobs(self) -> bool:
         """Readiness: it serves now (or degraded), sleeps, or is being woken: a job for it is taken."""
         return self.state.serving or self.waking is not None
