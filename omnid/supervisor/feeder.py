@@ -21,16 +21,16 @@ class Feeder:
     `address_of(job)`: where the job's input goes, asked again at every attempt (a job whose replica
     was given up while it waited here is moved to another one)."""
 
-    def __init__(self, stage: str, sender: Sender, is_live: Callable[[str], bool],
-                 address_of: Callable[[str], str] | None = None) -> None:
-        self.stage = stage
+    def __init__(self, address: str, sender: Sender, is_live: Callable[[str], bool],
+                 address_of: Callable[[str], str]) -> None:
+        self.address = address              # the replica this feeder's jobs were given (its thread's name)
         self._sender = sender
         self._is_live = is_live
         self._address_of = address_of
         self._items: deque[WorkItem] = deque()
         self._cv = threading.Condition()
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name=f"feeder-{stage}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"feeder-{address}", daemon=True)
         self._thread.start()
 
     def push(self, items: Sequence[WorkItem], front: bool = False) -> None:
@@ -60,6 +60,5 @@ class Feeder:
                 item = self._items.popleft()
             if not self._is_live(item.job):
                 continue
-            to = self._address_of
-            self._sender.send((lambda: to(item.job)) if to is not None else self.stage, item,
+            self._sender.send(lambda: self._address_of(item.job), item,
                               abandon=lambda: self._stop or not self._is_live(item.job))

@@ -124,10 +124,6 @@ class StageGroup:
     def jobs_done(self) -> int:
         return sum(h.jobs_done for h in self.replicas)
 
-    def usage(self) -> int | None:
-        sizes = [u for h in self.replicas if (u := h.usage()) is not None]
-        return sum(sizes) if sizes else None
-
     # ------------------------------------------------------------------ routing
 
     def pick(self, assigned: Sequence[int]) -> int:
