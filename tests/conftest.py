@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -348,6 +349,23 @@ def stop_and_check(rd: RunningDaemon) -> list[str]:
             except ProcessLookupError:
                 pass
     return problems
+
+
+@contextmanager
+def module_daemon(d: Path, stages: dict[str, Any], pipelines: dict[str, Any], daemon: dict[str, Any] | None = None,
+                  *, ready_timeout: float = 300) -> Iterator[RunningDaemon]:
+    """A daemon that a module-scoped fixture shares among its tests (it yields from this): started
+    in `d` and ready; at the end stopped and checked as `start_daemon` checks its own, and `d` removed."""
+    cfg = daemon_config(d, stages, pipelines, daemon)
+    rd = RunningDaemon(launch(cfg, d / "omnid.log"), d, cfg, d / "omnid.sock", d / "state", d / "lock",
+                       d / "omnid.log")
+    try:
+        wait_ready(rd, timeout=ready_timeout)
+        yield rd
+    finally:
+        problems = stop_and_check(rd)
+        shutil.rmtree(d, ignore_errors=True)
+        assert not problems, "\n".join(problems)
 
 
 @pytest.fixture

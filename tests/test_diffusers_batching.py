@@ -13,7 +13,6 @@ its next batches from what it holds. (Hence `max_inflight = 5`: the gate and fou
 from __future__ import annotations
 
 import io
-import shutil
 import subprocess
 import sys
 import time
@@ -24,8 +23,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import MODELS, RunningDaemon, daemon_config, launch, short_tmpdir, stop_and_check, wait_for, \
-    wait_ready, wait_started
+from conftest import MODELS, RunningDaemon, module_daemon, short_tmpdir, wait_for, wait_started
 
 pytestmark = pytest.mark.engines
 
@@ -56,16 +54,8 @@ def sd() -> Iterator[RunningDaemon]:
     pipelines = {"solo": {"stages": ["solo"]}, "batch": {"stages": ["batch"]}}
     # A cancel takes effect at the end of the running denoising step; on a loaded 2-core host one
     # step of a batch can take seconds: a long grace keeps the supervisor from killing the worker.
-    cfg = daemon_config(d, stages, pipelines, {"heartbeat_timeout_s": 60.0, "cancel_grace_s": 60.0})
-    rd = RunningDaemon(launch(cfg, d / "omnid.log"), d, cfg, d / "omnid.sock", d / "state", d / "lock",
-                       d / "omnid.log")
-    try:
-        wait_ready(rd, timeout=240)
+    with module_daemon(d, stages, pipelines, {"heartbeat_timeout_s": 60.0, "cancel_grace_s": 60.0}, ready_timeout=240) as rd:
         yield rd
-    finally:
-        problems = stop_and_check(rd)
-        shutil.rmtree(d, ignore_errors=True)
-        assert not problems, "\n".join(problems)
 
 
 def _gated(sd: RunningDaemon, jobs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[str]:

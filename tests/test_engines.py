@@ -9,7 +9,6 @@ a diffusers StableDiffusionPipeline.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from typing import Any
 import pytest
 
 from omnictl.client import ApiError
-from conftest import MODELS, ROOT, RunningDaemon, daemon_config, launch, short_tmpdir, stop_and_check, wait_ready
+from conftest import MODELS, ROOT, RunningDaemon, module_daemon, short_tmpdir
 
 pytestmark = pytest.mark.engines
 
@@ -62,16 +61,8 @@ def engines() -> Iterator[RunningDaemon]:
     # expand -> draw passes `text`, but draw wants `prompt`: t2i_framed maps it like t2i.
     pipelines["t2i_framed"]["edges"] = [
         {"from": "expand", "to": "draw", "map": {"prompt": "text"}}, {"from": "draw", "to": "frame"}]
-    cfg = daemon_config(d, stages, pipelines, {"cancel_grace_s": 10.0, "heartbeat_timeout_s": 60.0})
-    rd = RunningDaemon(launch(cfg, d / "omnid.log"), d, cfg, d / "omnid.sock", d / "state", d / "lock",
-                       d / "omnid.log")
-    try:
-        wait_ready(rd, timeout=300)
+    with module_daemon(d, stages, pipelines, {"cancel_grace_s": 10.0, "heartbeat_timeout_s": 60.0}) as rd:
         yield rd
-    finally:
-        problems = stop_and_check(rd)
-        shutil.rmtree(d, ignore_errors=True)
-        assert not problems, "\n".join(problems)
 
 
 def _first(events: list[dict[str, Any]], **match: Any) -> dict[str, Any]:

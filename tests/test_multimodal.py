@@ -18,7 +18,6 @@ import base64
 import io
 import math
 import os
-import shutil
 import struct
 import subprocess
 import sys
@@ -30,8 +29,7 @@ from typing import Any
 
 import pytest
 
-from conftest import FIXTURES, MODELS, ROOT, RunningDaemon, daemon_config, launch, short_tmpdir, stop_and_check, \
-    wait_ready
+from conftest import FIXTURES, MODELS, ROOT, RunningDaemon, module_daemon, short_tmpdir
 from omnictl.client import ApiError, file_input
 
 pytestmark = pytest.mark.engines
@@ -102,16 +100,8 @@ def daemon() -> Iterator[RunningDaemon]:
         "tone_listen": {"stages": ["tone", "listen"]},
         "picture_describe": {"stages": ["picture", "describe"]},
     }
-    cfg = daemon_config(d, stages, pipelines, {"heartbeat_timeout_s": 60.0})
-    rd = RunningDaemon(launch(cfg, d / "omnid.log"), d, cfg, d / "omnid.sock", d / "state", d / "lock",
-                       d / "omnid.log")
-    try:
-        wait_ready(rd, timeout=300)
+    with module_daemon(d, stages, pipelines, {"heartbeat_timeout_s": 60.0}) as rd:
         yield rd
-    finally:
-        problems = stop_and_check(rd)
-        shutil.rmtree(d, ignore_errors=True)
-        assert not problems, "\n".join(problems)
 
 
 def run(d: RunningDaemon, pipeline: str, inputs: dict[str, Any], params: dict[str, Any] | None = None,

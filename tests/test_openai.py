@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import os
-import shutil
 import struct
 import subprocess
 import sys
@@ -18,8 +17,7 @@ from typing import Any
 
 import pytest
 
-from conftest import MODELS, ROOT, RunningDaemon, daemon_config, launch, short_tmpdir, stop_and_check, wait_for, \
-    wait_ready
+from conftest import MODELS, ROOT, RunningDaemon, module_daemon, short_tmpdir, wait_for
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -60,16 +58,8 @@ def daemon() -> Iterator[RunningDaemon]:
                   "edges": [{"from": "expand", "to": "speak", "window": 4, "map": {"text": "text"}}]},
         "slow": {"stages": ["slow"]},
     }
-    cfg = daemon_config(d, stages, pipelines, {"heartbeat_timeout_s": 60.0})
-    rd = RunningDaemon(launch(cfg, d / "omnid.log"), d, cfg, d / "omnid.sock", d / "state", d / "lock",
-                       d / "omnid.log")
-    try:
-        wait_ready(rd, timeout=300)
+    with module_daemon(d, stages, pipelines, {"heartbeat_timeout_s": 60.0}) as rd:
         yield rd
-    finally:
-        problems = stop_and_check(rd)
-        shutil.rmtree(d, ignore_errors=True)
-        assert not problems, "\n".join(problems)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ one batch call.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import threading
@@ -25,8 +24,7 @@ from typing import Any
 
 import pytest
 
-from conftest import FIXTURES, RunningDaemon, daemon_config, launch, short_tmpdir, stop_and_check, wait_for, \
-    wait_ready, wait_started
+from conftest import FIXTURES, RunningDaemon, daemon_config, module_daemon, short_tmpdir, wait_for, wait_started
 
 
 def _stage(**keys: Any) -> dict[str, Any]:
@@ -43,16 +41,8 @@ def daemon() -> Iterator[RunningDaemon]:
         "raiser": _stage(batch_function="batchstages:raises", max_inflight=4),
     }
     pipelines = {name: {"stages": [name]} for name in stages}
-    cfg = daemon_config(d, stages, pipelines)
-    rd = RunningDaemon(launch(cfg, d / "omnid.log"), d, cfg, d / "omnid.sock", d / "state", d / "lock",
-                       d / "omnid.log")
-    try:
-        wait_ready(rd, timeout=120)
+    with module_daemon(d, stages, pipelines, ready_timeout=120) as rd:
         yield rd
-    finally:
-        problems = stop_and_check(rd)
-        shutil.rmtree(d, ignore_errors=True)
-        assert not problems, "\n".join(problems)
 
 
 def _calls(log: Path) -> list[dict[str, Any]]:
