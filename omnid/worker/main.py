@@ -38,6 +38,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
+from omnid import cuda_ipc
 from omnid import protocol as P
 from omnid.config import EdgeConfig, PipelineConfig
 from omnid.dataplane import Closing, Listener, Sender, WorkItem
@@ -866,9 +867,11 @@ def worker_main(spec: P.WorkerSpec, conn: Connection, log_pipe: Connection | Non
         stage = worker.stage
         if stage.shm_pool_mb:
             worker.pool = ShmPool(stage.name, stage.shm_pool_mb << 20)
+        # A stage on GPUs tells its senders which (by UUID): a CUDA tensor on one of them comes by
+        # CUDA IPC, one copy on that GPU (omnid.cuda_ipc); any other is staged through the pool.
         listener = worker.listener = Listener(spec.socket_for(P.address(spec.stage, spec.replica)), worker.admit,
-                                              worker.pool,
-                            device="cuda" if stage.devices else None)
+                                              worker.pool, device="cuda" if stage.devices else None,
+                                              gpus=cuda_ipc.visible_gpus if stage.devices else None)
     except BaseException as e:
         tb = traceback.format_exc(limit=-3)
         worker.send(P.LoadFailed(error=_clip(f"{type(e).__name__}: {e}\n{tb}")))
