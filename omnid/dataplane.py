@@ -253,6 +253,9 @@ class Sender:
         encoded = encodings.staged
         if encoded.cuda:
             encoded = encodings.lending(self.gpus_of(dst, sock))
+        if encoded.lent:
+            log.debug("lent by CUDA IPC", dst=dst, tensors=len(encoded.lent),
+                      bytes=sum(lent.nbytes for lent, _ in encoded.lent))
         if not encoded.large:
             return IPC_ITEM + encoded.payload if encoded.lent else plain()
         pool = self._pool(dst, sock)
