@@ -43,7 +43,8 @@ def test_the_dry_run_drives_every_check_it_can_on_the_cpu(tmp_path: Path) -> Non
     assert out.returncode == 0, out.stdout + out.stderr
     rows = {r["check"]: r for r in json.loads(report.read_text())["rows"]}
     for check in ("devices = [0] / []", "exclusive stage sharing GPU 0", "second daemon on a held GPU",
-                  "GPU lock files", "tensor hand-off 16 MiB (CPU, staged)", "tensor hand-off 64 MiB (CPU, staged)"):
+                  "GPU lock files", "tensor hand-off 16 MiB (CPU, staged)", "tensor hand-off 64 MiB (CPU, staged)",
+                  "kill -9 of sender and receiver"):
         assert rows[check]["result"] == "pass", rows[check]
     assert "free after stop" in rows["GPU lock files"]["figure"]
     assert "kill -9" in rows["GPU lock files"]["figure"]

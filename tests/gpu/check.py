@@ -374,6 +374,39 @@ def check_handoff(ctx: Ctx) -> list[Row]:
     return rows
 
 
+def check_handoff_kill(ctx: Ctx) -> list[Row]:
+    """kill -9 leaves nothing held: the receiver's copy outlives a kill -9 of the sender, and a
+    kill -9 of the receiver holding it gives GPU 0 its memory back."""
+    mib = 16 if ctx.dry else 512
+    gpu = not ctx.dry
+    stages = {"make": py("make", devices=[0]), "keep": py("take", devices=[0], defaults={"keep": True})}
+    before = smi_used_mib() if gpu else 0
+    with ctx.daemon(stages, {"hk": {"stages": ["make", "keep"]}}) as rd:
+        sent = ctx.info(rd, ctx.job(rd, "hk", params={"make": {"mib": mib}}))
+        if not sent["checksum_ok"]:
+            raise AssertionError(f"the {mib} MiB tensor arrived damaged: {sent}")
+        held = smi_used_mib() if gpu else 0
+        for victim in ("make", "keep"):
+            pid = rd.stage_pid(victim)
+            os.kill(pid, signal.SIGKILL)
+            wait_until(lambda: rd.stages()[victim]["pid"] not in (None, pid) and
+                       rd.stages()[victim]["state"] == "ready", 60, f"stage {victim} back after kill -9")
+            if gpu:
+                wait_until(lambda: pid not in smi_processes(), 15, f"worker {pid} to leave the GPU")
+            if victim == "make":
+                kept = ctx.info(rd, ctx.job(rd, "hk", params={"make": {"mib": 0}, "keep": {"verify": True}}))
+                if not kept.get("kept_ok"):
+                    raise AssertionError(f"the receiver's copy changed after kill -9 of the sender: {kept}")
+        after = smi_used_mib() if gpu else 0
+    if not gpu:
+        return [Row("kill -9 of sender and receiver", PASS, "dry run: the receiver's copy outlived the sender's "
+                                                             "kill -9; memory figures need a GPU")]
+    ok = after <= before + 0.05 * mib
+    return [Row("kill -9 of sender and receiver", PASS if ok else FAIL,
+                f"receiver's {mib} MiB copy intact after kill -9 of the sender; GPU 0 used {before} MiB before, "
+                f"{held} held, {after} after kill -9 of the receiver")]
+
+
 def pipeline_first(pipeline: str) -> str:
     return {"ho": "make", "hs": "make_s"}[pipeline]
 
@@ -436,7 +469,7 @@ def check_ray(ctx: Ctx) -> list[Row]:
 
 CHECKS: dict[str, Callable[[Ctx], list[Row]]] = {
     "devices": check_devices, "exclusive": check_exclusive, "locks": check_locks_and_memory,
-    "handoff": check_handoff, "sd": check_sd, "vllm": check_vllm, "ray": check_ray,
+    "handoff": check_handoff, "handoff-kill": check_handoff_kill, "sd": check_sd, "vllm": check_vllm, "ray": check_ray,
 }
 
 

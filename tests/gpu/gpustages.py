@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 _KEPT: list[Any] = []           # `hold` keeps its allocation for the worker's life
+_HELD: dict[str, Any] = {}      # `take` with `keep`: the last tensor it received, and its checksum
 
 
 def _device() -> str:
@@ -54,7 +55,7 @@ def make(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> dict[str, 
         return {"info": json.dumps({"make_allocated": allocated})}
     n = int(mib * (1 << 20))
     t = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
-    checksum = int(t.to(torch.int64).sum().item())
+    checksum = int(t.sum(dtype=torch.int64).item())
     copy_s = _device_copy_s(t)
     if device == "cuda":
         torch.cuda.synchronize()
@@ -85,15 +86,20 @@ def _device_copy_s(t: Any) -> float:
 
 
 def take(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> dict[str, Any]:
-    """Receive `make`'s tensor: when it arrived, where it is, whether its checksum holds."""
+    """Receive `make`'s tensor: when it arrived, where it is, whether its checksum holds.
+    `keep`: keep it (for the worker's life); `verify`: check the kept one's checksum again."""
     import torch
     arrived = time.monotonic()
     info = json.loads(inputs["info"])
     t = inputs.get("t")
     if t is None:                   # the probe: what stays allocated here
         allocated = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        if params.get("verify") and _HELD:
+            info["kept_ok"] = int(_HELD["t"].sum(dtype=torch.int64).item()) == _HELD["sum"]
         return {"info": json.dumps({**info, "take_allocated": allocated})}
-    ok = int(t.to(torch.int64).sum().item()) == info["sum"]
+    ok = int(t.sum(dtype=torch.int64).item()) == info["sum"]
+    if params.get("keep"):
+        _HELD.update(t=t, sum=info["sum"])
     on = _uuid(t.device.index or 0) if t.device.type == "cuda" else "cpu"
     del t
     inputs.pop("t")
