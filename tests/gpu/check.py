@@ -115,7 +115,8 @@ class Ctx:
 
     @contextmanager
     def daemon(self, stages: dict[str, Any], pipelines: dict[str, Any], daemon: dict[str, Any] | None = None,
-               *, d: Path | None = None, wait: bool = True, ready_timeout: float = 240) -> Iterator[Any]:
+               *, d: Path | None = None, wait: bool = True, ready_timeout: float = 240,
+               env: dict[str, str] | None = None) -> Iterator[Any]:
         """A running daemon; stopped at the end (SIGTERM, exit 0, no worker left, else it raises)."""
         h = self.h
         d = d or self.dir("d")
@@ -123,7 +124,7 @@ class Ctx:
                                                      "shm_min_bytes": MIB, **(daemon or {})})
         log = d / f"omnid-{time.monotonic_ns()}.log"
         lock_dir = Path((daemon or {}).get("lock_dir", d / "lock"))
-        rd = h.RunningDaemon(h.launch(cfg, log), d, cfg, d / "omnid.sock", d / "state", lock_dir, log)
+        rd = h.RunningDaemon(h.launch(cfg, log, env), d, cfg, d / "omnid.sock", d / "state", lock_dir, log)
         try:
             if wait:
                 h.wait_ready(rd, timeout=ready_timeout)
@@ -464,7 +465,21 @@ def check_ray(ctx: Ctx) -> list[Row]:
     name = "Ray-placed stage, num_gpus = 1"
     if importlib.util.find_spec("ray") is None:
         return [Row(name, SKIP, "ray not installed")]
-    return [Row(name, SKIP, "needs a Ray cluster with a GPU node: not started by gpu-check")]
+    if ctx.dry:
+        return [Row(name, SKIP, "dry run: no GPU")]
+    import raycluster           # tests/raycluster.py: a head and a second raylet of its own, stopped by pid
+    cluster = raycluster.start_cluster()      # the head finds the GPU itself (Ray's own detection)
+    try:
+        stages = {"rg": py("visible", placement="ray", ray={"num_gpus": 1})}
+        with ctx.daemon(stages, {"pr": {"stages": ["rg"]}}, {"ray_address": cluster.address},
+                        env=raycluster.CLIENT_ENV) as rd:
+            seen = ctx.info(rd, ctx.job(rd, "pr"))
+            given = (rd.stages()["rg"].get("ray") or {}).get("gpus")
+    finally:
+        cluster.stop()
+    ok = seen["count"] == 1 and seen["cvd"] not in ("", "<unset>")
+    return [Row(name, PASS if ok else FAIL, f"the actor sees CUDA_VISIBLE_DEVICES={seen['cvd']!r}, torch sees "
+                                             f"{seen['count']} GPU; /v1/stages ray.gpus {given}")]
 
 
 CHECKS: dict[str, Callable[[Ctx], list[Row]]] = {
