@@ -88,3 +88,29 @@ BENCH_ARGS ?=
 .PHONY: bench
 bench: setup models
 	$(PY) tests/benchmarks/run.py $(BENCH_ARGS)
+
+# make gpu-check [GPU_CHECK_ARGS="--only handoff"]: every CUDA path omnid has, on this host's GPU 0, with real
+# daemons (tests/gpu/check.py); prints one table and exits 1 if a check failed. Without a GPU: one line,
+# "skipped", exit 0. Needs no `make setup`: it runs with GPU_PYTHON (.venv's python if there is one, else
+# python3, the one with CUDA torch on a bare host) and what `make gpu-wheels` carried in .gpu-carry/.
+GPU_PYTHON ?= $(shell test -x $(PY) && echo $(PY) || echo python3)
+GPU_CARRY  ?= .gpu-carry
+GPU_CHECK_ARGS ?=
+# What a bare CUDA host (torch, transformers, aiohttp, click, psutil, prometheus-client, rich) lacks.
+GPU_WHEEL_PKGS ?= structlog==26.1.0 diffusers==0.42.1 importlib_metadata==10.2.0
+GPU_WHEEL_PYTHON ?= 3.12
+.PHONY: gpu-check gpu-wheels
+gpu-check:
+	@$(GPU_PYTHON) tests/gpu/check.py --carry $(GPU_CARRY) $(GPU_CHECK_ARGS)
+
+# make gpu-wheels: py$(GPU_WHEEL_PYTHON) manylinux wheels of GPU_WHEEL_PKGS, and the tiny SD and LLM models, into
+# .gpu-carry/ (about 12 MiB; ignored by git): copy that folder beside the repository on a host without a registry.
+gpu-wheels:
+	rm -rf $(GPU_CARRY)/wheels && mkdir -p $(GPU_CARRY)/wheels $(GPU_CARRY)/models
+	$(GPU_PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_WHEEL_PYTHON) \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d $(GPU_CARRY)/wheels $(GPU_WHEEL_PKGS)
+	if [ -f .models/.built ]; then
+	  rm -rf $(GPU_CARRY)/models && mkdir -p $(GPU_CARRY)/models && cp -r .models/sd .models/llm $(GPU_CARRY)/models/
+	fi
+	du -sh $(GPU_CARRY)/wheels $(GPU_CARRY)/models

@@ -22,6 +22,13 @@ for the pool once (`P`, answered with its memfd over SCM_RIGHTS), asks for room
 values in, and sends the pickle that names them (`S`). The receiver builds them
 on the pool's memory without copying.
 
+A CUDA tensor for a receiver that sees its GPU goes by neither: the sender asks once per
+connection which GPUs the receiver sees (`G`, answered with their UUIDs), lends such tensors
+through CUDA IPC (`omnid.cuda_ipc`) and sends the pickle that names them (`I`, or `S` beside
+pool values); the receiver copies each one on that GPU before it answers. A receiver that cannot
+open one answers `NO_IPC` instead of an acknowledgement, and the sender sends the item again by
+the staged path.
+
 Threads: `Sender.send` runs in the caller's thread and blocks on the socket
 (polling `abandon()` every `POLL_S`); `Listener` runs one accept thread and
 one reader thread per connection, each blocking in `recv` and in `admit`.
@@ -29,6 +36,7 @@ one reader thread per connection, each blocking in `recv` and in `admit`.
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import pickle
@@ -44,7 +52,7 @@ from typing import Any
 
 import structlog
 
-from omnid import shm
+from omnid import cuda_ipc, shm
 
 log = structlog.get_logger("omnid.dataplane")
 
@@ -63,6 +71,9 @@ RESERVE = b"R"          # + size -> b"O" + offset; ACK_FULL (no room now); NO_PO
 SHM_ITEM = b"S"         # + slot offset + pickle whose large values sit in that slot
 RESERVED = b"O"
 NO_POOL = b"N"
+GPU_REQUEST = b"G"      # -> a frame: b"G" + the JSON list of the GPUs (UUIDs) the receiver sees
+IPC_ITEM = b"I"         # + pickle whose large values are all CUDA tensors lent by CUDA IPC
+NO_IPC = b"X"           # instead of an ack: a lent tensor could not be opened; send it staged
 
 
 @dataclass
@@ -158,6 +169,7 @@ class Sender:
         self._socket_for = socket_for
         self._conns: dict[str, socket.socket] = {}
         self._pools: dict[str, mmap.mmap | None] = {}    # dst -> its pool, mapped here (None: it has none)
+        self._gpus: dict[str, tuple[str, ...]] = {}      # dst -> the GPUs it sees (its CUDA IPC peers)
         self.shm_min_bytes = shm_min_bytes
         self.blocked_s = 0.0
 
@@ -174,6 +186,7 @@ class Sender:
         return sock
 
     def _drop(self, dst: str) -> None:
+        self._gpus.pop(dst, None)
         sock = self._conns.pop(dst, None)
         if sock is not None:
             sock.close()
@@ -221,12 +234,30 @@ class Sender:
                 self._pools[dst] = None
         return self._pools[dst]
 
-    def _frame(self, dst: str, sock: socket.socket, encoded: shm.Encoded | None,
+    def gpus_of(self, dst: str, sock: socket.socket) -> tuple[str, ...]:
+        """The GPUs the destination sees (UUIDs), asked once per connection."""
+        if dst not in self._gpus:
+            send_frame(sock, GPU_REQUEST)
+            answer = recv_frame(sock)
+            gpus = json.loads(bytes(answer[1:])) if answer[:1] == GPU_REQUEST else []
+            self._gpus[dst] = tuple(str(g) for g in gpus)
+        return self._gpus[dst]
+
+    def _frame(self, dst: str, sock: socket.socket, encodings: _Encodings | None,
                plain: Callable[[], bytes]) -> bytes | None:
-        """The frame that carries `item`: through the pool when it has large values and the
-        destination has room (None: no room now), else a plain pickle."""
-        if encoded is None or not encoded.large:
+        """The frame that carries `item`: its CUDA tensors lent when the destination sees their GPU,
+        its other large values through the pool when the destination has room (None: no room
+        now), else a plain pickle."""
+        if encodings is None:
             return plain()
+        encoded = encodings.staged
+        if encoded.cuda:
+            encoded = encodings.lending(self.gpus_of(dst, sock))
+        if encoded.lent:
+            log.debug("lent by CUDA IPC", dst=dst, tensors=len(encoded.lent),
+                      bytes=sum(lent.nbytes for lent, _ in encoded.lent))
+        if not encoded.large:
+            return IPC_ITEM + encoded.payload if encoded.lent else plain()
         pool = self._pool(dst, sock)
         if pool is not None:
             sock.sendall(_HEADER.pack(1 + _OFFSET.size) + RESERVE + _OFFSET.pack(encoded.size))
@@ -257,7 +288,6 @@ class Sender:
                 on_wait()
             return BUSY_POLL_S if busy is not None and busy() else POLL_S
 
-        encoded = shm.encode(item, self.shm_min_bytes)
         plain: list[bytes] = []
 
         def pickled() -> bytes:
@@ -265,19 +295,19 @@ class Sender:
                 plain.append(encode(item))
             return plain[0]
 
-        return self._send(to, encoded, pickled, abandon, on_wait, busy)
+        return self._send(to, _Encodings(item, self.shm_min_bytes), pickled, abandon, on_wait, busy)
 
     def send_raw(self, to: str | Callable[[], str], raw: RawItem, abandon: Callable[[], bool],
                  on_wait: Callable[[], None] | None = None, busy: Callable[[], bool] | None = None) -> bool:
         """`send` for an item in its wire form; raises NeedsPlain when the receiver has no pool for
         its large values."""
-        return self._send(to, raw.encoded(), lambda: _plain(raw), abandon, on_wait, busy)
+        return self._send(to, _Encodings.of(raw.encoded()), lambda: _plain(raw), abandon, on_wait, busy)
 
     def offer_raw(self, dst: str, raw: RawItem) -> bool | None:
         """`offer` for an item in its wire form (NeedsPlain: as for `send_raw`)."""
-        return self._offer(dst, raw.encoded(), lambda: _plain(raw))
+        return self._offer(dst, _Encodings.of(raw.encoded()), lambda: _plain(raw))
 
-    def _send(self, to: str | Callable[[], str], encoded: shm.Encoded | None, pickled: Callable[[], bytes],
+    def _send(self, to: str | Callable[[], str], encoded: _Encodings | None, pickled: Callable[[], bytes],
               abandon: Callable[[], bool], on_wait: Callable[[], None] | None,
               busy: Callable[[], bool] | None) -> bool:
         def wait_tick() -> float:
@@ -311,7 +341,11 @@ class Sender:
                             continue
                         if not ack:
                             raise ConnectionError("receiver closed before acknowledging")
-                        return True
+                        break
+                    if ack == NO_IPC:           # it could not open our lent tensors: stage them
+                        self._gpus[dst] = ()
+                        continue
+                    return True
                 except (OSError, ConnectionError):
                     self._drop(dst)
                     time.sleep(wait_tick())
@@ -325,9 +359,9 @@ class Sender:
         True: admitted. False: dropped (its job is over there). None: no room now, or `dst`
         is not reachable (restarting): offer it again later.
         """
-        return self._offer(dst, shm.encode(item, self.shm_min_bytes), lambda: encode(item))
+        return self._offer(dst, _Encodings(item, self.shm_min_bytes), lambda: encode(item))
 
-    def _offer(self, dst: str, encoded: shm.Encoded | None, pickled: Callable[[], bytes]) -> bool | None:
+    def _offer(self, dst: str, encoded: _Encodings | None, pickled: Callable[[], bytes]) -> bool | None:
         try:
             sock = self._connect(dst)
             sock.settimeout(OFFER_TIMEOUT_S)
@@ -336,6 +370,13 @@ class Sender:
                 return None                 # the pool is full
             send_frame(sock, frame)
             ack = sock.recv(1)
+            if ack == NO_IPC:               # it could not open our lent tensors: offer them staged
+                self._gpus[dst] = ()
+                frame = self._frame(dst, sock, encoded, pickled)
+                if frame is None:
+                    return None
+                send_frame(sock, frame)
+                ack = sock.recv(1)
         except (OSError, ConnectionError):
             self._drop(dst)
             return None
@@ -347,6 +388,29 @@ class Sender:
     def close(self) -> None:
         for dst in list(self._conns):
             self._drop(dst)
+
+
+class _Encodings:
+    """One item's wire forms: staged (no GPU known), and lending to each set of receiver GPUs
+    asked for (made once each: lending exports its CUDA tensors and holds them)."""
+
+    def __init__(self, item: Any, min_bytes: int, staged: shm.Encoded | None = None) -> None:
+        self._item = item
+        self._min_bytes = min_bytes
+        self.staged = staged if staged is not None else shm.encode(item, min_bytes)
+        self._lending: dict[tuple[str, ...], shm.Encoded] = {}
+
+    @classmethod
+    def of(cls, encoded: shm.Encoded | None) -> _Encodings | None:
+        """An item already in its wire form (a `RawItem`: no CUDA tensor is left in it)."""
+        return None if encoded is None else cls(None, 0, encoded)
+
+    def lending(self, gpus: tuple[str, ...]) -> shm.Encoded:
+        if not gpus:
+            return self.staged
+        if gpus not in self._lending:
+            self._lending[gpus] = shm.encode(self._item, self._min_bytes, gpus)
+        return self._lending[gpus]
 
 
 def _plain(raw: RawItem) -> bytes:
@@ -369,11 +433,12 @@ class Listener:
     """
 
     def __init__(self, path: Path, admit: Callable[[Any], bool | None], pool: shm.ShmPool | None = None,
-                 device: str | None = None) -> None:
+                 device: str | None = None, gpus: Callable[[], tuple[str, ...]] | None = None) -> None:
         self.path = path
         self._admit = admit
         self.pool = pool                # large values from senders land here (None: all by socket)
         self._device = device           # where tensors that left a GPU go ("cuda"), or None
+        self._gpus = gpus               # the GPUs we see, for senders' CUDA IPC (None: none, all staged)
         try:
             os.unlink(path)          # a stale socket of a dead predecessor
         except FileNotFoundError:
@@ -438,6 +503,11 @@ class Listener:
     def _item(self, conn: socket.socket, frame: bytearray, reserved: set[int]) -> WorkItem | None:
         """The item a frame carries, or None after answering a pool request or a reservation."""
         kind = bytes(frame[:1])
+        if kind == GPU_REQUEST:
+            send_frame(conn, GPU_REQUEST + json.dumps(list(self._gpus()) if self._gpus else []).encode())
+            return None
+        if kind == IPC_ITEM:
+            return self._lent_item(conn, memoryview(frame)[1:], None, 0)
         if kind == POOL_REQUEST:
             if self.pool is None:
                 conn.sendall(NO_POOL)
@@ -461,8 +531,19 @@ class Listener:
             if self.pool is None or base not in reserved:
                 raise ValueError(f"a shared-memory item in a slot ({base}) this connection did not reserve")
             reserved.discard(base)
-            obj = shm.decode(memoryview(frame)[1 + _OFFSET.size:], self.pool, base, self._device)
-            if not isinstance(obj, WorkItem):
-                raise ValueError(f"data plane frame is a {type(obj).__name__}, not a WorkItem")
-            return obj
+            return self._lent_item(conn, memoryview(frame)[1 + _OFFSET.size:], self.pool, base)
         return decode(frame)
+
+    def _lent_item(self, conn: socket.socket, payload: memoryview, pool: shm.ShmPool | None,
+                   base: int) -> WorkItem | None:
+        """An item whose values sit in a slot or are lent by CUDA IPC; None (answered NO_IPC) when
+        a lent tensor cannot be opened here: the sender sends it again, staged."""
+        try:
+            obj = shm.decode(payload, pool, base, self._device)
+        except cuda_ipc.IpcFailed as e:
+            log.warning("a tensor lent by CUDA IPC could not be opened: asking for it staged", error=str(e))
+            conn.sendall(NO_IPC)
+            return None
+        if not isinstance(obj, WorkItem):
+            raise ValueError(f"data plane frame is a {type(obj).__name__}, not a WorkItem")
+        return obj

@@ -57,8 +57,8 @@ class _StageCollector(Collector):
         cap = GaugeMetricFamily("omnid_stage_queue_capacity", "The input queue's high watermark", labels=_LABELS)
         up = GaugeMetricFamily("omnid_stage_up", "1 when the stage's worker is warm (ready or busy)",
                                labels=_LABELS)
-        gpu = GaugeMetricFamily("omnid_stage_gpu_memory_bytes", "GPU memory the stage's worker holds (torch's "
-                                "reserved memory; absent on the CPU)", labels=_LABELS)
+        gpu = GaugeMetricFamily("omnid_stage_gpu_memory_bytes", "GPU memory the stage's worker holds (as "
+                                "nvidia-smi counts it, by NVML; else torch's reserved memory; absent on the CPU)", labels=_LABELS)
         rss = GaugeMetricFamily("omnid_stage_rss_bytes", "Resident memory of the stage's worker and its children",
                                 labels=_LABELS)
         restarts = CounterMetricFamily("omnid_stage_restarts", "Worker restarts", labels=_LABELS)

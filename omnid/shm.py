@@ -12,6 +12,9 @@ A slot reserved by a sender that dies before it sends its item is freed when its
 The pool's size is the stage's byte budget: when it is full, senders wait (backpressure), as they
 do when the input queue is full. A value larger than the whole pool goes through the socket.
 
+A CUDA tensor bound for a stage that sees the same GPU takes neither the pool nor the socket: it
+is lent through CUDA IPC (`omnid.cuda_ipc`) and copied once, on that GPU, by the receiver.
+
 Threads: `ShmPool` is used by the data plane's connection threads (reserve, claim) and by whatever
 thread drops the last reference to a received value (release): one lock guards it; nothing here
 blocks except that lock. torch and numpy are imported only when such a value shows up.
@@ -28,6 +31,8 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
+
+from omnid import cuda_ipc
 
 ALIGN = 64                      # every value starts on a cache line
 DEFAULT_MIN_BYTES = 1 << 20     # values from this size cross through shared memory
@@ -147,16 +152,24 @@ def _large_kind(obj: Any, min_bytes: int) -> str | None:
 
 
 class _Pickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO, min_bytes: int) -> None:
+    def __init__(self, file: io.BytesIO, min_bytes: int, gpus: tuple[str, ...]) -> None:
         super().__init__(file, protocol=5)
         self.min_bytes = min_bytes
+        self.gpus = gpus                # the GPUs the receiver sees: their tensors are lent
         self.large: list[tuple[_Large, Any]] = []
+        self.lent: list[tuple[cuda_ipc.Lent, Any]] = []
+        self.cuda = False               # a CUDA tensor went staged (the receiver's GPUs unknown)
         self.size = 0
 
-    def persistent_id(self, obj: Any) -> _Large | None:
+    def persistent_id(self, obj: Any) -> _Large | cuda_ipc.Lent | None:
         kind = _large_kind(obj, self.min_bytes)
         if kind is None:
             return None
+        if kind == "tensor" and _on_device(obj):
+            lent = self._lend(obj)
+            if lent is not None:
+                return lent
+            self.cuda = True
         if kind == "bytes":
             ref = _Large("bytes", self.size, len(obj))
         elif kind == "tensor":
@@ -168,6 +181,24 @@ class _Pickler(pickle.Pickler):
         self.size += _align(ref.nbytes)
         return ref
 
+    def _lend(self, tensor: Any) -> cuda_ipc.Lent | None:
+        """The tensor lent through CUDA IPC, when the receiver sees its GPU (else None: staged)."""
+        driver = cuda_ipc.driver() if self.gpus else None
+        if driver is None:
+            return None
+        if cuda_ipc.choose(driver.gpu_of(tensor), self.gpus) != cuda_ipc.IPC:
+            return None
+        lent = driver.lend(tensor)
+        if lent is None:
+            return None
+        self.lent.append(lent)              # held until the receiver answered (it copied it)
+        return lent[0]
+
+
+def _on_device(tensor: Any) -> bool:
+    """A tensor on a GPU: lent to a receiver on that GPU, else staged through host memory."""
+    return bool(tensor.device.type != "cpu")
+
 
 def blob(nbytes: int) -> _Large:
     """One raw block of `nbytes` at a slot's start: a whole slot's contents copied in as they are."""
@@ -175,19 +206,28 @@ def blob(nbytes: int) -> _Large:
 
 
 class Encoded:
-    """An item pickled with its large values left out, to be copied into a slot of `size` bytes."""
+    """An item pickled with its large values left out, to be copied into a slot of `size` bytes.
 
-    def __init__(self, payload: bytes, large: list[tuple[_Large, Any]], size: int) -> None:
+    `lent`: the CUDA tensors it lends (through CUDA IPC, not the slot), each kept referenced here
+    until the receiver has copied it. `cuda`: some CUDA tensor of it is staged only because the
+    receiver's GPUs were not known (encode it again with them)."""
+
+    def __init__(self, payload: bytes, large: list[tuple[_Large, Any]], size: int,
+                 lent: list[tuple[cuda_ipc.Lent, Any]] | None = None, cuda: bool = False) -> None:
         self.payload = payload
         self.large = large
         self.size = size
+        self.lent = lent or []
+        self.cuda = cuda
 
 
-def encode(obj: Any, min_bytes: int) -> Encoded:
+def encode(obj: Any, min_bytes: int, gpus: tuple[str, ...] = ()) -> Encoded:
+    """`obj` pickled with its large values left out. `gpus`: the GPUs the receiver sees (UUIDs);
+    a CUDA tensor on one of them is lent through CUDA IPC, any other one goes through the slot."""
     buf = io.BytesIO()
-    p = _Pickler(buf, min_bytes)
+    p = _Pickler(buf, min_bytes, gpus)
     p.dump(obj)
-    return Encoded(buf.getvalue(), p.large, p.size)
+    return Encoded(buf.getvalue(), p.large, p.size, p.lent, p.cuda)
 
 
 def copy_in(mm: mmap.mmap, base: int, encoded: Encoded) -> None:
@@ -224,7 +264,7 @@ def _copy_values(mm: Any, base: int, encoded: Encoded) -> None:
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, pool: ShmPool, base: int, device: str | None) -> None:
+    def __init__(self, file: io.BytesIO, pool: ShmPool | None, base: int, device: str | None) -> None:
         super().__init__(file)
         self.pool = pool
         self.base = base
@@ -232,8 +272,16 @@ class _Unpickler(pickle.Unpickler):
         self.built = 0              # values that hold the slot
 
     def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, cuda_ipc.Lent):
+            driver = cuda_ipc.driver()
+            if driver is None:
+                raise cuda_ipc.IpcFailed(f"a tensor lent by CUDA IPC, and no CUDA driver here "
+                                         f"({cuda_ipc.driver_error()})")
+            return driver.receive(pid)          # our own copy: nothing of the sender's is kept
         if not isinstance(pid, _Large):
             raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+        if self.pool is None:
+            raise pickle.UnpicklingError("a value in a shared-memory slot, in an item that has none")
         at = self.base + pid.offset
         if pid.kind == "bytes":
             return bytes(self.pool.mm[at:at + pid.nbytes])
@@ -251,17 +299,22 @@ class _Unpickler(pickle.Unpickler):
         return tensor
 
 
-def decode(payload: bytes | bytearray | memoryview, pool: ShmPool, base: int, device: str | None = None) -> Any:
-    """Rebuild an item whose large values sit in the slot at `base` (the receiver's side).
+def decode(payload: bytes | bytearray | memoryview, pool: ShmPool | None, base: int,
+           device: str | None = None) -> Any:
+    """Rebuild an item whose large values sit in the slot at `base` (the receiver's side), and
+    whose lent CUDA tensors are copied here (`pool` None: an item with lent tensors alone).
 
     `device`: where a tensor that left a GPU goes (the receiving stage's "cuda", or None to keep it
-    on the CPU when this stage has no GPU).
+    on the CPU when this stage has no GPU). Raises `cuda_ipc.IpcFailed` when a lent tensor cannot
+    be opened here (the sender then sends the item again, staged).
     """
     u = _Unpickler(io.BytesIO(payload), pool, base, device)
     try:
         obj = u.load()
     except BaseException:
-        pool.claim(base, u.built)           # whatever was built frees the slot when it goes
+        if pool is not None:
+            pool.claim(base, u.built)       # whatever was built frees the slot when it goes
         raise
-    pool.claim(base, u.built)
+    if pool is not None:
+        pool.claim(base, u.built)
     return obj

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
+from omnid import cuda_ipc
 from omnid import protocol as P
 from omnid.config import EdgeConfig, PipelineConfig
 from omnid.dataplane import Closing, Listener, Sender, WorkItem
@@ -806,13 +807,49 @@ def _clip(text: str, limit: int = 2000) -> str:
 
 
 def _gpu_memory() -> int | None:
+    """The GPU memory this worker holds, as nvidia-smi counts it where NVML can tell (its CUDA
+    context, torch's reserve and any library's own allocations, its children's too), else torch's
+    reserved memory (which leaves the context out). None until the worker has used CUDA."""
     torch = sys.modules.get("torch")
     try:
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            return int(sum(torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count())))
+        if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return None
+        used = _nvml_memory()
+        if used is not None:
+            return used
+        return int(sum(torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count())))
     except Exception:
         return None
-    return None
+
+
+_nvml_state: list[bool] = []         # [True] once NVML answered, [False] once it could not
+
+
+def _nvml_memory() -> int | None:
+    """The memory NVML lists for this process and its children, on every GPU (NVML ignores
+    CUDA_VISIBLE_DEVICES); None without pynvml (nvidia-ml-py), or where NVML lists none of them
+    (a pid namespace it does not see through)."""
+    if _nvml_state == [False]:
+        return None
+    try:
+        import importlib
+
+        import psutil
+        pynvml: Any = importlib.import_module("pynvml")    # nvidia-ml-py (vLLM's too); no type hints
+        if not _nvml_state:
+            pynvml.nvmlInit()
+            _nvml_state.append(True)
+        pids = {os.getpid(), *(c.pid for c in psutil.Process().children(recursive=True))}
+        used, seen = 0, False
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i)):
+                if proc.pid in pids and proc.usedGpuMemory is not None:
+                    used, seen = used + int(proc.usedGpuMemory), True
+        return used if seen else None
+    except Exception:
+        if not _nvml_state:
+            _nvml_state.append(False)    # no pynvml, or no NVML: torch's figure from now on
+        return None
 
 
 def _capture_output(log_pipe: Connection | None, log_format: str) -> str:
@@ -866,9 +903,11 @@ def worker_main(spec: P.WorkerSpec, conn: Connection, log_pipe: Connection | Non
         stage = worker.stage
         if stage.shm_pool_mb:
             worker.pool = ShmPool(stage.name, stage.shm_pool_mb << 20)
+        # A stage on GPUs tells its senders which (by UUID): a CUDA tensor on one of them comes by
+        # CUDA IPC, one copy on that GPU (omnid.cuda_ipc); any other is staged through the pool.
         listener = worker.listener = Listener(spec.socket_for(P.address(spec.stage, spec.replica)), worker.admit,
-                                              worker.pool,
-                            device="cuda" if stage.devices else None)
+                                              worker.pool, device="cuda" if stage.devices else None,
+                                              gpus=cuda_ipc.visible_gpus if stage.devices else None)
     except BaseException as e:
         tb = traceback.format_exc(limit=-3)
         worker.send(P.LoadFailed(error=_clip(f"{type(e).__name__}: {e}\n{tb}")))
