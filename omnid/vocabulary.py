@@ -142,6 +142,12 @@ class ErrorCode(StrEnum):
     METHOD_NOT_ALLOWED = "method_not_allowed"
     HTTP_ERROR = "http_error"
     INTERNAL_ERROR = "internal_error"
+    # the TCP listener's door (supervisor/access.py)
+    INVALID_API_KEY = "invalid_api_key"         # 401: no key, or not one of the daemon's
+    RATE_LIMITED = "rate_limited"               # 429: a key's requests per second or live jobs
+    UNKNOWN_KEY = "unknown_key"
+    KEY_EXISTS = "key_exists"
+    SOCKET_ONLY = "socket_only"                 # 403: API keys are managed over the Unix socket only
     # why a job ended badly (also STAGE_FAILED: a stage given up for good refuses new jobs with it)
     STAGE_FAILED = "stage_failed"
     WORKER_DIED = "worker_died"

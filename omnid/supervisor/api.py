@@ -38,7 +38,7 @@ from aiohttp import web
 from omnid import media
 from omnid.config import Config, PipelineConfig, StageConfig
 from omnid.metrics import Metrics
-from omnid.params import job_param_problem, plain_value
+from omnid.params import job_param_problem, merged, plain_value, values_problem
 from omnid.store import JobStore
 from omnid.supervisor import stage_logs
 from omnid.supervisor.errors import Refused
@@ -85,8 +85,11 @@ def error(status: int, code: ErrorCode, message: str, **extra: Any) -> web.Respo
                              headers=headers)
 
 
-def _peer_uid(request: web.Request) -> int:
+def _peer_uid(request: web.Request) -> int | None:
+    """The caller's uid on the Unix socket; None over TCP, whose door (access.py) knows it by its key."""
     sock = request.transport.get_extra_info("socket") if request.transport else None
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        return None
     if sock is None or sock.family != socket.AF_UNIX:
         raise Refused(403, ErrorCode.NO_CREDENTIALS, "the caller's identity cannot be read from this connection")
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -98,7 +101,9 @@ def _peer_uid(request: web.Request) -> int:
 async def errors_middleware(request: web.Request,
                             handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     try:
-        request["uid"] = _peer_uid(request)
+        uid = _peer_uid(request)
+        if uid is not None:
+            request["uid"] = uid
         return await handler(request)
     except Refused as e:
         return error(e.status, e.code, e.message, **e.extra)
@@ -342,6 +347,9 @@ class Api:
                 why = job_param_problem(stage_name, stage.engine, stage.defaults, key, value)
                 if why is not None:
                     raise Refused(400, ErrorCode.INVALID_PARAM, why)
+            why = values_problem(stage_name, stage.engine, merged(stage.defaults, values))
+            if why is not None:
+                raise Refused(400, ErrorCode.INVALID_PARAM, why)
             out[stage_name] = dict(values)
         return out
 

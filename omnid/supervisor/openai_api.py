@@ -41,7 +41,7 @@ from aiohttp import web
 
 from omnid import media as M
 from omnid.config import PipelineConfig, StageConfig
-from omnid.params import job_param_problem
+from omnid.params import job_param_problem, merged, values_problem
 from omnid.supervisor.api import _gone
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.live_job import LAGGED
@@ -59,10 +59,13 @@ _JOB_KEY = "openai_job"                 # request keys: the job, for the answer'
 _CONTENT_TYPE_KEY = "openai_ctype"      # and what a streamed output of unknown type is sent as
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 _SIZE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
-# OpenAI sampling fields -> the vLLM stage's params (max_completion_tokens wins over max_tokens)
+# OpenAI sampling fields -> the vLLM stage's params (max_completion_tokens wins over max_tokens); then
+# the extensions vLLM's own server takes in the same body (`vllm bench serve` sends ignore_eos).
 _SAMPLING = (("max_tokens", "max_tokens"), ("max_completion_tokens", "max_tokens"),
              ("temperature", "temperature"), ("top_p", "top_p"), ("stop", "stop"), ("seed", "seed"),
-             ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"))
+             ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
+             ("top_k", "top_k"), ("min_p", "min_p"), ("min_tokens", "min_tokens"),
+             ("repetition_penalty", "repetition_penalty"), ("ignore_eos", "ignore_eos"))
 _ENGINE_KIND = {"vllm": "text", "diffusers": "image"}
 _ENDPOINTS = {"text": ["/v1/chat/completions", "/v1/completions"], "image": ["/v1/images/generations"],
               "audio": ["/v1/audio/speech"]}
@@ -353,6 +356,9 @@ class OpenAiApi:
             if why is not None:
                 raise _bad(name, f"{name}: {why}")
             values[key] = value
+        why = values_problem(stage, "vllm", merged(defaults, values))
+        if why is not None:
+            raise _bad("max_tokens", why)
         values.update(extra)
         return {stage: values}
 
@@ -370,7 +376,7 @@ class OpenAiApi:
             text = echo + "".join([piece async for piece in self._deltas(request, job, gen)])
             choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason}
             if chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"] = {"role": "assistant", "content": text, "refusal": None}
             else:
                 choice["text"] = text
             return web.json_response({**head, "choices": [choice], "usage": _usage(gen)})
@@ -387,7 +393,7 @@ class OpenAiApi:
         def chunk(text: str | None, finish: str | None = None, first: bool = False) -> dict[str, Any]:
             choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
             if chat:
-                choice["delta"] = ({"role": "assistant", "content": ""} if first
+                choice["delta"] = ({"role": "assistant", "content": "", "refusal": None} if first
                                    else {} if text is None else {"content": text})
             else:
                 choice["text"] = text or ""
