@@ -148,6 +148,10 @@ class ErrorCode(StrEnum):
     UNKNOWN_KEY = "unknown_key"
     KEY_EXISTS = "key_exists"
     SOCKET_ONLY = "socket_only"                 # 403: API keys are managed over the Unix socket only
+    # the OpenAI-compatible paths' own (openai_api.py)
+    MODEL_NOT_FOUND = "model_not_found"         # 404: no pipeline of that name
+    MODEL_NOT_SUPPORTED = "model_not_supported"  # 400: the pipeline does not produce what the path gives
+    NO_IMAGE = "no_image"                       # 500: an image pipeline's job produced none
     # why a job ended badly (also STAGE_FAILED: a stage given up for good refuses new jobs with it)
     STAGE_FAILED = "stage_failed"
     WORKER_DIED = "worker_died"

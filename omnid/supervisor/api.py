@@ -115,8 +115,10 @@ async def errors_middleware(request: web.Request,
     except web.HTTPNotFound:
         return error(404, ErrorCode.NOT_FOUND, f"no such endpoint: {request.method} {request.path}")
     except web.HTTPMethodNotAllowed as e:
-        return error(405, ErrorCode.METHOD_NOT_ALLOWED, f"{request.method} is not allowed on {request.path}; "
+        resp = error(405, ErrorCode.METHOD_NOT_ALLOWED, f"{request.method} is not allowed on {request.path}; "
                      f"use {', '.join(sorted(e.allowed_methods))}")
+        resp.headers["Allow"] = ", ".join(sorted(e.allowed_methods))     # (RFC 9110: a 405 says what is)
+        return resp
     except web.HTTPException as e:
         return error(e.status, ErrorCode.HTTP_ERROR, e.reason)
     except ConnectionError:
