@@ -704,7 +704,8 @@ class Api:
 
 
 def _is_file(value: Any) -> bool:
-    return isinstance(value, dict) and set(value) <= {"b64", "filename"} and isinstance(value.get("b64"), str)
+    return isinstance(value, dict) and set(value) <= {"b64", "filename"} and isinstance(value.get("b64"), str) \
+        and isinstance(value.get("filename"), (str, type(None)))
 
 
 def _is_samples(value: Any) -> bool:
@@ -714,11 +715,14 @@ def _is_samples(value: Any) -> bool:
 def _file_or_samples(key: str, value: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
     """A file input's bytes, or audio samples as a WAV file; and the summary the job shows of it."""
     if "samples" in value:
+        rate = value["rate"]
+        if isinstance(rate, float) and rate.is_integer():
+            rate = int(rate)            # (JSON has one number type: 16000.0 is the integer its schema says)
         try:
-            wav = media.samples_to_wav(value["samples"], value["rate"])
+            wav = media.samples_to_wav(value["samples"], rate)
         except media.MediaError as e:
             raise Refused(400, ErrorCode.INVALID_MEDIA, f"input {key!r}: {e}", input=key.partition("[")[0]) from None
-        return wav, {"samples": len(value["samples"]), "rate": value["rate"], "size": len(wav)}
+        return wav, {"samples": len(value["samples"]), "rate": rate, "size": len(wav)}
     try:
         data = base64.b64decode(value["b64"], validate=True)
     except (binascii.Error, ValueError):
