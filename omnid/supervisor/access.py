@@ -230,9 +230,9 @@ class Access:
         try:
             key, secret = self.keys.add(name, uid, max_jobs, None if rps is None else float(rps))
         except ValueError as e:
-            exists = "already" in str(e)
-            raise Refused(409 if exists else 400, ErrorCode.KEY_EXISTS if exists else ErrorCode.INVALID_REQUEST,
-                          str(e)) from None
+            if any(k.name == name for k in self.keys.all()):
+                raise Refused(409, ErrorCode.KEY_EXISTS, str(e)) from None
+            raise Refused(400, ErrorCode.INVALID_REQUEST, str(e)) from None
         log.info("audit", action="key_add", uid=caller, name=key.name, key_uid=key.uid, max_jobs=max_jobs, rps=rps)
         return web.json_response({**key.to_doc(), "key": secret}, status=201)
 
