@@ -430,3 +430,27 @@ def test_socket_activation_hands_over_a_tcp_socket(tmp_path: Path) -> None:
             assert proc.wait(30) == 0, log.read_text()
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_sighup_opens_and_closes_listen_addresses(start_daemon: Callable[..., RunningDaemon]) -> None:
+    first, second = free_port(), free_port()
+    stages, pipelines = {"echo": py_stage("echo")}, {"echo": {"stages": ["echo"]}}
+    d = start_daemon(stages, pipelines, {"listen": [f"127.0.0.1:{first}"]})
+    key = add_key(d, "k")
+    pid = d.stages()["echo"]["pid"]
+
+    def answers(port: int) -> bool:
+        try:
+            with tcp(f"http://127.0.0.1:{port}", key) as h:
+                return h.get("/v1/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    assert answers(first) and not answers(second)
+    daemon_config(d.dir, stages, pipelines, {"listen": [f"127.0.0.1:{second}"]})
+    d.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: answers(second) and not answers(first), 30, "the reload to move the listener")
+    assert d.stages()["echo"]["pid"] == pid                  # nothing else restarted
+    daemon_config(d.dir, stages, pipelines, {"listen": [f"0.0.0.0:{first}"]})   # (keys exist: allowed)
+    d.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: answers(first) and not answers(second), 30, "the reload to listen on 0.0.0.0")

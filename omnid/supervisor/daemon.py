@@ -128,6 +128,8 @@ class Daemon:
         self._log_file: DaemonLogHandler | None = None  # our records into <state_dir>/logs/omnid.log too
         self._uses_ray = False                      # some stage is placed on Ray: disconnect at exit
         self.keys: KeyStore | None = None           # the TCP listener's API keys (<state_dir>/api_keys.json)
+        self._tcp_sites: dict[tuple[str, int], web.TCPSite] = {}   # daemon.listen's, open now
+        self._inherited_tcp: set[tuple[str, int]] = set()           # systemd's TCP sockets' addresses
 
     def request_stop(self) -> None:
         if self._stop.is_set():
@@ -146,6 +148,7 @@ class Daemon:
     async def _reload(self) -> None:
         if self.reloader is not None:
             await self.reloader.reload()
+            await self._listen_as_configured()      # a reload may change daemon.listen
 
     @property
     def current(self) -> Config:
@@ -289,16 +292,33 @@ class Daemon:
             await web.SockSite(self._runner, sock, backlog=LISTEN_BACKLOG).start()
             taken.add((host, port))
             log.info("listening", tcp=_address(host, port), via="systemd")
-        for host, port in cfg.listen:
-            if (host, port) in taken:
-                continue            # systemd's socket for it already (ListenStream= and listen = [...] both)
+        self._inherited_tcp = taken
+        failed = await self._listen_as_configured()
+        if failed:
+            raise StartupError(failed[0])
+
+    async def _listen_as_configured(self) -> list[str]:
+        """Open `daemon.listen`'s addresses not open yet, close those no longer listed (their open
+        connections finish what they are doing); returns what could not be opened."""
+        assert self._runner is not None and self.keys is not None
+        wanted = [hp for hp in self.current.daemon.listen if hp not in self._inherited_tcp]
+        for hp in [hp for hp in self._tcp_sites if hp not in wanted]:
+            await self._tcp_sites.pop(hp).stop()
+            log.info("no longer listening", tcp=_address(*hp))
+        failed = []
+        for host, port in wanted:
+            if (host, port) in self._tcp_sites:
+                continue
             site = web.TCPSite(self._runner, host, port, backlog=LISTEN_BACKLOG, reuse_address=True)
             try:
                 await site.start()
             except OSError as e:
-                raise StartupError(f"cannot listen on {_address(host, port)} (daemon.listen): {e.strerror or e}") \
-                    from None
+                failed.append(f"cannot listen on {_address(host, port)} (daemon.listen): {e.strerror or e}")
+                log.error("cannot listen", tcp=_address(host, port), error=str(e.strerror or e))
+                continue
+            self._tcp_sites[(host, port)] = site
             log.info("listening", tcp=_address(host, port), keys=len(self.keys.all()))
+        return failed
 
     # ------------------------------------------------------------------ 3. the stage workers
 
