@@ -6,8 +6,9 @@ events from an asyncio queue. Every error is
 `{"error": {"code": ..., "message": ...}}` with a fitting status, including
 aiohttp's own (413 for a body over `max_request_bytes`, 405, 404 route).
 
-The caller's uid comes from the socket (SO_PEERCRED): a job belongs to the
-uid that submitted it; only that uid or root may read, cancel or delete it.
+The caller's uid comes from the socket (SO_PEERCRED), or over TCP from its API
+key (access.py, the innermost middleware, sets it): a job belongs to the uid that
+submitted it; only that uid or root may read, cancel or delete it.
 
 `Api` is given its collaborators (config, store, scheduler, stage handles, metrics,
 and `DaemonInfo`) by the daemon that builds it; it imports nothing of the daemon.

@@ -1,4 +1,4 @@
-"""OpenAI-compatible endpoints on the daemon's socket; each request is one ordinary omnid job.
+"""OpenAI-compatible endpoints on the daemon's socket (and its TCP listener); each request is one ordinary omnid job.
 
 Runs in the supervisor's event-loop thread, inside the socket API's aiohttp application (the
 daemon mounts it: `OpenAiApi(api).mount(api.app)`). Handlers never block: they submit a job through the
