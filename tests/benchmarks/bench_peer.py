@@ -37,6 +37,7 @@ CLI = BENCH_DIR / "_vllm_cli.py"
 CONCURRENCY = (16, 64)
 PROMPTS, INPUT_LEN, OUTPUT_LEN = 64, 32, 64
 ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
+ROUND_S = 400           # what one round (two server starts, two client runs) may take on a busy machine
 # (row name, result key, unit, higher is better)
 METRICS = (("request throughput", "request_throughput", "req/s", True),
            ("TTFT p50", "median_ttft_ms", "ms", False), ("TTFT p99", "p99_ttft_ms", "ms", False),
@@ -131,6 +132,9 @@ def bench_peer(ctx: Ctx) -> list[Row]:
         peer: list[dict[str, Any]] = []
         ours: list[dict[str, Any]] = []
         for r in range(rounds):
+            if r and ctx.left() < ROUND_S:
+                ctx.log(f"concurrency {c}: {r} round(s) only, the budget is nearly spent")
+                break
             ctx.check(f"round {r + 1} at concurrency {c}")
             ctx.log(f"concurrency {c}, round {r + 1}/{rounds}: vllm serve")
             peer.append(_vllm_round(ctx, c, f"vllm-c{c}-r{r}"))
@@ -143,7 +147,7 @@ def bench_peer(ctx: Ctx) -> list[Row]:
                 value=statistics.median(o[key] for o in ours), unit=unit,
                 anchor="vllm serve, same load", anchor_value=statistics.median(p[key] for p in peer),
                 anchor_unit=unit, ratio=statistics.median(ratios) if ratios else None, ratio_def="omnid / vLLM",
-                note=(f"median of {rounds} alternating round(s); ratio range {min(ratios):.2f}-{max(ratios):.2f}; "
+                note=(f"median of {len(ratios)} alternating round(s); ratio range {min(ratios):.2f}-{max(ratios):.2f}; "
                       f"{'higher' if higher else 'lower'} is better") if ratios else ""))
     return rows
 

@@ -87,7 +87,7 @@ BENCHES: list[Bench] = [
            "256 MiB fp16 hand-off, local -> Ray-placed (across raylets)",
            "256 MiB fp16 hand-off, Ray-placed -> local (across raylets)"],
           (240, 150), ()),
-    Bench("peer", "engines", bench_peer.bench_peer, bench_peer.FIGURES, (1500, 600), ()),
+    Bench("peer", "engines", bench_peer.bench_peer, bench_peer.FIGURES, (3600, 1500), ()),  # 4 or 12 server starts
     Bench("supervisor_rss", "control", bench_control.bench_supervisor_rss,
           ["supervisor RSS after N no-op jobs"], (150, 45), ("control",)),
 ]
