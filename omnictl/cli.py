@@ -604,6 +604,56 @@ def health(settings: Settings) -> None:
     raise click.exceptions.Exit(int(ExitCode.OK if ok else ExitCode.JOB_FAILED))
 
 
+@cli.group()
+def key() -> None:
+    """API keys for the TCP listener (daemon.listen); root or the daemon's admin group."""
+
+
+@key.command("add")
+@click.argument("name")
+@click.option("--uid", type=click.IntRange(0), help="The user the key acts as: its jobs are that uid's "
+              "(default: yours; uid 0 only by root).")
+@click.option("--max-jobs", type=click.IntRange(1), metavar="N", help="At most N of its jobs live at once "
+              "(past it: 429).")
+@click.option("--rps", type=click.FloatRange(0.001), metavar="R", help="At most R requests per second "
+              "(past it: 429 with Retry-After).")
+@json_option
+@pass_settings
+def key_add(settings: Settings, name: str, uid: int | None, max_jobs: int | None, rps: float | None) -> None:
+    """Make a key NAME and print it, once, on the last line (it is stored hashed; it cannot be shown again)."""
+    answer = settings.client().add_key(name, uid, max_jobs, rps)
+    if settings.json:
+        _print_json(answer)
+        return
+    click.echo(render.key_added(answer))
+    click.echo(str(answer.get("key")))
+
+
+@key.command("list")
+@json_option
+@pass_settings
+def key_list(settings: Settings) -> None:
+    """The keys: name, uid, limits, when made, and their first characters (never the keys)."""
+    document = settings.client().keys()
+    if settings.json:
+        _print_json(document)
+    else:
+        click.echo(render.keys_table(document.get("keys") or [], time.time()))
+
+
+@key.command("rm")
+@click.argument("name")
+@json_option
+@pass_settings
+def key_rm(settings: Settings, name: str) -> None:
+    """Remove the key NAME: its next request gets 401 (its jobs stay its uid's)."""
+    answer = settings.client().remove_key(name)
+    if settings.json:
+        _print_json(answer)
+    else:
+        click.echo(f"removed key {name}")
+
+
 @command()
 def metrics(settings: Settings) -> None:
     """Print the daemon's Prometheus metrics (--json: {name: [{labels, value}]})."""

@@ -388,6 +388,25 @@ class Client:
         202 (200 if awake already)."""
         return self._json("POST", f"/v1/stages/{quote(name, safe='')}/wake")
 
+    def keys(self) -> JSON:
+        """``GET /v1/keys`` (root or the admin group, on the socket): ``{"keys": [...], "file"}``;
+        never the keys themselves."""
+        return self._json("GET", "/v1/keys")
+
+    def add_key(self, name: str, uid: int | None = None, max_jobs: int | None = None,
+                rps: float | None = None) -> JSON:
+        """``POST /v1/keys``: a new API key for the TCP listener, for `uid` (default: the caller's);
+        the answer's ``key`` is its secret, shown this once."""
+        body: dict[str, Any] = {"name": name}
+        for field_name, value in (("uid", uid), ("max_jobs", max_jobs), ("rps", rps)):
+            if value is not None:
+                body[field_name] = value
+        return self._json("POST", "/v1/keys", body=body)
+
+    def remove_key(self, name: str) -> JSON:
+        """``DELETE /v1/keys/{name}``: the key stops working at once."""
+        return self._json("DELETE", f"/v1/keys/{quote(name, safe='')}")
+
     def logs(
         self,
         stage: str | None = None,

@@ -233,6 +233,28 @@ def stages_table(stages: Iterable[JSON]) -> str:
     return table(headers, rows)
 
 
+def _limits(key: JSON) -> str:
+    parts = []
+    if key.get("max_jobs") is not None:
+        parts.append(f"{key['max_jobs']} jobs")
+    if key.get("rps") is not None:
+        parts.append(f"{key['rps']:g}/s")
+    return ", ".join(parts) or "-"
+
+
+def keys_table(keys: Iterable[JSON], now: float) -> str:
+    """The ``omnictl key list`` table."""
+    rows = [[k.get("name"), k.get("uid"), f"{k.get('hint') or ''}...", _limits(k), format_age(k.get("created"), now)]
+            for k in keys]
+    return table(["NAME", "UID", "KEY", "LIMITS", "CREATED"], rows) if rows else "no API keys"
+
+
+def key_added(key: JSON) -> str:
+    """What ``omnictl key add`` says before the key itself (its last line)."""
+    return (f"key {key.get('name')} for uid {key.get('uid')} (limits: {_limits(key)}); it is shown this once, "
+            "below: keep it now")
+
+
 def _node(stage: JSON) -> str | None:
     """Where a stage (or replica) runs: `local`, or `ray:<node ip>` for a Ray-placed worker."""
     placement = stage.get("placement")

@@ -12,7 +12,9 @@ instead of stopping at the first, so one `omnid --check` run shows them all.
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import os
+import re
 import sys
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from omnid import paths
+from omnid.keys import KeyFileError, key_path, read_keys
 from omnid.media import MEDIA_KINDS, NO_MEDIA, MediaLimits, detect_kinds
 from omnid.params import ENGINE_PARAMS, check_param, parallel_size, stage_accepts
 
@@ -86,6 +89,10 @@ class DaemonConfig:
     log_file_max_bytes: int = 10 << 20      # <state_dir>/logs: each stage's and the daemon's file rotates at this size
     log_file_keep: int = 3                  # ... keeping this many rotated files (.1 .2 .3) besides the current one
     ray_address: str | None = None          # the Ray cluster of `placement = "ray"` stages ("HOST:6379", "auto")
+    # The TCP listener (off): the socket's application on these addresses, each request with an API key.
+    listen: tuple[tuple[str, int], ...] = ()
+    allow_origins: tuple[str, ...] = ()     # CORS on the TCP listener: browser origins let in ("*": any); off
+    metrics_without_key: bool = False       # GET /metrics on the TCP listener answers without a key
 
 
 @dataclass(frozen=True)
@@ -363,7 +370,57 @@ def _parse_daemon(c: _Checker, raw: Any, base: Path) -> DaemonConfig:
         log_file_max_bytes=c.positive(d, "log_file_max_bytes", "daemon", 10 << 20, integer=True),
         log_file_keep=c.positive(d, "log_file_keep", "daemon", 3, integer=True, allow_zero=True),
         ray_address=c.get(d, "ray_address", "daemon", str),
+        **_parse_tcp(c, d),
     )
+
+
+def _parse_tcp(c: _Checker, d: Mapping[str, Any]) -> dict[str, Any]:
+    """`listen`, `allow_origins`, `metrics_without_key`: the TCP listener's keys of `[daemon]`."""
+    raw = c.get(d, "listen", "daemon", list, [])
+    listen: list[tuple[str, int]] = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, str):
+            c.add(f"daemon.listen[{i}]", f"must be \"HOST:PORT\" (e.g. \"127.0.0.1:8080\"), not {_typename(item)}")
+            continue
+        hp = _host_port(c, item, f"daemon.listen[{i}]")
+        if hp is not None and hp in listen:
+            c.add(f"daemon.listen[{i}]", f"{item!r} is listed twice")
+        elif hp is not None:
+            listen.append(hp)
+    origins = c.get(d, "allow_origins", "daemon", list, [])
+    for i, origin in enumerate(origins):
+        if not isinstance(origin, str) or not (origin == "*" or re.match(r"^https?://[^/\s]+$", origin)):
+            c.add(f"daemon.allow_origins[{i}]", f"must be an origin like \"https://chat.example.com\" (scheme "
+                                                f"and host, no path) or \"*\", not {origin!r}")
+    return {"listen": tuple(listen), "allow_origins": tuple(o for o in origins if isinstance(o, str)),
+            "metrics_without_key": bool(c.get(d, "metrics_without_key", "daemon", bool, False))}
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listen host is reachable from this machine only (127.0.0.0/8, ::1, "localhost")."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False            # a name: it may resolve to anything
+
+
+def _check_listen_keys(c: _Checker, daemon: DaemonConfig) -> None:
+    """A TCP listener beyond loopback needs API keys first (anyone who reaches it could try)."""
+    wide = [f"{h}:{p}" for h, p in daemon.listen if not is_loopback(h)]
+    if not wide:
+        return
+    path = key_path(daemon.state_dir)
+    try:
+        n = len(read_keys(path))
+    except KeyFileError as e:
+        c.add("daemon.listen", f"{', '.join(wide)} is not a loopback address, and {e}")
+        return
+    if not n:
+        c.add("daemon.listen", f"{', '.join(wide)} is not a loopback address and there are no API keys "
+                               f"({path} has none): add one first (omnictl key add NAME), or listen on "
+                               "127.0.0.1 or ::1 only")
 
 
 _STAGE_KEYS = ("engine", "model", "function", "python_path", "devices", "exclusive",
@@ -834,6 +891,7 @@ def parse(data: Mapping[str, Any], *, base: Path, source: str = "<config>") -> C
         c.add("stages", "no stages are defined")
     _check_devices(c, stages)
     _check_ray(c, daemon, stages)
+    _check_listen_keys(c, daemon)
     pipes_raw = c.table(data.get("pipelines", {}), "pipelines")
     pipelines: dict[str, PipelineConfig] = {}
     for name, raw in pipes_raw.items():

@@ -97,16 +97,21 @@ def _of_type(kind: type, name: str) -> Rule:
 
 def _check_stop(v: Any) -> str | None:
     ok = isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v))
-    return None if ok else "must be a string or a list of strings"
+    if not ok:
+        return "must be a string or a list of strings"
+    if v == "" or (isinstance(v, list) and "" in v):
+        return "must not be or hold an empty string"       # (vLLM refuses it)
+    return None
 
 
-_stop = Rule(_check_stop, {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]})
+_stop = Rule(_check_stop, {"anyOf": [{"type": "string", "minLength": 1},
+                                     {"type": "array", "items": {"type": "string", "minLength": 1}}]})
 
 
 # Value rules for the known parameters, checked at the door (400) rather than in the engine.
 PARAM_RULES: dict[str, dict[str, Rule]] = {
     "vllm": {
-        "max_tokens": _integer(1), "min_tokens": _integer(0), "temperature": _number(0),
+        "max_tokens": _integer(1), "min_tokens": _integer(0), "temperature": _number(0, 2),
         "top_p": _number(0, 1, lo_open=True), "top_k": _integer(-1), "min_p": _number(0, 1),
         "seed": _integer(0, _SEED_MAX - 1), "stop": _stop, "ignore_eos": _of_type(bool, "true or false"),
         "repetition_penalty": _number(0, lo_open=True), "presence_penalty": _number(-2, 2),
@@ -155,6 +160,16 @@ def job_param_problem(stage: str, engine: str, defaults: Mapping[str, Any], key:
     why = check_param(engine, key, value)
     if why is not None:
         return f"params.{stage}.{key} {why}, not {value!r}"
+    return None
+
+
+def values_problem(stage: str, engine: str, values: Mapping[str, Any]) -> str | None:
+    """Why the values a job would run with (its stage's defaults and its params, merged) do not
+    go together, or None: the rules between parameters (vLLM: `min_tokens` <= `max_tokens`)."""
+    if engine == "vllm":
+        lo, hi = values.get("min_tokens"), values.get("max_tokens")
+        if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
+            return f"params.{stage}.min_tokens ({lo}) must not be more than max_tokens ({hi})"
     return None
 
 

@@ -152,6 +152,16 @@ class ErrorCode(StrEnum):
     DAEMON_STOPPING = "daemon_stopping"
     DAEMON_RESTARTED = "daemon_restarted"
     WAKE_FAILED = "wake_failed"         # a sleeping stage could not be loaded again
+    # the TCP listener's door (supervisor/access.py)
+    INVALID_API_KEY = "invalid_api_key"         # 401: no key, or not one of the daemon's
+    RATE_LIMITED = "rate_limited"               # 429: a key's requests per second or live jobs
+    UNKNOWN_KEY = "unknown_key"
+    KEY_EXISTS = "key_exists"
+    SOCKET_ONLY = "socket_only"                 # 403: API keys are managed over the Unix socket only
+    # the OpenAI-compatible paths' own (openai_api.py)
+    MODEL_NOT_FOUND = "model_not_found"         # 404: no pipeline of that name
+    MODEL_NOT_SUPPORTED = "model_not_supported"  # 400: the pipeline does not produce what the path gives
+    NO_IMAGE = "no_image"                       # 500: an image pipeline's job produced none
 
 
 # ------------------------------------------------------------------------------ the job record

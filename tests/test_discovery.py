@@ -104,11 +104,14 @@ def test_pipeline_discovery(daemon: RunningDaemon) -> None:
 def test_every_registered_route_is_documented(daemon: RunningDaemon, openapi: dict[str, Any]) -> None:
     # The app as the daemon builds it (its collaborators are not needed to register the routes).
     from omnid.config import load
+    from omnid.keys import KeyStore
+    from omnid.supervisor.access import Access
     from omnid.supervisor.api import Api, DaemonInfo
     from omnid.supervisor.openai_api import OpenAiApi
     from omnid.supervisor.openapi import openapi_document
     api = Api(load(daemon.config_path), None, None, {}, None, DaemonInfo(os.getpid(), 0.0, "x"))  # type: ignore[arg-type]
     OpenAiApi(api).mount(api.app)
+    Access(api, KeyStore(daemon.dir / "no-keys.json")).mount(api.app)
     registered = {(r.method.lower(), r.resource.canonical) for r in api.app.router.routes()
                   if r.resource is not None and r.method != "HEAD"}
     assert len(registered) >= 15
@@ -176,3 +179,30 @@ def test_short_prefix_says_why(daemon: RunningDaemon) -> None:
     assert status == 200 and json.loads(raw)["id"] == job
     status, _, raw = call(daemon, "GET", "/v1/jobs/zzzzzz")          # long enough, just unknown
     assert json.loads(raw)["error"]["message"] == "no job 'zzzzzz'"
+
+
+def test_405_says_allow_and_openai_errors_are_documented(daemon: RunningDaemon, openapi: dict[str, Any]) -> None:
+    for path in ("/v1/jobs", "/v1/chat/completions", "/v1/health"):
+        status, headers, raw = call(daemon, "PUT", path)
+        assert status == 405 and headers["allow"], (path, headers)      # RFC 9110
+        allowed = {m.upper() for m in openapi["paths"][path]}
+        assert set(headers["allow"].split(", ")) <= allowed | {"HEAD"}, (headers["allow"], allowed)
+    status, _, raw = call(daemon, "GET", "/v1/models/nope")
+    assert status == 404 and json.loads(raw)["error"]["code"] == "model_not_found"
+    check(openapi, "GET", "/v1/models/{model}", 404, json.loads(raw))   # in the error-code enum
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/images/generations", "/v1/audio/speech"):
+        assert openapi["paths"][path]["post"]["requestBody"]["required"] is True, path
+        status, _, raw = call(daemon, "POST", path)                     # no body: refused, as documented
+        assert status == 400
+        check(openapi, "POST", path, 400, json.loads(raw))
+    logs = openapi["paths"]["/v1/logs"]["get"]
+    assert "x-omnid-stream" in logs["responses"]["200"]
+    since = next(p for p in logs["parameters"] if p["name"] == "since")["schema"]
+    assert since["pattern"]
+    import re
+    for good in ("", "10m", "1h30m", "1764474442.5", "2026-11-30T03:47:22Z"):
+        assert re.match(since["pattern"], good), good
+    for bad in ("soon", "2026-13-01", "-5"):
+        assert not re.match(since["pattern"], bad), bad
+        status, _, raw = call(daemon, "GET", f"/v1/logs?since={bad}")
+        assert status == 400, (bad, raw)

@@ -6,8 +6,9 @@ events from an asyncio queue. Every error is
 `{"error": {"code": ..., "message": ...}}` with a fitting status, including
 aiohttp's own (413 for a body over `max_request_bytes`, 405, 404 route).
 
-The caller's uid comes from the socket (SO_PEERCRED): a job belongs to the
-uid that submitted it; only that uid or root may read, cancel or delete it.
+The caller's uid comes from the socket (SO_PEERCRED), or over TCP from its API
+key (access.py, the innermost middleware, sets it): a job belongs to the uid that
+submitted it; only that uid or root may read, cancel or delete it.
 
 `Api` is given its collaborators (config, store, scheduler, stage handles, metrics,
 and `DaemonInfo`) by the daemon that builds it; it imports nothing of the daemon.
@@ -38,7 +39,7 @@ from aiohttp import web
 from omnid import media
 from omnid.config import Config, PipelineConfig, StageConfig
 from omnid.metrics import Metrics
-from omnid.params import job_param_problem, plain_value
+from omnid.params import job_param_problem, merged, plain_value, values_problem
 from omnid.store import JobStore
 from omnid.supervisor import stage_logs
 from omnid.supervisor.errors import Refused
@@ -85,8 +86,11 @@ def error(status: int, code: ErrorCode, message: str, **extra: Any) -> web.Respo
                              headers=headers)
 
 
-def _peer_uid(request: web.Request) -> int:
+def _peer_uid(request: web.Request) -> int | None:
+    """The caller's uid on the Unix socket; None over TCP, whose door (access.py) knows it by its key."""
     sock = request.transport.get_extra_info("socket") if request.transport else None
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        return None
     if sock is None or sock.family != socket.AF_UNIX:
         raise Refused(403, ErrorCode.NO_CREDENTIALS, "the caller's identity cannot be read from this connection")
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -98,7 +102,9 @@ def _peer_uid(request: web.Request) -> int:
 async def errors_middleware(request: web.Request,
                             handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     try:
-        request["uid"] = _peer_uid(request)
+        uid = _peer_uid(request)
+        if uid is not None:
+            request["uid"] = uid
         return await handler(request)
     except Refused as e:
         return error(e.status, e.code, e.message, **e.extra)
@@ -110,8 +116,10 @@ async def errors_middleware(request: web.Request,
     except web.HTTPNotFound:
         return error(404, ErrorCode.NOT_FOUND, f"no such endpoint: {request.method} {request.path}")
     except web.HTTPMethodNotAllowed as e:
-        return error(405, ErrorCode.METHOD_NOT_ALLOWED, f"{request.method} is not allowed on {request.path}; "
+        resp = error(405, ErrorCode.METHOD_NOT_ALLOWED, f"{request.method} is not allowed on {request.path}; "
                      f"use {', '.join(sorted(e.allowed_methods))}")
+        resp.headers["Allow"] = ", ".join(sorted(e.allowed_methods))     # (RFC 9110: a 405 says what is)
+        return resp
     except web.HTTPException as e:
         return error(e.status, ErrorCode.HTTP_ERROR, e.reason)
     except ConnectionError:
@@ -342,6 +350,9 @@ class Api:
                 why = job_param_problem(stage_name, stage.engine, stage.defaults, key, value)
                 if why is not None:
                     raise Refused(400, ErrorCode.INVALID_PARAM, why)
+            why = values_problem(stage_name, stage.engine, merged(stage.defaults, values))
+            if why is not None:
+                raise Refused(400, ErrorCode.INVALID_PARAM, why)
             out[stage_name] = dict(values)
         return out
 
@@ -694,7 +705,8 @@ class Api:
 
 
 def _is_file(value: Any) -> bool:
-    return isinstance(value, dict) and set(value) <= {"b64", "filename"} and isinstance(value.get("b64"), str)
+    return isinstance(value, dict) and set(value) <= {"b64", "filename"} and isinstance(value.get("b64"), str) \
+        and isinstance(value.get("filename"), (str, type(None)))
 
 
 def _is_samples(value: Any) -> bool:
@@ -704,11 +716,14 @@ def _is_samples(value: Any) -> bool:
 def _file_or_samples(key: str, value: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
     """A file input's bytes, or audio samples as a WAV file; and the summary the job shows of it."""
     if "samples" in value:
+        rate = value["rate"]
+        if isinstance(rate, float) and rate.is_integer():
+            rate = int(rate)            # (JSON has one number type: 16000.0 is the integer its schema says)
         try:
-            wav = media.samples_to_wav(value["samples"], value["rate"])
+            wav = media.samples_to_wav(value["samples"], rate)
         except media.MediaError as e:
             raise Refused(400, ErrorCode.INVALID_MEDIA, f"input {key!r}: {e}", input=key.partition("[")[0]) from None
-        return wav, {"samples": len(value["samples"]), "rate": value["rate"], "size": len(wav)}
+        return wav, {"samples": len(value["samples"]), "rate": rate, "size": len(wav)}
     try:
         data = base64.b64decode(value["b64"], validate=True)
     except (binascii.Error, ValueError):

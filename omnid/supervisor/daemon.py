@@ -8,6 +8,7 @@ Runs in the supervisor process's main thread, in one asyncio event loop
    scheduler, API);
 2. open the socket (or take it from systemd) and serve the API, so
    `/v1/health` answers while models load and `/v1/ready` says which are not warm;
+   the TCP listener too (`daemon.listen`, or systemd's TCP sockets), behind API keys;
 3. start every stage worker in parallel (one loader per device at a time);
    the first worker that dies while loading aborts the start, reported
    with its stage name and exit status, and no child is left behind;
@@ -37,11 +38,13 @@ from aiohttp import web
 
 from omnid import __version__, paths, systemd
 from omnid import protocol as P
-from omnid.config import Config
+from omnid.config import Config, is_loopback
+from omnid.keys import KeyFileError, KeyStore, key_path
 from omnid.locks import DeviceBusy, DeviceLeases, DeviceLocks
 from omnid.metrics import Metrics
 from omnid.retention import Retention
 from omnid.store import JobStore, StateDirBusy
+from omnid.supervisor.access import Access
 from omnid.supervisor.api import Api, DaemonInfo
 from omnid.supervisor.openai_api import OpenAiApi
 from omnid.supervisor.reload import Reloader
@@ -63,14 +66,14 @@ class StartupError(Exception):
 LISTEN_BACKLOG = 4096
 
 
-def open_listening_socket(path: Path, mode: int, group: str | None) -> tuple[socket.socket, bool]:
-    """The API socket: systemd's (socket activation), or a new one at `path`.
+def open_listening_socket(path: Path, mode: int, group: str | None,
+                          inherited: socket.socket | None = None) -> tuple[socket.socket, bool]:
+    """The API socket: systemd's (socket activation, `inherited`), or a new one at `path`.
 
     Returns the socket and whether we created the file (and so remove it at exit).
     """
-    inherited = systemd.listen_fds()
-    if inherited:
-        return inherited[0], False
+    if inherited is not None:
+        return inherited, False
     path.parent.mkdir(parents=True, exist_ok=True)
     if os.path.lexists(path):
         if not path.is_socket():       # a typo in daemon.socket must not delete someone's file
@@ -124,6 +127,9 @@ class Daemon:
         self._load_locks: dict[int, asyncio.Lock] = {}
         self._log_file: DaemonLogHandler | None = None  # our records into <state_dir>/logs/omnid.log too
         self._uses_ray = False                      # some stage is placed on Ray: disconnect at exit
+        self.keys: KeyStore | None = None           # the TCP listener's API keys (<state_dir>/api_keys.json)
+        self._tcp_sites: dict[tuple[str, int], web.TCPSite] = {}   # daemon.listen's, open now
+        self._inherited_tcp: set[tuple[str, int]] = set()           # systemd's TCP sockets' addresses
 
     def request_stop(self) -> None:
         if self._stop.is_set():
@@ -142,6 +148,7 @@ class Daemon:
     async def _reload(self) -> None:
         if self.reloader is not None:
             await self.reloader.reload()
+            await self._listen_as_configured()      # a reload may change daemon.listen
 
     @property
     def current(self) -> Config:
@@ -227,6 +234,11 @@ class Daemon:
                                     lambda: set(sched.live) | {job for _, job in sched.stopping})
         api = Api(self.config, store, self.scheduler, self.stages, metrics, self.info)
         OpenAiApi(api).mount(api.app)       # /v1/models, /v1/chat/completions, ... on the same socket
+        try:
+            self.keys = KeyStore(key_path(self.config.daemon.state_dir))
+        except KeyFileError as e:
+            raise StartupError(str(e)) from None
+        Access(api, self.keys).mount(api.app)   # the TCP listener's door: API keys (innermost middleware)
         self.reloader = Reloader(self.config, self.stages, self.scheduler, api, make_stage, self.device_locks,
                                  self._load_locks)
         return api
@@ -235,8 +247,10 @@ class Daemon:
 
     async def _serve(self, api: Api) -> None:
         cfg = self.config.daemon
+        inherited = systemd.listen_fds()
+        unix = next((s for s in inherited if s.family == socket.AF_UNIX), None)
         try:
-            sock, created = open_listening_socket(cfg.socket, cfg.socket_mode, cfg.socket_group)
+            sock, created = open_listening_socket(cfg.socket, cfg.socket_mode, cfg.socket_group, unix)
         except OSError as e:
             raise StartupError(f"cannot listen on {cfg.socket}: {e.strerror or e}") from None
         self._socket_path = cfg.socket if created else None
@@ -248,6 +262,7 @@ class Daemon:
         await web.SockSite(self._runner, sock, backlog=LISTEN_BACKLOG).start()
         where = str(cfg.socket) if created else f"{sock.getsockname() or 'an unnamed socket'} (from systemd)"
         log.info("listening", socket=where, stages=len(self.stages), pid=self.info.pid)
+        await self._serve_tcp([s for s in inherited if s.family in (socket.AF_INET, socket.AF_INET6)])
         if cfg.metrics_listen is not None:        # /metrics only, for a Prometheus that scrapes over TCP
             host, port = cfg.metrics_listen
             metrics_app = web.Application()
@@ -260,6 +275,50 @@ class Daemon:
                 raise StartupError(f"cannot listen on {host}:{port} (daemon.metrics_listen): {e.strerror or e}") \
                     from None
             log.info("serving /metrics over TCP", address=f"{host}:{port}")
+
+    async def _serve_tcp(self, inherited: list[socket.socket]) -> None:
+        """The TCP listener: the sockets systemd passed, and `daemon.listen`'s addresses; the same
+        application as the socket, behind its door (access.py: API keys). An inherited socket
+        beyond loopback is refused without keys, as `omnid --check` refuses such a `listen`."""
+        assert self._runner is not None and self.keys is not None
+        cfg = self.config.daemon
+        taken: set[tuple[str, int]] = set()
+        for sock in inherited:
+            host, port = sock.getsockname()[:2]
+            if not is_loopback(host) and not self.keys.all():
+                raise StartupError(f"systemd passed a TCP socket on {_address(host, port)}, which is not a loopback "
+                                   f"address, and there are no API keys ({self.keys.path} has none): add one first "
+                                   "(omnictl key add NAME)")
+            await web.SockSite(self._runner, sock, backlog=LISTEN_BACKLOG).start()
+            taken.add((host, port))
+            log.info("listening", tcp=_address(host, port), via="systemd")
+        self._inherited_tcp = taken
+        failed = await self._listen_as_configured()
+        if failed:
+            raise StartupError(failed[0])
+
+    async def _listen_as_configured(self) -> list[str]:
+        """Open `daemon.listen`'s addresses not open yet, close those no longer listed (their open
+        connections finish what they are doing); returns what could not be opened."""
+        assert self._runner is not None and self.keys is not None
+        wanted = [hp for hp in self.current.daemon.listen if hp not in self._inherited_tcp]
+        for hp in [hp for hp in self._tcp_sites if hp not in wanted]:
+            await self._tcp_sites.pop(hp).stop()
+            log.info("no longer listening", tcp=_address(*hp))
+        failed = []
+        for host, port in wanted:
+            if (host, port) in self._tcp_sites:
+                continue
+            site = web.TCPSite(self._runner, host, port, backlog=LISTEN_BACKLOG, reuse_address=True)
+            try:
+                await site.start()
+            except OSError as e:
+                failed.append(f"cannot listen on {_address(host, port)} (daemon.listen): {e.strerror or e}")
+                log.error("cannot listen", tcp=_address(host, port), error=str(e.strerror or e))
+                continue
+            self._tcp_sites[(host, port)] = site
+            log.info("listening", tcp=_address(host, port), keys=len(self.keys.all()))
+        return failed
 
     # ------------------------------------------------------------------ 3. the stage workers
 
@@ -365,6 +424,10 @@ class Daemon:
         log.info("stopped")
         remove_daemon_log(self._log_file)
         self._log_file = None
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def run(config: Config) -> int:

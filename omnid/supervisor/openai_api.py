@@ -1,4 +1,4 @@
-"""OpenAI-compatible endpoints on the daemon's socket; each request is one ordinary omnid job.
+"""OpenAI-compatible endpoints on the daemon's socket (and its TCP listener); each request is one ordinary omnid job.
 
 Runs in the supervisor's event-loop thread, inside the socket API's aiohttp application (the
 daemon mounts it: `OpenAiApi(api).mount(api.app)`). Handlers never block: they submit a job through the
@@ -41,7 +41,7 @@ from aiohttp import web
 
 from omnid import media as M
 from omnid.config import PipelineConfig, StageConfig
-from omnid.params import job_param_problem
+from omnid.params import job_param_problem, merged, values_problem
 from omnid.supervisor.api import _gone
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.live_job import LAGGED
@@ -59,10 +59,13 @@ _JOB_KEY = "openai_job"                 # request keys: the job, for the answer'
 _CONTENT_TYPE_KEY = "openai_ctype"      # and what a streamed output of unknown type is sent as
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 _SIZE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
-# OpenAI sampling fields -> the vLLM stage's params (max_completion_tokens wins over max_tokens)
+# OpenAI sampling fields -> the vLLM stage's params (max_completion_tokens wins over max_tokens); then
+# the extensions vLLM's own server takes in the same body (`vllm bench serve` sends ignore_eos).
 _SAMPLING = (("max_tokens", "max_tokens"), ("max_completion_tokens", "max_tokens"),
              ("temperature", "temperature"), ("top_p", "top_p"), ("stop", "stop"), ("seed", "seed"),
-             ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"))
+             ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
+             ("top_k", "top_k"), ("min_p", "min_p"), ("min_tokens", "min_tokens"),
+             ("repetition_penalty", "repetition_penalty"), ("ignore_eos", "ignore_eos"))
 _ENGINE_KIND = {"vllm": "text", "diffusers": "image"}
 _ENDPOINTS = {"text": ["/v1/chat/completions", "/v1/completions"], "image": ["/v1/images/generations"],
               "audio": ["/v1/audio/speech"]}
@@ -116,8 +119,10 @@ async def openai_errors(request: web.Request,
     except web.HTTPNotFound:
         return OpenAiError(404, f"no such endpoint: {request.method} {request.path}", code="not_found").response()
     except web.HTTPMethodNotAllowed as e:
-        return OpenAiError(405, f"{request.method} is not allowed on {request.path}; use "
+        resp = OpenAiError(405, f"{request.method} is not allowed on {request.path}; use "
                            f"{', '.join(sorted(e.allowed_methods))}", code="method_not_allowed").response()
+        resp.headers["Allow"] = ", ".join(sorted(e.allowed_methods))
+        return resp
     except web.HTTPException as e:
         return OpenAiError(e.status, e.reason, code="http_error").response()
     except ConnectionError as e:            # the caller hung up (its job is cancelled): nobody to answer
@@ -219,7 +224,7 @@ class OpenAiApi:
         p = self.api.config.pipelines.get(name)
         if p is None:
             raise OpenAiError(404, f"The model `{name}` does not exist (the pipelines: "
-                              f"{', '.join(sorted(self.api.config.pipelines))})", "model", "model_not_found")
+                              f"{', '.join(sorted(self.api.config.pipelines))})", "model", str(ErrorCode.MODEL_NOT_FOUND))
         return p
 
     def _pipeline(self, body: dict[str, Any], kind: str) -> PipelineConfig:
@@ -228,7 +233,7 @@ class OpenAiApi:
         produces = self._produces(p)
         if produces is not None and kind not in produces:
             raise _bad("model", f"model {p.name!r} produces {', '.join(produces) or 'nothing'}, not {kind}; "
-                       f"{_ENDPOINTS[kind][0]} needs a pipeline that ends in {kind}", "model_not_supported")
+                       f"{_ENDPOINTS[kind][0]} needs a pipeline that ends in {kind}", str(ErrorCode.MODEL_NOT_SUPPORTED))
         return p
 
     # ------------------------------------------------------------------ text
@@ -321,7 +326,10 @@ class OpenAiApi:
             raise _bad("stream_options", "stream_options must be an object")
         if options and not stream:
             raise _bad("stream_options", "stream_options is only allowed when stream is true")
-        return bool(stream), bool((options or {}).get("include_usage"))
+        include_usage = (options or {}).get("include_usage")
+        if include_usage is not None and not isinstance(include_usage, bool):
+            raise _bad("stream_options", "stream_options.include_usage must be true or false")
+        return bool(stream), bool(include_usage)
 
     def _token_stage(self, p: PipelineConfig) -> str | None:
         """The vLLM stage whose params the sampling fields set: a last stage, else the last one."""
@@ -336,7 +344,7 @@ class OpenAiApi:
             for s in p.sinks:
                 if engines[s] == wanted:
                     return s
-        raise _bad("model", f"model {p.name!r} does not end in text", "model_not_supported")
+        raise _bad("model", f"model {p.name!r} does not end in text", str(ErrorCode.MODEL_NOT_SUPPORTED))
 
     def _sampling(self, p: PipelineConfig, body: dict[str, Any], extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """The OpenAI sampling fields as the vLLM stage's params, each checked by omnid's rules."""
@@ -353,6 +361,9 @@ class OpenAiApi:
             if why is not None:
                 raise _bad(name, f"{name}: {why}")
             values[key] = value
+        why = values_problem(stage, "vllm", merged(defaults, values))
+        if why is not None:
+            raise _bad("max_tokens", why)
         values.update(extra)
         return {stage: values}
 
@@ -370,7 +381,7 @@ class OpenAiApi:
             text = echo + "".join([piece async for piece in self._deltas(request, job, gen)])
             choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason}
             if chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"] = {"role": "assistant", "content": text, "refusal": None}
             else:
                 choice["text"] = text
             return web.json_response({**head, "choices": [choice], "usage": _usage(gen)})
@@ -387,7 +398,7 @@ class OpenAiApi:
         def chunk(text: str | None, finish: str | None = None, first: bool = False) -> dict[str, Any]:
             choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
             if chat:
-                choice["delta"] = ({"role": "assistant", "content": ""} if first
+                choice["delta"] = ({"role": "assistant", "content": "", "refusal": None} if first
                                    else {} if text is None else {"content": text})
             else:
                 choice["text"] = text or ""
@@ -476,7 +487,7 @@ class OpenAiApi:
             if not images:
                 raise OpenAiError(500, f"job {job.id} of {p.name!r} produced no image "
                                   f"(its outputs: {', '.join(o['name'] for o in record.outputs) or 'none'})",
-                                  code="no_image", retry=False)
+                                  code=str(ErrorCode.NO_IMAGE), retry=False)
             revised_out = _pick(record.outputs, "text", "prompt", None)
             revised = (await self._read(record, revised_out)).decode("utf-8", "replace") if revised_out else None
             data = []
@@ -709,19 +720,24 @@ def _b64(text: str, where: str) -> bytes:
 
 def _refuse_chat_features(body: dict[str, Any]) -> None:
     """What a chat may ask that omnid does not do: 400 rather than an answer that ignores it."""
-    if body.get("tools") or body.get("functions") or body.get("function_call") not in (None, "none"):
-        raise _bad("tools", "tools and function calling are not supported")
+    # (each field is refused unless it asks for nothing: the OpenAPI document says the same of it)
+    for name in ("tools", "functions"):
+        if body.get(name) not in (None, []):
+            raise _bad(name, "tools and function calling are not supported")
+    if body.get("function_call") not in (None, "none"):
+        raise _bad("function_call", "tools and function calling are not supported")
     if body.get("tool_choice") not in (None, "none", "auto"):
         raise _bad("tool_choice", "tools and function calling are not supported")
-    if body.get("logprobs") or body.get("top_logprobs") is not None:
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
         raise _bad("logprobs", "logprobs are not supported")
-    if body.get("logit_bias"):
+    if body.get("logit_bias") not in (None, {}):
         raise _bad("logit_bias", "logit_bias is not supported")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise _bad("response_format", "only response_format {\"type\": \"text\"} is supported")
     modalities = body.get("modalities")
-    if body.get("audio") is not None or (isinstance(modalities, list) and set(modalities) - {"text"}):
+    if body.get("audio") is not None or (modalities is not None and (
+            not isinstance(modalities, list) or any(m != "text" for m in modalities))):
         raise _bad("modalities", "a chat answers text only (use /v1/audio/speech with a pipeline that ends in audio)")
 
 

@@ -19,7 +19,8 @@ from aiohttp import web
 
 from omnid.config import Config, PipelineConfig, StageConfig
 from omnid.media import IMAGE_FORMATS, MEDIA_KINDS
-from omnid.params import PLAIN_VALUE_SCHEMA, describe_stage_params, stage_params_schema
+from omnid.params import PLAIN_VALUE_SCHEMA, describe_stage_params, param_schema, stage_params_schema
+from omnid.supervisor.stage_logs import SINCE_PATTERN
 from omnid.vocabulary import ErrorCode, EventType, JobState, StageRunState, WorkerState
 
 # Engines whose first stage needs a text input "prompt" (the API refuses a job without it: 400
@@ -116,7 +117,11 @@ _NUM = {"type": "number"}
 _INT = {"type": "integer"}
 _STR = {"type": "string"}
 _BOOL = {"type": "boolean"}
-_FILE_INPUT = _obj({"b64": {"type": "string", "contentEncoding": "base64"}, "filename": _nullable(_STR)},
+_INPUT_NAME = {"type": "string", "minLength": 1, "maxLength": 128}
+# base64 as `base64.b64decode(validate=True)` takes it: the standard alphabet, padded
+_B64 = {"type": "string", "contentEncoding": "base64",
+        "pattern": "^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"}
+_FILE_INPUT = _obj({"b64": _B64, "filename": _nullable(_STR)},
                    ["b64"], extra=False)
 _SAMPLES_INPUT = _obj({"samples": {"type": "array", "items": _NUM, "minItems": 1},
                        "rate": {"type": "integer", "minimum": 1, "maximum": 768000}}, ["samples", "rate"], extra=False)
@@ -126,14 +131,14 @@ _INPUT_VALUE = {"anyOf": [PLAIN_VALUE_SCHEMA, _FILE_INPUT, _SAMPLES_INPUT,
 
 def _job_request(config: Config) -> dict[str, Any]:
     """`POST /v1/jobs`'s body: one alternative per pipeline, with each stage's params schema."""
-    timeout = {"type": "number", "exclusiveMinimum": 0, "maximum": 7 * 24 * 3600}
+    timeout = _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 7 * 24 * 3600})
     variants = []
     for pipeline in config.pipelines.values():
         sources = [config.stages[s] for s in pipeline.sources]
         # (a vllm stage that takes media may get media alone; `messages` is the other alternative)
         needs_prompt = any(s.engine in PROMPT_ENGINES and not (s.engine == "vllm" and s.media.kinds)
                            for s in sources)
-        inputs = {"type": "object", "additionalProperties": _INPUT_VALUE,
+        inputs = {"type": "object", "additionalProperties": _INPUT_VALUE, "propertyNames": _INPUT_NAME,
                   "properties": {"prompt": _STR} if needs_prompt else {},
                   "required": ["prompt"] if needs_prompt else []}
         params = _obj({name: stage_params_schema(config.stages[name].engine, config.stages[name].defaults)
@@ -272,10 +277,15 @@ def _op(summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any]
 
 
 _LOG_QUERY = [
-    _query("since", _STR, "only lines since: a duration ago (10m, 1h, 2d), an ISO 8601 time or a Unix time"),
+    _query("since", {"type": "string", "pattern": SINCE_PATTERN},
+           "only lines since: a duration ago (10m, 1h, 2d), an ISO 8601 time or a Unix time (empty: all)"),
     _query("tail", {"type": "integer", "minimum": 0, "maximum": 100000}, "only the last N lines"),
-    _query("follow", _enum(("1", "true", "0", "false")), "keep sending new lines until the caller hangs up"),
+    _query("follow", _enum(("1", "true", "0", "false")), "1 or true: the answer is a stream that does not end: new "
+           "lines are sent as they are written until the caller hangs up or the daemon stops"),
 ]
+# A followed log: the 200 answer is chunked text that ends only when the caller hangs up.
+_LOG_STREAM = {"x-omnid-stream": "with follow=1 or follow=true: chunked text/plain that the server never ends; "
+                                 "read it line by line and hang up when done"}
 
 # (method, path) -> operation, for the routes this module knows. Routes it does not know are
 # documented from their handler (see `openapi_document`).
@@ -302,8 +312,8 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
         parameters=[_JOB_ID]),
     ("GET", "/v1/jobs/{id}/outputs/{name}"): _op(
         "One output's bytes, with its content type; ?stream=1: a live job's output as it is produced",
-        {"200": {"description": "the output's bytes", "content": {"*/*": {"schema": {"type": "string",
-                                                                                     "format": "binary"}}}}},
+        {"200": {"description": "the output's bytes, as its content type says (image/png, audio/wav, text/plain, "
+                                "application/json, ...)", "content": {"*/*": {"schema": {}}}}},
         parameters=[_JOB_ID, _path_param("name", "the output's name or file name"),
                     _query("stream", _enum(("1", "true", "0", "false")), "stream a live job's output")]),
     ("GET", "/v1/pipelines"): _op("Every pipeline", {"200": _json(_ref("PipelineList"), "the pipelines")}),
@@ -327,14 +337,16 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
         parameters=[_path_param("name", "the stage's name")]),
     ("GET", "/v1/stages/{name}/logs"): _op(
         "A stage worker's stdout and stderr, one `TIME LINE` per line (root or daemon.admin_group)",
-        {"200": {"description": "text lines, each prefixed with the UTC time it was read",
-                 "content": {"text/plain": {"schema": _STR}}}},
+        {"200": {"description": "text lines, each prefixed with the UTC time it was read; with follow, a stream "
+                                "that the server never ends (new lines as they come)",
+                 "content": {"text/plain": {"schema": _STR}}, **_LOG_STREAM}},
         parameters=[_path_param("name", "the stage's name"), *_LOG_QUERY,
                     _query("replica", {"type": "integer", "minimum": 0}, "which replica (0 by default)")]),
     ("GET", "/v1/logs"): _op(
         "The daemon's own records, one `TIME LINE` per line (root or daemon.admin_group)",
-        {"200": {"description": "text lines, each prefixed with the UTC time it was written",
-                 "content": {"text/plain": {"schema": _STR}}}},
+        {"200": {"description": "text lines, each prefixed with the UTC time it was written; with follow, a "
+                                "stream that the server never ends (new lines as they come)",
+                 "content": {"text/plain": {"schema": _STR}}, **_LOG_STREAM}},
         parameters=_LOG_QUERY),
     ("GET", "/v1/health"): _op("Alive: pid, uptime, version, live jobs", {"200": _json(_ref("Health"), "alive")}),
     ("GET", "/v1/ready"): _op("Every stage takes jobs: warm, degraded (some replicas down) or sleeping (200), "
@@ -345,6 +357,173 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("GET", "/v1/openapi.json"): _op("This document", {"200": _json({"type": "object"}, "OpenAPI 3.1")}),
 }
 _METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
+
+
+# ------------------------------------------------------------------ the OpenAI-compatible paths and the keys
+# Their bodies as openai_api.py checks them (a field it refuses is described by what it takes); their
+# errors in OpenAI's shape. What they answer is OpenAI's own schema (tests validate it against OpenAI's
+# published document); here it is described by its main fields.
+
+_OPENAI_ERROR = {"$ref": "#/components/responses/OpenAIError"}
+_NULL = {"type": "null"}
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+_SAMPLING = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
+             "frequency_penalty", "top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos")
+_OPENAI_CODES = sorted({*map(str, ErrorCode), *map(str, JobState)})
+
+
+def _maybe(schema: dict[str, Any]) -> dict[str, Any]:
+    """A field the server takes as absent when it is null."""
+    return {"anyOf": [schema, _NULL]}
+
+
+def _openai_op(summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"summary": summary, **extra, "responses": {**responses, "default": _OPENAI_ERROR}}
+
+
+def _body(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+def _models(config: Config, engines: Iterable[str]) -> dict[str, Any]:
+    """`model`: the pipelines whose last stages' engines may give this kind of answer."""
+    wanted = set(engines)
+    names = [p.name for p in config.pipelines.values() if any(config.stages[s].engine in wanted for s in p.sinks)]
+    return {"type": "string", "enum": names} if names else {"type": "string",
+                                                              "description": "no pipeline here gives this answer"}
+
+
+def _sampling_fields() -> dict[str, Any]:
+    fields = {}
+    for name in _SAMPLING:
+        key = "max_tokens" if name == "max_completion_tokens" else name
+        fields[name] = _maybe(param_schema("vllm", key))
+    return fields
+
+
+def _chat_request(config: Config) -> dict[str, Any]:
+    text_part = _obj({"type": {"const": "text"}, "text": _STR}, ["type", "text"])
+    content = {"anyOf": [_STR, {"type": "array", "items": text_part}]}
+    message = {"anyOf": [
+        _obj({"role": {"enum": list(_ROLES)}, "content": content}, ["role", "content"]),
+        _obj({"role": {"const": "assistant"}, "content": _NULL}, ["role"]),
+    ]}
+    empty_list = {"type": "array", "maxItems": 0}
+    return _obj({
+        "model": _models(config, ("vllm", "python")),
+        "messages": {"type": "array", "items": message, "minItems": 1},
+        "n": _maybe({"const": 1}), "stream": _maybe(_BOOL),
+        "stream_options": _maybe(_obj({"include_usage": _maybe(_BOOL)})),
+        **_sampling_fields(),
+        "tools": _maybe(empty_list), "functions": _maybe(empty_list), "function_call": _maybe({"const": "none"}),
+        "tool_choice": _maybe(_enum(("none", "auto"))), "logprobs": _maybe({"const": False}),
+        "top_logprobs": _NULL, "logit_bias": _maybe({"type": "object", "maxProperties": 0}),
+        "response_format": _maybe(_obj({"type": {"const": "text"}}, ["type"])),
+        "modalities": _maybe({"type": "array", "items": {"const": "text"}}), "audio": _NULL,
+    }, ["model", "messages"]) | {"description": "stream_options only with stream: true"}
+
+
+def _completion_request(config: Config) -> dict[str, Any]:
+    return _obj({
+        "model": _models(config, ("vllm", "python")),
+        "prompt": {"anyOf": [_STR, {"type": "array", "items": _STR, "minItems": 1, "maxItems": 1}]},
+        "n": _maybe({"const": 1}), "stream": _maybe(_BOOL),
+        "stream_options": _maybe(_obj({"include_usage": _maybe(_BOOL)})),
+        "echo": _maybe(_BOOL), "suffix": _NULL, "logprobs": _NULL, "best_of": _maybe({"const": 1}),
+        **_sampling_fields(),
+    }, ["model", "prompt"]) | {"description": "stream_options only with stream: true"}
+
+
+def _image_request(config: Config) -> dict[str, Any]:
+    sides = "|".join(str(n) for n in range(8, 4097, 8))     # the diffusers rule: 8 to 4096, multiples of 8
+    drawn = any(st.engine == "diffusers" for st in config.stages.values())
+    size = {"anyOf": [{"const": "auto"}, {"type": "string", "pattern": f"^(?:{sides})x(?:{sides})$"}]} if drawn \
+        else {"const": "auto"}
+    return _obj({
+        "model": _models(config, ("diffusers", "python")), "prompt": {"type": "string", "minLength": 1},
+        "n": _maybe({"const": 1}), "size": _maybe(size), "response_format": _maybe({"const": "b64_json"}),
+        "output_format": _maybe({"const": "png"}),
+    }, ["model", "prompt"])
+
+
+def _speech_request(config: Config) -> dict[str, Any]:
+    return _obj({
+        "model": _models(config, ("python",)), "input": {"type": "string", "minLength": 1},
+        "voice": {"description": "given to a last stage that has `voice` in its defaults"},
+        "response_format": _maybe({"const": "wav"}), "stream_format": _maybe({"const": "audio"}),
+    }, ["model", "input"])
+
+
+def _openai_schemas() -> dict[str, Any]:
+    return {
+        "OpenAIError": _obj({"error": _obj({
+            "message": _STR, "type": _enum(("invalid_request_error", "authentication_error", "permission_error",
+                                            "rate_limit_error", "server_error")),
+            "param": _nullable(_STR), "code": {"anyOf": [_enum(_OPENAI_CODES), _NULL]}},
+            ["message", "type", "param", "code"])}, ["error"]),
+        "Model": _obj({"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR,
+                       "omnid": {"type": "object"}}, ["id", "object", "created", "owned_by"]),
+        "ModelList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}},
+                          ["object", "data"]),
+        "ApiKey": _obj({"name": _STR, "uid": _INT, "created": _NUM, "hint": _STR, "max_jobs": _nullable(_INT),
+                        "rps": _nullable(_NUM)}, ["name", "uid", "created", "hint", "max_jobs", "rps"]),
+        "NewApiKey": {"allOf": [_ref("ApiKey"), _obj({"key": {**_STR, "description": "the key, shown this once"}},
+                                                     ["key"])]},
+        "ApiKeyList": _obj({"keys": {"type": "array", "items": _ref("ApiKey")}, "file": _STR}, ["keys", "file"]),
+        "KeyRequest": _obj({"name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"},
+                            "uid": {"type": "integer", "minimum": 0, "maximum": 2**32 - 2},
+                            "max_jobs": _nullable({"type": "integer", "minimum": 1, "maximum": 1_000_000}),
+                            "rps": _nullable({"type": "number", "minimum": 0.001, "maximum": 1_000_000})},
+                           ["name"], extra=False),
+    }
+
+
+def config_operations(config: Config) -> dict[tuple[str, str], dict[str, Any]]:
+    """The operations whose description depends on the config: the OpenAI paths (their models),
+    a stage log's replicas, and the key commands."""
+    json_or_sse = {"application/json": {"schema": {"type": "object"}},
+                   "text/event-stream": {"schema": {**_STR, "description": "with stream: true, server-sent events "
+                                                                           "ending with data: [DONE]"}}}
+    replicas = max((st.replicas for st in config.stages.values()), default=1)
+    stage_logs = dict(OPERATIONS[("GET", "/v1/stages/{name}/logs")])
+    stage_logs["parameters"] = [*stage_logs["parameters"][:-1], _query(
+        "replica", {"type": "integer", "minimum": 0, "maximum": replicas - 1},
+        "which replica (0 by default); less than the stage's `replicas`")]
+    return {
+        ("GET", "/v1/stages/{name}/logs"): stage_logs,
+        ("GET", "/v1/models"): _openai_op("The pipelines, as OpenAI models", {"200": _json(_ref("ModelList"),
+                                                                                          "the models")}),
+        ("GET", "/v1/models/{model}"): _openai_op(
+            "One pipeline as a model (404 model_not_found)", {"200": _json(_ref("Model"), "the model")},
+            parameters=[_path_param("model", "a pipeline's name")]),
+        ("POST", "/v1/chat/completions"): _openai_op(
+            "A chat, answered by a text-ending pipeline (one job)", {"200": {"description": "a chat.completion, "
+                                                                             "or its chunks", "content": json_or_sse}},
+            requestBody=_body(_chat_request(config))),
+        ("POST", "/v1/completions"): _openai_op(
+            "A completion, answered by a text-ending pipeline (one job)",
+            {"200": {"description": "a text_completion, or its chunks", "content": json_or_sse}},
+            requestBody=_body(_completion_request(config))),
+        ("POST", "/v1/images/generations"): _openai_op(
+            "An image, drawn by an image-ending pipeline (one job)",
+            {"200": _json(_obj({"created": _INT, "data": {"type": "array", "items": _obj(
+                {"b64_json": _STR, "revised_prompt": _STR}, ["b64_json"])}}, ["created", "data"]), "the image")},
+            requestBody=_body(_image_request(config))),
+        ("POST", "/v1/audio/speech"): _openai_op(
+            "Speech, by an audio-ending pipeline (one job), streamed as it is produced",
+            {"200": {"description": "a WAV file, sent as it is produced",
+                     "content": {"audio/wav": {"schema": {"type": "string", "format": "binary"}}}}},
+            requestBody=_body(_speech_request(config))),
+        ("GET", "/v1/keys"): _op("The API keys of the TCP listener (root or daemon.admin_group, on the socket only)",
+                                 {"200": _json(_ref("ApiKeyList"), "the keys, never their secrets")}),
+        ("POST", "/v1/keys"): _op(
+            "A new API key (root or daemon.admin_group, on the socket only); the answer shows it this once",
+            {"201": _json(_ref("NewApiKey"), "the key")}, requestBody=_body(_ref("KeyRequest"))),
+        ("DELETE", "/v1/keys/{name}"): _op(
+            "Remove an API key: its next request gets 401", {"200": _json(_obj({"removed": _STR}, ["removed"]),
+                                                                          "removed")},
+            parameters=[_path_param("name", "the key's name")]),
+    }
 
 
 def _fallback(route: web.AbstractRoute) -> dict[str, Any]:
@@ -377,8 +556,9 @@ def openapi_document(app: web.Application, config: Config, version: str) -> dict
     """The OpenAPI 3.1 document of every route of `app`."""
     paths: dict[str, dict[str, Any]] = {}
     by_key = {(r.method.upper(), r.resource.canonical): r for r in app.router.routes() if r.resource is not None}
+    known = {**OPERATIONS, **config_operations(config)}
     for method, path in routes(app):
-        op = OPERATIONS.get((method, path)) or _fallback(by_key[(method, path)])
+        op = known.get((method, path)) or _fallback(by_key[(method, path)])
         paths.setdefault(path, {})[method.lower()] = op
     return {
         "openapi": "3.1.0",
@@ -387,7 +567,9 @@ def openapi_document(app: web.Application, config: Config, version: str) -> dict
         "servers": [{"url": "http://omnid", "description": "the daemon's Unix socket (curl --unix-socket PATH)"}],
         "paths": paths,
         "components": {
-            "schemas": schemas(config),
-            "responses": {"Error": _json(_ref("Error"), "refused: {\"error\": {\"code\", \"message\"}}")},
+            "schemas": {**schemas(config), **_openai_schemas()},
+            "responses": {"Error": _json(_ref("Error"), "refused: {\"error\": {\"code\", \"message\"}}"),
+                          "OpenAIError": _json(_ref("OpenAIError"), "refused, in OpenAI's shape: {\"error\": "
+                                               "{\"message\", \"type\", \"param\", \"code\"}}")},
         },
     }

@@ -73,6 +73,13 @@ TS_LEN = len("2026-11-30T03:47:22.123Z")
 _PRIORITY = re.compile(rb"^<[0-7]>")
 _ANSI = re.compile(rb"\x1b\[[0-9;]*[A-Za-z]")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)", re.I)
+# What `since` may be, as one pattern: the OpenAPI document gives it and `parse_since` checks it first,
+# so the document and the server agree (ECMA-262 and Python alike read it the same way).
+_UNIT = "(?:[mM][sS]|[sSmMhHdDwW])"
+_ISO = ("[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])(?:T(?:[01][0-9]|2[0-3]):[0-5][0-9]"
+        "(?::[0-5][0-9](?:[.][0-9]{1,6})?)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])?)?")
+SINCE_PATTERN = (f"^(?: *(?:(?:[0-9]+(?:[.][0-9]+)? *{_UNIT} *)+|[0-9]+(?:[.][0-9]+)?|{_ISO}) *)?$")
+_SINCE = re.compile(SINCE_PATTERN)
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 
 
@@ -344,6 +351,9 @@ def parse_since(text: str, now: float | None = None) -> float:
     """`since` as seconds since the epoch: a duration ago (`90s`, `10m`, `1h30m`, `2d`), an ISO 8601
     time (`2026-11-30T03:47:22Z`; local time without an offset) or a Unix time (`1764474442.5`)."""
     now = time.time() if now is None else now
+    if not _SINCE.match(text):
+        raise BadSince(f"since must be a duration ago (10m, 1h, 2d), an ISO 8601 time (2026-11-30T03:47:22Z) "
+                       f"or a Unix time, not {text!r}")
     value = text.strip()
     if not value:
         raise BadSince("since is empty")

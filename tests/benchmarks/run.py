@@ -31,6 +31,7 @@ import bench_capacity  # noqa: E402
 import bench_control  # noqa: E402
 import bench_dataplane  # noqa: E402
 import bench_engines  # noqa: E402
+import bench_peer  # noqa: E402
 import bench_ray  # noqa: E402
 import bench_streaming  # noqa: E402
 
@@ -86,6 +87,7 @@ BENCHES: list[Bench] = [
            "256 MiB fp16 hand-off, local -> Ray-placed (across raylets)",
            "256 MiB fp16 hand-off, Ray-placed -> local (across raylets)"],
           (240, 150), ()),
+    Bench("peer", "engines", bench_peer.bench_peer, bench_peer.FIGURES, (3600, 1500), ()),  # 4 or 12 server starts
     Bench("supervisor_rss", "control", bench_control.bench_supervisor_rss,
           ["supervisor RSS after N no-op jobs"], (150, 45), ("control",)),
 ]

@@ -69,6 +69,9 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.NOT_ADMIN: 403,
     ErrorCode.UNKNOWN_STAGE: 404,
     ErrorCode.STAGE_BUSY: 409,     # a stage with jobs in progress is not put to sleep
+    ErrorCode.SOCKET_ONLY: 403,    # API keys are managed over the socket only (supervisor/access.py)
+    ErrorCode.UNKNOWN_KEY: 404,
+    ErrorCode.KEY_EXISTS: 409,
 }
 # Codes the real API also answers with another status: unknown_pipeline is a 400 in a job
 # (POST /v1/jobs) and a 404 as the path's resource (GET /v1/pipelines/{name}).

@@ -24,7 +24,9 @@ API_STRINGS: dict[type, list[str]] = {
                 "job_not_finished", "not_yours", "no_credentials", "too_large", "queue_full", "shutting_down", "not_admin", "unknown_stage", "stage_busy", "draining",
                 "not_found", "method_not_allowed", "http_error", "internal_error", "stage_failed",
                 "worker_died", "edge_failed", "output_failed", "cancelled", "timed_out", "daemon_stopping",
-                "daemon_restarted", "wake_failed"],
+                "daemon_restarted", "wake_failed",
+                "invalid_api_key", "rate_limited", "unknown_key", "key_exists", "socket_only",
+                "model_not_found", "model_not_supported", "no_image"],
 }
 
 

@@ -1,0 +1,89 @@
+"""`omnid.keys` (the TCP listener's API keys) and the `[daemon] listen` rules of the config."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from omnid.config import ConfigError, is_loopback, parse
+from omnid.keys import KEY_PREFIX, KeyFileError, KeyStore, digest, key_path, read_keys
+
+
+def test_a_key_is_shown_once_and_stored_as_its_hash(tmp_path: Path) -> None:
+    store = KeyStore(key_path(tmp_path / "state"))
+    key, secret = store.add("webui", 1000, max_jobs=4, rps=2.5)
+    assert secret.startswith(KEY_PREFIX) and len(secret) > 40
+    path = key_path(tmp_path / "state")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    text = path.read_text()
+    assert secret not in text and digest(secret) in text
+    assert store.match(secret) == key and key.uid == 1000 and key.max_jobs == 4 and key.rps == 2.5
+    assert store.match(secret + "x") is None and store.match("") is None
+    assert "sha256" not in key.to_doc() and key.to_doc()["hint"] == secret[:len(KEY_PREFIX) + 4]
+    assert read_keys(path) == [key]                     # as a second reader sees it
+
+
+def test_names_are_checked_and_unique(tmp_path: Path) -> None:
+    store = KeyStore(key_path(tmp_path))
+    store.add("a.b-c_1", 0)
+    with pytest.raises(ValueError, match="already"):
+        store.add("a.b-c_1", 0)
+    for bad in ("", "-x", "a/b", "a b", "x" * 65):
+        with pytest.raises(ValueError, match="key name"):
+            store.add(bad, 0)
+
+
+def test_removing_and_editing_the_file_take_effect_at_the_next_lookup(tmp_path: Path) -> None:
+    path = key_path(tmp_path)
+    store = KeyStore(path)
+    _, one = store.add("one", 1)
+    _, two = store.add("two", 2)
+    assert store.remove("one") is not None and store.remove("one") is None
+    assert store.match(one) is None and store.match(two) is not None
+    other = KeyStore(path)                               # another writer (a second tool, or by hand)
+    other.remove("two")
+    assert store.match(two) is None
+    path.write_text("{not json")
+    with pytest.raises(KeyFileError, match=str(path)):
+        store.match(two)
+
+
+def test_no_file_is_no_keys_and_no_temporary_file_is_left(tmp_path: Path) -> None:
+    store = KeyStore(key_path(tmp_path / "missing"))
+    assert store.all() == [] and store.match("omk_x") is None
+    store.add("k", 0)
+    assert sorted(os.listdir(tmp_path / "missing")) == ["api_keys.json"]
+    assert json.loads(key_path(tmp_path / "missing").read_text())["keys"][0]["name"] == "k"
+
+
+@pytest.mark.parametrize("host, loop", [("127.0.0.1", True), ("127.8.0.1", True), ("::1", True),
+                                        ("localhost", True), ("0.0.0.0", False), ("::", False),
+                                        ("10.0.0.5", False), ("example.com", False)])
+def test_loopback(host: str, loop: bool) -> None:
+    assert is_loopback(host) is loop
+
+
+def _config(tmp_path: Path, **daemon: object) -> dict[str, object]:
+    return {"daemon": {"state_dir": str(tmp_path / "state"), **daemon},
+            "stages": {"s": {"engine": "python", "function": "os:getcwd"}}, "pipelines": {"p": {"stages": ["s"]}}}
+
+
+def test_listen_is_a_list_of_addresses_and_wide_ones_need_keys(tmp_path: Path) -> None:
+    cfg = parse(_config(tmp_path, listen=["127.0.0.1:8080", "[::1]:8080"]), base=tmp_path)
+    assert cfg.daemon.listen == (("127.0.0.1", 8080), ("::1", 8080)) and cfg.daemon.allow_origins == ()
+    assert parse(_config(tmp_path), base=tmp_path).daemon.listen == ()             # off by default
+    with pytest.raises(ConfigError) as e:
+        parse(_config(tmp_path, listen=["0.0.0.0:8080"]), base=tmp_path)
+    (problem,) = e.value.problems
+    assert problem.path == "daemon.listen" and str(key_path(tmp_path / "state")) in problem.message
+    KeyStore(key_path(tmp_path / "state")).add("first", 0)
+    assert parse(_config(tmp_path, listen=["0.0.0.0:8080"]), base=tmp_path).daemon.listen == (("0.0.0.0", 8080),)
+    with pytest.raises(ConfigError) as e:
+        parse(_config(tmp_path, listen=["8080", 80, "127.0.0.1:1", "127.0.0.1:1"],
+                      allow_origins=["https://a.example/path", "*", "https://b.example"]), base=tmp_path)
+    paths = sorted(p.path for p in e.value.problems)
+    assert paths == ["daemon.allow_origins[0]", "daemon.listen[0]", "daemon.listen[1]", "daemon.listen[3]"], paths
