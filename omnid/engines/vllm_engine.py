@@ -96,6 +96,8 @@ def prompt_token_ids(value: Any, vocab: int, max_len: int) -> list[int]:
 
     array = _as_array("prompt_token_ids", value)
     array = array.detach().cpu().numpy() if hasattr(array, "detach") else array
+    if array.size == 0:
+        raise TensorInputError(f"input 'prompt_token_ids': 0 tokens; the model takes 1 to {max_len} (max_model_len)")
     if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
         raise TensorInputError(f"input 'prompt_token_ids': token ids are integers, not {array.dtype}")
     if array.ndim != 1:
