@@ -793,7 +793,7 @@ def _parse_window(c: _Checker, raw: Any, path: str) -> tuple[int | None, tuple[i
         if bad:
             return None, ()
         return int(raw[0]), tuple(int(n) for n in raw)
-    c.add(path, f"must be an integer (or a list of them: a schedule), not {_typename(raw)}")
+    c.add(path, f"must be an integer, not {_typename(raw)} (or a list of integers: a schedule)")
     return None, ()
 
 

@@ -318,3 +318,27 @@ def test_check_refuses_tensor_mismatches(tmp_path: Path) -> None:
     assert "pipelines.aw.edges[0].map.s: stage 'a' (vllm) cannot give 'hidden'" in err, err
     assert "pipelines.aw.edges[0].window[1]: a window size is a segment count > 0, not 0" in err, err
     assert "pipelines.tn.edges[0].map.prompt_embeds: stage 'two' gives 2 layers" in err, err
+
+
+# ------------------------------------------------------------------ 6. the example: thinker -> talker
+
+
+def test_the_thinker_talker_example_runs(start_daemon: Any, tmp_path: Path) -> None:
+    import tomllib
+
+    example = Path(__file__).resolve().parent.parent / "etc" / "examples"
+    cfg = tomllib.loads((example / "thinker_talker.toml").read_text())
+    for st in cfg["stages"].values():
+        st["model"] = str(LLM)
+        st["python_path"] = [str(example)] if "python_path" in st else []
+    d2 = start_daemon(cfg["stages"], cfg["pipelines"], {"heartbeat_timeout_s": 60.0})
+    prompt = "a thinker speaks"
+    job = d2.submit("speak", {"prompt": prompt})
+    doc = wait_end(d2, job)
+    assert doc["state"] == "succeeded", doc
+    ids = npy(d2, job, "token_ids")
+    assert ids.shape == (16,) and ids.dtype == np.int64
+    # the talker's prompt: the thinker's rows (its prompt's, and its 16 tokens' but the last) and 2 special rows
+    _, tok = reference()
+    usage = next(e for e in d2.events(job) if e["type"] == "stage_finished" and e["stage"] == "talker")["usage"]
+    assert usage == {"prompt_tokens": 2 + len(tok(prompt)["input_ids"]) + 15, "completion_tokens": 16}, usage

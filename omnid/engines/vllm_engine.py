@@ -319,7 +319,8 @@ class VllmEngine(Engine):
             ctx.fail(f"{type(e).__name__}: {e}")    # its processor cannot take
             return
         prefix = prompt if include_prompt else ""
-        req = self._requests[request_id] = _Request(ctx, prefix, int(params["max_tokens"]),
+        given = next(iter(tensor_prompt.values())) if tensor_prompt is not None else ()
+        req = self._requests[request_id] = _Request(ctx, prefix, int(params["max_tokens"]), prompt_len=len(given),
                                                     internal_id=str(internal_id or request_id))
         self._by_job[ctx.job] = request_id
         if self._tapped and "hidden_states" in ctx.wants:
@@ -419,7 +420,7 @@ class VllmEngine(Engine):
                 self._drop(out.request_id)
                 generated = "".join(req.pieces)
                 sep = " " if req.prefix and generated and not generated[0].isspace() else ""
-                prompt_tokens = len(out.prompt_token_ids or ()) or len(getattr(out, "prompt_embeds", None) or ())
+                prompt_tokens = len(out.prompt_token_ids or ()) or req.prompt_len
                 req.ctx.usage = {"prompt_tokens": prompt_tokens, "completion_tokens": req.tokens}
                 final: dict[str, Any] = {"text": (req.prefix + sep + generated).strip()}
                 if req.ctx.wants:

@@ -33,6 +33,7 @@ import bench_dataplane  # noqa: E402
 import bench_engines  # noqa: E402
 import bench_ray  # noqa: E402
 import bench_streaming  # noqa: E402
+import bench_tensors  # noqa: E402
 
 
 @dataclass
@@ -50,6 +51,11 @@ BENCHES: list[Bench] = [
     Bench("streaming", "streaming", bench_streaming.bench_streaming,
           ["streaming: submit -> 1st consumer segment, window 8", "streaming: submit -> job end, window 8"],
           (200, 90), ("engines",)),
+    Bench("tensors", "streaming", bench_tensors.bench_tensors,
+          [f"vLLM decode step, {bench_tensors.BATCH} jobs: hidden-state tap + token_ids on",
+           "hidden-state stream: submit -> 1st consumer window, window 8",
+           "hidden-state stream: submit -> 1st consumer window, window [2, 8]",
+           "vLLM decode step, no tensor edge: this tree"], (300, 180), ()),
     Bench("cancel_diffusers", "engines", bench_engines.bench_cancel_diffusers,
           ["cancel diffusers (500 steps) -> next job started"], (60, 40), ("engines",)),
     Bench("cancel_vllm", "engines", bench_engines.bench_cancel_vllm,

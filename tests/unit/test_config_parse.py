@@ -196,8 +196,8 @@ def test_duplicate_edges(tmp_path: Path) -> None:
     (0, "must be -1 (full trigger) or a segment count > 0, not 0"),
     (-2, "must be -1 (full trigger) or a segment count > 0, not -2"),
     (-100, "not -100"),
-    (True, "must be an integer (or a list of them: a schedule), not a boolean"),
-    ("full", "must be an integer (or a list of them: a schedule), not a string"),
+    (True, "must be an integer, not a boolean (or a list of integers: a schedule)"),
+    ("full", "must be an integer, not a string"),
     ([], "a window schedule lists at least one size"),
 ])
 def test_window_other_than_minus_one_is_refused(tmp_path: Path, window: Any, fragment: str) -> None:

@@ -1,0 +1,164 @@
+"""vLLM stages that speak tensors: what the hidden-state tap costs, and how early a stream of
+hidden states reaches its consumer.
+
+One daemon of its own: the tiny Llama twice on vLLM (CPU), `plain` (nothing asks it for tensors:
+the tap is not installed) and `tapped` (`outputs = ["hidden_states", "token_ids"]`: every job's
+rows come out), and python consumers of hidden states (`_stages.consume_states`) behind a
+`window = 8`, a `window = -1` and a `window = [2, 8]` edge out of `tapped`. For the row against
+today's main, a second daemon runs `plain` from main's code (`git archive`, the ref in
+OMNID_BENCH_BASE, default "main"), alternating with this tree's.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _harness import (BENCH_DAEMON, ROOT, Ctx, Daemon, JobRun, Row, at_most, fmt, kill_daemon, p50, py_stage,
+                      short_tmpdir, toml_dumps, vllm_stage, wait_ready)
+
+TOKENS = 128
+BATCH = 4
+PROMPT = "a lighthouse on a cliff at dusk"
+
+
+def _config() -> tuple[dict[str, Any], dict[str, Any]]:
+    stages = {"plain": vllm_stage(max_inflight=BATCH),
+              "tapped": vllm_stage(max_inflight=BATCH, outputs=["hidden_states", "token_ids"]),
+              **{name: py_stage("consume_states") for name in ("down8", "downall", "downramp")}}
+    pipelines = {"plain": {"stages": ["plain"]}, "tapped": {"stages": ["tapped"]}}
+    for name, window in (("down8", 8), ("downall", -1), ("downramp", [2, 8])):
+        pipelines[name] = {"stages": ["tapped", name],
+                           "edges": [{"from": "tapped", "to": name, "window": window,
+                                      "map": {"states": "hidden_states"}}]}
+    return stages, pipelines
+
+
+def _launch(stages: dict[str, Any], pipelines: dict[str, Any], pythonpath: str | None = None,
+            timeout: float = 300) -> Daemon:
+    """As _harness.start_daemon, with the daemon's (and its workers') PYTHONPATH given."""
+    d = short_tmpdir()
+    cfg = {"daemon": {"socket": str(d / "omnid.sock"), "state_dir": str(d / "state"),
+                      "lock_dir": str(d / "lock"), **BENCH_DAEMON}, "stages": stages, "pipelines": pipelines}
+    (d / "omnid.toml").write_text(toml_dumps(cfg))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
+    with open(d / "omnid.log", "ab") as log:
+        t, wall = time.monotonic(), time.time()
+        proc = subprocess.Popen([sys.executable, "-m", "omnid", "-c", str(d / "omnid.toml")], stdout=log,
+                                stderr=subprocess.STDOUT, env=env, cwd=str(d))
+    daemon = Daemon(proc, d, d / "omnid.sock", d / "omnid.log", t, wall)
+    try:
+        wait_ready(daemon, timeout)
+    except BaseException:
+        kill_daemon(daemon)
+        raise
+    return daemon
+
+
+def _decode_ms(d: Daemon, pipeline: str, stage: str) -> float:
+    """BATCH jobs of TOKENS tokens at once: the median job's ms per decode step (first token to last)."""
+    params = {stage: {"max_tokens": TOKENS}}
+    t0 = time.time()
+    jobs = [d.submit(pipeline, {"prompt": f"{PROMPT} {i}"}, params) for i in range(BATCH)]
+    per_token = []
+    for job in jobs:
+        run = JobRun(job, t0, d.events(job, 120)).check()
+        segs = run.all(type="segment", stage=stage)
+        if len(segs) < TOKENS:
+            raise RuntimeError(f"{pipeline}: {len(segs)} token segments, not {TOKENS}")
+        per_token.append((float(segs[-1]["ts"]) - float(segs[0]["ts"])) / (len(segs) - 1))
+    return 1000 * p50(per_token)
+
+
+def _first_window_s(d: Daemon, pipeline: str) -> tuple[float, int]:
+    """Submit -> the consumer's first segment (s), and its segment count."""
+    r = d.run(pipeline, {"prompt": PROMPT}, {"tapped": {"max_tokens": TOKENS}}, timeout=120).check()
+    segs = r.all(type="segment", stage=pipeline)
+    return float(segs[0]["ts"]) - r.t0, len(segs)
+
+
+def _baseline_tree(ref: str) -> Path:
+    """`ref`'s omnid package, unpacked in a temporary folder (nothing in the repository changes)."""
+    folder = Path(tempfile.mkdtemp(prefix="omnid-base-"))
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "omnid"], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
+    return folder
+
+
+def bench_tensors(ctx: Ctx) -> list[Row]:
+    runs = ctx.n(5, 2)
+    d = _launch(*_config())
+    try:
+        on: list[float] = []
+        off: list[float] = []
+        for i in range(runs + 1):
+            ctx.check(f"decode run {i}")
+            a, b = _decode_ms(d, "tapped", "tapped"), _decode_ms(d, "plain", "plain")
+            if i:                                   # the first of each: warm-up
+                on.append(a)
+                off.append(b)
+                ctx.log(f"decode step: tap on {a:.2f} ms, off {b:.2f} ms")
+        first: dict[str, list[float]] = {"down8": [], "downall": [], "downramp": []}
+        windows: dict[str, int] = {}
+        for i in range(runs + 1):
+            for pipeline in first:
+                ctx.check(f"first window, run {i} of {pipeline}")
+                t, n = _first_window_s(d, pipeline)
+                windows[pipeline] = n
+                if i:
+                    first[pipeline].append(t)
+    finally:
+        d.stop()
+    rows = [
+        Row(f"vLLM decode step, {BATCH} jobs: hidden-state tap + token_ids on", p50(on), "ms",
+            "same stage, nothing asked (no tap)", p50(off), "ms", p50(on) / p50(off), "on / off",
+            at_most(1.1, "<= 1.1x"), f"median of {runs} runs of {BATCH} x {TOKENS} tokens; on "
+            f"{fmt(min(on))}..{fmt(max(on))} ms, off {fmt(min(off))}..{fmt(max(off))} ms"),
+        Row("hidden-state stream: submit -> 1st consumer window, window 8", 1000 * p50(first["down8"]), "ms",
+            "same, window -1", 1000 * p50(first["downall"]), "ms", p50(first["down8"]) / p50(first["downall"]),
+            "w8 / w-1", at_most(0.2, "<= 0.2x"),
+            f"median of {runs}; {TOKENS} tokens; {windows['down8']} windows per w8 job"),
+        Row("hidden-state stream: submit -> 1st consumer window, window [2, 8]", 1000 * p50(first["downramp"]), "ms",
+            "same, window 8", 1000 * p50(first["down8"]), "ms", p50(first["downramp"]) / p50(first["down8"]),
+            "ramp / w8", at_most(1.0, "< 1x"),
+            f"median of {runs}; {windows['downramp']} windows per ramp job"),
+    ]
+    rows.append(_against_main(ctx, runs))
+    return rows
+
+
+def _against_main(ctx: Ctx, runs: int) -> Row:
+    """The plain stage (no tensor edge) on this tree vs on main, alternating: the cost of tensors when unasked."""
+    figure = "vLLM decode step, no tensor edge: this tree"
+    ref = os.environ.get("OMNID_BENCH_BASE", "main")
+    try:
+        base = _baseline_tree(ref)
+    except (subprocess.CalledProcessError, OSError) as e:
+        return Row(figure, error=f"cannot unpack {ref!r}: {e}")
+    plain = {"stages": {"plain": vllm_stage(max_inflight=BATCH)}, "pipelines": {"plain": {"stages": ["plain"]}}}
+    ours, theirs = [], []
+    mine = base_d = None
+    try:
+        mine = _launch(plain["stages"], plain["pipelines"], str(ROOT))
+        base_d = _launch(plain["stages"], plain["pipelines"], str(base))
+        for i in range(runs + 1):
+            ctx.check(f"against {ref}, run {i}")
+            a, b = _decode_ms(mine, "plain", "plain"), _decode_ms(base_d, "plain", "plain")
+            if i:
+                ours.append(a)
+                theirs.append(b)
+    finally:
+        for daemon in (mine, base_d):
+            if daemon is not None:
+                daemon.stop()
+        subprocess.run(["rm", "-rf", str(base)], check=False)
+    return Row(figure, p50(ours), "ms", f"the same on {ref}", p50(theirs), "ms", p50(ours) / p50(theirs),
+               f"tree / {ref}", at_most(1.05, "<= 1.05x (noise)"),
+               f"median of {runs} runs of {BATCH} x {TOKENS} tokens, the two daemons alternating")
