@@ -36,7 +36,7 @@ from omnid import media as M
 from omnid.config import StageConfig
 from omnid.params import VLLM_OMNID_PARAMS, check_param, merged, parallel_size
 from omnid.engines.base import Engine, RequestContext
-from omnid.engines.vllm_tap import TAP_CLASS
+from omnid.engines.vllm_tap import TAP_CLASS, TAP_ERROR
 
 
 @dataclass
@@ -432,6 +432,13 @@ class VllmEngine(Engine):
         forget, self._forget = self._forget, []
         answers = self.engine.collective_rpc("omnid_tap_take", args=(forget,))
         rows = next((a for a in answers if a is not None), None) or {}
+        if TAP_ERROR in rows:
+            for internal_id in list(self._watching):
+                request_id = self._by_internal.get(internal_id)
+                req = self._requests.get(request_id) if request_id is not None else None
+                if req is not None:
+                    req.ctx.fail(str(rows[TAP_ERROR]))      # the worker aborts it in the engine
+            return
         for internal_id, block in rows.items():
             request_id = self._by_internal.get(internal_id)
             req = self._requests.get(request_id) if request_id is not None else None

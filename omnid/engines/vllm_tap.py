@@ -17,7 +17,9 @@ what they kept.
   as `add_request` returns it). Without `with_prompt`, from the prompt's last position on:
   one row per generated token, the state it was sampled from.
 - `omnid_tap_take(forget)`: the rows kept since the last take, by request, each a CPU tensor
-  `(rows, hidden)` (`(rows, layers, hidden)` for several layers); `forget` ends watches.
+  `(rows, hidden)` (`(rows, layers, hidden)` for several layers); `forget` ends watches. A hook
+  never raises into the forward: its failure comes back as `{TAP_ERROR: message}`, and the
+  engine fails the watched requests with it.
 
 Rows are found from the scheduler's numbers, never from a prompt's length: each request's
 rows are contiguous in the batch, in the order of the runner's `input_batch.req_ids`, as many as
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 TAP_CLASS = "omnid.engines.vllm_tap.HiddenStateTap"
+TAP_ERROR = "!error"        # the key under which `omnid_tap_take` reports a hook's failure
 
 
 @dataclass
@@ -55,6 +58,7 @@ class _TapState:
     index: Any = None                   # the selected rows' indices, on the model's device
     parts: dict[int, Any] = field(default_factory=dict)       # layer slot -> this step's rows
     kept: list[tuple[list[tuple[str, int]], list[Any], Any]] = field(default_factory=list)
+    error: str | None = None            # a hook's failure, reported by the next take
 
 
 def _as_rows(output: Any, with_residual: bool) -> Any:
@@ -127,6 +131,9 @@ class HiddenStateTap:
             state.watched.pop(request_id, None)
         if getattr(self, "rank", 0) != 0:
             return None
+        if state.error is not None:
+            error, state.error = state.error, None
+            return {TAP_ERROR: error}
         import torch
 
         rows: dict[str, list[Any]] = {}
@@ -146,12 +153,16 @@ class HiddenStateTap:
         def hook(module: Any, inputs: Any, output: Any) -> None:
             if state.step is None or not state.watched:
                 return
-            if state.selection is None:
-                self._omnid_select(state, output)
-            if not state.selection:
-                return
-            rows = _as_rows(output, residual)
-            state.parts[slot] = rows.index_select(0, state.index)
+            try:
+                if state.selection is None:
+                    self._omnid_select(state, output)
+                if not state.selection:
+                    return
+                rows = _as_rows(output, residual)
+                state.parts[slot] = rows.index_select(0, state.index)
+            except Exception as e:      # never into the forward: the watched requests fail, the engine goes on
+                state.error = f"the hidden-state tap failed: {type(e).__name__}: {e}"
+                state.selection = []
         return hook
 
     def _omnid_select(self, state: _TapState, output: Any) -> None:
