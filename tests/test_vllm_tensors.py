@@ -335,6 +335,10 @@ def test_the_thinker_talker_example_runs(start_daemon: Any, tmp_path: Path) -> N
         st["model"] = str(LLM)
         st["python_path"] = [str(example)] if "python_path" in st else []
     d2 = start_daemon(cfg["stages"], cfg["pipelines"], {"heartbeat_timeout_s": 60.0})
+    info = {name: snap["info"].get("tensors") for name, snap in d2.stages().items()}
+    assert info["thinker"] == {"gives": ["hidden_states", "token_ids"], "takes_embeds": False, "hidden_size": 128,
+                               "tap": True, "hidden_layers": [-1], "hidden_prompt": True}
+    assert info["talker"] == {"gives": ["token_ids"], "takes_embeds": True, "hidden_size": 128, "tap": False}
     prompt = "a thinker speaks"
     job = d2.submit("speak", {"prompt": prompt})
     doc = wait_end(d2, job)

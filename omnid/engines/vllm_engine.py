@@ -160,6 +160,9 @@ def engine_args(stage: StageConfig) -> dict[str, Any]:
     args.setdefault("distributed_executor_backend", "mp" if parallel_size(stage.args) > 1 else "uni")
     if "hidden_states" in stage.tensor_outputs:
         args["worker_extension_cls"] = TAP_CLASS        # the tap lives where the model runs
+        # The tap is forward hooks, which neither a torch.compile'd graph nor a CUDA graph replay
+        # calls: eager on a GPU, unless the stage says otherwise.
+        args.setdefault("enforce_eager", True)
         if stage.hidden_prompt:
             # A prefix found in the cache is never computed: its rows would be missing.
             args["enable_prefix_caching"] = False
@@ -248,6 +251,12 @@ class VllmEngine(Engine):
         cfg = self.engine.model_config
         info: dict[str, Any] = {"model": str(self.stage.model), "dtype": str(getattr(cfg, "dtype", "")),
                                 "max_model_len": getattr(cfg, "max_model_len", None)}
+        if self.stage.tensor_outputs or self.stage.takes_embeds:
+            # what the pipelines ask of it: GET /v1/stages shows whether the tap is in
+            info["tensors"] = {"gives": sorted(self.stage.tensor_outputs), "takes_embeds": self.stage.takes_embeds,
+                               "hidden_size": self._hidden, "tap": self._tapped,
+                               **({"hidden_layers": list(self.stage.hidden_layers),
+                                   "hidden_prompt": self.stage.hidden_prompt} if self._tapped else {})}
         if self.media.kinds:
             info["media"] = {k: self.media.count(k) for k in self.media.kinds}
             if "audio" in self.media.kinds:

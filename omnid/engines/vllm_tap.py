@@ -191,7 +191,10 @@ class HiddenStateTap:
         state.selection = selection
         if selection:
             device = _as_rows(output, False).device
-            state.index = torch.tensor(indices, dtype=torch.long).to(device, non_blocking=True)
+            index = torch.tensor(indices, dtype=torch.long)
+            if device.type == "cuda":
+                index = index.pin_memory()      # a copy that does not wait for the host
+            state.index = index.to(device, non_blocking=True)
 
     def _omnid_keep(self, state: _TapState) -> tuple[list[tuple[str, int]], list[Any], Any]:
         """This step's rows, on their way to host memory (no sync on a GPU)."""

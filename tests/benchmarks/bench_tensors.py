@@ -1,9 +1,10 @@
 """vLLM stages that speak tensors: what the hidden-state tap costs, and how early a stream of
 hidden states reaches its consumer.
 
-One daemon of its own: the tiny Llama twice on vLLM (CPU), `plain` (nothing asks it for tensors:
-the tap is not installed) and `tapped` (`outputs = ["hidden_states", "token_ids"]`: every job's
-rows come out), and python consumers of hidden states (`_stages.consume_states`) behind a
+The tap's cost per decode step is measured in one process (_tap_step.py: one engine with the tap,
+batches that ask for rows alternating with batches that ask for nothing). The streams run on a
+daemon of its own: the tiny Llama on vLLM (CPU), `tapped` (`outputs = ["hidden_states",
+"token_ids"]`: every job's rows come out), and python consumers of hidden states (`_stages.consume_states`) behind a
 `window = 8`, a `window = -1` and a `window = [2, 8]` edge out of `tapped`. For the row against
 today's main, a second daemon runs `plain` from main's code (`git archive`, the ref in
 OMNID_BENCH_BASE, default "main"), alternating with this tree's.
@@ -11,6 +12,7 @@ OMNID_BENCH_BASE, default "main"), alternating with this tree's.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _harness import (BENCH_DAEMON, ROOT, Ctx, Daemon, JobRun, Row, at_most, fmt, kill_daemon, p50, py_stage,
+from _harness import (BENCH_DAEMON, MODELS, ROOT, Ctx, Daemon, JobRun, Row, at_most, fmt, kill_daemon, p50, py_stage,
                       short_tmpdir, toml_dumps, vllm_stage, wait_ready)
 
 TOKENS = 128
@@ -28,10 +30,9 @@ PROMPT = "a lighthouse on a cliff at dusk"
 
 
 def _config() -> tuple[dict[str, Any], dict[str, Any]]:
-    stages = {"plain": vllm_stage(max_inflight=BATCH),
-              "tapped": vllm_stage(max_inflight=BATCH, outputs=["hidden_states", "token_ids"]),
+    stages = {"tapped": vllm_stage(max_inflight=BATCH, outputs=["hidden_states", "token_ids"]),
               **{name: py_stage("consume_states") for name in ("down8", "downall", "downramp")}}
-    pipelines = {"plain": {"stages": ["plain"]}, "tapped": {"stages": ["tapped"]}}
+    pipelines: dict[str, Any] = {}
     for name, window in (("down8", 8), ("downall", -1), ("downramp", [2, 8])):
         pipelines[name] = {"stages": ["tapped", name],
                            "edges": [{"from": "tapped", "to": name, "window": window,
@@ -92,19 +93,23 @@ def _baseline_tree(ref: str) -> Path:
     return folder
 
 
+def _tap_cost(ctx: Ctx, rounds: int) -> tuple[list[float], list[float]]:
+    """ms per decode step with the tap's rows asked and not, on one engine in one process (_tap_step.py)."""
+    script = Path(__file__).resolve().parent / "_tap_step.py"
+    out = subprocess.run([sys.executable, str(script), str(MODELS / "llm"), str(rounds), str(BATCH), str(TOKENS)],
+                         capture_output=True, text=True, timeout=max(30.0, ctx.left()), cwd=str(ROOT))
+    if out.returncode != 0:
+        raise RuntimeError(f"_tap_step.py exited {out.returncode}: {out.stderr[-500:]}")
+    times = json.loads(out.stdout.strip().splitlines()[-1])
+    return list(times["on"]), list(times["off"])
+
+
 def bench_tensors(ctx: Ctx) -> list[Row]:
     runs = ctx.n(5, 2)
+    on, off = _tap_cost(ctx, ctx.n(7, 3))
+    ctx.log(f"decode step: tap on {fmt(p50(on))} ms, off {fmt(p50(off))} ms")
     d = _launch(*_config())
     try:
-        on: list[float] = []
-        off: list[float] = []
-        for i in range(runs + 1):
-            ctx.check(f"decode run {i}")
-            a, b = _decode_ms(d, "tapped", "tapped"), _decode_ms(d, "plain", "plain")
-            if i:                                   # the first of each: warm-up
-                on.append(a)
-                off.append(b)
-                ctx.log(f"decode step: tap on {a:.2f} ms, off {b:.2f} ms")
         first: dict[str, list[float]] = {"down8": [], "downall": [], "downramp": []}
         windows: dict[str, int] = {}
         for i in range(runs + 1):
@@ -118,8 +123,8 @@ def bench_tensors(ctx: Ctx) -> list[Row]:
         d.stop()
     rows = [
         Row(f"vLLM decode step, {BATCH} jobs: hidden-state tap + token_ids on", p50(on), "ms",
-            "same stage, nothing asked (no tap)", p50(off), "ms", p50(on) / p50(off), "on / off",
-            at_most(1.1, "<= 1.1x"), f"median of {runs} runs of {BATCH} x {TOKENS} tokens; on "
+            "same engine, same process, nothing asked", p50(off), "ms", p50(on) / p50(off), "on / off",
+            at_most(1.1, "<= 1.1x"), f"median of {len(on)} alternating batches of {BATCH} x {TOKENS} tokens; on "
             f"{fmt(min(on))}..{fmt(max(on))} ms, off {fmt(min(off))}..{fmt(max(off))} ms"),
         Row("hidden-state stream: submit -> 1st consumer window, window 8", 1000 * p50(first["down8"]), "ms",
             "same, window -1", 1000 * p50(first["downall"]), "ms", p50(first["down8"]) / p50(first["downall"]),

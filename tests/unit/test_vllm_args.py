@@ -61,5 +61,12 @@ def test_the_tap_and_prompt_embeds_only_when_asked() -> None:
     with_prompt = C.StageConfig(name="llm", engine="vllm", model=Path("/m"), hidden_prompt=True,
                                 tensor_outputs=frozenset({"hidden_states"}))
     assert engine_args(with_prompt)["enable_prefix_caching"] is False    # a cached prefix has no rows
+    on_gpu = C.StageConfig(name="llm", engine="vllm", model=Path("/m"), devices=(0,),
+                           tensor_outputs=frozenset({"hidden_states"}))
+    assert engine_args(on_gpu)["enforce_eager"] is True                  # hooks: no compiled graph, no CUDA graph
+    assert "enforce_eager" not in engine_args(C.StageConfig(name="llm", engine="vllm", model=Path("/m"), devices=(0,)))
+    assert engine_args(C.StageConfig(name="llm", engine="vllm", model=Path("/m"), devices=(0,),
+                                     args={"enforce_eager": False},
+                                     tensor_outputs=frozenset({"hidden_states"})))["enforce_eager"] is False
     fed = C.StageConfig(name="llm", engine="vllm", model=Path("/m"), takes_embeds=True)
     assert engine_args(fed)["enable_prompt_embeds"] is True
