@@ -24,7 +24,7 @@ from typing import Any
 from _harness import (BENCH_DAEMON, MODELS, ROOT, Ctx, Daemon, JobRun, Row, at_most, fmt, kill_daemon, p50, py_stage,
                       short_tmpdir, toml_dumps, vllm_stage, wait_ready)
 
-TOKENS = 128
+TOKENS = 64
 BATCH = 4
 PROMPT = "a lighthouse on a cliff at dusk"
 
@@ -104,10 +104,16 @@ def _tap_cost(ctx: Ctx, rounds: int) -> tuple[list[float], list[float]]:
     return list(times["on"]), list(times["off"])
 
 
-def bench_tensors(ctx: Ctx) -> list[Row]:
-    runs = ctx.n(5, 2)
+def bench_tap_cost(ctx: Ctx) -> list[Row]:
     on, off = _tap_cost(ctx, ctx.n(7, 3))
-    ctx.log(f"decode step: tap on {fmt(p50(on))} ms, off {fmt(p50(off))} ms")
+    return [Row(f"vLLM decode step, {BATCH} jobs: hidden-state tap + token_ids on", p50(on), "ms",
+                "same engine, same process, nothing asked", p50(off), "ms", p50(on) / p50(off), "on / off",
+                at_most(1.1, "<= 1.1x"), f"median of {len(on)} alternating batches of {BATCH} x {TOKENS} tokens; "
+                f"on {fmt(min(on))}..{fmt(max(on))} ms, off {fmt(min(off))}..{fmt(max(off))} ms")]
+
+
+def bench_tensor_streams(ctx: Ctx) -> list[Row]:
+    runs = ctx.n(4, 2)
     d = _launch(*_config())
     try:
         first: dict[str, list[float]] = {"down8": [], "downall": [], "downramp": []}
@@ -121,11 +127,7 @@ def bench_tensors(ctx: Ctx) -> list[Row]:
                     first[pipeline].append(t)
     finally:
         d.stop()
-    rows = [
-        Row(f"vLLM decode step, {BATCH} jobs: hidden-state tap + token_ids on", p50(on), "ms",
-            "same engine, same process, nothing asked", p50(off), "ms", p50(on) / p50(off), "on / off",
-            at_most(1.1, "<= 1.1x"), f"median of {len(on)} alternating batches of {BATCH} x {TOKENS} tokens; on "
-            f"{fmt(min(on))}..{fmt(max(on))} ms, off {fmt(min(off))}..{fmt(max(off))} ms"),
+    return [
         Row("hidden-state stream: submit -> 1st consumer window, window 8", 1000 * p50(first["down8"]), "ms",
             "same, window -1", 1000 * p50(first["downall"]), "ms", p50(first["down8"]) / p50(first["downall"]),
             "w8 / w-1", at_most(0.2, "<= 0.2x"),
@@ -135,8 +137,10 @@ def bench_tensors(ctx: Ctx) -> list[Row]:
             "ramp / w8", at_most(1.0, "< 1x"),
             f"median of {runs}; {windows['downramp']} windows per ramp job"),
     ]
-    rows.append(_against_main(ctx, runs))
-    return rows
+
+
+def bench_no_tensor_edge(ctx: Ctx) -> list[Row]:
+    return [_against_main(ctx, ctx.n(4, 2))]
 
 
 def _against_main(ctx: Ctx, runs: int) -> Row:
