@@ -9,8 +9,8 @@ states (the tap installed), then alternates ROUNDS times: BATCH requests of TOKE
 that ask for `hidden_states` and `token_ids` (rows tapped, tensor segments built), and the same
 batch asking for nothing (text only, as a stage nothing asks). Both kinds run on the same engine in
 the same process, one right after the other, so the machine's noise falls on both. Prints one JSON
-line: {"on": [ms per decode step, ...], "off": [...]} (the wall of each batch's steps after its
-prefill, divided by their count).
+line: {"on": [ms per decode step, ...], "off": [...]} (the CPU time of each batch's steps after
+its prefill, divided by their count: on a shared machine far steadier than their wall clock).
 """
 
 from __future__ import annotations
@@ -47,11 +47,13 @@ def main(model: str, rounds: int, batch: int, tokens: int) -> None:
             for ctx in ctxs:
                 engine.add(ctx)
             engine.step()                       # the prefill
-            steps, t0 = 0, time.perf_counter()
+            # CPU time of this process (the engine runs in it): other processes on a shared machine
+            # slow the wall clock of a step far more than its CPU time
+            steps, t0 = 0, time.process_time()
             while engine.has_work():
                 engine.step()
                 steps += 1
-            wall = time.perf_counter() - t0
+            wall = time.process_time() - t0
             if not all(ctx.outcome == "finished" for ctx in ctxs):
                 raise SystemExit(f"{kind}: {[ctx.error for ctx in ctxs]}")
             if kind == "on" and ctxs[0].outputs and ctxs[0].outputs["hidden_states"].shape[0] != tokens:

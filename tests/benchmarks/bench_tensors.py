@@ -106,8 +106,8 @@ def _tap_cost(ctx: Ctx, rounds: int) -> tuple[list[float], list[float]]:
 
 def bench_tap_cost(ctx: Ctx) -> list[Row]:
     on, off = _tap_cost(ctx, ctx.n(7, 3))
-    return [Row(f"vLLM decode step, {BATCH} jobs: hidden-state tap + token_ids on", p50(on), "ms",
-                "same engine, same process, nothing asked", p50(off), "ms", p50(on) / p50(off), "on / off",
+    return [Row(f"vLLM decode step, {BATCH} jobs: hidden-state tap + token_ids on", p50(on), "ms CPU",
+                "same engine, same process, nothing asked", p50(off), "ms CPU", p50(on) / p50(off), "on / off",
                 at_most(1.1, "<= 1.1x"), f"median of {len(on)} alternating batches of {BATCH} x {TOKENS} tokens; "
                 f"on {fmt(min(on))}..{fmt(max(on))} ms, off {fmt(min(off))}..{fmt(max(off))} ms")]
 
