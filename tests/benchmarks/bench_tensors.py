@@ -6,8 +6,9 @@ batches that ask for rows alternating with batches that ask for nothing). The st
 daemon of its own: the tiny Llama on vLLM (CPU), `tapped` (`outputs = ["hidden_states",
 "token_ids"]`: every job's rows come out), and python consumers of hidden states (`_stages.consume_states`) behind a
 `window = 8`, a `window = -1` and a `window = [2, 8]` edge out of `tapped`. For the row against
-today's main, a second daemon runs `plain` from main's code (`git archive`, the ref in
-OMNID_BENCH_BASE, default "main"), alternating with this tree's.
+today's main, omnid's engine for a stage nothing asks tensors of runs from this tree and from
+main's code (`git archive`, the ref in OMNID_BENCH_BASE, default "main"; _plain_step.py), one
+process each, their batches alternating.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _harness import (BENCH_DAEMON, MODELS, ROOT, Ctx, Daemon, JobRun, Row, at_most, fmt, kill_daemon, p50, py_stage,
+from _harness import (BENCH_DAEMON, MODELS, ROOT, Ctx, Daemon, Row, at_most, fmt, kill_daemon, p50, py_stage,
                       short_tmpdir, toml_dumps, vllm_stage, wait_ready)
 
 TOKENS = 64
@@ -40,16 +41,13 @@ def _config() -> tuple[dict[str, Any], dict[str, Any]]:
     return stages, pipelines
 
 
-def _launch(stages: dict[str, Any], pipelines: dict[str, Any], pythonpath: str | None = None,
-            timeout: float = 300) -> Daemon:
-    """As _harness.start_daemon, with the daemon's (and its workers') PYTHONPATH given."""
+def _launch(stages: dict[str, Any], pipelines: dict[str, Any], timeout: float = 300) -> Daemon:
+    """As _harness.start_daemon, with a longer wait for readiness (vLLM loading on a busy machine)."""
     d = short_tmpdir()
     cfg = {"daemon": {"socket": str(d / "omnid.sock"), "state_dir": str(d / "state"),
                       "lock_dir": str(d / "lock"), **BENCH_DAEMON}, "stages": stages, "pipelines": pipelines}
     (d / "omnid.toml").write_text(toml_dumps(cfg))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if pythonpath is not None:
-        env["PYTHONPATH"] = pythonpath
     with open(d / "omnid.log", "ab") as log:
         t, wall = time.monotonic(), time.time()
         proc = subprocess.Popen([sys.executable, "-m", "omnid", "-c", str(d / "omnid.toml")], stdout=log,
@@ -61,21 +59,6 @@ def _launch(stages: dict[str, Any], pipelines: dict[str, Any], pythonpath: str |
         kill_daemon(daemon)
         raise
     return daemon
-
-
-def _decode_ms(d: Daemon, pipeline: str, stage: str) -> float:
-    """BATCH jobs of TOKENS tokens at once: the median job's ms per decode step (first token to last)."""
-    params = {stage: {"max_tokens": TOKENS}}
-    t0 = time.time()
-    jobs = [d.submit(pipeline, {"prompt": f"{PROMPT} {i}"}, params) for i in range(BATCH)]
-    per_token = []
-    for job in jobs:
-        run = JobRun(job, t0, d.events(job, 120)).check()
-        segs = run.all(type="segment", stage=stage)
-        if len(segs) < TOKENS:
-            raise RuntimeError(f"{pipeline}: {len(segs)} token segments, not {TOKENS}")
-        per_token.append((float(segs[-1]["ts"]) - float(segs[0]["ts"])) / (len(segs) - 1))
-    return 1000 * p50(per_token)
 
 
 def _first_window_s(d: Daemon, pipeline: str) -> tuple[float, int]:
@@ -140,34 +123,61 @@ def bench_tensor_streams(ctx: Ctx) -> list[Row]:
 
 
 def bench_no_tensor_edge(ctx: Ctx) -> list[Row]:
-    return [_against_main(ctx, ctx.n(4, 2))]
+    return [_against_main(ctx, ctx.n(7, 3))]
 
 
 def _against_main(ctx: Ctx, runs: int) -> Row:
-    """The plain stage (no tensor edge) on this tree vs on main, alternating: the cost of tensors when unasked."""
+    """A stage nothing asks tensors of, on this tree vs on main (_plain_step.py, two processes, batches
+    alternating): what tensors cost when unasked."""
     figure = "vLLM decode step, no tensor edge: this tree"
     ref = os.environ.get("OMNID_BENCH_BASE", "main")
     try:
         base = _baseline_tree(ref)
     except (subprocess.CalledProcessError, OSError) as e:
         return Row(figure, error=f"cannot unpack {ref!r}: {e}")
-    plain = {"stages": {"plain": vllm_stage(max_inflight=BATCH)}, "pipelines": {"plain": {"stages": ["plain"]}}}
-    ours, theirs = [], []
-    mine = base_d = None
+    script = Path(__file__).resolve().parent / "_plain_step.py"
+    procs: dict[str, subprocess.Popen[str]] = {}
+    times: dict[str, list[float]] = {"tree": [], "base": []}
     try:
-        mine = _launch(plain["stages"], plain["pipelines"], str(ROOT))
-        base_d = _launch(plain["stages"], plain["pipelines"], str(base))
+        for side, tree in (("tree", ROOT), ("base", base)):
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+            procs[side] = subprocess.Popen([sys.executable, str(script), str(tree), str(MODELS / "llm"), str(BATCH),
+                                            str(TOKENS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           stderr=subprocess.DEVNULL, text=True, env=env, cwd=str(tree))
+        for side, proc in procs.items():
+            ready = json.loads(_line(proc, side))
+            if not ready.get("ready"):
+                raise RuntimeError(f"{side}: {ready}")
+            ctx.log(f"{side}: omnid from {ready.get('from')}")
         for i in range(runs + 1):
-            ctx.check(f"against {ref}, run {i}")
-            a, b = _decode_ms(mine, "plain", "plain"), _decode_ms(base_d, "plain", "plain")
-            if i:
-                ours.append(a)
-                theirs.append(b)
+            for side, proc in procs.items():
+                ctx.check(f"against {ref}, run {i} of {side}")
+                assert proc.stdin is not None
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+                ms = float(json.loads(_line(proc, side))["ms"])
+                if i:
+                    times[side].append(ms)
     finally:
-        for daemon in (mine, base_d):
-            if daemon is not None:
-                daemon.stop()
+        for proc in procs.values():
+            if proc.stdin is not None:
+                proc.stdin.close()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         subprocess.run(["rm", "-rf", str(base)], check=False)
-    return Row(figure, p50(ours), "ms", f"the same on {ref}", p50(theirs), "ms", p50(ours) / p50(theirs),
-               f"tree / {ref}", at_most(1.05, "<= 1.05x (noise)"),
-               f"median of {runs} runs of {BATCH} x {TOKENS} tokens, the two daemons alternating")
+    ours, theirs = p50(times["tree"]), p50(times["base"])
+    return Row(figure, ours, "ms CPU", f"the same on {ref}", theirs, "ms CPU", ours / theirs, f"tree / {ref}",
+               at_most(1.05, "<= 1.05x (noise)"),
+               f"median of {runs} alternating batches of {BATCH} x {TOKENS} tokens, one engine per tree; tree "
+               f"{fmt(min(times['tree']))}..{fmt(max(times['tree']))}, {ref} "
+               f"{fmt(min(times['base']))}..{fmt(max(times['base']))} ms")
+
+
+def _line(proc: subprocess.Popen[str], side: str) -> str:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"_plain_step.py ({side}) exited {proc.wait()}")
+    return line
