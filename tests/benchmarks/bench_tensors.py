@@ -6,8 +6,8 @@ batches that ask for rows alternating with batches that ask for nothing). The st
 daemon of its own: the tiny Llama on vLLM (CPU), `tapped` (`outputs = ["hidden_states",
 "token_ids"]`: every job's rows come out), and python consumers of hidden states (`_stages.consume_states`) behind a
 `window = 8`, a `window = -1` and a `window = [2, 8]` edge out of `tapped`. For the row against
-today's main, omnid's engine for a stage nothing asks tensors of runs from this tree and from
-main's code (`git archive`, the ref in OMNID_BENCH_BASE, default "main"; _plain_step.py), one
+today's main, omnid's engine for a stage nothing asks tensors of runs from this tree's HEAD and
+from main's code (`git archive`, the ref in OMNID_BENCH_BASE, default "main"; _plain_step.py), one
 process each, their batches alternating.
 """
 
@@ -123,7 +123,7 @@ def bench_tensor_streams(ctx: Ctx) -> list[Row]:
 
 
 def bench_no_tensor_edge(ctx: Ctx) -> list[Row]:
-    return [_against_main(ctx, ctx.n(7, 3))]
+    return [_against_main(ctx, ctx.n(10, 4))]
 
 
 def _against_main(ctx: Ctx, runs: int) -> Row:
@@ -132,14 +132,15 @@ def _against_main(ctx: Ctx, runs: int) -> Row:
     figure = "vLLM decode step, no tensor edge: this tree"
     ref = os.environ.get("OMNID_BENCH_BASE", "main")
     try:
-        base = _baseline_tree(ref)
+        # Both sides unpacked the same way (this tree as committed: HEAD), so nothing but the code differs
+        mine, base = _baseline_tree("HEAD"), _baseline_tree(ref)
     except (subprocess.CalledProcessError, OSError) as e:
-        return Row(figure, error=f"cannot unpack {ref!r}: {e}")
+        return Row(figure, error=f"cannot unpack HEAD or {ref!r}: {e}")
     script = Path(__file__).resolve().parent / "_plain_step.py"
     procs: dict[str, subprocess.Popen[str]] = {}
     times: dict[str, list[float]] = {"tree": [], "base": []}
     try:
-        for side, tree in (("tree", ROOT), ("base", base)):
+        for side, tree in (("tree", mine), ("base", base)):
             env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
             procs[side] = subprocess.Popen([sys.executable, str(script), str(tree), str(MODELS / "llm"), str(BATCH),
                                             str(TOKENS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -150,7 +151,8 @@ def _against_main(ctx: Ctx, runs: int) -> Row:
                 raise RuntimeError(f"{side}: {ready}")
             ctx.log(f"{side}: omnid from {ready.get('from')}")
         for i in range(runs + 1):
-            for side, proc in procs.items():
+            order = list(procs.items())
+            for side, proc in (order if i % 2 else order[::-1]):      # who goes first flips every round
                 ctx.check(f"against {ref}, run {i} of {side}")
                 assert proc.stdin is not None
                 proc.stdin.write("go\n")
@@ -166,7 +168,7 @@ def _against_main(ctx: Ctx, runs: int) -> Row:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        subprocess.run(["rm", "-rf", str(base)], check=False)
+        subprocess.run(["rm", "-rf", str(mine), str(base)], check=False)
     ours, theirs = p50(times["tree"]), p50(times["base"])
     return Row(figure, ours, "ms CPU", f"the same on {ref}", theirs, "ms CPU", ours / theirs, f"tree / {ref}",
                at_most(1.05, "<= 1.05x (noise)"),
@@ -176,8 +178,11 @@ def _against_main(ctx: Ctx, runs: int) -> Row:
 
 
 def _line(proc: subprocess.Popen[str], side: str) -> str:
+    """The script's next JSON line (vLLM's own log lines on stdout are skipped)."""
     assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"_plain_step.py ({side}) exited {proc.wait()}")
-    return line
+    while True:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"_plain_step.py ({side}) exited {proc.wait()}")
+        if line.startswith("{"):
+            return line
