@@ -31,6 +31,11 @@ ENGINES = ("vllm", "diffusers", "python")
 FULL_WINDOW = -1
 # Engines a streaming edge (window = N > 0) may feed, and why the others cannot be.
 STREAM_ENGINES = ("python",)
+# What a vllm stage gives besides `text`, computed only when an edge maps them or `outputs` names them.
+TENSOR_OUTPUTS = ("token_ids", "hidden_states")
+VLLM_OUTPUTS = ("text", *TENSOR_OUTPUTS)
+# A vllm stage's prompt as tensors: each stands in for a text "prompt".
+TENSOR_PROMPTS = ("prompt_token_ids", "prompt_embeds")
 _WHOLE_INPUT = {
     "vllm": "it needs its whole prompt before it can start generating",
     "diffusers": "it needs its whole prompt (a diffusion model conditions every step on all of it)",
@@ -145,6 +150,17 @@ class StageConfig:
     # placement per replica ("local" or "ray"). Empty: every replica is a local process.
     placement: tuple[str, ...] = ()
     ray: RayNeeds = field(default_factory=RayNeeds)
+    # vllm stages, tensors: `outputs` (what every job gives besides text: token_ids, hidden_states),
+    # `hidden_layers` (transformers' output_hidden_states indices; -1: after the final norm),
+    # `hidden_prompt` (the prompt's rows too), `prompt_embeds` (a job may give embeddings).
+    outputs: tuple[str, ...] = ()
+    hidden_layers: tuple[int, ...] = (-1,)
+    hidden_prompt: bool = False
+    prompt_embeds: bool = False
+    # Derived at parse time from every pipeline: the tensor outputs some edge (or `outputs`) asks of
+    # this stage, and whether some edge hands it prompt_embeds. A change restarts the worker.
+    tensor_outputs: frozenset[str] = frozenset()
+    takes_embeds: bool = False
 
     def placement_of(self, replica: int) -> str:
         """"local" or "ray": where replica `replica`'s worker runs."""
@@ -181,12 +197,20 @@ class StageConfig:
 class EdgeConfig:
     src: str
     dst: str
-    window: int = FULL_WINDOW
+    window: int = FULL_WINDOW           # -1: full trigger; else the (first) window's segment count
     map: Mapping[str, str] | None = None
     transform: str | None = None
+    # `window = [4, 8, 16, 25]`: the window sizes in order, the last one repeating (`window` is
+    # the first); empty for `window = N`.
+    schedule: tuple[int, ...] = ()
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The window sizes of a streaming edge, in order; the last one repeats."""
+        return self.schedule or (self.window,)
 
     def as_api(self) -> dict[str, Any]:
-        return {"from": self.src, "to": self.dst, "window": self.window,
+        return {"from": self.src, "to": self.dst, "window": list(self.schedule) if self.schedule else self.window,
                 "map": dict(self.map) if self.map is not None else None,
                 "transform": self.transform}
 
@@ -204,6 +228,10 @@ class PipelineConfig:
 
     def outgoing(self, stage: str) -> tuple[EdgeConfig, ...]:
         return tuple(e for e in self.edges if e.src == stage)
+
+    def asks(self, stage: str) -> frozenset[str]:
+        """The outputs this pipeline's edges map out of `stage` by name."""
+        return frozenset(v for e in self.outgoing(stage) if e.map is not None for v in e.map.values())
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -425,7 +453,9 @@ def _check_listen_keys(c: _Checker, daemon: DaemonConfig) -> None:
 
 _STAGE_KEYS = ("engine", "model", "function", "python_path", "devices", "exclusive",
                "max_inflight", "queue_capacity", "shm_pool_mb", "args", "defaults", "env", "batch_function",
-               "replicas", "idle_unload_s", "media", "placement", "ray")
+               "replicas", "idle_unload_s", "media", "placement", "ray",
+               "outputs", "hidden_layers", "hidden_prompt", "prompt_embeds")
+_TENSOR_KEYS = ("outputs", "hidden_layers", "hidden_prompt", "prompt_embeds")
 PLACEMENTS = ("local", "ray")
 MAX_REPLICAS = 64
 _MEDIA_KEYS = (*MEDIA_KINDS, "max_bytes", "max_pixels", "max_audio_s", "max_video_frames")
@@ -574,6 +604,7 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
     idle_unload_s = c.positive(s, "idle_unload_s", path, None)
     placement = _parse_placement(c, s, path, replicas, devices)
     ray = _parse_ray_needs(c, s, path)
+    outputs, hidden_layers, hidden_prompt, prompt_embeds = _parse_tensors(c, s, path, engine, model, args)
     if engine is None:
         return None
     return StageConfig(
@@ -583,8 +614,66 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
         args=dict(args), defaults=dict(defaults), env={k: str(v) for k, v in env.items()},
         batch_function=batch_function, media=media, replicas=replicas, replica_devices=replica_devices,
         idle_unload_s=float(idle_unload_s) if idle_unload_s is not None else None,
-        placement=placement, ray=ray,
+        placement=placement, ray=ray, outputs=outputs, hidden_layers=hidden_layers,
+        hidden_prompt=hidden_prompt, prompt_embeds=prompt_embeds,
     )
+
+
+def model_dims(model: Path | None) -> tuple[int, int] | None:
+    """(hidden size, decoder layers) from a model's config.json (its text model's, for a multimodal
+    one); None when it does not say."""
+    if model is None:
+        return None
+    try:
+        import json
+        cfg = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for part in (cfg, cfg.get("text_config"), cfg.get("thinker_config", {}).get("text_config")):
+        if isinstance(part, dict) and isinstance(part.get("hidden_size"), int) \
+                and isinstance(part.get("num_hidden_layers"), int):
+            return int(part["hidden_size"]), int(part["num_hidden_layers"])
+    return None
+
+
+def _parse_tensors(c: _Checker, s: Mapping[str, Any], path: str, engine: str | None, model: Path | None,
+                   args: Mapping[str, Any]) -> tuple[tuple[str, ...], tuple[int, ...], bool, bool]:
+    """A vllm stage's tensor keys: outputs, hidden_layers, hidden_prompt, prompt_embeds."""
+    if engine != "vllm":
+        for key in _TENSOR_KEYS:
+            if key in s and engine is not None:
+                c.add(f"{path}.{key}", f"only vllm stages take {key}, not {engine!r}")
+        return (), (-1,), False, False
+    outputs_raw = c.get(s, "outputs", path, list, [])
+    outputs: list[str] = []
+    for i, name in enumerate(outputs_raw):
+        if name == "text":
+            continue                    # always given
+        if name not in TENSOR_OUTPUTS:
+            c.add(f"{path}.outputs[{i}]", f"a vllm stage gives {', '.join(VLLM_OUTPUTS)}, not {name!r}")
+        elif name not in outputs:
+            outputs.append(name)
+    layers_raw = c.get(s, "hidden_layers", path, list, [-1])
+    dims = model_dims(model)
+    layers: list[int] = []
+    if not layers_raw:
+        c.add(f"{path}.hidden_layers", "must name at least one layer (-1: the last)")
+    for i, k in enumerate(layers_raw):
+        if not isinstance(k, int) or isinstance(k, bool):
+            c.add(f"{path}.hidden_layers[{i}]", f"must be a layer index (an integer), not {_typename(k)}")
+        elif k == 0:
+            c.add(f"{path}.hidden_layers[{i}]", "0 would be the input embeddings; layers count from 1 "
+                                                "(transformers' output_hidden_states), -1 is the last")
+        elif dims is not None and not -dims[1] <= k <= dims[1]:
+            c.add(f"{path}.hidden_layers[{i}]", f"the model has {dims[1]} layers: 1..{dims[1]} or "
+                                                f"-1..-{dims[1]}, not {k}")
+        elif k in layers:
+            c.add(f"{path}.hidden_layers[{i}]", f"layer {k} is listed twice")
+        else:
+            layers.append(k)
+    hidden_prompt = bool(c.get(s, "hidden_prompt", path, bool, False))
+    prompt_embeds = bool(c.get(s, "prompt_embeds", path, bool, False))
+    return tuple(outputs), tuple(layers) or (-1,), hidden_prompt, prompt_embeds
 
 
 def _parse_placement(c: _Checker, s: Mapping[str, Any], path: str, replicas: int,
@@ -711,10 +800,9 @@ def _parse_edge(c: _Checker, raw: Any, path: str, members: tuple[str, ...],
     if ok and src == dst:
         c.add(path, f"an edge from {src!r} to itself is a cycle")
         ok = False
-    window = c.get(e, "window", path, int, FULL_WINDOW)
-    if window != FULL_WINDOW and window <= 0:
-        c.add(f"{path}.window", f"must be -1 (full trigger) or a segment count > 0, not {window}")
-        ok = False
+    window, schedule = _parse_window(c, e.get("window", FULL_WINDOW), f"{path}.window")
+    if window is None:
+        window, ok = FULL_WINDOW, False
     dst_stage = known_stages.get(dst) if isinstance(dst, str) else None
     if window > 0 and isinstance(dst_stage, StageConfig) and dst_stage.engine not in STREAM_ENGINES:
         c.add(f"{path}.window", f"stage {dst!r} ({dst_stage.engine}) cannot be fed by a window edge: "
@@ -733,9 +821,61 @@ def _parse_edge(c: _Checker, raw: Any, path: str, members: tuple[str, ...],
         src_stage = known_stages.get(src) if isinstance(known_stages, Mapping) else None
         src_path = src_stage.python_path if isinstance(src_stage, StageConfig) else ()
         _check_callable_ref(c, transform, f"{path}.transform", src_path)
+    src_stage = known_stages.get(src) if isinstance(src, str) else None
+    if mapping is not None and isinstance(src_stage, StageConfig) and src_stage.engine == "vllm":
+        for k, v in mapping.items():
+            if isinstance(v, str) and v not in VLLM_OUTPUTS:
+                c.add(f"{path}.map.{k}", f"stage {src!r} (vllm) cannot give {v!r}: it gives {', '.join(VLLM_OUTPUTS)}")
+                ok = False
     if not ok:
         return None
-    return EdgeConfig(src=src, dst=dst, window=window, map=mapping, transform=transform)
+    return EdgeConfig(src=src, dst=dst, window=window, map=mapping, transform=transform, schedule=schedule)
+
+
+def _parse_window(c: _Checker, raw: Any, path: str) -> tuple[int | None, tuple[int, ...]]:
+    """`window`: -1, N > 0, or a schedule [N1, N2, ...] (the last size repeats): (first, schedule),
+    or (None, ()) when it is none of them."""
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        if raw == FULL_WINDOW or raw > 0:
+            return raw, ()
+        c.add(path, f"must be -1 (full trigger) or a segment count > 0, not {raw}")
+        return None, ()
+    if isinstance(raw, list):
+        if not raw:
+            c.add(path, "a window schedule lists at least one size, e.g. [4, 8, 16, 25]")
+            return None, ()
+        bad = [i for i, n in enumerate(raw) if not isinstance(n, int) or isinstance(n, bool) or n <= 0]
+        for i in bad:
+            c.add(f"{path}[{i}]", f"a window size is a segment count > 0, not {raw[i]!r}")
+        if bad:
+            return None, ()
+        return int(raw[0]), tuple(int(n) for n in raw)
+    c.add(path, f"must be an integer, not {_typename(raw)} (or a list of integers: a schedule)")
+    return None, ()
+
+
+def _check_tensor_edges(c: _Checker, path: str, edge: EdgeConfig, stages: Mapping[str, StageConfig]) -> None:
+    """An edge that hands a vllm stage `prompt_embeds` or `prompt_token_ids` from a vllm stage must
+    give what it can take: hidden states of its width (one layer), token ids."""
+    src, dst = stages.get(edge.src), stages.get(edge.dst)
+    if edge.map is None or src is None or dst is None or dst.engine != "vllm" or src.engine != "vllm":
+        return
+    for down, up in edge.map.items():
+        where = f"{path}.map.{down}"
+        if down == "prompt_embeds":
+            if up != "hidden_states":
+                c.add(where, f"prompt_embeds are (tokens, hidden) rows: map them from \"hidden_states\", not {up!r}")
+                continue
+            if len(src.hidden_layers) > 1:
+                c.add(where, f"stage {edge.src!r} gives {len(src.hidden_layers)} layers (hidden_layers): "
+                             "prompt_embeds take one; use a transform to pick it")
+            mine, theirs = model_dims(src.model), model_dims(dst.model)
+            if mine is not None and theirs is not None and mine[0] != theirs[0]:
+                c.add(where, f"stage {edge.src!r} gives hidden states of width {mine[0]}, but the model of "
+                             f"stage {edge.dst!r} takes embeddings of width {theirs[0]} (hidden_size in "
+                             f"{dst.model}/config.json): use a transform that projects them")
+        elif down == "prompt_token_ids" and up != "token_ids":
+            c.add(where, f"prompt_token_ids are token ids: map them from \"token_ids\", not {up!r}")
 
 
 def _check_media_edges(c: _Checker, path: str, edges: list[EdgeConfig], stages: Mapping[str, StageConfig]) -> None:
@@ -819,6 +959,7 @@ def _parse_pipeline(c: _Checker, name: str, raw: Any, known_stages: Mapping[str,
             seen.add((edge.src, edge.dst))
             edges.append(edge)
             _check_media_edges(c, f"{path}.edges[{i}]", [edge], parsed)
+            _check_tensor_edges(c, f"{path}.edges[{i}]", edge, parsed)
         for edge in edges:
             others = [e.src for e in edges if e.dst == edge.dst and e is not edge]
             if edge.window > 0 and others:
@@ -903,9 +1044,30 @@ def parse(data: Mapping[str, Any], *, base: Path, source: str = "<config>") -> C
             pipelines[name] = pl
     if not pipes_raw:
         c.add("pipelines", "no pipelines are defined")
+    stages = _derive_tensors(c, stages, pipelines)
     if c.problems:
         raise ConfigError(source, c.problems)
     return Config(source=None, daemon=daemon, stages=stages, pipelines=pipelines)
+
+
+def _derive_tensors(c: _Checker, stages: dict[str, StageConfig],
+                    pipelines: Mapping[str, PipelineConfig]) -> dict[str, StageConfig]:
+    """Each vllm stage with what the pipelines ask of it: its tensor outputs (`outputs` and every
+    edge that maps one out of it) and whether an edge hands it prompt_embeds."""
+    out = dict(stages)
+    for name, st in stages.items():
+        if st.engine != "vllm":
+            continue
+        asked = set(st.outputs)
+        embeds = st.prompt_embeds
+        for p in pipelines.values():
+            asked |= p.asks(name) & set(TENSOR_OUTPUTS)
+            embeds = embeds or any(e.map is not None and "prompt_embeds" in e.map for e in p.incoming(name))
+        if "hidden_states" in asked and int(st.args.get("pipeline_parallel_size", 1) or 1) > 1:
+            c.add(f"stages.{name}.args.pipeline_parallel_size", "hidden states are tapped on the rank that "
+                  "holds the whole model: pipeline parallelism cannot give them")
+        out[name] = replace(st, tensor_outputs=frozenset(asked), takes_embeds=embeds)
+    return out
 
 
 def load(path: Path) -> Config:

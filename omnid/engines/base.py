@@ -49,6 +49,9 @@ class RequestContext:
     segments: int = 0
     ended: float | None = None          # when the engine completed it (hand-off time not included)
     usage: dict[str, int] | None = None     # what an engine counts: {"prompt_tokens": N, "completion_tokens": M}
+    # The optional outputs asked of this request (a vllm stage's token_ids, hidden_states): an edge of
+    # its pipeline maps them, or the stage's `outputs` names them. An engine computes no other.
+    wants: frozenset[str] = frozenset()
 
     def cancelled(self) -> bool:
         return self._is_cancelled()

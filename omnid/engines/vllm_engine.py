@@ -23,6 +23,7 @@ extractor); a bad one fails its job alone.
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
 import json
 import os
@@ -35,6 +36,7 @@ from omnid import media as M
 from omnid.config import StageConfig
 from omnid.params import VLLM_OMNID_PARAMS, check_param, merged, parallel_size
 from omnid.engines.base import Engine, RequestContext
+from omnid.engines.vllm_tap import TAP_CLASS, TAP_ERROR
 
 
 @dataclass
@@ -44,6 +46,99 @@ class _Request:
     max_tokens: int
     pieces: list[str] = field(default_factory=list)
     tokens: int = 0
+    prompt_len: int = 0
+    internal_id: str = ""                   # vLLM's own id of it (the tap's key)
+    ids: list[int] = field(default_factory=list)        # generated token ids (when asked)
+    rows: list[Any] = field(default_factory=list)       # hidden-state rows not yet in a segment
+    hidden: list[Any] = field(default_factory=list)     # every segment's rows (the final output)
+
+
+class TensorInputError(ValueError):
+    """A job's prompt_token_ids or prompt_embeds cannot be used; the message names the input."""
+
+
+def _as_array(name: str, value: Any) -> Any:
+    """An input tensor as a numpy array or torch tensor: a tensor, an array, `.npy` bytes, a JSON
+    list (or its text)."""
+    import numpy as np
+
+    if type(value).__module__.split(".")[0] == "torch" and hasattr(value, "dim"):
+        return value
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        if not bytes(value[:6]) == b"\x93NUMPY":
+            raise TensorInputError(f"input {name!r}: a file that is not a .npy array")
+        try:
+            return np.load(io.BytesIO(bytes(value)), allow_pickle=False)
+        except Exception as e:
+            raise TensorInputError(f"input {name!r}: not a readable .npy array: {e}") from None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise TensorInputError(f"input {name!r}: text that is not a JSON list") from None
+    if isinstance(value, (list, tuple)):
+        try:
+            array = np.asarray(value)
+        except ValueError as e:
+            raise TensorInputError(f"input {name!r}: a ragged list ({e})") from None
+        if array.dtype == object:
+            raise TensorInputError(f"input {name!r}: a list of numbers (or of equal-length lists) is needed")
+        return array
+    raise TensorInputError(f"input {name!r}: a tensor, array, .npy file or JSON list is needed, "
+                           f"not {type(value).__name__}")
+
+
+def prompt_token_ids(value: Any, vocab: int, max_len: int) -> list[int]:
+    """A job's `prompt_token_ids` checked: integers in [0, vocab), one dimension, 1..max_len of them."""
+    import numpy as np
+
+    array = _as_array("prompt_token_ids", value)
+    array = array.detach().cpu().numpy() if hasattr(array, "detach") else array
+    if array.size == 0:
+        raise TensorInputError(f"input 'prompt_token_ids': 0 tokens; the model takes 1 to {max_len} (max_model_len)")
+    if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
+        raise TensorInputError(f"input 'prompt_token_ids': token ids are integers, not {array.dtype}")
+    if array.ndim != 1:
+        raise TensorInputError(f"input 'prompt_token_ids': one dimension (tokens) is needed, not shape "
+                               f"{tuple(array.shape)}")
+    if not 1 <= len(array) <= max_len:
+        raise TensorInputError(f"input 'prompt_token_ids': {len(array)} tokens; the model takes 1 to "
+                               f"{max_len} (max_model_len)")
+    if array.min() < 0 or array.max() >= vocab:
+        raise TensorInputError(f"input 'prompt_token_ids': ids must be in [0, {vocab}) (the vocabulary), "
+                               f"found {int(array.min())}..{int(array.max())}")
+    return [int(t) for t in array]
+
+
+def prompt_embeds(value: Any, hidden: int, max_len: int, dtype: Any) -> Any:
+    """A job's `prompt_embeds` checked: floats (tokens, hidden) with the model's width, finite,
+    1..max_len rows; as a CPU torch tensor in the model's dtype."""
+    import torch
+
+    array = _as_array("prompt_embeds", value)
+    tensor = array.detach() if hasattr(array, "detach") else None
+    if tensor is None:
+        import numpy as np
+        if not np.issubdtype(array.dtype, np.floating):
+            raise TensorInputError(f"input 'prompt_embeds': embeddings are floats, not {array.dtype}")
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if not tensor.is_floating_point():
+        raise TensorInputError(f"input 'prompt_embeds': embeddings are floats, not {tensor.dtype}")
+    if tensor.dim() != 2:
+        raise TensorInputError(f"input 'prompt_embeds': two dimensions (tokens, hidden) are needed, not shape "
+                               f"{tuple(tensor.shape)}")
+    if tensor.shape[1] != hidden:
+        raise TensorInputError(f"input 'prompt_embeds': rows of width {tensor.shape[1]}, but the model's "
+                               f"hidden size is {hidden}")
+    if not 1 <= tensor.shape[0] <= max_len:
+        raise TensorInputError(f"input 'prompt_embeds': {tensor.shape[0]} tokens; the model takes 1 to "
+                               f"{max_len} (max_model_len)")
+    tensor = tensor.to("cpu")
+    if not bool(torch.isfinite(tensor).all()):
+        raise TensorInputError("input 'prompt_embeds': it holds NaN or infinite values")
+    return tensor.to(dtype).contiguous()
 
 
 def engine_args(stage: StageConfig) -> dict[str, Any]:
@@ -63,6 +158,16 @@ def engine_args(stage: StageConfig) -> dict[str, Any]:
         args["limit_mm_per_prompt"] = limits
     args.update(stage.args)
     args.setdefault("distributed_executor_backend", "mp" if parallel_size(stage.args) > 1 else "uni")
+    if "hidden_states" in stage.tensor_outputs:
+        args["worker_extension_cls"] = TAP_CLASS        # the tap lives where the model runs
+        # The tap is forward hooks, which neither a torch.compile'd graph nor a CUDA graph replay
+        # calls: eager on a GPU, unless the stage says otherwise.
+        args.setdefault("enforce_eager", True)
+        if stage.hidden_prompt:
+            # A prefix found in the cache is never computed: its rows would be missing.
+            args["enable_prefix_caching"] = False
+    if stage.takes_embeds:
+        args["enable_prompt_embeds"] = True
     return args
 
 
@@ -96,6 +201,16 @@ class VllmEngine(Engine):
         self._render = self._renderer()
         # A chat template writes its own special tokens: a rendered chat is tokenized without them.
         self._render_chat = self._renderer(chat=True)
+        # Tensors: the hidden-state tap (installed only when something asks for hidden states).
+        self._tapped = "hidden_states" in stage.tensor_outputs
+        self._watching: set[str] = set()            # internal ids the tap keeps rows of
+        self._forget: list[str] = []                # watches to end at the next take
+        self._by_internal: dict[str, str] = {}
+        cfg = self.engine.model_config
+        self._max_len = int(cfg.max_model_len)
+        self._hidden = int(cfg.get_hidden_size())
+        if self._tapped:
+            self.engine.collective_rpc("omnid_tap_install", args=(list(stage.hidden_layers),))
 
     def _renderer(self, chat: bool = False) -> Callable[[Any], Any]:
         """vLLM >= 0.30 wants rendered prompts; older ones take a plain string (or prompt dict)."""
@@ -136,28 +251,52 @@ class VllmEngine(Engine):
         cfg = self.engine.model_config
         info: dict[str, Any] = {"model": str(self.stage.model), "dtype": str(getattr(cfg, "dtype", "")),
                                 "max_model_len": getattr(cfg, "max_model_len", None)}
+        if self.stage.tensor_outputs or self.stage.takes_embeds:
+            # what the pipelines ask of it: GET /v1/stages shows whether the tap is in
+            info["tensors"] = {"gives": sorted(self.stage.tensor_outputs), "takes_embeds": self.stage.takes_embeds,
+                               "hidden_size": self._hidden, "tap": self._tapped,
+                               **({"hidden_layers": list(self.stage.hidden_layers),
+                                   "hidden_prompt": self.stage.hidden_prompt} if self._tapped else {})}
         if self.media.kinds:
             info["media"] = {k: self.media.count(k) for k in self.media.kinds}
             if "audio" in self.media.kinds:
                 info["audio_rate"] = self._audio_rate
         return info
 
+    def _tensor_prompt(self, inputs: dict[str, Any]) -> dict[str, Any] | None:
+        """The job's prompt_embeds or prompt_token_ids as vLLM takes them, or None if it gives neither;
+        TensorInputError says what is wrong with one."""
+        if inputs.get("prompt_embeds") is not None:
+            if not self.stage.takes_embeds:
+                raise TensorInputError(f"stage {self.stage.name!r} takes no prompt_embeds: set prompt_embeds = "
+                                       "true in its config (vLLM's enable_prompt_embeds)")
+            return {"prompt_embeds": prompt_embeds(inputs["prompt_embeds"], self._hidden, self._max_len,
+                                                   self.engine.model_config.dtype)}
+        if inputs.get("prompt_token_ids") is not None:
+            vocab = int(self.engine.model_config.get_vocab_size())
+            return {"prompt_token_ids": prompt_token_ids(inputs["prompt_token_ids"], vocab, self._max_len)}
+        return None
+
     def add(self, ctx: RequestContext) -> None:
         prompt = ctx.inputs.get("prompt")
         messages = ctx.inputs.get("messages")
         try:
+            tensor_prompt = self._tensor_prompt(ctx.inputs)
             media = self._media(ctx.inputs)
-        except M.MediaError as e:
+        except (M.MediaError, TensorInputError) as e:
             ctx.fail(str(e))
             return
         except Exception as e:          # a decoder's own failure: this job's input, not the engine
-            ctx.fail(f"a media input cannot be read: {type(e).__name__}: {e}")
+            ctx.fail(f"an input cannot be read: {type(e).__name__}: {e}")
             return
-        if messages is not None or (prompt is None and media):
-            prompt = ""                 # a chat (rendered with the chat template), or media alone
+        if tensor_prompt is not None and media:
+            ctx.fail("media inputs go with a text prompt or messages, not with prompt_token_ids or prompt_embeds")
+            return
+        if messages is not None or tensor_prompt is not None or (prompt is None and media):
+            prompt = ""                 # a chat (rendered with the chat template), tensors, or media alone
         if not isinstance(prompt, str):
-            ctx.fail(f"a vllm stage needs a text input \"prompt\" (or \"messages\", or media); "
-                     f"got {sorted(ctx.inputs) or 'no inputs'}")
+            ctx.fail(f"a vllm stage needs a text input \"prompt\" (or \"messages\", \"prompt_token_ids\", "
+                     f"\"prompt_embeds\", or media); got {sorted(ctx.inputs) or 'no inputs'}")
             return
         params = merged(self.stage.defaults, ctx.params)
         # The door checked the job's values and --check the defaults; this guards what reaches vLLM.
@@ -171,7 +310,9 @@ class VllmEngine(Engine):
         text = str(template).replace("{prompt}", prompt) if template else prompt
         params.setdefault("max_tokens", self.default_max_tokens)
         try:
-            if media or (messages is not None and self._processor is not None):
+            if tensor_prompt is not None:
+                rendered = tensor_prompt
+            elif media or (messages is not None and self._processor is not None):
                 rendered = self._media_prompt(messages, text, media)
             elif messages is not None:
                 rendered = self._render(self._chat_prompt(messages))
@@ -179,7 +320,7 @@ class VllmEngine(Engine):
                 rendered = self._render(text)
             sampling = self._SamplingParams(**params, output_kind=self._delta)
             request_id = f"{ctx.job}-{next(self._ids)}"
-            self.engine.add_request(request_id, rendered, sampling)
+            internal_id = self.engine.add_request(request_id, rendered, sampling)
         except M.MediaError as e:
             ctx.fail(str(e))
             return
@@ -187,8 +328,15 @@ class VllmEngine(Engine):
             ctx.fail(f"{type(e).__name__}: {e}")    # its processor cannot take
             return
         prefix = prompt if include_prompt else ""
-        self._requests[request_id] = _Request(ctx, prefix, int(params["max_tokens"]))
+        given = next(iter(tensor_prompt.values())) if tensor_prompt is not None else ()
+        req = self._requests[request_id] = _Request(ctx, prefix, int(params["max_tokens"]), prompt_len=len(given),
+                                                    internal_id=str(internal_id or request_id))
         self._by_job[ctx.job] = request_id
+        if self._tapped and "hidden_states" in ctx.wants:
+            # Before the next step, the request's first forward: the tap keeps its rows from there.
+            self.engine.collective_rpc("omnid_tap_watch", args=(req.internal_id, self.stage.hidden_prompt))
+            self._watching.add(req.internal_id)
+            self._by_internal[req.internal_id] = request_id
 
     def _media(self, inputs: dict[str, Any]) -> dict[str, list[Any]]:
         """The job's media inputs, decoded as vLLM takes them, by kind; MediaError names the input.
@@ -260,7 +408,10 @@ class VllmEngine(Engine):
         return {"prompt_token_ids": list(tokenizer.encode(text, add_special_tokens=False))}
 
     def step(self) -> None:
-        for out in self.engine.step():
+        outputs = self.engine.step()
+        if self._watching or self._forget:
+            self._take_rows()
+        for out in outputs:
             req = self._requests.get(out.request_id)
             if req is None:
                 continue
@@ -268,25 +419,89 @@ class VllmEngine(Engine):
             if completion.text:
                 req.pieces.append(completion.text)
             before, req.tokens = req.tokens, req.tokens + len(completion.token_ids)
-            req.ctx.segment({"text": completion.text}, is_last=out.finished)
+            segment: dict[str, Any] = {"text": completion.text}
+            if req.ctx.wants:
+                segment.update(self._tensors(req, list(completion.token_ids)))
+            req.ctx.segment(segment, is_last=out.finished)
             if out.finished or req.tokens // PROGRESS_EVERY != before // PROGRESS_EVERY:
                 req.ctx.progress(req.tokens, req.max_tokens)   # every few tokens: the segments tell each one
             if out.finished:
-                del self._requests[out.request_id]
-                self._by_job.pop(req.ctx.job, None)
+                self._drop(out.request_id)
                 generated = "".join(req.pieces)
                 sep = " " if req.prefix and generated and not generated[0].isspace() else ""
-                req.ctx.usage = {"prompt_tokens": len(out.prompt_token_ids or ()), "completion_tokens": req.tokens}
-                req.ctx.finish({"text": (req.prefix + sep + generated).strip()})
+                prompt_tokens = len(out.prompt_token_ids or ()) or req.prompt_len
+                req.ctx.usage = {"prompt_tokens": prompt_tokens, "completion_tokens": req.tokens}
+                final: dict[str, Any] = {"text": (req.prefix + sep + generated).strip()}
+                if req.ctx.wants:
+                    final.update(self._whole_tensors(req))
+                req.ctx.finish(final)
+
+    def _take_rows(self) -> None:
+        """The tap's rows of the step just run, onto their requests (rank 0 answers)."""
+        forget, self._forget = self._forget, []
+        answers = self.engine.collective_rpc("omnid_tap_take", args=(forget,))
+        rows = next((a for a in answers if a is not None), None) or {}
+        if TAP_ERROR in rows:
+            for internal_id in list(self._watching):
+                request_id = self._by_internal.get(internal_id)
+                req = self._requests.get(request_id) if request_id is not None else None
+                if req is not None:
+                    req.ctx.fail(str(rows[TAP_ERROR]))      # the worker aborts it in the engine
+            return
+        for internal_id, block in rows.items():
+            request_id = self._by_internal.get(internal_id)
+            req = self._requests.get(request_id) if request_id is not None else None
+            if req is not None:
+                req.rows.append(block)
+
+    def _tensors(self, req: _Request, ids: list[int]) -> dict[str, Any]:
+        """One step's asked-for tensors: its token ids, and the hidden-state rows that came since the last."""
+        import torch
+
+        found: dict[str, Any] = {}
+        if "token_ids" in req.ctx.wants:
+            req.ids.extend(ids)
+            found["token_ids"] = torch.tensor(ids, dtype=torch.int64)
+        if "hidden_states" in req.ctx.wants and self._tapped:
+            rows = req.rows[0] if len(req.rows) == 1 else torch.cat(req.rows, dim=0) if req.rows else None
+            req.rows = []
+            if rows is not None:
+                found["hidden_states"] = rows
+                req.hidden.append(rows)
+        return found
+
+    def _whole_tensors(self, req: _Request) -> dict[str, Any]:
+        """The request's asked-for tensors whole (its final outputs)."""
+        import torch
+
+        found: dict[str, Any] = {}
+        if "token_ids" in req.ctx.wants:
+            found["token_ids"] = torch.tensor(req.ids, dtype=torch.int64)
+        if "hidden_states" in req.ctx.wants and req.hidden:
+            found["hidden_states"] = req.hidden[0] if len(req.hidden) == 1 else torch.cat(req.hidden, dim=0)
+        return found
+
+    def _drop(self, request_id: str) -> _Request | None:
+        """Forget a request here and in the tap (at its next take)."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return None
+        self._by_job.pop(req.ctx.job, None)
+        if req.internal_id in self._watching:
+            self._watching.discard(req.internal_id)
+            self._by_internal.pop(req.internal_id, None)
+            self._forget.append(req.internal_id)
+        return req
 
     def abort(self, job: str) -> None:
-        request_id = self._by_job.pop(job, None)
+        request_id = self._by_job.get(job)
         if request_id is None:
             return
         self.engine.abort_request([request_id])
         # vLLM reports nothing more for an aborted request: complete it here.
-        req = self._requests.pop(request_id)
-        req.ctx.stopped()
+        req = self._drop(request_id)
+        if req is not None:
+            req.ctx.stopped()
 
     def has_work(self) -> bool:
         return bool(self._requests)

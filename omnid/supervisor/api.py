@@ -37,7 +37,7 @@ import structlog
 from aiohttp import web
 
 from omnid import media
-from omnid.config import Config, PipelineConfig, StageConfig
+from omnid.config import TENSOR_PROMPTS, Config, PipelineConfig, StageConfig
 from omnid.metrics import Metrics
 from omnid.params import job_param_problem, merged, plain_value, values_problem
 from omnid.store import JobStore
@@ -281,8 +281,9 @@ class Api:
             if stage.engine in ("vllm", "diffusers") and isinstance(inputs.get("prompt"), bytes):
                 raise Refused(400, ErrorCode.INVALID_INPUT, f"input \"prompt\" of {stage.engine} stage {src!r} must be "
                               "text, not a file (use --prompt or --input prompt=...)")
-            if stage.engine == "vllm" and (isinstance(inputs.get("messages"), str) or has_media):
-                continue                # a chat (JSON text), or media: the stage renders its chat template
+            if stage.engine == "vllm" and (isinstance(inputs.get("messages"), str) or has_media
+                                           or any(inputs.get(k) is not None for k in TENSOR_PROMPTS)):
+                continue                # a chat (JSON text), media (the stage renders its chat template), tensors
             if stage.engine in ("vllm", "diffusers") and not isinstance(inputs.get("prompt"), str):
                 raise Refused(400, ErrorCode.MISSING_INPUT, f"pipeline {pipeline.name!r} starts with {stage.engine} stage "
                               f"{src!r}, which needs a text input \"prompt\"")

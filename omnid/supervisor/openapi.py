@@ -173,7 +173,9 @@ def schemas(config: Config) -> dict[str, Any]:
         "outputs": {"type": "array", "items": _ref("Output")},
         "error": _nullable(_ref("JobError")),
     }
-    edge = _obj({"from": _STR, "to": _STR, "window": _INT, "map": _nullable({"type": "object"}),
+    # window: -1 (full trigger), N (segments per window) or a schedule [N1, N2, ...] (the last repeats)
+    window = {"oneOf": [_INT, {"type": "array", "items": _INT, "minItems": 1}]}
+    edge = _obj({"from": _STR, "to": _STR, "window": window, "map": _nullable({"type": "object"}),
                  "transform": _nullable(_STR)}, ["from", "to", "window"])
     pipeline_keys = {"name": _STR, "stages": {"type": "array", "items": _STR},
                      "edges": {"type": "array", "items": _ref("Edge")},

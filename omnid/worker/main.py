@@ -521,7 +521,7 @@ class StageWorker:
 
         def on_segment(outputs: dict[str, Any], is_last: bool) -> str | None:
             for edge in streaming:
-                builder = self.builders.setdefault((job, edge.dst), WindowBuilder(edge.window))
+                builder = self.builders.setdefault((job, edge.dst), WindowBuilder(edge.sizes))
                 window = builder.add(outputs, is_last)
                 if window is not None:
                     error = self._queue_window(item, edge, *window, last=builder.closed)
@@ -537,7 +537,8 @@ class StageWorker:
         ctx = RequestContext(job=job, stage=self.stage.name, inputs=inputs,
                              params=dict(item.params.get(self.stage.name, {})),
                              _emit=emit, _is_cancelled=lambda: self.is_dead(job), _on_segment=on_segment,
-                             _is_held=held)
+                             _is_held=held, wants=self.stage.tensor_outputs & (
+                                 pipeline.asks(self.stage.name) | frozenset(self.stage.outputs)))
         return ctx
 
     def _write_sink(self, job: str, outputs: dict[str, Any], prefix: str) -> list[P.Output]:
@@ -599,7 +600,7 @@ class StageWorker:
         handoffs: list[tuple[str, WorkItem]] = []
         for edge in edges:
             if edge.window > 0:             # streamed: what is left of it goes as the last window
-                builder = builders.get(edge.dst) or WindowBuilder(edge.window)
+                builder = builders.get(edge.dst) or WindowBuilder(edge.sizes)
                 window = builder.finish(ctx.outputs or {})
                 error = self._queue_window(item, edge, *window, last=True) if window is not None else None
                 if error is not None:

@@ -8,7 +8,7 @@ private (omnid.paths: 0600 files in 0700 folders, whatever the umask):
   PIL image                -> NAME.png   image/png        kind "image"
   list of PIL images       -> NAME-K.png image/png        kind "image"
   bytes (PNG / WAV / other)-> NAME.png / NAME.wav / NAME.bin
-  torch tensor, ndarray    -> NAME.npy   application/x-npy kind "tensor"
+  torch tensor, ndarray    -> NAME.npy   application/x-npy kind "tensor" (bfloat16 as float32)
   dict, list, number, bool -> NAME.json  application/json kind "json"
 """
 
@@ -89,7 +89,10 @@ def encode_value(value: Any) -> Iterator[tuple[str, bytes, str, str]]:
         for i, img in enumerate(value):
             yield f"{i}.png", _png(img), "image/png", "image"
     elif hasattr(value, "detach") and hasattr(value, "cpu"):          # a torch tensor
-        yield from encode_value(value.detach().cpu().numpy())
+        tensor = value.detach().cpu()
+        if tensor.is_floating_point() and tensor.element_size() < 4 and str(tensor.dtype) != "torch.float16":
+            tensor = tensor.float()                 # bfloat16 (float8): no numpy dtype; float32 holds it exactly
+        yield from encode_value(tensor.numpy())
     elif type(value).__module__ == "numpy" and hasattr(value, "dtype"):
         import numpy as np
         buf = io.BytesIO()

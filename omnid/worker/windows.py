@@ -1,11 +1,13 @@
-"""Streaming edges (`window = N`): windows built from an upstream's segments, and streams fed by them.
+"""Streaming edges (`window = N`, or a schedule `window = [4, 8, 16, 25]`): windows built from an
+upstream's segments, and streams fed by them.
 
 Runs in a stage worker. `WindowBuilder` is used by the main thread only (segments come from the
 engine, inside `step`). `EdgeStream` is filled by the data plane's connection threads (`put`) and
 read by the main thread (the stage's function iterating its `InputStream`); its condition variable
 is the only thing that blocks, and a cancel wakes it.
 
-- A window is N consecutive segments of one job, stitched (`stitch`): str and bytes concatenated,
+- A window is N consecutive segments of one job (with a schedule, the k-th window holds its k-th
+  size, the last size repeating), stitched (`stitch`): str and bytes concatenated,
   tensors and arrays concatenated on dim 0, lists extended, anything else the latest value.
   The last window may be shorter and is marked last; when the job ends on an exact multiple of N,
   the last window is empty (it only says "that was all").
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from omnid.engines.base import Cancelled
@@ -52,13 +54,24 @@ def stitch(segments: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class WindowBuilder:
-    """Groups one job's segments N at a time, for one streaming edge (main thread only)."""
+    """Groups one job's segments into windows for one streaming edge (main thread only).
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    `sizes`: N (every window N segments) or a schedule (N1, N2, ...): window k holds sizes[k]
+    segments, the last size repeating; e.g. (4, 8, 16, 25) gives 4, 8, 16, 25, 25, ...
+    """
+
+    def __init__(self, sizes: int | Sequence[int]) -> None:
+        self.sizes = (sizes,) if isinstance(sizes, int) else tuple(sizes)
+        if not self.sizes or min(self.sizes) <= 0:
+            raise ValueError(f"window sizes must be > 0, not {self.sizes}")
         self._segments: list[dict[str, Any]] = []
         self.sent = 0               # windows emitted so far
         self.closed = False         # the last window was emitted
+
+    @property
+    def size(self) -> int:
+        """How many segments the window being built holds when full."""
+        return self.sizes[min(self.sent, len(self.sizes) - 1)]
 
     def add(self, outputs: dict[str, Any], is_last: bool) -> tuple[int, dict[str, Any]] | None:
         """Take one segment; a full (or last) window as (index, stitched values), else None."""

@@ -79,3 +79,17 @@ def burn(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> dict[str, 
         for i in range(2000):
             x += i * i
     return {"text": str(x % 7)}
+
+
+def consume_states(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> Iterator[dict[str, Any]]:
+    """A consumer of hidden states: one segment per window of `states` ({"rows": N}), `work_s` each.
+
+    Fed by a `window = N` edge (or a schedule), `states` is an iterable of (rows, hidden) tensors;
+    by a `window = -1` edge, the whole tensor, which counts as one window.
+    """
+    work = float(params.get("work_s", 0.002))
+    states = inputs["states"]
+    windows = [states] if hasattr(states, "shape") else states
+    for piece in windows:
+        time.sleep(work)
+        yield {"rows": int(piece.shape[0])}

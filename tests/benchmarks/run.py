@@ -34,6 +34,7 @@ import bench_engines  # noqa: E402
 import bench_peer  # noqa: E402
 import bench_ray  # noqa: E402
 import bench_streaming  # noqa: E402
+import bench_tensors  # noqa: E402
 
 
 @dataclass
@@ -51,6 +52,13 @@ BENCHES: list[Bench] = [
     Bench("streaming", "streaming", bench_streaming.bench_streaming,
           ["streaming: submit -> 1st consumer segment, window 8", "streaming: submit -> job end, window 8"],
           (200, 90), ("engines",)),
+    Bench("tap_cost", "streaming", bench_tensors.bench_tap_cost,
+          [f"vLLM decode step, {bench_tensors.BATCH} jobs: hidden-state tap + token_ids on"], (150, 90), ()),
+    Bench("tensor_streams", "streaming", bench_tensors.bench_tensor_streams,
+          ["hidden-state stream: submit -> 1st consumer window, window 8",
+           "hidden-state stream: submit -> 1st consumer window, window [2, 8]"], (200, 120), ()),
+    Bench("no_tensor_edge", "streaming", bench_tensors.bench_no_tensor_edge,
+          ["vLLM decode step, no tensor edge: this tree"], (200, 120), ()),
     Bench("cancel_diffusers", "engines", bench_engines.bench_cancel_diffusers,
           ["cancel diffusers (500 steps) -> next job started"], (60, 40), ("engines",)),
     Bench("cancel_vllm", "engines", bench_engines.bench_cancel_vllm,

@@ -196,8 +196,9 @@ def test_duplicate_edges(tmp_path: Path) -> None:
     (0, "must be -1 (full trigger) or a segment count > 0, not 0"),
     (-2, "must be -1 (full trigger) or a segment count > 0, not -2"),
     (-100, "not -100"),
-    (True, "must be an integer, not a boolean"),
+    (True, "must be an integer, not a boolean (or a list of integers: a schedule)"),
     ("full", "must be an integer, not a string"),
+    ([], "a window schedule lists at least one size"),
 ])
 def test_window_other_than_minus_one_is_refused(tmp_path: Path, window: Any, fragment: str) -> None:
     reported(minimal(edges=[edge("a", "b", window=window), edge("b", "c")]), tmp_path,
@@ -207,6 +208,73 @@ def test_window_other_than_minus_one_is_refused(tmp_path: Path, window: Any, fra
 def test_window_n_streams_into_python_stages(tmp_path: Path) -> None:
     p = parse(minimal(edges=[edge("a", "b", window=1), edge("b", "c", window=4)]), tmp_path).pipelines["p"]
     assert [e.window for e in p.edges] == [1, 4]
+
+
+def test_window_schedule_is_parsed_and_described(tmp_path: Path) -> None:
+    p = parse(minimal(edges=[edge("a", "b", window=[4, 8, 16, 25]), edge("b", "c", window=3)]), tmp_path).pipelines["p"]
+    ramp, fixed = p.edges
+    assert (ramp.window, ramp.schedule, ramp.sizes) == (4, (4, 8, 16, 25), (4, 8, 16, 25))
+    assert (fixed.window, fixed.schedule, fixed.sizes) == (3, (), (3,))
+    assert [e["window"] for e in p.as_api()["edges"]] == [[4, 8, 16, 25], 3]
+
+
+@pytest.mark.parametrize(("window", "path", "fragment"), [
+    ([4, 0], "window[1]", "a window size is a segment count > 0, not 0"),
+    ([4, -1], "window[1]", "not -1"),
+    ([2, True], "window[1]", "not True"),
+    (["4"], "window[0]", "not '4'"),
+])
+def test_bad_window_schedule_is_refused(tmp_path: Path, window: Any, path: str, fragment: str) -> None:
+    reported(minimal(edges=[edge("a", "b", window=window), edge("b", "c")]), tmp_path,
+             f"pipelines.p.edges[0].{path}", fragment)
+
+
+def test_window_schedule_into_a_vllm_stage_is_refused_like_n(tmp_path: Path, models: Path) -> None:
+    data = minimal(edges=[edge("a", "llm", window=[2, 8])], stages=["a", "llm"])
+    data["stages"]["llm"] = {"engine": "vllm", "model": str(models / "llm")}
+    reported(data, tmp_path, "pipelines.p.edges[0].window", "cannot be fed by a window edge")
+
+
+def test_tensor_outputs_are_asked_by_edges_and_outputs(tmp_path: Path, models: Path) -> None:
+    llm = {"engine": "vllm", "model": str(models / "llm")}
+    data = {"stages": {"quiet": dict(llm), "asked": dict(llm), "declared": {**llm, "outputs": ["text", "token_ids"]},
+                       "fed": {**llm, "hidden_layers": [1, -1]}, "a": py()},
+            "pipelines": {"q": {"stages": ["quiet", "a"]},
+                          "h": {"stages": ["asked", "fed", "a"],
+                                "edges": [edge("asked", "fed", map={"prompt_embeds": "hidden_states"}),
+                                          edge("fed", "a", window=[2, 8], map={"t": "token_ids", "x": "text"})]},
+                          "d": {"stages": ["declared"]}}}
+    cfg = parse(data, tmp_path)
+    st = cfg.stages
+    assert st["quiet"].tensor_outputs == frozenset() and not st["quiet"].takes_embeds
+    assert st["asked"].tensor_outputs == {"hidden_states"} and not st["asked"].takes_embeds
+    assert st["fed"].tensor_outputs == {"token_ids"} and st["fed"].takes_embeds
+    assert st["fed"].hidden_layers == (1, -1)
+    assert st["declared"].tensor_outputs == {"token_ids"} and st["declared"].outputs == ("token_ids",)
+    assert cfg.pipelines["h"].asks("fed") == {"token_ids", "text"}
+
+
+def test_tensor_keys_are_checked(tmp_path: Path, models: Path) -> None:
+    (models / "llm" / "config.json").write_text('{"hidden_size": 128, "num_hidden_layers": 2}')
+    llm = {"engine": "vllm", "model": str(models / "llm")}
+    data = {"stages": {"v": {**llm, "outputs": ["logits"], "hidden_layers": [0, 5, "x", -1, -1],
+                             "hidden_prompt": "yes"},
+                       "pp": {**llm, "args": {"pipeline_parallel_size": 2}, "devices": [0, 1]},
+                       "a": {**py(), "hidden_layers": [-1]}},
+            "pipelines": {"p": {"stages": ["v", "pp", "a"],
+                                "edges": [edge("v", "pp", map={"prompt_token_ids": "text"}),
+                                          edge("pp", "a", map={"h": "hidden_states"})]}}}
+    found = problems(data, tmp_path)
+    assert "a vllm stage gives text, token_ids, hidden_states, not 'logits'" in found["stages.v.outputs[0]"]
+    assert "0 would be the input embeddings" in found["stages.v.hidden_layers[0]"][0]
+    assert "the model has 2 layers: 1..2 or -1..-2, not 5" in found["stages.v.hidden_layers[1]"]
+    assert "must be a layer index (an integer), not a string" in found["stages.v.hidden_layers[2]"]
+    assert "layer -1 is listed twice" in found["stages.v.hidden_layers[4]"]
+    assert "must be a boolean, not a string" in found["stages.v.hidden_prompt"]
+    assert "only vllm stages take hidden_layers, not 'python'" in found["stages.a.hidden_layers"]
+    assert "prompt_token_ids are token ids: map them from \"token_ids\", not 'text'" in \
+        found["pipelines.p.edges[0].map.prompt_token_ids"]
+    assert "pipeline parallelism cannot give them" in found["stages.pp.args.pipeline_parallel_size"][0]
 
 
 def test_window_n_into_an_engine_that_needs_its_whole_input_is_refused(tmp_path: Path, models: Path) -> None:

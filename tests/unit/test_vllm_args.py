@@ -47,3 +47,26 @@ def test_check_refuses_uni_with_parallelism_and_too_few_gpus(tmp_path: Path) -> 
     C.parse({"stages": {"llm": {"engine": "vllm", "model": "llm", "devices": [0, 1],
                                 "args": {"tensor_parallel_size": 2}}},
              "pipelines": {"p": {"stages": ["llm"]}}}, base=tmp_path)            # fine: omnid picks mp
+
+
+def test_the_tap_and_prompt_embeds_only_when_asked() -> None:
+    plain = engine_args(stage({}))
+    assert "worker_extension_cls" not in plain and "enable_prompt_embeds" not in plain
+    assert "enable_prefix_caching" not in plain
+    ids_only = C.StageConfig(name="llm", engine="vllm", model=Path("/m"), tensor_outputs=frozenset({"token_ids"}))
+    assert "worker_extension_cls" not in engine_args(ids_only)         # token ids need no tap
+    tapped = C.StageConfig(name="llm", engine="vllm", model=Path("/m"), tensor_outputs=frozenset({"hidden_states"}))
+    assert engine_args(tapped)["worker_extension_cls"] == "omnid.engines.vllm_tap.HiddenStateTap"
+    assert "enable_prefix_caching" not in engine_args(tapped)
+    with_prompt = C.StageConfig(name="llm", engine="vllm", model=Path("/m"), hidden_prompt=True,
+                                tensor_outputs=frozenset({"hidden_states"}))
+    assert engine_args(with_prompt)["enable_prefix_caching"] is False    # a cached prefix has no rows
+    on_gpu = C.StageConfig(name="llm", engine="vllm", model=Path("/m"), devices=(0,),
+                           tensor_outputs=frozenset({"hidden_states"}))
+    assert engine_args(on_gpu)["enforce_eager"] is True                  # hooks: no compiled graph, no CUDA graph
+    assert "enforce_eager" not in engine_args(C.StageConfig(name="llm", engine="vllm", model=Path("/m"), devices=(0,)))
+    assert engine_args(C.StageConfig(name="llm", engine="vllm", model=Path("/m"), devices=(0,),
+                                     args={"enforce_eager": False},
+                                     tensor_outputs=frozenset({"hidden_states"})))["enforce_eager"] is False
+    fed = C.StageConfig(name="llm", engine="vllm", model=Path("/m"), takes_embeds=True)
+    assert engine_args(fed)["enable_prompt_embeds"] is True

@@ -349,3 +349,41 @@ def _median_wake_s(wake: Any, trials: int = 9) -> float:
 def test_a_window_or_a_cancel_wakes_the_reader_without_waiting_for_its_recheck() -> None:
     assert _median_wake_s(lambda s, i: s.put(0, {"x": i}, last=True)) < 0.012
     assert _median_wake_s(lambda s, i: s.cancel()) < 0.012
+
+
+# ------------------------------------------------------------------ window schedules
+
+
+def _sizes(builder: W.WindowBuilder, segments: int) -> list[tuple[int, int, bool]]:
+    """(index, segments in it, last) of each window `segments` one-item segments make."""
+    out = []
+    for i in range(segments):
+        window = builder.add({"l": [i]}, is_last=i == segments - 1)
+        if window is not None:
+            out.append((window[0], len(window[1]["l"]), builder.closed))
+    return out
+
+
+def test_a_schedule_gives_its_sizes_then_repeats_the_last() -> None:
+    got = _sizes(W.WindowBuilder([4, 8, 16, 25]), 4 + 8 + 16 + 25 + 25 + 7)
+    assert got == [(0, 4, False), (1, 8, False), (2, 16, False), (3, 25, False), (4, 25, False), (5, 7, True)]
+
+
+def test_a_schedule_keeps_segments_in_order_and_ends_early() -> None:
+    b = W.WindowBuilder((2, 3))
+    values = [b.add({"l": [i]}, is_last=False) for i in range(5)]
+    assert [v[1]["l"] if v else None for v in values] == [None, [0, 1], None, None, [2, 3, 4]]
+    assert b.finish({}) == (2, {})                  # an exact end: an empty last window
+    short = W.WindowBuilder([4, 8])
+    assert [short.add({"l": [i]}, is_last=i == 2) for i in range(3)][-1] == (0, {"l": [0, 1, 2]})
+
+
+def test_n_is_a_schedule_of_one() -> None:
+    assert _sizes(W.WindowBuilder(3), 7) == _sizes(W.WindowBuilder([3]), 7) == [(0, 3, False), (1, 3, False),
+                                                                                (2, 1, True)]
+
+
+@pytest.mark.parametrize("sizes", [[], [4, 0], 0, [-1]])
+def test_a_schedule_of_nothing_is_refused(sizes: Any) -> None:
+    with pytest.raises(ValueError):
+        W.WindowBuilder(sizes)
