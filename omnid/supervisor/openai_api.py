@@ -42,7 +42,7 @@ from aiohttp import web
 from omnid import media as M
 from omnid.config import PipelineConfig, StageConfig
 from omnid.params import job_param_problem
-from omnid.supervisor.api import _gone
+from omnid.supervisor.api import _gone, retry_after
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.live_job import LAGGED
 from omnid.vocabulary import ErrorCode, EventType, JobRecord, JobState
@@ -79,9 +79,7 @@ class OpenAiError(Exception):
         self.retry = retry
 
     def response(self) -> web.Response:
-        headers: dict[str, str] = {}
-        if self.status in (429, 503):
-            headers["Retry-After"] = "2"
+        headers = retry_after(self.status)
         if self.retry is not None:                  # the openai client library honours this header
             headers["x-should-retry"] = "true" if self.retry else "false"
         return web.json_response({"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -554,6 +552,7 @@ class OpenAiApi:
             raise Refused(503, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
         if info.draining:
             raise Refused(503, ErrorCode.DRAINING, "the daemon is stopping; try again once it is back")
+        self.api.check_disk()
         job = self.api.scheduler.submit(request["uid"], p.name, inputs, params, None, summary)
         self.api.store.flush()
         request[_JOB_KEY] = job.id
