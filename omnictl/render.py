@@ -398,9 +398,10 @@ def ready_text(ok: bool, body: JSON) -> str:
         lines = ["ready"]
     else:
         not_ready = body.get("not_ready")
-        reasons = body.get("reasons") if isinstance(body.get("reasons"), list) else []
+        raw_reasons, raw_disk = body.get("reasons"), body.get("disk")
+        reasons = raw_reasons if isinstance(raw_reasons, list) else []
         what = [str(n) for n in not_ready] if isinstance(not_ready, list) else []
-        disk = body.get("disk") if isinstance(body.get("disk"), Mapping) else {}
+        disk = raw_disk if isinstance(raw_disk, Mapping) else {}
         if "disk_full" in reasons:
             what.append(f"disk full ({disk.get('reason') or 'under daemon.min_free_mb'}); new jobs are refused")
         if body.get("draining"):

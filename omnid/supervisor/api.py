@@ -407,17 +407,19 @@ class Api:
                     sent += 1
                 # `subscribe` read the past and registered the queue in one step of the
                 # loop, so no event is missed or sent twice.
-                event = await queue.get() if queue is not None else None
+                event = await _next_event(request, queue) if queue is not None else None
                 while event is not None and event is not LAGGED:
                     await resp.write(json.dumps(event).encode() + b"\n")
                     sent += 1
-                    event = await queue.get() if queue is not None else None
+                    event = await _next_event(request, queue) if queue is not None else None
                 if event is None:
                     break
                 # We fell behind (this client reads slowly): the rest is in the store.
                 log.debug("event reader fell behind; catching up from the store", job=job.id, sent=sent)
                 past, queue = self.scheduler.subscribe(job.id, after=sent)
             await resp.write_eof()
+        except ConnectionError as e:       # the reader hung up: its subscription goes (the job goes on)
+            log.debug("event reader went away", job=job.id, sent=sent, error=str(e))
         finally:
             if queue is not None:
                 self.scheduler.unsubscribe(job.id, queue)
@@ -768,6 +770,26 @@ def _flag(value: str | None, name: str) -> bool:
     if flag is None:
         raise Refused(400, ErrorCode.INVALID_REQUEST, f"{name} must be 1 or true (or 0 or false), not {value!r}")
     return flag
+
+
+DISCONNECT_POLL_S = 0.25      # how often a handler waiting on a quiet job looks whether its caller hung up
+
+
+async def _next_event(request: web.Request, queue: asyncio.Queue[Any]) -> Any:
+    """The queue's next item; ConnectionResetError once the caller hung up (looked at every
+    DISCONNECT_POLL_S while the job is quiet, and before each item)."""
+    while True:
+        try:
+            item = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+        except TimeoutError:
+            item = _QUIET
+        if _gone(request):
+            raise ConnectionResetError("the client went away")
+        if item is not _QUIET:
+            return item
+
+
+_QUIET = object()
 
 
 def _gone(request: web.Request) -> bool:
