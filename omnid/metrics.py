@@ -63,6 +63,8 @@ class _StageCollector(Collector):
         rss = GaugeMetricFamily("omnid_stage_rss_bytes", "Resident memory of the stage's worker and its children",
                                 labels=_LABELS)
         restarts = CounterMetricFamily("omnid_stage_restarts", "Worker restarts", labels=_LABELS)
+        rss_restarts = CounterMetricFamily("omnid_stage_rss_restarts", "Workers restarted between jobs for being "
+                                           "over the stage's max_rss_mb (a leak guard)", labels=_LABELS)
         done = CounterMetricFamily("omnid_stage_jobs_done", "Jobs the stage finished", labels=_LABELS)
         shm_used = GaugeMetricFamily("omnid_stage_shm_used_bytes",
                                      "Bytes of the stage's shared-memory pool held by values in flight", labels=_LABELS)
@@ -74,6 +76,7 @@ class _StageCollector(Collector):
             cap.add_metric(labels, h.stage.queue_capacity)
             up.add_metric(labels, 1 if h.state.warm else 0)
             restarts.add_metric(labels, h.restarts)
+            rss_restarts.add_metric(labels, h.rss_restarts)
             done.add_metric(labels, h.jobs_done)
             shm_used.add_metric(labels, h.stats.shm_used)
             shm_cap.add_metric(labels, h.stats.shm_capacity)
@@ -83,7 +86,7 @@ class _StageCollector(Collector):
             usage = h.usage()
             if usage is not None:
                 rss.add_metric(labels, usage)
-        yield from (depth, cap, up, restarts, done, shm_used, shm_cap, shm_slots, gpu, rss)
+        yield from (depth, cap, up, restarts, rss_restarts, done, shm_used, shm_cap, shm_slots, gpu, rss)
         sleeping = GaugeMetricFamily("omnid_stage_sleeping", "1 while the stage sleeps (idle_unload_s, or by "
                                      "hand): its workers are stopped until a job wakes it", labels=["stage"])
         replicas = GaugeMetricFamily("omnid_stage_replicas", "Replicas the stage is configured with",
@@ -172,8 +175,6 @@ class Metrics:
         self.registry.register(self._resources)
         self.refused = Counter("omnid_jobs_refused", "Submits refused for want of a resource (507 disk_full)",
                                ["reason"], registry=self.registry)
-        self.rss_restarts = Counter("omnid_stage_rss_restarts", "Workers restarted between jobs for being over "
-                                    "the stage's max_rss_mb", ["stage"], registry=self.registry)
 
     def watch(self, disk: DiskWatch | None, guard: ConnectionGuard | None) -> None:
         """Report these resources too (the daemon, once it has made them)."""

@@ -262,20 +262,28 @@ class ConnectionGuard:
 
 
 def cgroup_memory_events(pid: int | str = "self") -> Path | None:
-    """The cgroup v2 `memory.events` file of a process (None where there is none)."""
+    """The file of a process's memory cgroup that counts its OOM kills (`oom_kill N`): cgroup v2's
+    `memory.events`, or v1's `memory.oom_control`. None where there is none."""
     try:
-        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-            hier, _, path = line.split(":", 2)
-            if hier == "0":
-                events = Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.events"
-                return events if events.exists() else None
-    except (OSError, ValueError):
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
         return None
+    for line in lines:
+        hier, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hier == "0" and not controllers:
+            found = Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.events"
+        elif "memory" in controllers.split(","):
+            found = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.oom_control"
+        else:
+            continue
+        if found.exists():
+            return found
     return None
 
 
 def oom_kills(events: Path | None) -> int | None:
-    """The `oom_kill` count of a cgroup's memory.events (None: not readable)."""
+    """The `oom_kill` count of a cgroup's memory.events or memory.oom_control (None: not readable)."""
     if events is None:
         return None
     try:
@@ -316,6 +324,18 @@ def kernel_says_oom(pid: int) -> bool | None:
     return False
 
 
+def rss_bytes(pid: int) -> int | None:
+    """A process's own resident memory (one read of /proc/PID/statm); None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
 @dataclass
 class OomWatch:
     """The supervisor's cgroup's OOM kill count, looked at when a worker starts and when it dies."""
@@ -324,15 +344,16 @@ class OomWatch:
     at_start: int | None
 
     @classmethod
-    def now(cls) -> OomWatch:
-        events = cgroup_memory_events()
+    def now(cls, pid: int | str = "self") -> OomWatch:
+        events = cgroup_memory_events(pid)
         return cls(events, oom_kills(events))
 
     def evidence(self, pid: int) -> str | None:
         """Why a worker that died by SIGKILL likely ran out of memory, or None when nothing says so."""
         after = oom_kills(self.events)
         if after is not None and self.at_start is not None and after > self.at_start:
-            return f"the cgroup's memory.events counts {after - self.at_start} OOM kill(s) since it started"
+            return f"its cgroup's {self.events.name if self.events else 'memory.events'} counts " \
+                   f"{after - self.at_start} OOM kill(s) since it started"
         if kernel_says_oom(pid):
             return "the kernel log says the OOM killer took it"
         return None
