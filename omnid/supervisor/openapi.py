@@ -241,6 +241,11 @@ def schemas(config: Config) -> dict[str, Any]:
                        ["status", "pid", "uptime_s", "version", "live_jobs"]),
         "Ready": _obj({"ready": _BOOL, "stages": {"type": "object", "additionalProperties": _enum(WorkerState)},
                        "not_ready": {"type": "array", "items": _STR}, "draining": _BOOL,
+                       "reasons": {"type": "array", "items": {"enum": [str(ErrorCode.DISK_FULL)]},
+                                   "description": "why not ready besides the stages: disk_full"},
+                       "disk": _obj({"full": _BOOL, "reason": {"type": ["string", "null"]}, "free_mb": _INT,
+                                     "min_free_mb": _INT, "free_inodes": {"type": ["integer", "null"]},
+                                     "min_free_inodes": _INT, "ballast_mb": _INT}, ["full", "free_mb"]),
                        "replicas_down": {"type": "object", "additionalProperties": {
                            "type": "object", "additionalProperties": _enum(WorkerState)}}},
                       ["ready", "stages", "not_ready"]),
@@ -346,6 +351,31 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
 }
 _METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
 
+# When the machine runs short (omnid.supervisor.resources): every submit path (the OpenAI ones too,
+# in OpenAI's error shape there) and DELETE may answer 507; any request may answer 503
+# too_many_connections past the open-files limit.
+_RETRY_AFTER = {"Retry-After": {"schema": _INT, "description": "seconds to wait before trying again"}}
+RESOURCE_RESPONSES: dict[str, Any] = {
+    "InsufficientStorage": {**_json(_ref("Error"), f"{ErrorCode.INSUFFICIENT_STORAGE}: the state dir is under "
+                                    "daemon.min_free_mb (or min_free_inodes), or the job store cannot write; "
+                                    "the job was not accepted"), "headers": _RETRY_AFTER},
+    "TooManyConnections": {**_json(_ref("Error"), f"{ErrorCode.TOO_MANY_CONNECTIONS}: more client connections "
+                                   "than the daemon's open-files limit leaves room for (the connection is closed)"),
+                           "headers": _RETRY_AFTER},
+}
+_SUBMIT_PATHS = {("POST", "/v1/jobs"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+                 ("POST", "/v1/images/generations"), ("POST", "/v1/audio/speech"), ("DELETE", "/v1/jobs/{id}")}
+
+
+def _with_resource_refusals(method: str, path: str, op: dict[str, Any]) -> dict[str, Any]:
+    """`op` with the answers of a machine that runs short: 503 (connections) everywhere, 507 on submits."""
+    extra: dict[str, Any] = {}
+    if (method, path) in _SUBMIT_PATHS:
+        extra["507"] = {"$ref": "#/components/responses/InsufficientStorage"}
+    if "503" not in op["responses"]:
+        extra["503"] = {"$ref": "#/components/responses/TooManyConnections"}
+    return {**op, "responses": {**op["responses"], **extra}}
+
 
 def _fallback(route: web.AbstractRoute) -> dict[str, Any]:
     """A route this module has no schema for: listed, described by its handler's docstring."""
@@ -379,7 +409,7 @@ def openapi_document(app: web.Application, config: Config, version: str) -> dict
     by_key = {(r.method.upper(), r.resource.canonical): r for r in app.router.routes() if r.resource is not None}
     for method, path in routes(app):
         op = OPERATIONS.get((method, path)) or _fallback(by_key[(method, path)])
-        paths.setdefault(path, {})[method.lower()] = op
+        paths.setdefault(path, {})[method.lower()] = _with_resource_refusals(method, path, op)
     return {
         "openapi": "3.1.0",
         "info": {"title": "omnid", "version": version,
@@ -388,6 +418,7 @@ def openapi_document(app: web.Application, config: Config, version: str) -> dict
         "paths": paths,
         "components": {
             "schemas": schemas(config),
-            "responses": {"Error": _json(_ref("Error"), "refused: {\"error\": {\"code\", \"message\"}}")},
+            "responses": {"Error": _json(_ref("Error"), "refused: {\"error\": {\"code\", \"message\"}}"),
+                          **RESOURCE_RESPONSES},
         },
     }
