@@ -357,6 +357,8 @@ class Daemon:
         when there is room; the disk's state (ready, 507) follows."""
         if self.store is not None and self.store.pending:
             self.store.flush()
+        cfg = self.current.daemon               # (a reload may have moved the floors)
+        self.disk.configure(cfg.min_free_mb, cfg.min_free_inodes, cfg.ballast_mb)
         self.disk.tick()
 
     # ------------------------------------------------------------------ 5. drain and shutdown
