@@ -69,6 +69,8 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.NOT_ADMIN: 403,
     ErrorCode.UNKNOWN_STAGE: 404,
     ErrorCode.STAGE_BUSY: 409,     # a stage with jobs in progress is not put to sleep
+    ErrorCode.INSUFFICIENT_STORAGE: 507,    # the state dir is under daemon.min_free_mb
+    ErrorCode.TOO_MANY_CONNECTIONS: 503,    # past the open-files limit's room
 }
 # Codes the real API also answers with another status: unknown_pipeline is a 400 in a job
 # (POST /v1/jobs) and a 404 as the path's resource (GET /v1/pipelines/{name}).
