@@ -32,6 +32,7 @@ import bench_control  # noqa: E402
 import bench_dataplane  # noqa: E402
 import bench_engines  # noqa: E402
 import bench_ray  # noqa: E402
+import bench_resources  # noqa: E402
 import bench_streaming  # noqa: E402
 
 
@@ -86,6 +87,8 @@ BENCHES: list[Bench] = [
            "256 MiB fp16 hand-off, local -> Ray-placed (across raylets)",
            "256 MiB fp16 hand-off, Ray-placed -> local (across raylets)"],
           (240, 150), ()),
+    Bench("held_streams", "control", bench_resources.bench_held_streams,
+          ["GET /v1/health p50 with N event streams held"], (90, 45), ("control",)),
     Bench("supervisor_rss", "control", bench_control.bench_supervisor_rss,
           ["supervisor RSS after N no-op jobs"], (150, 45), ("control",)),
 ]
