@@ -420,8 +420,15 @@ def ready_text(ok: bool, body: JSON) -> str:
         lines = ["ready"]
     else:
         not_ready = body.get("not_ready")
-        names = ", ".join(str(n) for n in not_ready) if isinstance(not_ready, list) and not_ready else "unknown"
-        lines = [f"not ready: {names}"]
+        raw_reasons, raw_disk = body.get("reasons"), body.get("disk")
+        reasons = raw_reasons if isinstance(raw_reasons, list) else []
+        what = [str(n) for n in not_ready] if isinstance(not_ready, list) else []
+        disk = raw_disk if isinstance(raw_disk, Mapping) else {}
+        if "disk_full" in reasons:
+            what.append(f"disk full ({disk.get('reason') or 'under daemon.min_free_mb'}); new jobs are refused")
+        if body.get("draining"):
+            what.append("draining")
+        lines = [f"not ready: {', '.join(what) or 'unknown'}"]
     pairs = _stage_states(body.get("stages"))
     width = max((len(name) for name, _ in pairs), default=0)
     down = body.get("replicas_down") if isinstance(body.get("replicas_down"), dict) else {}

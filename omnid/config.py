@@ -98,6 +98,12 @@ class DaemonConfig:
     listen: tuple[tuple[str, int], ...] = ()
     allow_origins: tuple[str, ...] = ()     # CORS on the TCP listener: browser origins let in ("*": any); off
     metrics_without_key: bool = False       # GET /metrics on the TCP listener answers without a key
+    # Resources (omnid.supervisor.resources): below either floor on the state dir's filesystem, /v1/ready
+    # is 503 `disk_full` and submits get 507; `ballast_mb` is set aside in <state_dir>/ballast and given
+    # back when a write of the store finds the disk full, so rm, retention and a restart still work.
+    min_free_mb: int = 512
+    min_free_inodes: int = 1024
+    ballast_mb: int = 32
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,7 @@ class StageConfig:
     replicas: int = 1
     replica_devices: tuple[tuple[int, ...], ...] = ()
     idle_unload_s: float | None = None      # no work this long: the workers stop (sleeping) until a job comes
+    max_rss_mb: int | None = None           # a leak guard: a worker over this RSS is restarted between jobs
     # vllm stages: the media (image, audio, video) a job may give it, and their limits
     media: MediaLimits = NO_MEDIA
     # `placement = "ray"`: the workers run as Ray actors (`ray`: their resource needs); a list gives one
@@ -188,7 +195,7 @@ class StageConfig:
         changes only `replicas`, `idle_unload_s` or other replicas' devices keeps it running.)"""
         if replica >= other.replicas or replica >= self.replicas:
             return False
-        fleet = ("replicas", "replica_devices", "idle_unload_s", "devices")
+        fleet = ("replicas", "replica_devices", "idle_unload_s", "devices", "max_rss_mb")
         mine = replace(self, **{k: getattr(other, k) for k in fleet})
         return mine == other and self.devices_of(replica) == other.devices_of(replica)
 
@@ -399,6 +406,9 @@ def _parse_daemon(c: _Checker, raw: Any, base: Path) -> DaemonConfig:
         log_file_keep=c.positive(d, "log_file_keep", "daemon", 3, integer=True, allow_zero=True),
         ray_address=c.get(d, "ray_address", "daemon", str),
         **_parse_tcp(c, d),
+        min_free_mb=c.positive(d, "min_free_mb", "daemon", 512, integer=True, allow_zero=True),
+        min_free_inodes=c.positive(d, "min_free_inodes", "daemon", 1024, integer=True, allow_zero=True),
+        ballast_mb=c.positive(d, "ballast_mb", "daemon", 32, integer=True, allow_zero=True),
     )
 
 
@@ -453,7 +463,7 @@ def _check_listen_keys(c: _Checker, daemon: DaemonConfig) -> None:
 
 _STAGE_KEYS = ("engine", "model", "function", "python_path", "devices", "exclusive",
                "max_inflight", "queue_capacity", "shm_pool_mb", "args", "defaults", "env", "batch_function",
-               "replicas", "idle_unload_s", "media", "placement", "ray",
+               "replicas", "idle_unload_s", "media", "placement", "ray", "max_rss_mb",
                "outputs", "hidden_layers", "hidden_prompt", "prompt_embeds")
 _TENSOR_KEYS = ("outputs", "hidden_layers", "hidden_prompt", "prompt_embeds")
 PLACEMENTS = ("local", "ray")
@@ -602,6 +612,7 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
     queue_capacity = c.positive(s, "queue_capacity", path, 4, integer=True)
     shm_pool_mb = c.positive(s, "shm_pool_mb", path, 1024, integer=True, allow_zero=True)
     idle_unload_s = c.positive(s, "idle_unload_s", path, None)
+    max_rss_mb = c.positive(s, "max_rss_mb", path, None, integer=True)
     placement = _parse_placement(c, s, path, replicas, devices)
     ray = _parse_ray_needs(c, s, path)
     outputs, hidden_layers, hidden_prompt, prompt_embeds = _parse_tensors(c, s, path, engine, model, args)
@@ -614,6 +625,7 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
         args=dict(args), defaults=dict(defaults), env={k: str(v) for k, v in env.items()},
         batch_function=batch_function, media=media, replicas=replicas, replica_devices=replica_devices,
         idle_unload_s=float(idle_unload_s) if idle_unload_s is not None else None,
+        max_rss_mb=int(max_rss_mb) if max_rss_mb is not None else None,
         placement=placement, ray=ray, outputs=outputs, hidden_layers=hidden_layers,
         hidden_prompt=hidden_prompt, prompt_embeds=prompt_embeds,
     )

@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from omnid.supervisor.resources import ConnectionGuard, DiskWatch
     from omnid.supervisor.stage import StageHandle
     from omnid.supervisor.stage_group import StageGroup
 
@@ -62,6 +63,8 @@ class _StageCollector(Collector):
         rss = GaugeMetricFamily("omnid_stage_rss_bytes", "Resident memory of the stage's worker and its children",
                                 labels=_LABELS)
         restarts = CounterMetricFamily("omnid_stage_restarts", "Worker restarts", labels=_LABELS)
+        rss_restarts = CounterMetricFamily("omnid_stage_rss_restarts", "Workers restarted between jobs for being "
+                                           "over the stage's max_rss_mb (a leak guard)", labels=_LABELS)
         done = CounterMetricFamily("omnid_stage_jobs_done", "Jobs the stage finished", labels=_LABELS)
         shm_used = GaugeMetricFamily("omnid_stage_shm_used_bytes",
                                      "Bytes of the stage's shared-memory pool held by values in flight", labels=_LABELS)
@@ -73,6 +76,7 @@ class _StageCollector(Collector):
             cap.add_metric(labels, h.stage.queue_capacity)
             up.add_metric(labels, 1 if h.state.warm else 0)
             restarts.add_metric(labels, h.restarts)
+            rss_restarts.add_metric(labels, h.rss_restarts)
             done.add_metric(labels, h.jobs_done)
             shm_used.add_metric(labels, h.stats.shm_used)
             shm_cap.add_metric(labels, h.stats.shm_capacity)
@@ -82,7 +86,7 @@ class _StageCollector(Collector):
             usage = h.usage()
             if usage is not None:
                 rss.add_metric(labels, usage)
-        yield from (depth, cap, up, restarts, done, shm_used, shm_cap, shm_slots, gpu, rss)
+        yield from (depth, cap, up, restarts, rss_restarts, done, shm_used, shm_cap, shm_slots, gpu, rss)
         sleeping = GaugeMetricFamily("omnid_stage_sleeping", "1 while the stage sleeps (idle_unload_s, or by "
                                      "hand): its workers are stopped until a job wakes it", labels=["stage"])
         replicas = GaugeMetricFamily("omnid_stage_replicas", "Replicas the stage is configured with",
@@ -103,6 +107,41 @@ class _StageCollector(Collector):
         for (src, dst), n in sorted(sent.items()):
             windows.add_metric([src, dst], n)
         yield windows
+
+
+class _ResourceCollector(Collector):
+    """The state dir's disk and the client connections, read at scrape time (`Metrics.watch`)."""
+
+    def __init__(self) -> None:
+        self.disk: DiskWatch | None = None
+        self.guard: ConnectionGuard | None = None
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        if self.disk is not None:
+            state = self.disk.check()
+            yield GaugeMetricFamily("omnid_disk_free_bytes", "Free space on the state dir's filesystem "
+                                    "(for the daemon's user)", value=state.free_bytes)
+            yield GaugeMetricFamily("omnid_disk_min_free_bytes", "daemon.min_free_mb, in bytes",
+                                    value=self.disk.min_free_bytes)
+            if state.free_inodes is not None:
+                yield GaugeMetricFamily("omnid_disk_free_inodes", "Free inodes on the state dir's filesystem",
+                                        value=state.free_inodes)
+            yield GaugeMetricFamily("omnid_disk_full", "1 while the daemon refuses jobs for want of disk space "
+                                    "(/v1/ready: disk_full)", value=int(state.full))
+            yield GaugeMetricFamily("omnid_store_write_failing", "1 while the job store's writes fail "
+                                    "(kept in memory and retried)", value=int(state.store_failing is not None))
+            yield GaugeMetricFamily("omnid_disk_ballast_bytes", "The ballast file's size (0: given back)",
+                                    value=self.disk.ballast_bytes if state.ballast else 0)
+            yield CounterMetricFamily("omnid_disk_ballast_releases", "Times the ballast was given back to let "
+                                      "a write through", value=self.disk.released)
+        if self.guard is not None:
+            conns = self.guard.connections()
+            yield GaugeMetricFamily("omnid_connections_open", "Client connections open on the API",
+                                    value=len(conns) if conns is not None else 0)
+            yield GaugeMetricFamily("omnid_connections_limit", "Client connections taken before 503 "
+                                    "too_many_connections (from RLIMIT_NOFILE)", value=self.guard.limit)
+            yield CounterMetricFamily("omnid_connections_refused", "Requests answered 503 too_many_connections",
+                                      value=self.guard.refused)
 
 
 class Metrics:
@@ -132,6 +171,14 @@ class Metrics:
             ["pipeline"], buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
             registry=self.registry)
         self.registry.register(_StageCollector(stages))
+        self._resources = _ResourceCollector()
+        self.registry.register(self._resources)
+        self.refused = Counter("omnid_jobs_refused", "Submits refused for want of a resource (507 disk_full)",
+                               ["reason"], registry=self.registry)
+
+    def watch(self, disk: DiskWatch | None, guard: ConnectionGuard | None) -> None:
+        """Report these resources too (the daemon, once it has made them)."""
+        self._resources.disk, self._resources.guard = disk, guard
 
     def job_started(self, pipeline: str, waited_s: float) -> None:
         self.queue_wait.labels(pipeline).observe(waited_s)

@@ -13,6 +13,10 @@ its events, its kept inputs and its output folder, as `omnictl rm` removes it. Q
 running jobs are never removed, nor any job the scheduler still holds (live, or a stage still
 stopping it).
 
+A batch removes its jobs' output folders first, then their rows (`JobStore.delete_many`): on a
+full disk the folders give back the space sqlite's journal needs to delete the rows (and the
+store gives back the daemon's ballast if that is not enough).
+
 The database file does not shrink: sqlite puts the freed pages on its free list and the next
 jobs' rows reuse them, so the file stays at its high-water mark instead of growing without end.
 (`auto_vacuum = INCREMENTAL` would let it give pages back, but it cannot be turned on for an
@@ -27,7 +31,7 @@ from collections.abc import Callable, Collection
 import structlog
 
 from omnid.config import DaemonConfig
-from omnid.store import JobStore
+from omnid.store import JobStore, StoreWriteFailed
 
 log = structlog.get_logger("omnid.retention")
 
@@ -61,6 +65,9 @@ class Retention:
             return 0
         try:
             n, more = self.run_once()
+        except StoreWriteFailed as e:
+            log.warning("retention could not delete; tried again at the next interval", error=str(e))
+            n, more = 0, False
         except Exception:
             log.exception("retention failed")
             n, more = 0, False

@@ -138,6 +138,9 @@ class ErrorCode(StrEnum):
     UNKNOWN_STAGE = "unknown_stage"
     STAGE_BUSY = "stage_busy"           # a stage with jobs in progress is not put to sleep
     DRAINING = "draining"               # SIGTERM: no new jobs; running ones finish, queued ones wait for the next start
+    INSUFFICIENT_STORAGE = "insufficient_storage"   # 507: the state dir is under daemon.min_free_mb (or cannot write)
+    DISK_FULL = "disk_full"             # /v1/ready's reason while the state dir is short (and submits get 507)
+    TOO_MANY_CONNECTIONS = "too_many_connections"   # 503: more clients than the open-files limit leaves room for
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     HTTP_ERROR = "http_error"

@@ -245,10 +245,18 @@ class RunningDaemon:
         return self.proc.returncode
 
 
+def sigint_default() -> None:
+    """`preexec_fn` of every child a test starts: SIGINT at its default. A suite started with SIGINT
+    ignored (`nohup make test &`) would pass the ignored signal on, and Python leaves an ignored
+    SIGINT ignored: `omnictl watch` and `logs -f` would never stop on the Ctrl-C a test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def omnictl(d: RunningDaemon, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     """Run the real CLI in a subprocess against a daemon; wait for it to exit."""
     return subprocess.run([sys.executable, "-m", "omnictl", "--socket", str(d.socket), *args],
-                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          preexec_fn=sigint_default)
 
 
 def wait_gone(pids: list[int], timeout: float = 10) -> list[int]:
@@ -307,7 +315,8 @@ def launch(config_path: Path, log_path: Path, env: dict[str, str] | None = None)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "ab") as log:
         return subprocess.Popen([sys.executable, "-m", "omnid", "-c", str(config_path)], stdout=log,
-                                stderr=subprocess.STDOUT, env=full_env, cwd=str(config_path.parent))
+                                stderr=subprocess.STDOUT, env=full_env, cwd=str(config_path.parent),
+                                preexec_fn=sigint_default)
 
 
 def wait_ready(d: RunningDaemon, timeout: float = 180) -> None:

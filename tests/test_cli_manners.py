@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, RunningDaemon, py_stage, sleeper
+from conftest import ROOT, RunningDaemon, py_stage, sigint_default, sleeper
 
 from omnictl.cli import client_version
 
@@ -227,3 +228,17 @@ def test_progress_bar_on_a_terminal(daemon: RunningDaemon) -> None:
                         for b in bars), (bars, text)
     assert any(re.search(r"\d+\.\d steps/s \d:\d\d:\d\d$", b) for b in bars), bars    # a rate and a time left
     assert "slow: step" not in plain
+
+
+def test_children_of_the_suite_start_with_sigint_at_its_default() -> None:
+    # As under `nohup make test &`: this process ignores SIGINT, and a child would inherit that.
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        probe = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+        plain = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
+        fixed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30,
+                                preexec_fn=sigint_default)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert plain.stdout.strip() == "False", "the probe cannot tell: an ignored SIGINT was not inherited"
+    assert fixed.stdout.strip() == "True", fixed

@@ -134,8 +134,9 @@ def test_crash_loop_limit_allows_exactly_max_restarts(start_daemon: Callable[...
     for n in (1, 2):
         pid = d.stage_pid("k")
         os.kill(pid, signal.SIGKILL)
-        snap = wait_for(lambda: (s := d.stages()["k"])["state"] == "failed" or
-                        s["state"] == "ready" and s["pid"] not in (None, pid) and s, 10, f"restart {n} of stage k")
+        # (the snapshot itself whether it failed or came back: the assert below says which)
+        snap = wait_for(lambda: s if (s := d.stages()["k"])["state"] == "failed" or
+                        s["state"] == "ready" and s["pid"] not in (None, pid) else None, 10, f"restart {n} of stage k")
         assert snap["state"] == "ready" and snap["restarts"] == n, f"after {n} crashes (max_restarts 2): {snap}"
     os.kill(d.stage_pid("k"), signal.SIGKILL)
     snap = d.wait_stage_state("k", ("failed",), timeout=20)

@@ -163,6 +163,17 @@ def test_another_user_reads_nothing_of_the_state_dir(start_daemon, open_dir: Pat
         + "\n".join(not_private(rd.state_dir)))
 
 
+def test_the_output_writer_makes_private_files_whatever_the_umask(tmp_path: Path, umask_zero: None) -> None:
+    # The daemon's umask (set at start) would hide a writer that asks for 0644: here the writer
+    # runs in this process, under umask 0, so only the modes it asks for count.
+    from omnid.worker.outputs import write_outputs
+    job_dir = tmp_path / "jobs" / "j1"
+    written = write_outputs("j1", job_dir, {"text": "hello", "data": b"\x00raw bytes"})
+    assert len(written) == 2 and all((job_dir / o.file).is_file() for o in written), written
+    modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode) for p in every_path(tmp_path / "jobs")}
+    assert modes == {k: 0o700 if (tmp_path / k).is_dir() else 0o600 for k in modes}, modes
+
+
 def test_an_old_state_dir_is_tightened_and_the_socket_stays_0660(start_daemon, open_dir: Path,
                                                                   umask_zero: None) -> None:
     # as an older omnid left it: everything open to all

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import MODELS, ROOT, RunningDaemon, omnictl, wait_for, wait_started
+from conftest import MODELS, ROOT, RunningDaemon, omnictl, sigint_default, wait_for, wait_started
 from test_reload import _as_nobody
 
 from omnictl.client import Client
@@ -120,7 +120,8 @@ def test_since_and_tail_filter(daemon: RunningDaemon) -> None:
 def test_follow_shows_new_lines_live(daemon: RunningDaemon) -> None:
     d = daemon
     proc = subprocess.Popen([sys.executable, "-m", "omnictl", "--socket", str(d.socket), "logs", "s", "-f"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            preexec_fn=sigint_default)
     try:
         out = proc.stdout
         assert out is not None
@@ -230,7 +231,8 @@ def test_follow_a_diffusers_stage_while_it_draws(start_daemon: Start) -> None:
                                "defaults": defaults}},
                      {"draw": {"stages": ["draw"]}}, {"heartbeat_timeout_s": 60.0, "cancel_grace_s": 60.0})
     proc = subprocess.Popen([sys.executable, "-m", "omnictl", "--socket", str(d.socket), "logs", "draw", "-f"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            preexec_fn=sigint_default)
     try:
         assert proc.stdout is not None
         job = d.submit("draw", {"prompt": "a red square"})

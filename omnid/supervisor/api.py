@@ -40,10 +40,11 @@ from omnid import media
 from omnid.config import TENSOR_PROMPTS, Config, PipelineConfig, StageConfig
 from omnid.metrics import Metrics
 from omnid.params import job_param_problem, merged, plain_value, values_problem
-from omnid.store import JobStore
+from omnid.store import JobStore, StoreWriteFailed
 from omnid.supervisor import stage_logs
-from omnid.supervisor.errors import Refused
+from omnid.supervisor.errors import STORAGE_RETRY_AFTER_S, Refused
 from omnid.supervisor.live_job import LAGGED
+from omnid.supervisor.resources import DiskWatch
 from omnid.supervisor.openapi import describe_pipeline, openapi_document
 from omnid.supervisor.scheduler import Scheduler
 from omnid.supervisor.stage_group import StageGroup
@@ -77,11 +78,18 @@ class DaemonInfo:
     starting: bool = True           # until every stage's first workers are up (then degraded counts as ready)
 
 
-RETRY_AFTER_S = 2      # what 429 and 503 answers suggest to wait before trying again
+RETRY_AFTER_S = 2      # what 429 and 503 answers suggest to wait before trying again (507: STORAGE_RETRY_AFTER_S)
+
+
+def retry_after(status: int) -> dict[str, str]:
+    """The Retry-After header of a refusal that may pass by itself (429, 503, 507)."""
+    if status == 507:
+        return {"Retry-After": str(STORAGE_RETRY_AFTER_S)}
+    return {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else {}
 
 
 def error(status: int, code: ErrorCode, message: str, **extra: Any) -> web.Response:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    headers = retry_after(status) or None
     return web.json_response({"error": {"code": str(code), "message": message, **extra}}, status=status,
                              headers=headers)
 
@@ -140,6 +148,7 @@ class Api:
         self.metrics = metrics
         self.info = info
         self._tasks: set[asyncio.Task[None]] = set()     # stage restarts in progress
+        self.disk: DiskWatch | None = None               # the state dir's space (the daemon sets it)
         app = web.Application(middlewares=[errors_middleware], client_max_size=config.daemon.max_request_bytes)
         app[MAX_BYTES_KEY] = config.daemon.max_request_bytes
         app.add_routes([
@@ -231,10 +240,24 @@ class Api:
         if self.info.draining:
             raise Refused(503, ErrorCode.DRAINING, "the daemon is stopping: it finishes the jobs it is running "
                           "and keeps the queued ones for its next start; submit again once it is back")
+        self.check_disk()
         job = self.scheduler.submit(request["uid"], name, inputs, params, timeout, summary)
         self.store.flush()              # a 201 means the job is in the database
         log.info("audit", action="submit", uid=request["uid"], job=job.id, pipeline=name)
         return web.json_response(job.to_doc(), status=201, headers={"Location": f"/v1/jobs/{job.id}"})
+
+    def check_disk(self) -> None:
+        """507 `insufficient_storage` while the state dir is short (`resources.DiskWatch`): a job
+        taken now might not be kept. Every submit path calls it."""
+        if self.disk is None:
+            return
+        state = self.disk.check()
+        if state.full:
+            self.metrics.refused.labels(str(ErrorCode.DISK_FULL)).inc()
+            raise Refused(507, ErrorCode.INSUFFICIENT_STORAGE, f"the daemon is short of disk space and takes no new "
+                          f"jobs: {state.reason}. Jobs already taken go on; free space (omnictl rm, or retention: "
+                          f"daemon.keep_jobs) and submit again", retry_after_s=STORAGE_RETRY_AFTER_S,
+                          disk=state.as_doc(self.disk))
 
     def _inputs(self, raw: Any, pipeline: PipelineConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         """A job's `inputs` as JSON gives them, decoded (files to bytes) and checked for the
@@ -396,17 +419,19 @@ class Api:
                     sent += 1
                 # `subscribe` read the past and registered the queue in one step of the
                 # loop, so no event is missed or sent twice.
-                event = await queue.get() if queue is not None else None
+                event = await _next_event(request, queue) if queue is not None else None
                 while event is not None and event is not LAGGED:
                     await resp.write(json.dumps(event).encode() + b"\n")
                     sent += 1
-                    event = await queue.get() if queue is not None else None
+                    event = await _next_event(request, queue) if queue is not None else None
                 if event is None:
                     break
                 # We fell behind (this client reads slowly): the rest is in the store.
                 log.debug("event reader fell behind; catching up from the store", job=job.id, sent=sent)
                 past, queue = self.scheduler.subscribe(job.id, after=sent)
             await resp.write_eof()
+        except ConnectionError as e:       # the reader hung up: its subscription goes (the job goes on)
+            log.debug("event reader went away", job=job.id, sent=sent, error=str(e))
         finally:
             if queue is not None:
                 self.scheduler.unsubscribe(job.id, queue)
@@ -424,7 +449,11 @@ class Api:
         job = self._job(request)
         if not job.terminal:
             raise Refused(409, ErrorCode.JOB_NOT_FINISHED, f"job {job.id} is {job.state}; cancel it first")
-        self.store.delete(job.id)
+        try:
+            self.store.delete(job.id)
+        except StoreWriteFailed as e:
+            raise Refused(507, ErrorCode.INSUFFICIENT_STORAGE, f"job {job.id} could not be deleted: {e}",
+                          retry_after_s=STORAGE_RETRY_AFTER_S) from None
         log.info("audit", action="delete", uid=request["uid"], job=job.id, pipeline=job.pipeline)
         return web.json_response({"deleted": job.id})
 
@@ -697,7 +726,18 @@ class Api:
                                 "not_ready": not_ready, "replicas_down": down}
         if self.info.draining:
             body["draining"] = True
+        self._ready_disk(body)
         return web.json_response(body, status=200 if body["ready"] else 503)
+
+    def _ready_disk(self, body: dict[str, Any]) -> None:
+        """/v1/ready's word on the disk: `disk` always; not ready, with reason `disk_full`, while short."""
+        if self.disk is None:
+            return
+        state = self.disk.check()
+        body["disk"] = state.as_doc(self.disk)
+        if state.full:
+            body["ready"] = False
+            body.setdefault("reasons", []).append(str(ErrorCode.DISK_FULL))
 
     async def get_metrics(self, request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -746,6 +786,56 @@ def _flag(value: str | None, name: str) -> bool:
     if flag is None:
         raise Refused(400, ErrorCode.INVALID_REQUEST, f"{name} must be 1 or true (or 0 or false), not {value!r}")
     return flag
+
+
+DISCONNECT_POLL_S = 0.25      # how long a handler waiting on a quiet job may take to see that its caller hung up
+HUNG_UP: dict[str, Any] = {"type": "hung_up"}    # what HangupWatch puts in the queue of a caller that is gone
+
+
+class HangupWatch:
+    """One task for every handler that waits on a job's event queue: every DISCONNECT_POLL_S it
+    looks at each waiting caller (a flag of its transport) and wakes the ones that hung up, with
+    HUNG_UP in their queue. A waiting handler costs nothing of its own (no timer per stream), so
+    thousands of quiet streams are held for a few microseconds a sweep."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[asyncio.Queue[Any], web.Request] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def watch(self, request: web.Request, queue: asyncio.Queue[Any]) -> None:
+        self._waiting[queue] = request
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._sweep(), name="hangup-watch")
+
+    def forget(self, queue: asyncio.Queue[Any]) -> None:
+        self._waiting.pop(queue, None)
+
+    async def _sweep(self) -> None:
+        while self._waiting:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            for queue, request in list(self._waiting.items()):
+                if _gone(request):
+                    del self._waiting[queue]
+                    try:
+                        queue.put_nowait(HUNG_UP)
+                    except asyncio.QueueFull:
+                        pass            # it has events to read: it looks at its caller after the next one
+
+
+_hangups = HangupWatch()
+
+
+async def _next_event(request: web.Request, queue: asyncio.Queue[Any]) -> Any:
+    """The queue's next item; ConnectionResetError once the caller hung up: looked at after every
+    item, and within DISCONNECT_POLL_S while the job is quiet (`HangupWatch`)."""
+    _hangups.watch(request, queue)
+    try:
+        item = await queue.get()
+    finally:
+        _hangups.forget(queue)
+    if item is HUNG_UP or _gone(request):
+        raise ConnectionResetError("the client went away")
+    return item
 
 
 def _gone(request: web.Request) -> bool:

@@ -24,9 +24,11 @@ from __future__ import annotations
 import asyncio
 import grp
 import os
+import resource
 import shutil
 import signal
 import socket
+import sqlite3
 import sys
 import tempfile
 import time
@@ -44,15 +46,16 @@ from omnid.locks import DeviceBusy, DeviceLeases, DeviceLocks
 from omnid.metrics import Metrics
 from omnid.retention import Retention
 from omnid.store import JobStore, StateDirBusy
+from omnid.supervisor import resources
 from omnid.supervisor.access import Access
-from omnid.supervisor.api import Api, DaemonInfo
+from omnid.supervisor.api import Api, DaemonInfo, error
 from omnid.supervisor.openai_api import OpenAiApi
 from omnid.supervisor.reload import Reloader
 from omnid.supervisor.scheduler import Scheduler
 from omnid.supervisor.stage import StageHandle
 from omnid.supervisor.stage_group import StageGroup
 from omnid.supervisor.stage_logs import DaemonLogHandler, install_daemon_log, remove_daemon_log
-from omnid.vocabulary import WorkerState
+from omnid.vocabulary import ErrorCode, WorkerState
 
 log = structlog.get_logger("omnid.daemon")
 
@@ -130,6 +133,10 @@ class Daemon:
         self.keys: KeyStore | None = None           # the TCP listener's API keys (<state_dir>/api_keys.json)
         self._tcp_sites: dict[tuple[str, int], web.TCPSite] = {}   # daemon.listen's, open now
         self._inherited_tcp: set[tuple[str, int]] = set()           # systemd's TCP sockets' addresses
+        cfg = config.daemon
+        self.disk = resources.DiskWatch(cfg.state_dir, cfg.min_free_mb, cfg.min_free_inodes, cfg.ballast_mb,
+                                        store_error=lambda: self.store.write_error if self.store else None)
+        self.guard: resources.ConnectionGuard | None = None     # 503 past the open-files limit's room
 
     def request_stop(self) -> None:
         if self._stop.is_set():
@@ -162,6 +169,7 @@ class Daemon:
             loop.add_signal_handler(sig, self.request_stop)
         loop.add_signal_handler(signal.SIGHUP, self.request_reload)
         try:
+            self._raise_nofile()
             store = self._take_locks()                              # 1
             cfg = self.config.daemon
             self._log_file = install_daemon_log(cfg.state_dir, cfg.log_file_max_bytes, cfg.log_file_keep)
@@ -171,6 +179,9 @@ class Daemon:
                 return 0
             if self.scheduler is not None:
                 self.scheduler.arm_restored()
+            if self.guard is not None:          # the workers' pipes and sockets are open now: what is left
+                self.guard.limit = resources.ConnectionGuard.for_this_process(self.guard.connections).limit
+                log.info("client connections", limit=self.guard.limit)
             systemd.notify(f"READY=1\nSTATUS=serving {len(self.config.pipelines)} pipelines")
             log.info("ready", startup_s=round(time.time() - self.info.started, 3))
             self._serving = True
@@ -199,13 +210,27 @@ class Daemon:
         except OSError as e:
             raise StartupError(f"cannot create lock files in {cfg.lock_dir}: {e.strerror}") from None
         try:
-            self.store = JobStore(cfg.state_dir)
+            # A write that finds the disk full gives back the ballast (and is tried again): a start on a
+            # full disk opens the database, and rm and retention can free space.
+            self.store = JobStore(cfg.state_dir, on_full=self.disk.release_ballast)
         except StateDirBusy as e:
             raise StartupError(str(e)) from None
         except OSError as e:
             raise StartupError(f"cannot open the state dir {cfg.state_dir}: {e.strerror or e}") from None
+        except sqlite3.Error as e:
+            raise StartupError(f"cannot open the job database in {cfg.state_dir}: {e}") from None
         self.store.write_behind(asyncio.get_running_loop())
+        self.disk.ensure_ballast()
+        state = self.disk.tick()
+        if state.full:
+            log.warning("starting short of disk space: status, results and rm work, submits are refused (507) "
+                        "until there is room", reason=state.reason)
         return self.store
+
+    def _raise_nofile(self) -> None:
+        """The soft open-files limit up to the hard one: every client connection is a descriptor."""
+        before, now = resources.raise_nofile()
+        log.info("open files limit", soft=now, was=before, hard=resource.getrlimit(resource.RLIMIT_NOFILE)[1])
 
     def _build(self, store: JobStore) -> Api:
         """The parts, each built after what it uses: stage handles, metrics, scheduler, API."""
@@ -239,9 +264,29 @@ class Daemon:
         except KeyFileError as e:
             raise StartupError(str(e)) from None
         Access(api, self.keys).mount(api.app)   # the TCP listener's door: API keys (innermost middleware)
+        self._watch_resources(api, metrics)
         self.reloader = Reloader(self.config, self.stages, self.scheduler, api, make_stage, self.device_locks,
                                  self._load_locks)
         return api
+
+    def _watch_resources(self, api: Api, metrics: Metrics) -> None:
+        """The disk (ready, 507 on submit) and the connections (503 past the limit) for the API."""
+        api.disk = self.disk
+
+        def connections() -> list[Any] | None:
+            server = self._runner.server if self._runner is not None else None
+            return server.connections if server is not None else None
+
+        self.guard = resources.ConnectionGuard.for_this_process(connections)
+        guard = self.guard
+
+        def refuse(n: int) -> web.StreamResponse:
+            return error(503, ErrorCode.TOO_MANY_CONNECTIONS, f"the daemon has {n} client connections open, "
+                         f"more than the {guard.limit} its open-files limit leaves room for; try again later",
+                         open=n, limit=guard.limit)
+
+        api.app.middlewares.insert(0, guard.middleware(refuse))     # first: before any work for the request
+        metrics.watch(self.disk, self.guard)
 
     # ------------------------------------------------------------------ 2. the socket
 
@@ -361,9 +406,19 @@ class Daemon:
             if self.scheduler is not None and not self.info.draining:
                 self.scheduler.tend_sleep()         # idle stages with idle_unload_s go to sleep
             self._retention.maybe_run()             # finished jobs past keep_jobs / keep_jobs_days
+            self._tend_disk()
             if watchdog and time.monotonic() - last_ping >= watchdog:
                 systemd.notify("WATCHDOG=1")
                 last_ping = time.monotonic()
+
+    def _tend_disk(self) -> None:
+        """Once a tick: writes the store could not make are tried again; the ballast is put back
+        when there is room; the disk's state (ready, 507) follows."""
+        if self.store is not None and self.store.pending:
+            self.store.flush()
+        cfg = self.current.daemon               # (a reload may have moved the floors)
+        self.disk.configure(cfg.min_free_mb, cfg.min_free_inodes, cfg.ballast_mb)
+        self.disk.tick()
 
     # ------------------------------------------------------------------ 5. drain and shutdown
 

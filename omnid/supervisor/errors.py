@@ -11,6 +11,9 @@ from typing import Any
 from omnid.vocabulary import ErrorCode
 
 
+STORAGE_RETRY_AFTER_S = 10     # what a 507 (the disk is full) suggests to wait: rm, retention or an operator frees it
+
+
 class Refused(Exception):
     """A request the daemon will not take: `{"error": {"code", "message", **extra}}` with `status`."""
 

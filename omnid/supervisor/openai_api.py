@@ -2,8 +2,9 @@
 
 Runs in the supervisor's event-loop thread, inside the socket API's aiohttp application (the
 daemon mounts it: `OpenAiApi(api).mount(api.app)`). Handlers never block: they submit a job through the
-scheduler, wait on the job's event queue (an asyncio queue, looked at every DISCONNECT_POLL_S for
-a caller that hung up) and read small output files in the loop's default executor. Speech streams
+scheduler, wait on the job's event queue (an asyncio queue; whether the caller hung up is looked at
+after every event and after every quiet DISCONNECT_POLL_S, so a hang-up cancels the job however fast
+its events flow) and read small output files in the loop's default executor. Speech streams
 through the API's own `?stream=1` helper (`Api._stream_output`).
 
 - `GET /v1/models`, `GET /v1/models/{model}`: the pipelines as models (`omnid.outputs`: what each
@@ -42,7 +43,7 @@ from aiohttp import web
 from omnid import media as M
 from omnid.config import PipelineConfig, StageConfig
 from omnid.params import job_param_problem, merged, values_problem
-from omnid.supervisor.api import _gone
+from omnid.supervisor.api import DISCONNECT_POLL_S, _gone, _next_event, retry_after  # noqa: F401 (re-exported)
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.live_job import LAGGED
 from omnid.vocabulary import ErrorCode, EventType, JobRecord, JobState
@@ -53,7 +54,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger("omnid.openai")
 
 OPENAI_PATHS = ("/v1/models", "/v1/chat/", "/v1/completions", "/v1/images/", "/v1/audio/")
-DISCONNECT_POLL_S = 0.25        # how often a waiting handler looks whether its caller hung up
 JOB_HEADER = "X-Omnid-Job"
 _JOB_KEY = "openai_job"                 # request keys: the job, for the answer's X-Omnid-Job header,
 _CONTENT_TYPE_KEY = "openai_ctype"      # and what a streamed output of unknown type is sent as
@@ -82,9 +82,7 @@ class OpenAiError(Exception):
         self.retry = retry
 
     def response(self) -> web.Response:
-        headers: dict[str, str] = {}
-        if self.status in (429, 503):
-            headers["Retry-After"] = "2"
+        headers = retry_after(self.status)
         if self.retry is not None:                  # the openai client library honours this header
             headers["x-should-retry"] = "true" if self.retry else "false"
         return web.json_response({"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -565,6 +563,7 @@ class OpenAiApi:
             raise Refused(503, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
         if info.draining:
             raise Refused(503, ErrorCode.DRAINING, "the daemon is stopping; try again once it is back")
+        self.api.check_disk()
         job = self.api.scheduler.submit(request["uid"], p.name, inputs, params, None, summary)
         self.api.store.flush()
         request[_JOB_KEY] = job.id
@@ -590,12 +589,9 @@ class OpenAiApi:
                 if queue is None:
                     return
                 while True:
-                    try:
-                        ev_or_end = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-                    except TimeoutError:
-                        if _gone(request):
-                            raise ConnectionResetError("the client went away") from None
-                        continue
+                    # The hang-up is looked at after every event as well as after every quiet
+                    # DISCONNECT_POLL_S: a job whose events flow (every token) is cancelled too.
+                    ev_or_end = await _next_event(request, queue)
                     if ev_or_end is None:
                         return
                     if ev_or_end is LAGGED:

@@ -248,6 +248,11 @@ def schemas(config: Config) -> dict[str, Any]:
                        ["status", "pid", "uptime_s", "version", "live_jobs"]),
         "Ready": _obj({"ready": _BOOL, "stages": {"type": "object", "additionalProperties": _enum(WorkerState)},
                        "not_ready": {"type": "array", "items": _STR}, "draining": _BOOL,
+                       "reasons": {"type": "array", "items": {"enum": [str(ErrorCode.DISK_FULL)]},
+                                   "description": "why not ready besides the stages: disk_full"},
+                       "disk": _obj({"full": _BOOL, "reason": {"type": ["string", "null"]}, "free_mb": _INT,
+                                     "min_free_mb": _INT, "free_inodes": {"type": ["integer", "null"]},
+                                     "min_free_inodes": _INT, "ballast_mb": _INT}, ["full", "free_mb"]),
                        "replicas_down": {"type": "object", "additionalProperties": {
                            "type": "object", "additionalProperties": _enum(WorkerState)}}},
                       ["ready", "stages", "not_ready"]),
@@ -359,6 +364,31 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("GET", "/v1/openapi.json"): _op("This document", {"200": _json({"type": "object"}, "OpenAPI 3.1")}),
 }
 _METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
+
+# When the machine runs short (omnid.supervisor.resources): every submit path (the OpenAI ones too,
+# in OpenAI's error shape there) and DELETE may answer 507; any request may answer 503
+# too_many_connections past the open-files limit.
+_RETRY_AFTER = {"Retry-After": {"schema": _INT, "description": "seconds to wait before trying again"}}
+RESOURCE_RESPONSES: dict[str, Any] = {
+    "InsufficientStorage": {**_json(_ref("Error"), f"{ErrorCode.INSUFFICIENT_STORAGE}: the state dir is under "
+                                    "daemon.min_free_mb (or min_free_inodes), or the job store cannot write; "
+                                    "the job was not accepted"), "headers": _RETRY_AFTER},
+    "TooManyConnections": {**_json(_ref("Error"), f"{ErrorCode.TOO_MANY_CONNECTIONS}: more client connections "
+                                   "than the daemon's open-files limit leaves room for (the connection is closed)"),
+                           "headers": _RETRY_AFTER},
+}
+_SUBMIT_PATHS = {("POST", "/v1/jobs"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+                 ("POST", "/v1/images/generations"), ("POST", "/v1/audio/speech"), ("DELETE", "/v1/jobs/{id}")}
+
+
+def _with_resource_refusals(method: str, path: str, op: dict[str, Any]) -> dict[str, Any]:
+    """`op` with the answers of a machine that runs short: 503 (connections) everywhere, 507 on submits."""
+    extra: dict[str, Any] = {}
+    if (method, path) in _SUBMIT_PATHS:
+        extra["507"] = {"$ref": "#/components/responses/InsufficientStorage"}
+    if "503" not in op["responses"]:
+        extra["503"] = {"$ref": "#/components/responses/TooManyConnections"}
+    return {**op, "responses": {**op["responses"], **extra}}
 
 
 # ------------------------------------------------------------------ the OpenAI-compatible paths and the keys
@@ -561,7 +591,7 @@ def openapi_document(app: web.Application, config: Config, version: str) -> dict
     known = {**OPERATIONS, **config_operations(config)}
     for method, path in routes(app):
         op = known.get((method, path)) or _fallback(by_key[(method, path)])
-        paths.setdefault(path, {})[method.lower()] = op
+        paths.setdefault(path, {})[method.lower()] = _with_resource_refusals(method, path, op)
     return {
         "openapi": "3.1.0",
         "info": {"title": "omnid", "version": version,
@@ -572,6 +602,7 @@ def openapi_document(app: web.Application, config: Config, version: str) -> dict
             "schemas": {**schemas(config), **_openai_schemas()},
             "responses": {"Error": _json(_ref("Error"), "refused: {\"error\": {\"code\", \"message\"}}"),
                           "OpenAIError": _json(_ref("OpenAIError"), "refused, in OpenAI's shape: {\"error\": "
-                                               "{\"message\", \"type\", \"param\", \"code\"}}")},
+                                               "{\"message\", \"type\", \"param\", \"code\"}}"),
+                          **RESOURCE_RESPONSES},
         },
     }

@@ -32,8 +32,8 @@ from omnid import protocol as P
 from omnid.config import Config, PipelineConfig
 from omnid.dataplane import Sender, WorkItem
 from omnid.metrics import Metrics
-from omnid.store import JobStore, Unfinished
-from omnid.supervisor.errors import Refused
+from omnid.store import JobStore, StoreWriteFailed, Unfinished
+from omnid.supervisor.errors import STORAGE_RETRY_AFTER_S, Refused
 from omnid.supervisor.feeder import Feeder
 from omnid.supervisor.live_job import EventQueue, LiveJob
 from omnid.supervisor.recovery import Recovery
@@ -126,6 +126,13 @@ class Scheduler:
         self.store.save(record)
         self.store.keep_inputs(job.id, inputs)
         job.events.emit(EventType.STATE, state=str(JobState.QUEUED))
+        try:
+            self.store.commit()         # accepted once it is on disk: a 201 promises it (a full disk: not)
+        except StoreWriteFailed as e:
+            del self.live[job.id]       # withdrawn before anything ran it: nobody saw it
+            self.store.discard(job.id)
+            raise Refused(507, ErrorCode.INSUFFICIENT_STORAGE, f"the job could not be written to disk, so it was "
+                          f"not accepted: {e}", retry_after_s=STORAGE_RETRY_AFTER_S) from None
         job.timer = self.loop.call_later(timeout, self._timed_out, job.id)
         if self.metrics:
             self.metrics.job_submitted(pipeline_name)

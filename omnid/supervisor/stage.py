@@ -33,6 +33,7 @@ import structlog
 
 from omnid import protocol as P
 from omnid.config import Config, StageConfig
+from omnid.supervisor import resources
 from omnid.supervisor.control_pipe import ControlPipe
 from omnid.supervisor.process_stats import ProcessSampler
 from omnid.supervisor.restart_policy import GiveUp, RestartPolicy
@@ -126,6 +127,11 @@ class StageHandle:
         self._log_pipe: PipeReader | None = None    # this incarnation's stdout/stderr (stage_logs.py)
         self._policy = RestartPolicy.from_config(config.daemon)
         self._sampler = ProcessSampler()
+        self._oom: resources.OomWatch | None = None     # the cgroup's OOM count when the worker started
+        self._we_killed = False                          # the supervisor SIGKILLed it (not the kernel)
+        self.last_rss: int | None = None                 # its RSS at the last look (once a second)
+        self.rss_restarts = 0                            # restarts for being over max_rss_mb
+        self._rss_restart: asyncio.Task[None] | None = None
         self._attempt_over = asyncio.Event()  # the start attempt ended: READY, death, failure or stop
         self._became_ready = False          # this incarnation sent READY
         self._load_error: str | None = None
@@ -198,6 +204,9 @@ class StageHandle:
         self.ready_at = None
         self.last_heartbeat = time.monotonic()
         self._sampler.reset()
+        self._oom = resources.OomWatch.now(proc.pid or "self")
+        self._we_killed = False
+        self.last_rss = None
         self._pipe = ControlPipe(parent, self._on_message)
         asyncio.get_running_loop().add_reader(proc.sentinel, self._on_sentinel)
         log.info("stage worker spawned", stage=self.label, pid=proc.pid, devices=list(self.stage.devices),
@@ -293,7 +302,19 @@ class StageHandle:
         self._close_log_pipe()          # its last lines (a traceback) before the death is logged
         _kill_group(proc.pid)           # anything the engine started dies with it
         code = proc.exitcode
-        self._worker_gone(proc.pid, code, f"worker (pid {proc.pid}) {describe_exit(code)}")
+        reason = f"worker (pid {proc.pid}) {describe_exit(code)}"
+        if code == -signal.SIGKILL and not self._we_killed and proc.pid is not None:
+            reason += self._oom_note(proc.pid)
+        self._worker_gone(proc.pid, code, reason)
+
+    def _oom_note(self, pid: int) -> str:
+        """What a SIGKILL nobody here sent may mean: its last RSS, and "likely out of memory" when
+        the cgroup's OOM count or the kernel log says so."""
+        note = f" (last RSS {self.last_rss >> 20} MiB)" if self.last_rss else ""
+        evidence = self._oom.evidence(pid) if self._oom is not None else None
+        if evidence:
+            note += f": likely out of memory ({evidence})"
+        return note
 
     def _worker_gone(self, pid: int | None, code: int | None, reason: str) -> None:
         """The worker is gone (exit status `code`, None when unknown): a planned stop, or a death
@@ -414,6 +435,7 @@ class StageHandle:
         proc = self.process
         if proc is not None and self.alive:
             self._policy.note_kill(counts)
+            self._we_killed = True
             log.warning("killing stage worker", stage=self.label, pid=proc.pid, reason=reason)
             self._load_error = reason
             _kill_group(proc.pid)
@@ -427,6 +449,33 @@ class StageHandle:
         timeout = self.config.daemon.heartbeat_timeout_s
         if self.state.warm and self.alive and time.monotonic() - self.last_heartbeat > timeout:
             self.kill(f"hung: no heartbeat for {timeout:g} s")
+        self._watch_memory()
+
+    def _watch_memory(self) -> None:
+        """Once a second (with the heartbeat check): the worker's RSS, kept for the report of an OOM
+        kill, and held against `max_rss_mb`: a worker over it is restarted between jobs (nothing
+        running or queued in it), like gunicorn's max_requests, counted in `rss_restarts`."""
+        pid = self.pid
+        local = self.where()["placement"] == "local"      # (a Ray actor's pid may be another node's)
+        rss = resources.rss_bytes(pid) if pid is not None and local and self.alive else None
+        if rss is None:
+            return
+        self.last_rss = rss
+        limit = self.stage.max_rss_mb
+        if (not limit or rss <= limit << 20 or self._rss_restart is not None or self.state is not WorkerState.READY
+                or self.running or self.stats.depth):
+            return
+        self.rss_restarts += 1
+        reason = f"its RSS {rss >> 20} MiB is over max_rss_mb = {limit}"
+        log.warning("stage worker over max_rss_mb: restarting it between jobs", stage=self.label, pid=pid,
+                    rss_mb=rss >> 20, max_rss_mb=limit, rss_restarts=self.rss_restarts)
+        self._rss_restart = asyncio.get_running_loop().create_task(self._restart_for_rss(reason))
+
+    async def _restart_for_rss(self, reason: str) -> None:
+        try:
+            await self.restart(reason, 0.0)
+        finally:
+            self._rss_restart = None
 
     async def stop(self, grace: float) -> None:
         """Shutdown: ask politely, wait `grace` seconds, then SIGKILL the process group."""
@@ -476,7 +525,7 @@ class StageHandle:
             "devices": list(self.stage.devices), "queue_depth": self.stats.depth,
             "queue_capacity": self.stage.queue_capacity, "max_inflight": self.stage.max_inflight,
             "running": list(self.running), "jobs_done": self.jobs_done,
-            "restarts": self.restarts, "rss_bytes": usage.rss_bytes, "cpu_percent": usage.cpu_percent,
+            "restarts": self.restarts, "rss_restarts": self.rss_restarts, "rss_bytes": usage.rss_bytes, "cpu_percent": usage.cpu_percent,
             "gpu_memory_bytes": self.gpu_memory_bytes,
             "uptime_s": round(time.time() - self.ready_at, 3) if self.ready_at and pid else None,
             "load_s": round(self.load_s, 3) if self.load_s is not None else None,

@@ -33,6 +33,7 @@ import bench_dataplane  # noqa: E402
 import bench_engines  # noqa: E402
 import bench_peer  # noqa: E402
 import bench_ray  # noqa: E402
+import bench_resources  # noqa: E402
 import bench_streaming  # noqa: E402
 import bench_tensors  # noqa: E402
 
@@ -96,6 +97,8 @@ BENCHES: list[Bench] = [
            "256 MiB fp16 hand-off, Ray-placed -> local (across raylets)"],
           (240, 150), ()),
     Bench("peer", "engines", bench_peer.bench_peer, bench_peer.FIGURES, (3600, 1500), ()),  # 4 or 12 server starts
+    Bench("held_streams", "control", bench_resources.bench_held_streams,
+          ["GET /v1/health p50 with N event streams held"], (90, 45), ("control",)),
     Bench("supervisor_rss", "control", bench_control.bench_supervisor_rss,
           ["supervisor RSS after N no-op jobs"], (150, 45), ("control",)),
 ]

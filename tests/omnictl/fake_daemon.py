@@ -72,6 +72,8 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.SOCKET_ONLY: 403,    # API keys are managed over the socket only (supervisor/access.py)
     ErrorCode.UNKNOWN_KEY: 404,
     ErrorCode.KEY_EXISTS: 409,
+    ErrorCode.INSUFFICIENT_STORAGE: 507,    # the state dir is under daemon.min_free_mb
+    ErrorCode.TOO_MANY_CONNECTIONS: 503,    # past the open-files limit's room
 }
 # Codes the real API also answers with another status: unknown_pipeline is a 400 in a job
 # (POST /v1/jobs) and a 404 as the path's resource (GET /v1/pipelines/{name}).

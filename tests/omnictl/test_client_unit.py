@@ -585,6 +585,21 @@ def test_health(daemon: FakeDaemon) -> None:
     assert Client(daemon.socket_path).ready() == (False, not_ready)
 
 
+def test_health_says_the_disk_is_full_and_submit_is_refused_507(daemon: FakeDaemon) -> None:
+    full = {"ready": False, "not_ready": [], "stages": {"expand": "ready"}, "reasons": ["disk_full"],
+            "disk": {"full": True, "reason": "3 MiB free on /var/lib/omnid, under daemon.min_free_mb = 512",
+                     "free_mb": 3, "min_free_mb": 512}}
+    daemon.json("GET", "/v1/ready", full, status=503)
+    result = run_cli(daemon, "health")
+    assert result.exit_code == 1
+    assert result.stdout.splitlines()[0] == ("not ready: disk full (3 MiB free on /var/lib/omnid, under "
+                                             "daemon.min_free_mb = 512); new jobs are refused")
+    daemon.error("POST", "/v1/jobs", ErrorCode.INSUFFICIENT_STORAGE, "the daemon is short of disk space")
+    result = run_cli(daemon, "submit", "t2i", "--prompt", "x")
+    assert result.exit_code == 4
+    assert "the daemon is short of disk space (insufficient_storage)" in result.stderr
+
+
 def test_stages_and_pipelines_tables(daemon: FakeDaemon) -> None:
     daemon.json("GET", "/v1/stages", STAGES_DOC)
     daemon.json("GET", "/v1/pipelines", PIPELINES_DOC)

@@ -67,6 +67,20 @@ def reported(data: dict[str, Any], base: Path, path: str, fragment: str) -> None
 # ------------------------------------------------------------------------- valid configs
 
 
+def test_resource_keys(tmp_path: Path) -> None:
+    data = minimal()
+    data["daemon"] = {"min_free_mb": 0, "min_free_inodes": 10, "ballast_mb": 0}
+    data["stages"]["a"]["max_rss_mb"] = 2048
+    cfg = parse(data, tmp_path)
+    assert (cfg.daemon.min_free_mb, cfg.daemon.min_free_inodes, cfg.daemon.ballast_mb) == (0, 10, 0)
+    assert cfg.stages["a"].max_rss_mb == 2048 and cfg.stages["b"].max_rss_mb is None
+    # a new max_rss_mb is no new worker (a reload keeps it warm)
+    other = dataclasses.replace(cfg.stages["a"], max_rss_mb=None)
+    assert cfg.stages["a"].same_worker(other, 0)
+    data["stages"]["a"]["max_rss_mb"] = 0
+    reported(data, tmp_path, "stages.a.max_rss_mb", "must be > 0")
+
+
 def test_minimal_valid_config(tmp_path: Path) -> None:
     cfg = parse({"stages": {"a": py()}, "pipelines": {"p": {"stages": ["a"]}}}, tmp_path)
     assert cfg.source is None
@@ -91,7 +105,7 @@ def test_daemon_defaults(tmp_path: Path) -> None:
         "max_request_bytes": 64 * 1024 * 1024, "heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 30.0,
         "startup_timeout_s": 900.0, "cancel_grace_s": 5.0, "stop_grace_s": 10.0, "restart_backoff_s": 1.0,
         "restart_backoff_max_s": 30.0, "max_restarts": 5, "restart_window_s": 300.0,
-        "log_level": "info", "log_format": "auto",
+        "log_level": "info", "log_format": "auto", "min_free_mb": 512, "min_free_inodes": 1024, "ballast_mb": 32,
     }
     got = {k: getattr(daemon, k) for k in expected}
     assert got == expected
@@ -127,6 +141,10 @@ def test_daemon_values(tmp_path: Path) -> None:
     ("log_format", "xml", "must be \"console\" or \"json\""),
     ("socket", 3, "must be a string"),
     ("sockett", "/x", "unknown key"),
+    ("min_free_mb", -1, "must be >= 0"),
+    ("min_free_mb", 1.5, "must be an integer"),
+    ("min_free_inodes", -5, "must be >= 0"),
+    ("ballast_mb", "32M", "must be an integer"),
 ])
 def test_daemon_problems(tmp_path: Path, key: str, value: Any, fragment: str) -> None:
     data = minimal()

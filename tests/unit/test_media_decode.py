@@ -94,6 +94,10 @@ def test_check_media_applies_every_limit() -> None:
     assert M.check_media("image", png(20, 20), small) == [{"format": "PNG", "width": 20, "height": 20}]
     with pytest.raises(M.MediaError, match=r"40x40 PNG image \(1600 pixels\).*at most 1000 pixels"):
         M.check_media("image", png(40, 40), small)
+    # the bound itself: exactly max_pixels passes, one pixel more does not
+    assert M.check_media("image", png(40, 25), small) == [{"format": "PNG", "width": 40, "height": 25}]
+    with pytest.raises(M.MediaError, match=r"1001 pixels"):
+        M.check_media("image", png(1001, 1), small)
     with pytest.raises(M.MediaError, match="2 images, but the stage takes at most 1"):
         M.check_media("image", [png(), png()], small)
     with pytest.raises(M.MediaError, match="bytes; the stage takes at most 100000"):

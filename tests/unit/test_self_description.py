@@ -107,7 +107,11 @@ def test_openapi_lists_every_route_and_falls_back_for_unknown_ones() -> None:
     doc = openapi_document(app, _config(), "9.9")
     assert doc["openapi"] == "3.1.0" and doc["info"]["version"] == "9.9"
     assert routes(app) == [("GET", "/v1/jobs/{id}"), ("POST", "/v1/extra/{thing}"), ("GET", "/v1/health")]
-    assert doc["paths"]["/v1/jobs/{id}"]["get"] is OPERATIONS[("GET", "/v1/jobs/{id}")]
+    known = OPERATIONS[("GET", "/v1/jobs/{id}")]
+    assert doc["paths"]["/v1/jobs/{id}"]["get"] == {**known, "responses": {
+        **known["responses"], "503": {"$ref": "#/components/responses/TooManyConnections"}}}
+    assert "507" not in doc["paths"]["/v1/extra/{thing}"]["post"]["responses"]     # (only submits and DELETE)
+    assert set(doc["components"]["responses"]) == {"Error", "InsufficientStorage", "TooManyConnections"}
     fallback = doc["paths"]["/v1/extra/{thing}"]["post"]
     assert fallback["summary"] == "Something another module added."
     assert fallback["parameters"][0]["name"] == "thing"

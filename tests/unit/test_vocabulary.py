@@ -22,6 +22,7 @@ API_STRINGS: dict[type, list[str]] = {
     ErrorCode: ["bad_json", "invalid_request", "invalid_input", "missing_input", "invalid_param",
                 "invalid_media", "media_not_accepted", "unknown_pipeline", "unknown_job", "ambiguous_job", "unknown_output", "output_gone",
                 "job_not_finished", "not_yours", "no_credentials", "too_large", "queue_full", "shutting_down", "not_admin", "unknown_stage", "stage_busy", "draining",
+                "insufficient_storage", "disk_full", "too_many_connections",
                 "not_found", "method_not_allowed", "http_error", "internal_error", "stage_failed",
                 "worker_died", "edge_failed", "output_failed", "cancelled", "timed_out", "daemon_stopping",
                 "daemon_restarted", "wake_failed",

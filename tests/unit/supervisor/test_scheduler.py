@@ -515,14 +515,15 @@ def test_jobs_go_to_the_least_loaded_replica_and_are_fed_there(tmp_path: Path) -
         fed = [await asyncio.to_thread(h.next_fed) for _ in range(4)]
         assert {item.job: where for where, item in fed} == {j: f"a#{r}" if r else "a" for j, r in zip(jobs, routes)}
         assert all(item.routes == {"a": routes[jobs.index(item.job)]} for _, item in fed)
-        # replica 0 finishes its two: the next job goes there (least work), not in turn
-        for j in jobs[::2]:
-            h.sched.on_message(replica(h, "a", 0), P.Started(j))
-            h.sched.on_message(replica(h, "a", 0), P.Finished(j, 0.1))
-        assert h.sched.job(h.submit()).stages["a"].replica == 0
+        # replica 1 finishes its two: the next job goes there (least work), though replica 0 is next
+        # in turn (round robin alone would send it to replica 0, which has two jobs still)
+        for j in jobs[1::2]:
+            h.sched.on_message(replica(h, "a", 1), P.Started(j))
+            h.sched.on_message(replica(h, "a", 1), P.Finished(j, 0.1))
+        assert h.sched.job(h.submit()).stages["a"].replica == 1
         # a replica's word about a job it does not serve is ignored
-        h.sched.on_message(replica(h, "a", 0), P.Finished(jobs[1], 0.1))
-        assert h.sched.job(jobs[1]).state is JobState.QUEUED
+        h.sched.on_message(replica(h, "a", 1), P.Finished(jobs[0], 0.1))
+        assert h.sched.job(jobs[0]).state is JobState.QUEUED
     run(tmp_path, ONE, test, replicas={"a": 2})
 
 
