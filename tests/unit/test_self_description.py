@@ -111,7 +111,7 @@ def test_openapi_lists_every_route_and_falls_back_for_unknown_ones() -> None:
     assert doc["paths"]["/v1/jobs/{id}"]["get"] == {**known, "responses": {
         **known["responses"], "503": {"$ref": "#/components/responses/TooManyConnections"}}}
     assert "507" not in doc["paths"]["/v1/extra/{thing}"]["post"]["responses"]     # (only submits and DELETE)
-    assert set(doc["components"]["responses"]) == {"Error", "InsufficientStorage", "TooManyConnections"}
+    assert set(doc["components"]["responses"]) == {"Error", "OpenAIError", "InsufficientStorage", "TooManyConnections"}
     fallback = doc["paths"]["/v1/extra/{thing}"]["post"]
     assert fallback["summary"] == "Something another module added."
     assert fallback["parameters"][0]["name"] == "thing"
