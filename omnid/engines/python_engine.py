@@ -117,6 +117,7 @@ class PythonEngine(Engine):
 
     def add(self, ctx: RequestContext) -> None:
         params = merged(self.stage.defaults, ctx.params)
+        ctx.model = str(self.stage.model) if self.stage.model is not None else None
         streamed = any(isinstance(v, InputStream) for v in ctx.inputs.values())
         if self.batching and not streamed:
             if ctx.cancelled():
