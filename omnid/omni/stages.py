@@ -21,7 +21,8 @@ random-weight talker never says its end code by itself), `repetition_penalty` (1
 length "to the end of the file", as streaming servers write it) with the first PCM, then PCM, so
 the `audio` output is a WAV file that plays while it grows. Parameters: `speaker`, `num_steps`
 (the DiT's ODE steps, 10), `guidance_scale` (0.5), `context_blocks` (2), `lookahead_blocks` (1),
-`chunk_blocks` (1), `seed` (0).
+`chunk_blocks` (1), `seed` (0), `code_offset` (0: the id of code 0 among its input's ids; a codec
+LM's `token_ids` start after its text tokens, e.g. the tiny `tts` model's `codec_offset`, 1000).
 """
 
 from __future__ import annotations
@@ -159,9 +160,16 @@ def code2wav(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> Iterat
         guidance_scale=float(params.get("guidance_scale", 0.5)), chunk_blocks=int(params.get("chunk_blocks", 1)),
         context_blocks=int(params.get("context_blocks", 2)), lookahead_blocks=int(params.get("lookahead_blocks", 1)),
         seed=int(params.get("seed", 0)))
+    offset = int(params.get("code_offset", 0))
+    n_codes = int(model.code2wav_dit_model.config.num_embeds)
     header = wav_header()
     for window in _windows(inputs["codes"]):
-        for pcm in decoder.push(_flat(window)):
+        codes = [c - offset for c in _flat(window)]
+        bad = [c + offset for c in codes if not 0 <= c < n_codes]
+        if bad:
+            raise ValueError(f"codes {bad[:5]} are not codec codes: with code_offset {offset} they must be in "
+                             f"[{offset}, {offset + n_codes})")
+        for pcm in decoder.push(codes):
             yield {"audio": header + pcm16(pcm)}
             header = b""
     for pcm in decoder.finish():
