@@ -78,7 +78,7 @@ def _flat(value: Any) -> list[int]:
     return [int(t) for t in torch.as_tensor(value).reshape(-1).tolist()]
 
 
-def talker(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> Iterator[dict[str, Any]]:
+def talker(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> Iterator[dict[str, Any] | None]:
     import torch
 
     for key in ("prompt_ids", "ids", "states"):
@@ -110,11 +110,13 @@ def talker(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> Iterator
             rows.append(window_rows)
             n_rows += window_rows.shape[0]
         if n_rows <= len(prompt) or not ids:
+            yield None                          # nothing to say yet: the engine comes back with the next window
             continue
         all_rows = torch.cat(rows) if len(rows) > 1 else rows[0]
         rows = [all_rows]
         if session is None:
             if all_rows.shape[0] < len(prompt) + 1:
+                yield None
                 continue
             session = TalkerSession(model, embedding, speaker, prompt, all_rows[:len(prompt)], ids[0],
                                     all_rows[len(prompt)], max_codes=max_codes,
@@ -125,7 +127,12 @@ def talker(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> Iterator
         while fed < len(ids) and len(prompt) + fed < all_rows.shape[0]:
             session.feed(ids[fed], all_rows[len(prompt) + fed])
             fed += 1
-        yield from codes_now()
+        said = False
+        for segment in codes_now():
+            said = True
+            yield segment
+        if not said:
+            yield None
     if session is None:
         raise ValueError(f"the thinker gave {len(ids)} tokens and {n_rows} hidden rows for a prompt of "
                          f"{len(prompt)} tokens: the talker needs the prompt's rows (hidden_prompt = true) "
@@ -151,7 +158,7 @@ def pcm16(samples: Any) -> bytes:
     return bytes((torch.as_tensor(samples).float().clamp(-1, 1) * 32767).round().to(torch.int16).numpy().tobytes())
 
 
-def code2wav(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> Iterator[dict[str, Any]]:
+def code2wav(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> Iterator[dict[str, Any] | None]:
     if "codes" not in inputs:
         raise ValueError("code2wav needs input 'codes' (the talker's codec tokens)")
     model, speakers = _cached("token2wav", _model_dir(ctx))
@@ -169,7 +176,10 @@ def code2wav(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> Iterat
         if bad:
             raise ValueError(f"codes {bad[:5]} are not codec codes: with code_offset {offset} they must be in "
                              f"[{offset}, {offset + n_codes})")
-        for pcm in decoder.push(codes):
+        chunks = decoder.push(codes)
+        if not chunks:
+            yield None                          # not a whole block yet: back with the next window
+        for pcm in chunks:
             yield {"audio": header + pcm16(pcm)}
             header = b""
     for pcm in decoder.finish():
