@@ -163,3 +163,82 @@ def test_kill9_of_the_talker_fails_its_job_naming_it_and_the_next_job_succeeds(o
     assert snap["pid"] != old
     nxt = omni.submit("omni", {"prompt": "hi again"})
     assert omni.wait(nxt, timeout=240)["state"] == "succeeded", omni.diagnose(nxt)
+
+
+# ------------------------------------------------------------------ OpenAI's audio chat
+
+
+@pytest.fixture(scope="module")
+def client(omni: RunningDaemon) -> Iterator[Any]:
+    httpx = pytest.importorskip("httpx")
+    openai = pytest.importorskip("openai")
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(omni.socket)), timeout=240)
+    yield openai.OpenAI(base_url="http://omnid/v1", api_key="unused", http_client=http, max_retries=0)
+    http.close()
+
+
+def _wav_pcm(data: bytes) -> Any:
+    import numpy as np
+
+    with wave.open(io.BytesIO(data)) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
+        frames = w.readframes(w.getnframes())
+    return np.frombuffer(frames, dtype="<i2").astype(np.float32) / 32767
+
+
+def test_openai_audio_chat_answers_text_and_speech(omni: RunningDaemon, client: Any) -> None:
+    import base64
+
+    messages = [{"role": "user", "content": "say something"}]
+    r = client.chat.completions.create(model="omni", messages=messages, modalities=["text", "audio"],
+                                       audio={"voice": "Chelsie", "format": "wav"})
+    msg = r.choices[0].message
+    assert msg.content is None and msg.audio is not None
+    assert msg.audio.id.startswith("audio_") and msg.audio.expires_at > r.created
+    assert len(msg.audio.transcript.split()) >= 5                 # the thinker's text
+    pcm = _wav_pcm(base64.b64decode(msg.audio.data))               # a whole WAV, its sizes set
+    _audible(pcm, 0.9)                                              # 12 tokens x 4 codes x 480 samples
+    raw = client.chat.completions.create(model="omni", messages=messages, modalities=["text", "audio"],
+                                         audio={"voice": "Chelsie", "format": "pcm16"})
+    pcm16 = base64.b64decode(raw.choices[0].message.audio.data)
+    assert pcm16[:4] != b"RIFF" and len(pcm16) == 2 * len(pcm)      # the same speech, headerless
+    # A text-only chat on the same pipeline answers text.
+    text = client.chat.completions.create(model="omni", messages=messages)
+    assert text.choices[0].message.content and text.choices[0].message.audio is None
+
+
+def test_openai_audio_chat_streams_the_transcript_and_the_speech_as_they_come(client: Any) -> None:
+    import base64
+
+    stream = client.chat.completions.create(model="omni", messages=[{"role": "user", "content": "hello"}],
+                                            modalities=["text", "audio"], audio={"voice": "Chelsie", "format": "pcm16"},
+                                            stream=True)
+    kinds, transcript, pcm = [], [], b""
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        audio = (delta.model_extra or {}).get("audio") or getattr(delta, "audio", None)
+        if audio is not None and not isinstance(audio, dict):
+            audio = audio.model_dump()
+        if isinstance(audio, dict):
+            if audio.get("transcript"):
+                kinds.append("t")
+                transcript.append(audio["transcript"])
+            if audio.get("data"):
+                kinds.append("a")
+                pcm += base64.b64decode(audio["data"])
+    assert kinds.count("a") >= 2, kinds                          # the speech in pieces, as it was made
+    assert len(pcm) >= 24000 * 2 * 0.5 and len(pcm) % 2 == 0
+    assert len("".join(transcript).split()) >= 5
+
+
+def test_openai_audio_chat_refuses_what_it_cannot_do(client: Any) -> None:
+    openai = pytest.importorskip("openai")
+    messages = [{"role": "user", "content": "hi"}]
+    for kwargs, param in [({"modalities": ["text", "audio"]}, "audio"),
+                          ({"modalities": ["text", "audio"], "audio": {"voice": "x", "format": "mp3"}}, "audio.format"),
+                          ({"modalities": ["video"]}, "modalities")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="omni", messages=messages, **kwargs)
+        assert err.value.body["param"] == param, err.value.body
