@@ -70,6 +70,10 @@ demo: setup models
 	$(VENV)/bin/omnictl submit speak_listen --prompt "good morning" --wait -o demo-out/speak_listen
 	echo; echo "== listen: the same model on a WAV file (speak's audio, resampled to 16 kHz)"
 	$(VENV)/bin/omnictl submit listen --file audio=demo-out/speak/audio.wav --wait -o demo-out/listen
+	echo; echo "== omni: a tiny Qwen2.5-Omni thinks (vLLM) and speaks while it thinks (talker, code2wav)"
+	$(VENV)/bin/omnictl submit omni --prompt "good morning" --wait -o demo-out/omni
+	echo; echo "== tts: a codec LM (vLLM) writes codes, code2wav speaks them as they come"
+	$(VENV)/bin/omnictl submit tts --prompt "hello there" --wait -o demo-out/tts
 	echo; $(VENV)/bin/omnictl status
 	echo; echo "Files to open:"; find demo-out -type f | sort
 

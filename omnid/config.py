@@ -32,7 +32,8 @@ FULL_WINDOW = -1
 # Engines a streaming edge (window = N > 0) may feed, and why the others cannot be.
 STREAM_ENGINES = ("python",)
 # What a vllm stage gives besides `text`, computed only when an edge maps them or `outputs` names them.
-TENSOR_OUTPUTS = ("token_ids", "hidden_states")
+# `prompt_token_ids`: the prompt as the engine tokenized it (a talker embeds it), in the first segment.
+TENSOR_OUTPUTS = ("token_ids", "hidden_states", "prompt_token_ids")
 VLLM_OUTPUTS = ("text", *TENSOR_OUTPUTS)
 # A vllm stage's prompt as tensors: each stands in for a text "prompt".
 TENSOR_PROMPTS = ("prompt_token_ids", "prompt_embeds")
@@ -229,6 +230,9 @@ class PipelineConfig:
     edges: tuple[EdgeConfig, ...]
     timeout_s: float | None = None
     retries: int = 0
+    # `outputs = { thinker = ["text"] }`: outputs of stages that are not last kept as the job's too,
+    # by name (an omni pipeline's text, while its last stage gives the audio).
+    keep: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def incoming(self, stage: str) -> tuple[EdgeConfig, ...]:
         return tuple(e for e in self.edges if e.dst == stage)
@@ -247,13 +251,22 @@ class PipelineConfig:
 
     @property
     def sinks(self) -> tuple[str, ...]:
-        """Stages whose outputs are the job's outputs (no outgoing edge)."""
-        return tuple(s for s in self.stages if not self.outgoing(s))
+        """Stages whose outputs are the job's outputs: those with no outgoing edge, and those whose
+        outputs `keep` names."""
+        return tuple(s for s in self.stages if not self.outgoing(s) or s in self.keep)
+
+    def kept(self, stage: str, outputs: Mapping[str, Any]) -> dict[str, Any]:
+        """Which of `stage`'s outputs are the job's: all of a last stage's, the named ones of another."""
+        if not self.outgoing(stage):
+            return dict(outputs)
+        names = self.keep.get(stage, ())
+        return {k: v for k, v in outputs.items() if k in names}
 
     def as_api(self) -> dict[str, Any]:
         return {"name": self.name, "stages": list(self.stages),
                 "edges": [e.as_api() for e in self.edges],
                 "sources": list(self.sources), "sinks": list(self.sinks),
+                "outputs": {k: list(v) for k, v in self.keep.items()},
                 "timeout_s": self.timeout_s, "retries": self.retries}
 
 
@@ -886,8 +899,9 @@ def _check_tensor_edges(c: _Checker, path: str, edge: EdgeConfig, stages: Mappin
                 c.add(where, f"stage {edge.src!r} gives hidden states of width {mine[0]}, but the model of "
                              f"stage {edge.dst!r} takes embeddings of width {theirs[0]} (hidden_size in "
                              f"{dst.model}/config.json): use a transform that projects them")
-        elif down == "prompt_token_ids" and up != "token_ids":
-            c.add(where, f"prompt_token_ids are token ids: map them from \"token_ids\", not {up!r}")
+        elif down == "prompt_token_ids" and up not in ("token_ids", "prompt_token_ids"):
+            c.add(where, f"prompt_token_ids are token ids: map them from \"token_ids\" (or "
+                         f"\"prompt_token_ids\"), not {up!r}")
 
 
 def _check_media_edges(c: _Checker, path: str, edges: list[EdgeConfig], stages: Mapping[str, StageConfig]) -> None:
@@ -938,7 +952,7 @@ def _parse_pipeline(c: _Checker, name: str, raw: Any, known_stages: Mapping[str,
     p = c.table(raw, path)
     if not isinstance(raw, dict):
         return None
-    c.unknown(p, ("stages", "edges", "timeout_s", "retries"), path)
+    c.unknown(p, ("stages", "edges", "timeout_s", "retries", "outputs"), path)
     members_raw = c.get(p, "stages", path, list, [], required=True)
     members: list[str] = []
     for i, s in enumerate(members_raw):
@@ -993,9 +1007,29 @@ def _parse_pipeline(c: _Checker, name: str, raw: Any, known_stages: Mapping[str,
     retries = c.get(p, "retries", path, int, 0)
     if retries < 0:
         c.add(f"{path}.retries", "must be >= 0")
+    keep = _parse_kept_outputs(c, p, path, members, edges)
     return PipelineConfig(name=name, stages=tuple(members), edges=tuple(edges),
                           timeout_s=float(timeout) if timeout is not None else None,
-                          retries=max(0, retries))
+                          retries=max(0, retries), keep=keep)
+
+
+def _parse_kept_outputs(c: _Checker, p: Mapping[str, Any], path: str, members: list[str],
+                        edges: list[EdgeConfig]) -> dict[str, tuple[str, ...]]:
+    """A pipeline's `outputs = { STAGE = ["name", ...] }`: outputs of stages that are not last,
+    kept as the job's too."""
+    raw = c.get(p, "outputs", path, dict, {})
+    keep: dict[str, tuple[str, ...]] = {}
+    for stage, names in raw.items():
+        where = f"{path}.outputs.{stage}"
+        if stage not in members:
+            c.add(where, f"stage {stage!r} is not in the pipeline")
+        elif not any(e.src == stage for e in edges):
+            c.add(where, f"stage {stage!r} is a last stage: all its outputs are the job's already")
+        elif not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+            c.add(where, "must be a list of output names, e.g. [\"text\"]")
+        else:
+            keep[stage] = tuple(dict.fromkeys(names))
+    return keep
 
 
 def _check_devices(c: _Checker, stages: Mapping[str, StageConfig]) -> None:

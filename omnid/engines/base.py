@@ -27,7 +27,8 @@ class RequestContext:
     """One job's work inside one stage; also the `ctx` a python stage receives.
 
     A python stage function may call `ctx.cancelled()` (stop when true) and
-    `ctx.progress(done, total)`; `ctx.job` and `ctx.stage` name the work.
+    `ctx.progress(done, total)`; `ctx.job` and `ctx.stage` name the work, and `ctx.model` is the
+    stage's `model` directory (resolved from the config file), if it names one.
     """
 
     job: str
@@ -52,6 +53,7 @@ class RequestContext:
     # The optional outputs asked of this request (a vllm stage's token_ids, hidden_states): an edge of
     # its pipeline maps them, or the stage's `outputs` names them. An engine computes no other.
     wants: frozenset[str] = frozenset()
+    model: str | None = None        # the stage's `model` directory (python stages: the function's to load)
 
     def cancelled(self) -> bool:
         return self._is_cancelled()

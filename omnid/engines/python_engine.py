@@ -9,8 +9,10 @@ the supervisor's business: past the grace period it restarts the worker.
 
 An input fed by a streaming edge (`window = N`) is an iterable of window values
 (`omnid.worker.windows.InputStream`). With `max_inflight > 1` several jobs'
-generators are advanced in turn, each only when its next window is there, so one
-job waiting for its stream never holds up the others.
+generators are advanced in turn, each only when one of its streams has a window
+(or its end) to read, so one job waiting for its stream never holds up the
+others. A generator may yield None: "nothing to give yet" (no segment); it is
+advanced again once a stream is ready, so it need not block reading one.
 
 A generator's final outputs are its segments merged in order: `str` and
 `bytes` values of the same name are concatenated, any other value is replaced
@@ -117,6 +119,7 @@ class PythonEngine(Engine):
 
     def add(self, ctx: RequestContext) -> None:
         params = merged(self.stage.defaults, ctx.params)
+        ctx.model = str(self.stage.model) if self.stage.model is not None else None
         streamed = any(isinstance(v, InputStream) for v in ctx.inputs.values())
         if self.batching and not streamed:
             if ctx.cancelled():
@@ -166,6 +169,8 @@ class PythonEngine(Engine):
             except Exception as e:
                 del self._gens[job]
                 ctx.fail(user_error(e))
+                continue
+            if seg is None:                 # "nothing yet": come back when an input is ready
                 continue
             if not isinstance(seg, dict):
                 del self._gens[job]
@@ -238,6 +243,13 @@ def _end_all(ctxs: list[RequestContext], error: str) -> None:
 
 
 def _inputs_ready(ctx: RequestContext) -> bool:
-    """Advancing the job's generator would not block on a streamed input, and its own streamed
-    output has room downstream (else it waits: that is the stream's backpressure)."""
-    return not ctx.held() and all(v.ready() for v in ctx.inputs.values() if isinstance(v, InputStream))
+    """The job's generator has something to read (a window, or a stream's end, on one of its
+    streamed inputs; with none, always), and its own streamed output has room downstream (else it
+    waits: that is the stream's backpressure).
+
+    Any one stream, not all: the inputs of one edge arrive together, window by window, but an
+    output that only the first window carries (a vllm stage's `prompt_token_ids`) leaves its
+    stream empty until the end; waiting for all would wait for the end, and fill the others'
+    queues meanwhile (a stall)."""
+    streams = [v for v in ctx.inputs.values() if isinstance(v, InputStream)]
+    return not ctx.held() and (not streams or any(v.ready() for v in streams))

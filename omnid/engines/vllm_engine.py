@@ -49,6 +49,7 @@ class _Request:
     prompt_len: int = 0
     internal_id: str = ""                   # vLLM's own id of it (the tap's key)
     ids: list[int] = field(default_factory=list)        # generated token ids (when asked)
+    prompt_ids: list[int] | None = None                 # the prompt's ids, once sent (when asked)
     rows: list[Any] = field(default_factory=list)       # hidden-state rows not yet in a segment
     hidden: list[Any] = field(default_factory=list)     # every segment's rows (the final output)
 
@@ -421,7 +422,7 @@ class VllmEngine(Engine):
             before, req.tokens = req.tokens, req.tokens + len(completion.token_ids)
             segment: dict[str, Any] = {"text": completion.text}
             if req.ctx.wants:
-                segment.update(self._tensors(req, list(completion.token_ids)))
+                segment.update(self._tensors(req, list(completion.token_ids), out.prompt_token_ids))
             req.ctx.segment(segment, is_last=out.finished)
             if out.finished or req.tokens // PROGRESS_EVERY != before // PROGRESS_EVERY:
                 req.ctx.progress(req.tokens, req.max_tokens)   # every few tokens: the segments tell each one
@@ -454,11 +455,15 @@ class VllmEngine(Engine):
             if req is not None:
                 req.rows.append(block)
 
-    def _tensors(self, req: _Request, ids: list[int]) -> dict[str, Any]:
-        """One step's asked-for tensors: its token ids, and the hidden-state rows that came since the last."""
+    def _tensors(self, req: _Request, ids: list[int], prompt_ids: Any) -> dict[str, Any]:
+        """One step's asked-for tensors: its token ids, and the hidden-state rows that came since the last
+        (and, in the first segment, the prompt's ids)."""
         import torch
 
         found: dict[str, Any] = {}
+        if "prompt_token_ids" in req.ctx.wants and req.prompt_ids is None:
+            req.prompt_ids = [int(t) for t in prompt_ids or ()]
+            found["prompt_token_ids"] = torch.tensor(req.prompt_ids, dtype=torch.int64)
         if "token_ids" in req.ctx.wants:
             req.ids.extend(ids)
             found["token_ids"] = torch.tensor(ids, dtype=torch.int64)
@@ -477,6 +482,8 @@ class VllmEngine(Engine):
         found: dict[str, Any] = {}
         if "token_ids" in req.ctx.wants:
             found["token_ids"] = torch.tensor(req.ids, dtype=torch.int64)
+        if "prompt_token_ids" in req.ctx.wants:
+            found["prompt_token_ids"] = torch.tensor(req.prompt_ids or [], dtype=torch.int64)
         if "hidden_states" in req.ctx.wants and req.hidden:
             found["hidden_states"] = req.hidden[0] if len(req.hidden) == 1 else torch.cat(req.hidden, dim=0)
         return found

@@ -32,10 +32,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import structlog
 from aiohttp import web
@@ -47,6 +49,7 @@ from omnid.supervisor.api import DISCONNECT_POLL_S, _gone, _next_event, retry_af
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.live_job import LAGGED
 from omnid.vocabulary import ErrorCode, EventType, JobRecord, JobState
+from omnid.worker.outputs import STREAM_DIR
 
 if TYPE_CHECKING:
     from omnid.supervisor.api import Api
@@ -238,16 +241,93 @@ class OpenAiApi:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        p = self._pipeline(body, "text")
-        stream, include_usage = self._common(body)
         _refuse_chat_features(body)
+        audio = _audio_request(body)
+        p = self._pipeline(body, "text")
+        if audio is not None:
+            self._pipeline(body, "audio")
+        stream, include_usage = self._common(body)
         messages, parts = _messages(body.get("messages"))
         params = self._sampling(p, body, {"include_prompt": False})
         if not parts:
             inputs, summary = self.api._inputs({"messages": json.dumps(messages)}, p)
         else:
             inputs, summary = self._media_inputs(p, json.dumps(messages), parts)
+        if audio is not None:
+            return await self._audio_chat(request, p, inputs, params, summary, stream, include_usage, audio)
         return await self._text_job(request, p, inputs, params, summary, stream, include_usage, chat=True, echo="")
+
+    # ------------------------------------------------------------------ audio chat
+
+    async def _audio_chat(self, request: web.Request, p: PipelineConfig, inputs: dict[str, Any],
+                          params: dict[str, dict[str, Any]], summary: dict[str, Any], stream: bool,
+                          include_usage: bool, fmt: str) -> web.StreamResponse:
+        """A chat answered in text and speech, as OpenAI answers one: `message.audio` = {id, data
+        (base64), expires_at, transcript}, the text being the transcript (`content` is null); streamed,
+        `delta.audio` pieces: the transcript as it grows and the PCM16 as it is made."""
+        gen = _Generation(self._text_stage(p), self._token_stage(p))
+        job = self._submit(request, p, inputs, params, summary)
+        head = {"id": "chatcmpl-" + job.id, "object": "chat.completion", "created": int(job.created_at),
+                "model": p.name}
+        audio_id = "audio_" + job.id
+        expires = int(job.created_at) + AUDIO_EXPIRES_S
+        try:
+            if stream:
+                return await self._stream_audio_chat(request, job, gen, head, include_usage, audio_id, expires)
+            transcript = "".join([piece async for piece in self._deltas(request, job, gen)])
+            record = self._succeeded(job.id)
+            out = next((o for o in record.outputs if o["kind"] == "audio"), None)
+            if out is None:
+                raise OpenAiError(500, f"job {job.id} of model {p.name!r} ended with no audio output",
+                                  code=str(ErrorCode.INTERNAL_ERROR))
+            data = _wav_bytes(await self._read(record, out))
+            if fmt == "pcm16":
+                data = data[WAV_HEADER_BYTES:]
+            message = {"role": "assistant", "content": None, "refusal": None,
+                       "audio": {"id": audio_id, "data": base64.b64encode(data).decode("ascii"),
+                                 "expires_at": expires, "transcript": transcript}}
+            choice = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason, "message": message}
+            return web.json_response({**head, "choices": [choice], "usage": _usage(gen)})
+        finally:
+            self._abandon(request, job.id)
+
+    async def _stream_audio_chat(self, request: web.Request, job: JobRecord, gen: _Generation,
+                                 head: dict[str, Any], include_usage: bool, audio_id: str,
+                                 expires: int) -> web.StreamResponse:
+        head = {**head, "object": "chat.completion.chunk"}
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        job_dir = self.api.store.job_dir(job.id)
+        reader = _LiveAudio(job_dir)
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+            return {**head, "choices": [{"index": 0, "logprobs": None, "finish_reason": finish, "delta": delta}],
+                    **({"usage": None} if include_usage else {})}
+
+        async def pcm_out() -> None:
+            data = reader.read()
+            if data:
+                await _send(resp, chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode("ascii")}}))
+
+        try:
+            await _send(resp, chunk({"role": "assistant", "content": None, "refusal": None}))
+            try:
+                async for piece in self._deltas(request, job, gen, on_event=pcm_out):
+                    await _send(resp, chunk({"audio": {"id": audio_id, "transcript": piece}}))
+                await pcm_out()                 # the rest, once the job has ended
+            except OpenAiError as e:
+                await _send(resp, {"error": {"message": e.message, "type": e.type, "param": None, "code": e.code}})
+            else:
+                await _send(resp, chunk({"audio": {"id": audio_id, "expires_at": expires}}, gen.finish_reason))
+                if include_usage:
+                    await _send(resp, {**head, "choices": [], "usage": _usage(gen)})
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionError as e:
+            log.debug("audio chat stream reader went away", job=job.id, error=str(e))
+        finally:
+            reader.close()
+        return resp
 
     def _media_inputs(self, p: PipelineConfig, messages: str,
                       parts: list[tuple[str, bytes, str]]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -422,10 +502,14 @@ class OpenAiApi:
             log.debug("chat stream reader went away", job=job.id, error=str(e))
         return resp
 
-    async def _deltas(self, request: web.Request, job: JobRecord, gen: _Generation) -> AsyncIterator[str]:
+    async def _deltas(self, request: web.Request, job: JobRecord, gen: _Generation,
+                      on_event: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[str]:
         """The answer's text as its segments come; raises OpenAiError if the job ends badly. A last
-        stage that streamed no text is answered with its `text` output once the job ended."""
+        stage that streamed no text is answered with its `text` output once the job ended.
+        `on_event` is awaited at every event (an audio chat sends the speech made meanwhile)."""
         async for ev in self._follow(request, job.id):
+            if on_event is not None:
+                await on_event()
             stage = ev.get("stage")
             if ev["type"] == EventType.PROGRESS and stage == gen.token_stage:
                 gen.tokens, gen.max_tokens = int(ev["done"]), int(ev["total"])
@@ -731,10 +815,90 @@ def _refuse_chat_features(body: dict[str, Any]) -> None:
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise _bad("response_format", "only response_format {\"type\": \"text\"} is supported")
+
+
+AUDIO_FORMATS = ("wav", "pcm16")
+WAV_HEADER_BYTES = 44           # omnid's streamed WAVs: RIFF, fmt (16 bytes of PCM format), data
+AUDIO_EXPIRES_S = 3600          # how long a chat's audio id is said to be good (the job's files may outlive it)
+
+
+def _audio_request(body: dict[str, Any]) -> str | None:
+    """A chat's `modalities` and `audio`: None for a text answer, else the audio format asked
+    ("wav" or "pcm16"). OpenAI's rule: `audio` is required with the "audio" modality."""
     modalities = body.get("modalities")
-    if body.get("audio") is not None or (modalities is not None and (
-            not isinstance(modalities, list) or any(m != "text" for m in modalities))):
-        raise _bad("modalities", "a chat answers text only (use /v1/audio/speech with a pipeline that ends in audio)")
+    if modalities is not None and (not isinstance(modalities, list)
+                                   or any(m not in ("text", "audio") for m in modalities)):
+        raise _bad("modalities", "modalities must be a list of \"text\" and \"audio\"")
+    wants = modalities is not None and "audio" in modalities
+    audio = body.get("audio")
+    if not wants:
+        if audio is not None:
+            raise _bad("audio", "audio is for modalities [\"text\", \"audio\"]")
+        return None
+    if not isinstance(audio, dict) or not isinstance(audio.get("voice"), (str, dict)):
+        raise _bad("audio", "modalities [\"text\", \"audio\"] need audio: {\"voice\": ..., \"format\": \"wav\"}")
+    fmt = audio.get("format")
+    if fmt not in AUDIO_FORMATS:
+        raise _bad("audio.format", f"audio.format must be one of {', '.join(AUDIO_FORMATS)} (omnid writes PCM; "
+                   f"mp3, opus, flac and aac are not supported), not {fmt!r}")
+    return str(fmt)
+
+
+def _wav_bytes(data: bytes) -> bytes:
+    """A whole WAV from a streamed one: the size fields set to the real length (a stream wrote
+    "to the end of the file")."""
+    if len(data) < WAV_HEADER_BYTES or data[:4] != b"RIFF" or data[36:40] != b"data":
+        return data
+    n = len(data) - WAV_HEADER_BYTES
+    return b"RIFF" + (n + 36).to_bytes(4, "little") + data[8:40] + n.to_bytes(4, "little") + data[WAV_HEADER_BYTES:]
+
+
+class _LiveAudio:
+    """A live job's audio stream file (a last stage's WAV as it is written: `.stream/` in the job's
+    folder), read as PCM16 while it grows. The file is found by its WAV header; kept open once
+    found, so the rest is still read after the worker removes it at the job's end."""
+
+    def __init__(self, job_dir: Path) -> None:
+        self.folder = job_dir / STREAM_DIR
+        self._f: BinaryIO | None = None
+        self._header = True
+
+    def _open(self) -> BinaryIO | None:
+        try:
+            names = sorted(os.listdir(self.folder))
+        except OSError:
+            return None
+        for name in names:
+            try:
+                f = open(self.folder / name, "rb")
+            except OSError:
+                continue
+            if f.read(4) == b"RIFF":
+                f.seek(0)
+                return f
+            f.close()
+        return None
+
+    def read(self) -> bytes:
+        """The PCM written since the last read (no WAV header)."""
+        if self._f is None:
+            self._f = self._open()
+            if self._f is None:
+                return b""
+        if self._header:
+            if os.fstat(self._f.fileno()).st_size < WAV_HEADER_BYTES:
+                return b""
+            self._f.read(WAV_HEADER_BYTES)
+            self._header = False
+        data = self._f.read()
+        if len(data) % 2:
+            self._f.seek(-1, os.SEEK_CUR)        # half a sample: next time
+            data = data[:-1]
+        return data
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
 
 
 def _pick(outputs: list[dict[str, Any]], kind: str, name: str, stage: str | None) -> dict[str, Any] | None:

@@ -451,8 +451,11 @@ def _chat_request(config: Config) -> dict[str, Any]:
         "tool_choice": _maybe(_enum(("none", "auto"))), "logprobs": _maybe({"const": False}),
         "top_logprobs": _NULL, "logit_bias": _maybe({"type": "object", "maxProperties": 0}),
         "response_format": _maybe(_obj({"type": {"const": "text"}}, ["type"])),
-        "modalities": _maybe({"type": "array", "items": {"const": "text"}}), "audio": _NULL,
-    }, ["model", "messages"]) | {"description": "stream_options only with stream: true"}
+        "modalities": _maybe({"type": "array", "items": _enum(("text", "audio"))}),
+        "audio": _maybe(_obj({"voice": {"anyOf": [_STR, {"type": "object"}]},
+                              "format": _enum(("wav", "pcm16"))}, ["voice", "format"])),
+    }, ["model", "messages"]) | {"description": "stream_options only with stream: true; audio with modalities "
+                                 "[\"text\", \"audio\"] (and only then), on a pipeline that ends in audio"}
 
 
 def _completion_request(config: Config) -> dict[str, Any]:

@@ -510,7 +510,7 @@ class StageWorker:
         job = item.job
         outgoing = pipeline.outgoing(self.stage.name)
         streaming = [e for e in outgoing if e.window > 0]
-        sink_dir = self.spec.jobs_dir / job if not outgoing else None
+        sink_dir = self.spec.jobs_dir / job if self.stage.name in pipeline.sinks else None
         prefix = self._sink_prefix(pipeline)
         if sink_dir is not None and self.live_sink:
             clear_stream(sink_dir, prefix)  # what an earlier attempt (before a retry) streamed
@@ -528,7 +528,9 @@ class StageWorker:
                     if error is not None:
                         return error
             if sink_dir is not None and outputs and self.live_sink:
-                live_outputs.append(outputs)
+                kept = pipeline.kept(self.stage.name, outputs)
+                if kept:
+                    live_outputs.append(kept)
             return None
 
         def held() -> bool:                 # windows for a downstream pile up: let it catch up
@@ -569,7 +571,7 @@ class StageWorker:
             writer = self.live_outputs.pop(ctx.job, None)
             if writer is not None:
                 writer.close()
-            if not pipeline.outgoing(self.stage.name) and self.live_sink:
+            if self.stage.name in pipeline.sinks and self.live_sink:
                 # A last stage's segments were streamed to files for `?stream=1` readers (who keep
                 # their open file); from now on the job's outputs are its final files.
                 clear_stream(self.spec.jobs_dir / ctx.job, self._sink_prefix(pipeline))
@@ -585,18 +587,19 @@ class StageWorker:
             return
         elapsed = (ctx.ended or time.monotonic()) - ctx.started
         edges = pipeline.outgoing(self.stage.name)
-        if not edges:                              # a sink: the outputs are the job's
+        if self.stage.name in pipeline.sinks:      # a sink (or a kept stage): outputs that are the job's
             prefix = self._sink_prefix(pipeline)
             try:
-                events = self.write_sink(ctx.job, ctx.outputs or {}, prefix)
+                events = self.write_sink(ctx.job, pipeline.kept(self.stage.name, ctx.outputs or {}), prefix)
             except Exception as e:
                 self.post(P.Failed(job=ctx.job, error=_clip(f"writing outputs failed: {type(e).__name__}: {e}"),
                                    code="output_failed"))
                 return
             for ev in events:
                 self.post(ev)
-            self.post(P.Finished(job=ctx.job, elapsed_s=elapsed, usage=ctx.usage))
-            return
+            if not edges:
+                self.post(P.Finished(job=ctx.job, elapsed_s=elapsed, usage=ctx.usage))
+                return
         handoffs: list[tuple[str, WorkItem]] = []
         for edge in edges:
             if edge.window > 0:             # streamed: what is left of it goes as the last window
@@ -632,7 +635,9 @@ class StageWorker:
             return None
         try:
             # An empty last window only says "that was all": nothing to map.
-            inputs = apply_edge(edge, self.stage.name, values) if values else {}
+            # After the first window, an output that only some segments carry (a vllm stage's
+            # prompt_token_ids, in its first) may be absent from a window.
+            inputs = apply_edge(edge, self.stage.name, values, partial=index > 0) if values else {}
         except EdgeError as e:
             return str(e)
         window = WorkItem(job=item.job, pipeline=item.pipeline, src=self.stage.name, inputs=inputs,
@@ -767,20 +772,21 @@ class EdgeError(Exception):
     """An edge could not turn a stage's outputs into the next stage's inputs; the message names it."""
 
 
-def apply_edge(edge: EdgeConfig, src: str, outputs: dict[str, Any]) -> dict[str, Any]:
+def apply_edge(edge: EdgeConfig, src: str, outputs: dict[str, Any], partial: bool = False) -> dict[str, Any]:
     """Map upstream outputs to downstream inputs: by `map`, through `transform`, or by name.
 
-    Every failure is an EdgeError whose message names the edge.
+    Every failure is an EdgeError whose message names the edge. `partial` (a window after the
+    first): a mapped output the window lacks is left out instead.
     """
     try:
-        return _apply_edge(edge, src, outputs)
+        return _apply_edge(edge, src, outputs, partial)
     except EdgeError:
         raise
     except Exception as e:
         raise EdgeError(f"edge {src} -> {edge.dst}: {type(e).__name__}: {e}") from e
 
 
-def _apply_edge(edge: EdgeConfig, src: str, outputs: dict[str, Any]) -> dict[str, Any]:
+def _apply_edge(edge: EdgeConfig, src: str, outputs: dict[str, Any], partial: bool = False) -> dict[str, Any]:
     where = f"edge {src} -> {edge.dst}"
     if edge.transform:
         from omnid.engines.python_engine import import_ref, user_error
@@ -795,6 +801,8 @@ def _apply_edge(edge: EdgeConfig, src: str, outputs: dict[str, Any]) -> dict[str
     if edge.map is None:
         return dict(outputs)
     missing = [up for up in edge.map.values() if up not in outputs]
+    if missing and partial:
+        return {down: outputs[up] for down, up in edge.map.items() if up in outputs}
     if missing:
         # Not a KeyError: its str() would wrap the whole message in quotes.
         raise EdgeError(f"{where} maps {', '.join(repr(m) for m in missing)}, but stage "

@@ -283,14 +283,15 @@ def test_tensor_keys_are_checked(tmp_path: Path, models: Path) -> None:
                                 "edges": [edge("v", "pp", map={"prompt_token_ids": "text"}),
                                           edge("pp", "a", map={"h": "hidden_states"})]}}}
     found = problems(data, tmp_path)
-    assert "a vllm stage gives text, token_ids, hidden_states, not 'logits'" in found["stages.v.outputs[0]"]
+    assert "a vllm stage gives text, token_ids, hidden_states, prompt_token_ids, not 'logits'" in \
+        found["stages.v.outputs[0]"]
     assert "0 would be the input embeddings" in found["stages.v.hidden_layers[0]"][0]
     assert "the model has 2 layers: 1..2 or -1..-2, not 5" in found["stages.v.hidden_layers[1]"]
     assert "must be a layer index (an integer), not a string" in found["stages.v.hidden_layers[2]"]
     assert "layer -1 is listed twice" in found["stages.v.hidden_layers[4]"]
     assert "must be a boolean, not a string" in found["stages.v.hidden_prompt"]
     assert "only vllm stages take hidden_layers, not 'python'" in found["stages.a.hidden_layers"]
-    assert "prompt_token_ids are token ids: map them from \"token_ids\", not 'text'" in \
+    assert "prompt_token_ids are token ids: map them from \"token_ids\" (or \"prompt_token_ids\"), not 'text'" in \
         found["pipelines.p.edges[0].map.prompt_token_ids"]
     assert "pipeline parallelism cannot give them" in found["stages.pp.args.pipeline_parallel_size"][0]
 
@@ -613,3 +614,19 @@ def test_ray_placement_without_ray_installed_is_a_check_error(tmp_path: Path,
     found = problems(ray_config(placement="ray"), tmp_path)
     assert found["stages.b.placement"] == ["\"ray\" needs Ray, which is not installed: pip install 'omnid[ray]'"]
     parse(ray_config(), tmp_path)           # without a Ray-placed stage, no Ray needed
+
+
+def test_a_pipeline_keeps_outputs_of_stages_that_are_not_last(tmp_path: Path) -> None:
+    stages = {"a": py(), "b": py()}
+    good = {"stages": stages, "pipelines": {"p": {"stages": ["a", "b"], "outputs": {"a": ["text"]}}}}
+    p = parse(good, tmp_path).pipelines["p"]
+    assert p.sinks == ("a", "b") and p.keep == {"a": ("text",)}
+    assert p.kept("a", {"text": "t", "ids": [1]}) == {"text": "t"}          # only the named ones
+    assert p.kept("b", {"x": 1, "y": 2}) == {"x": 1, "y": 2}                # a last stage's: all
+    assert p.as_api()["outputs"] == {"a": ["text"]}
+    bad = {"stages": stages, "pipelines": {"p": {"stages": ["a", "b"],
+                                                 "outputs": {"b": ["x"], "c": ["x"], "a": "text"}}}}
+    found = problems(bad, tmp_path)
+    assert "a last stage: all its outputs are the job's already" in found["pipelines.p.outputs.b"][0]
+    assert "is not in the pipeline" in found["pipelines.p.outputs.c"][0]
+    assert "must be a list of output names" in found["pipelines.p.outputs.a"][0]

@@ -1,0 +1,210 @@
+"""The omni speech halves (omnid.omni) on the tiny Qwen2.5-Omni, against transformers' own.
+
+In process (torch and transformers in the test process), on the real model classes and weights:
+- the incremental talker (one thinker vector per step, its KV cache kept) gives the same greedy
+  codec tokens as transformers' whole-reply `generate`, also with two jobs' sessions interleaved
+  on one model (no state shared between them);
+- the streamed code2wav (block by block, with context) gives the whole-sequence decode's audio,
+  with no seams; without context it has them (so the context is what makes it right);
+- the stage functions turn a thinker's outputs into codes and the codes into a WAV.
+The same functions in a real daemon's pipeline are tested where the pipeline is.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from conftest import MODELS
+
+pytestmark = pytest.mark.engines
+
+OMNI = MODELS / "omni"
+CODES = 40
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    if not (OMNI / ".omnid-tiny-ok").exists():
+        subprocess.run([sys.executable, "-m", "omnid.tinymodels", str(MODELS)], check=True)
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    return Qwen2_5OmniForConditionalGeneration.from_pretrained(str(OMNI)).eval()
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(OMNI))
+
+
+def _reference(model: Any, ids: Any, n_text: int) -> tuple[Any, list[int]]:
+    """transformers' own: the thinker's greedy text, and the talker's greedy codes on all of it."""
+    captured: dict[str, list[int]] = {}
+    generate = model.talker.generate
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        out = generate(*args, **kwargs)
+        captured["codes"] = out[0, kwargs["input_ids"].shape[1]:].tolist()
+        return out
+
+    model.talker.generate = spy
+    try:
+        text, _wav = model.generate(input_ids=ids, thinker_max_new_tokens=n_text, thinker_do_sample=False,
+                                    talker_do_sample=False, talker_max_new_tokens=CODES, token2wav_num_steps=1)
+    finally:
+        del model.talker.generate
+    codes = []
+    for c in captured["codes"]:
+        if c in (model.talker.codec_pad_token, model.talker.codec_eos_token):
+            break
+        codes.append(c)
+    return text, codes
+
+
+def _rows(model: Any, sequence: Any) -> Any:
+    """The thinker's final post-norm hidden state at every position (what the vLLM tap gives)."""
+    import torch
+
+    with torch.no_grad():
+        return model.thinker.model(input_ids=sequence).last_hidden_state[0]
+
+
+def test_the_incremental_talker_gives_generates_codes_also_with_two_jobs_interleaved(model: Any, tok: Any) -> None:
+    import torch
+
+    from omnid.omni.talker import TalkerSession
+
+    prompts, n_text = ["the cat sat on the mat", "A small boat moved slowly across the harbor"], 10
+    runs = []
+    for prompt in prompts:
+        ids = torch.tensor([tok(prompt).input_ids])
+        text, expected = _reference(model, ids, n_text)
+        length = ids.shape[1]
+        rows = _rows(model, text[:, :-1])       # the last generated token is never forwarded
+        gen = text[0, length:].tolist()
+        session = TalkerSession(model.talker, model.thinker.get_input_embeddings(), model.speaker_map["Chelsie"],
+                                ids[0], rows[:length], gen[0], rows[length], max_codes=CODES)
+        runs.append({"session": session, "gen": gen, "rows": rows, "length": length, "fed": 1, "codes": [],
+                     "expected": expected})
+    assert runs[0]["expected"] != runs[1]["expected"]
+    # Feed the two jobs' thinker vectors in turn, one at a time, stepping each whenever it can.
+    while any(not r["session"].done for r in runs):
+        for r in runs:
+            s = r["session"]
+            if r["fed"] < n_text - 1:
+                s.feed(r["gen"][r["fed"]], r["rows"][r["length"] + r["fed"]])
+                r["fed"] += 1
+            elif not s.text_ended:
+                s.end_text()
+            while (code := s.step()) is not None:
+                r["codes"].append(code)
+    for r in runs:
+        assert len(r["codes"]) == len(r["expected"]) > 10
+        assert r["codes"] == r["expected"]
+
+
+def test_the_talker_starts_about_one_thinker_step_behind(model: Any, tok: Any) -> None:
+    import torch
+
+    from omnid.omni.talker import TalkerSession
+
+    ids = torch.tensor([tok("hello there").input_ids])
+    text, _ = _reference(model, ids, 6)
+    rows = _rows(model, text[:, :-1])
+    n, gen = ids.shape[1], text[0, ids.shape[1]:].tolist()
+    s = TalkerSession(model.talker, model.thinker.get_input_embeddings(), model.speaker_map["Chelsie"], ids[0],
+                      rows[:n], gen[0], rows[n], max_codes=CODES)
+    assert s.step() is not None                 # the first code comes from the prefill alone
+    assert s.step() is None and not s.done      # the next one waits for the next thinker vector
+    s.feed(gen[1], rows[n + 1])
+    assert s.step() is not None and s.step() is None
+
+
+def _decode(model: Any, codes: list[int], ramp: list[int], **kw: Any) -> tuple[Any, Any]:
+    import torch
+
+    from omnid.omni.code2wav import StreamingCode2Wav
+
+    dec = StreamingCode2Wav(model.token2wav, model.speaker_map["Chelsie"], num_steps=2, **kw)
+    chunks, i, k = [], 0, 0
+    while i < len(codes):
+        w = ramp[min(k, len(ramp) - 1)]
+        chunks += dec.push(codes[i:i + w])
+        i, k = i + w, k + 1
+    chunks += dec.finish()
+    return torch.cat(chunks), dec.decode_whole(codes)
+
+
+def test_streamed_code2wav_has_the_whole_decodes_audio_and_no_seams(model: Any) -> None:
+    import torch
+
+    codes = torch.randint(0, 8192, (96,), generator=torch.Generator().manual_seed(3)).tolist()
+    pcm, whole = _decode(model, codes, [4, 8, 16, 25])
+    assert pcm.shape == whole.shape == (96 * 480,)
+    noise = (pcm - whole).pow(2).mean()
+    snr = float(10 * torch.log10(whole.pow(2).mean() / noise)) if float(noise) > 0 else 200.0
+    assert snr > 60, snr
+    # Without the DiT's context the blocks do not join: the same decode, context 0, has seams.
+    bare, _ = _decode(model, codes, [4, 8, 16, 25], context_blocks=0, lookahead_blocks=0)
+    bare_snr = float(10 * torch.log10(whole.pow(2).mean() / (bare - whole).pow(2).mean()))
+    assert bare_snr < 30, bare_snr
+
+
+def test_code2wav_decodes_as_transformers_token2wav_from_the_same_noise(model: Any) -> None:
+    import torch
+
+    from omnid.omni.code2wav import StreamingCode2Wav
+
+    dit = model.token2wav.code2wav_dit_model
+    spk = model.speaker_map["Chelsie"]
+    codes = list(range(100, 150))
+    torch.manual_seed(5)
+    expected = dit.sample(spk["cond"], spk["ref_mel"], torch.tensor([codes]), num_steps=3)
+    torch.manual_seed(5)
+    noise = torch.randn([1, len(codes) * 2, dit.mel_dim])
+    dec = StreamingCode2Wav(model.token2wav, spk, num_steps=3)
+    dec._noise_for = lambda first, frames: noise        # type: ignore[method-assign]
+    assert torch.allclose(dec._mel_of(0, codes), expected, atol=1e-5)
+
+
+@dataclass
+class _Ctx:
+    stage: str
+    model: str
+    job: str = "j"
+
+    def cancelled(self) -> bool:
+        return False
+
+
+def test_the_stage_functions_turn_thinker_outputs_into_a_wav(model: Any, tok: Any) -> None:
+    import io
+    import wave
+
+    import torch
+
+    from omnid.omni.stages import code2wav, talker
+
+    ids = torch.tensor([tok("the cat sat on the mat").input_ids])
+    text, expected = _reference(model, ids, 8)
+    n = ids.shape[1]
+    states = _rows(model, text[:, :-1])
+    segments = [s for s in talker({"prompt_ids": ids[0], "ids": text[0, n:], "states": states},
+                                  {"max_codes": CODES}, _Ctx("talker", str(OMNI))) if s is not None]
+    codes = torch.cat([s["codes"] for s in segments])
+    assert codes.tolist() == expected
+    audio = b"".join(s["audio"] for s in code2wav({"codes": codes}, {"num_steps": 2}, _Ctx("code2wav", str(OMNI)))
+                     if s is not None)
+    with wave.open(io.BytesIO(audio)) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
+        frames = w.readframes(10 ** 7)
+    assert len(frames) == len(codes) * 480 * 2
+    import numpy as np
+    pcm = np.frombuffer(frames, dtype="<i2").astype(np.float32) / 32767
+    assert 0.02 < float(np.sqrt((pcm ** 2).mean())) < 0.9
