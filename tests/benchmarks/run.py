@@ -31,6 +31,7 @@ import bench_capacity  # noqa: E402
 import bench_control  # noqa: E402
 import bench_dataplane  # noqa: E402
 import bench_engines  # noqa: E402
+import bench_omni  # noqa: E402
 import bench_peer  # noqa: E402
 import bench_ray  # noqa: E402
 import bench_resources  # noqa: E402
@@ -53,6 +54,7 @@ BENCHES: list[Bench] = [
     Bench("streaming", "streaming", bench_streaming.bench_streaming,
           ["streaming: submit -> 1st consumer segment, window 8", "streaming: submit -> job end, window 8"],
           (200, 90), ("engines",)),
+    Bench("omni", "streaming", bench_omni.bench_omni, bench_omni.FIGURES, (900, 600), ()),
     Bench("tap_cost", "streaming", bench_tensors.bench_tap_cost,
           [f"vLLM decode step, {bench_tensors.BATCH} jobs: hidden-state tap + token_ids on"], (150, 90), ()),
     Bench("tensor_streams", "streaming", bench_tensors.bench_tensor_streams,

@@ -1,0 +1,119 @@
+"""Omni speech: how early the first audio comes, and whether the speech keeps up.
+
+One daemon of its own: the tiny Qwen2.5-Omni as the demo runs it (thinker on vLLM, talker and
+code2wav python stages on transformers' classes), wired twice: `omni` streams (window 1 into the
+talker, a ramp [4, 8, 16, 25] into code2wav) and `omni_whole` waits at each edge (window -1); and
+the codec LM, `tts` (ramp [4, ...]) and `tts25` (fixed 25). The first audio packet is code2wav's
+first segment (a WAV chunk); a packet is an underrun when it comes after the audio before it has
+finished playing (played from the first packet on, each packet one DiT block: 0.24 s).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from _harness import MODELS, Ctx, Row, at_least, at_most, fmt, in_threads, kill_daemon, p50, raise_first
+from bench_tensors import _launch
+
+TOKENS = 24
+CODES_PER_TOKEN = 4
+BLOCK_S = 24 * 240 / 24000          # one DiT block of audio: 24 mel frames x 240 samples at 24 kHz
+
+
+def _config() -> tuple[dict[str, Any], dict[str, Any]]:
+    omni = str(MODELS / "omni")
+    stages: dict[str, Any] = {
+        "thinker": {"engine": "vllm", "model": omni + "/thinker", "devices": [], "max_inflight": 8,
+                    "hidden_prompt": True, "args": {"max_model_len": 512, "dtype": "float32", "seed": 0},
+                    "defaults": {"max_tokens": TOKENS, "temperature": 0.0, "ignore_eos": True}},
+        "talker": {"engine": "python", "function": "omnid.omni.stages:talker", "model": omni, "max_inflight": 8,
+                   "defaults": {"codes_per_token": CODES_PER_TOKEN}},
+        "code2wav": {"engine": "python", "function": "omnid.omni.stages:code2wav", "model": omni,
+                     "max_inflight": 8, "defaults": {"num_steps": 4}},
+        "tts": {"engine": "vllm", "model": str(MODELS / "tts"), "devices": [], "max_inflight": 4,
+                "args": {"max_model_len": 512, "dtype": "bfloat16", "seed": 0},
+                "defaults": {"max_tokens": 100, "temperature": 0.9, "seed": 7, "ignore_eos": True}},
+        "speak_codes": {"engine": "python", "function": "omnid.omni.stages:code2wav", "model": omni,
+                        "max_inflight": 4, "defaults": {"num_steps": 4, "code_offset": 1000}},
+    }
+    tensors = {"prompt_ids": "prompt_token_ids", "ids": "token_ids", "states": "hidden_states"}
+
+    def omni_pipe(w1: Any, w2: Any) -> dict[str, Any]:
+        return {"stages": ["thinker", "talker", "code2wav"], "outputs": {"thinker": ["text"]},
+                "edges": [{"from": "thinker", "to": "talker", "window": w1, "map": tensors},
+                          {"from": "talker", "to": "code2wav", "window": w2, "map": {"codes": "codes"}}]}
+
+    def tts_pipe(w: Any) -> dict[str, Any]:
+        return {"stages": ["tts", "speak_codes"],
+                "edges": [{"from": "tts", "to": "speak_codes", "window": w, "map": {"codes": "token_ids"}}]}
+
+    return stages, {"omni": omni_pipe(1, [4, 8, 16, 25]), "omni_whole": omni_pipe(-1, -1),
+                    "tts": tts_pipe([4, 8, 16, 25]), "tts25": tts_pipe(25)}
+
+
+def _run(d: Any, pipeline: str, prompt: str) -> dict[str, Any]:
+    r = d.run(pipeline, {"prompt": prompt}, timeout=300).check()
+    sink = "speak_codes" if pipeline.startswith("tts") else "code2wav"
+    packets = [float(e["ts"]) for e in r.all(type="segment", stage=sink)]
+    end = float(r.events[-1]["ts"])
+    finished = {e["stage"]: float(e["elapsed_s"]) for e in r.all(type="stage_finished")}
+    underruns, clock = 0, None
+    for ts in packets:
+        if clock is not None and ts > clock:
+            underruns += 1
+        clock = (max(clock, ts) if clock is not None else ts) + BLOCK_S
+    return {"ttfp": packets[0] - r.t0 if packets else None, "underruns": underruns, "total": end - r.t0,
+            "audio_s": max(0, len(packets) - 1) * BLOCK_S + BLOCK_S / 2, "stages": finished, "packets": len(packets)}
+
+
+def bench_omni(ctx: Ctx) -> list[Row]:
+    stages, pipelines = _config()
+    d = _launch(stages, pipelines)
+    try:
+        rounds = ctx.n(3, 1)
+        for p in ("omni", "omni_whole", "tts", "tts25"):
+            _run(d, p, "warm up")                   # first jobs load the python stages' model parts
+        streamed, whole, tts, tts25 = [], [], [], []
+        for i in range(rounds):
+            ctx.check("single jobs")
+            streamed.append(_run(d, "omni", f"good morning {i}"))
+            whole.append(_run(d, "omni_whole", f"good morning {i}"))
+            tts.append(_run(d, "tts", f"hello there {i}"))
+            tts25.append(_run(d, "tts25", f"hello there {i}"))
+        ctx.log("8 concurrent omni jobs")
+        results = in_threads(8, lambda i: _run(d, "omni", f"the prompt number {i}"), timeout=max(60.0, ctx.left()))
+        raise_first(results)
+        many: list[dict[str, Any]] = results  # type: ignore[assignment]
+    finally:
+        kill_daemon(d)
+    s1 = p50([r["ttfp"] for r in streamed])
+    w1 = p50([r["ttfp"] for r in whole])
+    s8 = p50([r["ttfp"] for r in many])
+    t4, t25 = p50([r["ttfp"] for r in tts]), p50([r["ttfp"] for r in tts25])
+    under = sum(r["underruns"] for r in many)
+    packets = sum(r["packets"] for r in many)
+    rtf = statistics.median(r["total"] / r["audio_s"] for r in streamed)
+    share = {s: p50([r["stages"].get(s, 0.0) / r["total"] for r in streamed]) for s in ("thinker", "talker", "code2wav")}
+    return [
+        Row("omni: submit -> 1st audio packet, streamed, 1 job", s1, "s", "the same pipeline with window = -1 edges",
+            w1, "s", s1 / w1, "streamed / whole", at_most(0.15, "<= 0.15x"),
+            f"median of {rounds}; {TOKENS} text tokens x {CODES_PER_TOKEN} codes, DiT 4 steps"),
+        Row("omni: 1st audio packet, 8 concurrent jobs", s8, "s", "1 job", s1, "s", s8 / s1, "8 / 1",
+            at_most(2.0, "<= 2.0x"), "median of the 8 jobs"),
+        Row("omni: underruns, 8 concurrent streams", float(under), "packets", "packets sent", float(packets),
+            "packets", under / packets if packets else None, "underruns / packets", at_most(0.0, "0"),
+            f"a packet is one DiT block ({BLOCK_S:.2f} s of audio), played from the first packet on"),
+        Row("omni: real-time factor, 1 job", rtf, "x", "", None, "", rtf, "job time / audio time",
+            at_most(1.0, "< 1", on="value"),
+            "share of the job's time: " + ", ".join(f"{s} {v:.0%}" for s, v in share.items())),
+        Row("tts: submit -> 1st audio packet, ramp [4, 8, 16, 25]", t4, "s", "a fixed window of 25", t25, "s",
+            t4 / t25, "ramp / 25", None, f"median of {rounds}; code2wav needs a DiT block and its look-ahead "
+            "(24 codes) before its first packet either way"),
+    ]
+
+
+FIGURES = ["omni: submit -> 1st audio packet, streamed, 1 job", "omni: 1st audio packet, 8 concurrent jobs",
+           "omni: underruns, 8 concurrent streams", "omni: real-time factor, 1 job",
+           "tts: submit -> 1st audio packet, ramp [4, 8, 16, 25]"]
