@@ -242,3 +242,30 @@ def test_openai_audio_chat_refuses_what_it_cannot_do(client: Any) -> None:
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model="omni", messages=messages, **kwargs)
         assert err.value.body["param"] == param, err.value.body
+
+
+def test_speech_streams_as_sse_and_as_raw_pcm(omni: RunningDaemon) -> None:
+    import base64
+    import json
+
+    httpx = pytest.importorskip("httpx")
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(omni.socket)), timeout=240) as http:
+        events = []
+        with http.stream("POST", "http://omnid/v1/audio/speech",
+                         json={"model": "tts", "input": "hello there", "voice": "x", "stream_format": "sse",
+                               "response_format": "pcm"}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+        deltas = [e for e in events if e["type"] == "speech.audio.delta"]
+        assert len(deltas) >= 2 and events[-1]["type"] == "speech.audio.done", [e["type"] for e in events]
+        pcm = b"".join(base64.b64decode(e["audio"]) for e in deltas)
+        assert pcm[:4] != b"RIFF" and len(pcm) >= 2 * 24000 and len(pcm) % 2 == 0
+        raw = http.post("http://omnid/v1/audio/speech", json={"model": "tts", "input": "hello there", "voice": "x",
+                                                              "response_format": "pcm"})
+        assert raw.status_code == 200 and raw.headers["content-type"] == "audio/pcm"
+        assert len(raw.content) == len(pcm)                # the same speech (the same seed), headerless
+        bad = http.post("http://omnid/v1/audio/speech", json={"model": "tts", "input": "x", "voice": "x",
+                                                              "response_format": "mp3"})
+        assert bad.status_code == 400 and "wav, pcm" in bad.json()["error"]["message"], bad.text

@@ -590,10 +590,14 @@ class OpenAiApi:
         text = body.get("input")
         if not isinstance(text, str) or not text:
             raise _bad("input", "input must be a non-empty string")
-        if body.get("response_format") not in (None, "wav"):
-            raise _bad("response_format", "only response_format \"wav\" is supported")
-        if body.get("stream_format") not in (None, "audio"):
-            raise _bad("stream_format", "only stream_format \"audio\" is supported (the bytes, as they come)")
+        fmt = body.get("response_format") or "wav"
+        if fmt not in SPEECH_FORMATS:
+            raise _bad("response_format", f"response_format must be one of {', '.join(SPEECH_FORMATS)} (omnid writes "
+                       f"PCM: mp3, opus, aac and flac are not supported), not {fmt!r}")
+        sse = body.get("stream_format") == "sse"
+        if body.get("stream_format") not in (None, "audio", "sse"):
+            raise _bad("stream_format", "stream_format must be \"audio\" (the bytes, as they come) or \"sse\" "
+                       "(speech.audio.delta events)")
         voice = body.get("voice")
         params: dict[str, dict[str, Any]] = {}
         for s in p.sinks:        # `voice` goes to a last stage that declares it in its defaults
@@ -601,6 +605,11 @@ class OpenAiApi:
                 params[s] = {"voice": voice}
         inputs, summary = self.api._inputs({self._prompt_key(p, "text"): text}, p)
         job = self._submit(request, p, inputs, params, summary)
+        if sse or fmt == "pcm":
+            try:
+                return await self._speech_live(request, job, fmt, sse)
+            finally:
+                self._abandon(request, job.id)
         name = self._audio_name(p)
         request[_CONTENT_TYPE_KEY] = "audio/wav"
         try:
@@ -614,6 +623,51 @@ class OpenAiApi:
                 raise
         finally:
             self._abandon(request, job.id)
+
+    async def _speech_live(self, request: web.Request, job: JobRecord, fmt: str, sse: bool) -> web.StreamResponse:
+        """Speech as it is made: PCM16 bytes (`response_format: "pcm"`), or server-sent events
+        (`stream_format: "sse"`): `speech.audio.delta` with base64 audio (the first one of a WAV
+        carrying its header), then `speech.audio.done`."""
+        reader = _LiveAudio(self.api.store.job_dir(job.id))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream" if sse else "audio/pcm",
+                                           "Cache-Control": "no-cache"})
+        header = fmt == "wav"
+        started = False
+
+        async def out(data: bytes) -> None:
+            nonlocal started
+            if not started:
+                await resp.prepare(request)
+                started = True
+            if sse and data:
+                await _send(resp, {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
+            elif data:
+                await resp.write(data)
+
+        try:
+            async for _ev in self._follow(request, job.id):
+                data = reader.read()
+                if data:
+                    if header:
+                        data, header = reader.header + data, False
+                    await out(data)
+            await out(reader.read())
+            self._succeeded(job.id)          # the job's own error, if it ended badly
+            if sse:
+                await _send(resp, {"type": "speech.audio.done",
+                                   "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}})
+            await resp.write_eof()
+        except OpenAiError as e:
+            if not started:
+                raise                        # nothing sent yet: an ordinary error answer
+            if sse:
+                await _send(resp, {"error": {"message": e.message, "type": e.type, "param": None, "code": e.code}})
+            await resp.write_eof()
+        except ConnectionError as e:
+            log.debug("speech stream reader went away", job=job.id, error=str(e))
+        finally:
+            reader.close()
+        return resp
 
     def _audio_name(self, p: PipelineConfig) -> str:
         """The audio output's name: as the pipeline's latest successful job had it, else "audio"."""
@@ -818,6 +872,7 @@ def _refuse_chat_features(body: dict[str, Any]) -> None:
 
 
 AUDIO_FORMATS = ("wav", "pcm16")
+SPEECH_FORMATS = ("wav", "pcm")
 WAV_HEADER_BYTES = 44           # omnid's streamed WAVs: RIFF, fmt (16 bytes of PCM format), data
 AUDIO_EXPIRES_S = 3600          # how long a chat's audio id is said to be good (the job's files may outlive it)
 
@@ -862,6 +917,7 @@ class _LiveAudio:
         self.folder = job_dir / STREAM_DIR
         self._f: BinaryIO | None = None
         self._header = True
+        self.header = b""                        # the stream's WAV header, once read
 
     def _open(self) -> BinaryIO | None:
         try:
@@ -888,7 +944,7 @@ class _LiveAudio:
         if self._header:
             if os.fstat(self._f.fileno()).st_size < WAV_HEADER_BYTES:
                 return b""
-            self._f.read(WAV_HEADER_BYTES)
+            self.header = self._f.read(WAV_HEADER_BYTES)
             self._header = False
         data = self._f.read()
         if len(data) % 2:

@@ -485,7 +485,7 @@ def _speech_request(config: Config) -> dict[str, Any]:
     return _obj({
         "model": _models(config, ("python",)), "input": {"type": "string", "minLength": 1},
         "voice": {"description": "given to a last stage that has `voice` in its defaults"},
-        "response_format": _maybe({"const": "wav"}), "stream_format": _maybe({"const": "audio"}),
+        "response_format": _maybe(_enum(("wav", "pcm"))), "stream_format": _maybe(_enum(("audio", "sse"))),
     }, ["model", "input"])
 
 
