@@ -170,6 +170,16 @@ class Metrics:
             "omnid_first_segment_seconds", "Submit to the first segment of a pipeline's last stage",
             ["pipeline"], buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
             registry=self.registry)
+        # Audio (a pipeline whose last stage streams WAV): named after vLLM-Omni's.
+        self.first_audio_s = Histogram(
+            "omnid_time_to_first_audio_seconds", "Submit to the first audio packet of a job's last stage",
+            ["pipeline"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60), registry=self.registry)
+        self.rtf = Histogram("omnid_audio_real_time_factor", "A job's time over the length of its audio "
+                             "(below 1: faster than it plays)", ["pipeline"],
+                             buckets=(0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 4, 8, 16), registry=self.registry)
+        self.underruns = Counter("omnid_audio_underruns", "Audio packets that came after the audio before them had "
+                                 "finished playing (played from the first packet on)", ["pipeline"],
+                                 registry=self.registry)
         self.registry.register(_StageCollector(stages))
         self._resources = _ResourceCollector()
         self.registry.register(self._resources)
@@ -191,6 +201,15 @@ class Metrics:
 
     def first_segment(self, pipeline: str, seconds: float) -> None:
         self.first_segment_s.labels(pipeline).observe(seconds)
+
+    def first_audio(self, pipeline: str, seconds: float) -> None:
+        self.first_audio_s.labels(pipeline).observe(seconds)
+
+    def audio_underrun(self, pipeline: str) -> None:
+        self.underruns.labels(pipeline).inc()
+
+    def real_time_factor(self, pipeline: str, rtf: float) -> None:
+        self.rtf.labels(pipeline).observe(rtf)
 
     def job_submitted(self, pipeline: str) -> None:
         self.submitted.labels(pipeline).inc()

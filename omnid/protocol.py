@@ -189,6 +189,7 @@ class Segment:
     is_last: bool
     text: str | None = None
     count: int = 1                  # segments coalesced into this one (their texts joined)
+    audio_s: float = 0.0            # seconds of WAV audio the segment(s) carried (omnid.engines.base.audio_seconds)
 
 
 @dataclass(frozen=True)

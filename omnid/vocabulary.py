@@ -104,7 +104,7 @@ class EventType(StrEnum):
     STATE = "state"                      # state (and error, when it ended badly)
     STAGE_STARTED = "stage_started"      # stage
     PROGRESS = "progress"                # stage, done, total
-    SEGMENT = "segment"                  # stage, index, is_last, text?
+    SEGMENT = "segment"                  # stage, index, is_last, text?, audio_s? (seconds of WAV audio)
     OUTPUT = "output"                    # name, file, kind, content_type, size, stage
     STAGE_FINISHED = "stage_finished"    # stage, elapsed_s
     ERROR = "error"                      # stage, code, message

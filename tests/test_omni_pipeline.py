@@ -269,3 +269,17 @@ def test_speech_streams_as_sse_and_as_raw_pcm(omni: RunningDaemon) -> None:
         bad = http.post("http://omnid/v1/audio/speech", json={"model": "tts", "input": "x", "voice": "x",
                                                               "response_format": "mp3"})
         assert bad.status_code == 400 and "wav, pcm" in bad.json()["error"]["message"], bad.text
+
+
+def test_audio_is_measured_first_packet_real_time_factor_underruns(omni: RunningDaemon) -> None:
+    job = omni.submit("omni", {"prompt": "count the seconds"})
+    events = omni.events(job, timeout=240)
+    assert omni.client.job(job)["state"] == "succeeded", omni.diagnose(job)
+    heard = sum(e.get("audio_s", 0.0) for e in events if e["type"] == "segment" and e.get("stage") == "code2wav")
+    assert abs(heard - len(_pcm(omni, job, "code2wav.audio")) / 24000) < 1e-3, heard   # each packet's length, exactly
+    assert not [e for e in events if e.get("audio_s") and e.get("stage") != "code2wav"]    # only the audio's
+    text = omni.client.metrics()
+    for name in ("omnid_time_to_first_audio_seconds_count", "omnid_audio_real_time_factor_count"):
+        line = next(ln for ln in text.splitlines() if ln.startswith(name + '{pipeline="omni"}'))
+        assert float(line.split()[-1]) >= 1, line
+    assert "omnid_audio_underruns_total" in text

@@ -54,6 +54,8 @@ class RequestContext:
     # its pipeline maps them, or the stage's `outputs` names them. An engine computes no other.
     wants: frozenset[str] = frozenset()
     model: str | None = None        # the stage's `model` directory (python stages: the function's to load)
+    # A streamed WAV output's bytes per second, by output name, from its first chunk's header.
+    _wav: dict[str, int] = field(default_factory=dict, repr=False)
 
     def cancelled(self) -> bool:
         return self._is_cancelled()
@@ -80,7 +82,8 @@ class RequestContext:
         text = outputs.get("text") if isinstance(outputs.get("text"), str) else None
         if text is not None and len(text) > 2000:      # the event shows it; the output keeps it whole
             text = text[:2000] + " [...]"
-        self._emit("segment", {"index": self.segments, "is_last": is_last, "text": text})
+        audio = audio_seconds(outputs, self._wav)
+        self._emit("segment", {"index": self.segments, "is_last": is_last, "text": text, "audio_s": audio})
         self.segments += 1
 
     def finish(self, outputs: dict[str, Any]) -> None:
@@ -134,3 +137,23 @@ class Engine(abc.ABC):
     def close(self) -> None:
         """Release the model (the worker exits right after)."""
 
+
+def audio_seconds(outputs: dict[str, Any], wav: dict[str, int]) -> float:
+    """Seconds of audio in one segment's bytes values: a streamed WAV's chunks (the first one starts
+    with its RIFF header, which says the rate; `wav` remembers it by output name for the next)."""
+    total = 0.0
+    for name, value in outputs.items():
+        if not isinstance(value, (bytes, bytearray)):
+            continue
+        data = bytes(value)
+        if data[:4] == b"RIFF" and data[8:12] == b"WAVE" and len(data) >= 44 and data[12:16] == b"fmt ":
+            channels = int.from_bytes(data[22:24], "little")
+            rate = int.from_bytes(data[24:28], "little")
+            width = int.from_bytes(data[34:36], "little") // 8
+            if channels and rate and width:
+                wav[name] = channels * rate * width
+            data = data[44:]
+        per_s = wav.get(name)
+        if per_s:
+            total += len(data) / per_s
+    return total

@@ -86,6 +86,12 @@ class LiveJob:
                                                 # after a reload changed the pipeline)
         self.streamed = False                   # a window of it reached a downstream stage
         self.first_output_segment: float | None = None  # when a last stage's first segment came
+        # Its audio, as a player would hear it (a last stage's WAV segments): when the first came, how
+        # much came, when what came so far ends playing, and the packets that came after that.
+        self.first_audio: float | None = None
+        self.audio_s = 0.0
+        self.audio_plays_until = 0.0
+        self.underruns = 0
 
     @property
     def id(self) -> str:

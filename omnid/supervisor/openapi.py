@@ -180,7 +180,9 @@ def schemas(config: Config) -> dict[str, Any]:
     pipeline_keys = {"name": _STR, "stages": {"type": "array", "items": _STR},
                      "edges": {"type": "array", "items": _ref("Edge")},
                      "sources": {"type": "array", "items": _STR}, "sinks": {"type": "array", "items": _STR},
-                     "timeout_s": _nullable(_NUM), "retries": _INT}
+                     "timeout_s": _nullable(_NUM), "retries": _INT,
+                     "outputs": {"type": "object", "additionalProperties": {"type": "array", "items": _STR},
+                                 "description": "outputs of stages that are not last kept as the job's too"}}
     param_doc = {"type": "object", "properties": {"default": PLAIN_VALUE_SCHEMA}}
     described = {
         **pipeline_keys,
@@ -230,7 +232,7 @@ def schemas(config: Config) -> dict[str, Any]:
         "JobError": job_error,
         "Event": _obj({"type": _enum(EventType), "job": _STR, "ts": _NUM, "stage": _STR, "state": _enum(JobState),
                        "error": _nullable(_ref("JobError")), "done": _INT, "total": _nullable(_INT), "index": _INT,
-                       "is_last": _BOOL, "text": _STR, "code": _enum(ErrorCode), "message": _STR,
+                       "is_last": _BOOL, "text": _STR, "audio_s": _NUM, "code": _enum(ErrorCode), "message": _STR,
                        "elapsed_s": _nullable(_NUM), "wake_s": _nullable(_NUM),
                        "usage": {"type": "object", "additionalProperties": _INT}}, ["type", "job", "ts"]),
         "Deleted": _obj({"deleted": _STR}, ["deleted"], extra=False),

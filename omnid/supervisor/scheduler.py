@@ -394,7 +394,27 @@ class Scheduler:
         fields: dict[str, Any] = {"stage": stage, "index": msg.index, "is_last": msg.is_last}
         if msg.text is not None:
             fields["text"] = msg.text
+        if msg.audio_s and stage in job.pipeline.sinks:
+            fields["audio_s"] = round(msg.audio_s, 4)
+            self._heard(job, msg.audio_s)
         job.events.emit(EventType.SEGMENT, **fields)
+
+    def _heard(self, job: LiveJob, seconds: float) -> None:
+        """A packet of the job's audio reached the supervisor (on its way to a client, who plays it
+        from the first packet on): time to first audio, and an underrun if the audio before it has
+        finished playing already."""
+        now = time.time()
+        if job.first_audio is None:
+            job.first_audio = now
+            job.audio_plays_until = now
+            if self.metrics:
+                self.metrics.first_audio(job.pipeline.name, now - job.record.created_at)
+        elif now > job.audio_plays_until:
+            job.underruns += 1
+            if self.metrics:
+                self.metrics.audio_underrun(job.pipeline.name)
+        job.audio_plays_until = max(job.audio_plays_until, now) + seconds
+        job.audio_s += seconds
 
     def on_output(self, job: LiveJob, stage: str, msg: P.Output) -> None:
         out = {"name": msg.name, "file": msg.file, "kind": msg.kind, "content_type": msg.content_type,
@@ -477,6 +497,8 @@ class Scheduler:
         self.store.drop_inputs(job.id)
         if self.metrics:
             self.metrics.job_finished(job.pipeline.name, state, now - record.created_at)
+            if state is JobState.SUCCEEDED and job.audio_s > 0:
+                self.metrics.real_time_factor(job.pipeline.name, (now - record.created_at) / job.audio_s)
         log.info("job finished", job=job.id, pipeline=job.pipeline.name, state=str(state),
                  error=error["message"] if error else None)
 

@@ -555,7 +555,8 @@ class StageWorker:
         if kind == "progress":
             self.post(P.Progress(job=job, done=data["done"], total=data["total"]))
         elif kind == "segment":
-            self.post(P.Segment(job=job, index=data["index"], is_last=data["is_last"], text=data["text"]))
+            self.post(P.Segment(job=job, index=data["index"], is_last=data["is_last"], text=data["text"],
+                                audio_s=float(data.get("audio_s") or 0.0)))
 
     def _complete(self, ctx: RequestContext) -> None:
         if ctx.outcome == "failed":
@@ -744,7 +745,7 @@ def _coalesce(messages: list[object]) -> list[object]:
         if isinstance(msg, P.Segment) and isinstance(prev, P.Segment) and at is not None:
             text = None if prev.text is None and msg.text is None else (prev.text or "") + (msg.text or "")
             out[at] = P.Segment(job=msg.job, index=prev.index, is_last=msg.is_last, text=text,
-                                count=prev.count + msg.count)
+                                count=prev.count + msg.count, audio_s=prev.audio_s + msg.audio_s)
             continue
         if isinstance(job, str):
             last[job] = len(out)
