@@ -440,11 +440,11 @@ def ready_text(ok: bool, body: JSON) -> str:
     return "\n".join(lines)
 
 
-def first_output_line(seconds: float, running: Sequence[str] = ()) -> str:
-    """``first output after 0.42s (expand still running)``: when a last stage's first output came,
-    and which other stages had not finished then."""
+def first_output_line(seconds: float, running: Sequence[str] = (), what: str = "output") -> str:
+    """``first output after 0.42s (expand still running)``: when a last stage's first output (or
+    ``what``: "audio") came, and which other stages had not finished then."""
     seconds = max(float(seconds), 0.0)
-    text = f"first output after {seconds:.2f}s" if seconds < 10 else f"first output after {format_duration(seconds)}"
+    text = f"first {what} after {seconds:.2f}s" if seconds < 10 else f"first {what} after {format_duration(seconds)}"
     return text + (f" ({', '.join(running)} still running)" if running else "")
 
 
@@ -466,6 +466,7 @@ class EventPrinter:
         self.created_at = created_at
         self._t0 = time.time()
         self._first_output_said = not self.sinks
+        self._first_audio_said = False
         self._running: dict[str, None] = {}   # stages started and not finished, in start order
         # What the unfinished last line holds: ("text" | "progress", stage), or None.
         self._open: tuple[str, str] | None = None
@@ -477,6 +478,13 @@ class EventPrinter:
     def _write(self, text: str) -> None:
         self.stream.write(text)
         self.stream.flush()
+
+    def _since(self, event: JSON) -> float:
+        """The event's time since the job was created (by the daemon's clock when it says)."""
+        ts = event.get("ts")
+        if isinstance(ts, (int, float)) and isinstance(self.created_at, (int, float)):
+            return float(ts - self.created_at)
+        return time.time() - self._t0
 
     def close_line(self) -> None:
         """End an unfinished text or progress line, so the next output starts on its own line."""
@@ -498,12 +506,10 @@ class EventPrinter:
             self._running.pop(stage, None)
         elif kind in ("segment", "output") and not self._first_output_said and stage in self.sinks:
             self._first_output_said = True
-            ts = event.get("ts")
-            if isinstance(ts, (int, float)) and isinstance(self.created_at, (int, float)):
-                seconds = ts - self.created_at
-            else:
-                seconds = time.time() - self._t0
-            self._line(first_output_line(seconds, [s for s in self._running if s != stage]))
+            self._line(first_output_line(self._since(event), [s for s in self._running if s != stage]))
+        if kind == "segment" and event.get("audio_s") and not self._first_audio_said:
+            self._first_audio_said = True          # a last stage's first audio packet (its seconds counted)
+            self._line(first_output_line(self._since(event), [s for s in self._running if s != stage], "audio"))
         if kind == "state":
             if event.get("state") not in TERMINAL_STATES:
                 self._line(f"job {event.get('job')} {event.get('state')}")

@@ -649,3 +649,17 @@ def test_import_is_light() -> None:
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=REPO_ROOT, timeout=30)
+
+
+def test_the_printer_says_when_the_first_audio_came() -> None:
+    stream = io.StringIO()
+    printer = EventPrinter(stream, live=False, sinks=["thinker", "code2wav"], created_at=100.0)
+    for ev in [{"type": "stage_started", "stage": "thinker", "ts": 100.1},
+               {"type": "segment", "stage": "thinker", "index": 0, "is_last": False, "text": " hi", "ts": 100.2},
+               {"type": "stage_started", "stage": "code2wav", "ts": 100.5},
+               {"type": "segment", "stage": "code2wav", "index": 0, "is_last": False, "audio_s": 0.24, "ts": 101.25},
+               {"type": "segment", "stage": "code2wav", "index": 1, "is_last": False, "audio_s": 0.24, "ts": 101.5}]:
+        printer.feed(ev)
+    out = stream.getvalue()
+    assert "first output after 0.20s" in out
+    assert out.count("first audio after") == 1 and "first audio after 1.25s (thinker still running)" in out
