@@ -316,7 +316,7 @@ class OpenAiApi:
                     await _send(resp, chunk({"audio": {"id": audio_id, "transcript": piece}}))
                 await pcm_out()                 # the rest, once the job has ended
             except OpenAiError as e:
-                await _send(resp, {"error": {"message": e.message, "type": e.type, "param": None, "code": e.code}})
+                await _send(resp, _error_event(e))
             else:
                 await _send(resp, chunk({"audio": {"id": audio_id, "expires_at": expires}}, gen.finish_reason))
                 if include_usage:
@@ -491,7 +491,7 @@ class OpenAiApi:
                 async for piece in self._deltas(request, job, gen):
                     await _send(resp, chunk(piece))
             except OpenAiError as e:        # the job ended badly: said in the stream, as servers do
-                await _send(resp, {"error": {"message": e.message, "type": e.type, "param": None, "code": e.code}})
+                await _send(resp, _error_event(e))
             else:
                 await _send(resp, chunk(None, gen.finish_reason))
                 if include_usage:
@@ -661,7 +661,7 @@ class OpenAiApi:
             if not started:
                 raise                        # nothing sent yet: an ordinary error answer
             if sse:
-                await _send(resp, {"error": {"message": e.message, "type": e.type, "param": None, "code": e.code}})
+                await _send(resp, _error_event(e))
             await resp.write_eof()
         except ConnectionError as e:
             log.debug("speech stream reader went away", job=job.id, error=str(e))
@@ -967,6 +967,11 @@ def _usage(gen: _Generation) -> dict[str, int]:
     """The vLLM stage's own count of the prompt's tokens (0 when the answer came from no vLLM stage)."""
     return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
             "total_tokens": gen.prompt_tokens + gen.completion_tokens}
+
+
+def _error_event(e: OpenAiError) -> dict[str, Any]:
+    """A job that ended badly, said inside a stream already under way (as OpenAI's servers do)."""
+    return {"error": {"message": e.message, "type": e.type, "param": None, "code": e.code}}
 
 
 async def _send(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
