@@ -266,7 +266,7 @@ class PipelineConfig:
         return {"name": self.name, "stages": list(self.stages),
                 "edges": [e.as_api() for e in self.edges],
                 "sources": list(self.sources), "sinks": list(self.sinks),
-                "outputs": {k: list(v) for k, v in self.keep.items()},
+                "kept_outputs": {k: list(v) for k, v in self.keep.items()},
                 "timeout_s": self.timeout_s, "retries": self.retries}
 
 

@@ -181,8 +181,9 @@ def schemas(config: Config) -> dict[str, Any]:
                      "edges": {"type": "array", "items": _ref("Edge")},
                      "sources": {"type": "array", "items": _STR}, "sinks": {"type": "array", "items": _STR},
                      "timeout_s": _nullable(_NUM), "retries": _INT,
-                     "outputs": {"type": "object", "additionalProperties": {"type": "array", "items": _STR},
-                                 "description": "outputs of stages that are not last kept as the job's too"}}
+                     "kept_outputs": {"type": "object", "additionalProperties": {"type": "array", "items": _STR},
+                                      "description": "the config's `outputs`: outputs of stages that are not "
+                                                     "last kept as the job's too"}}
     param_doc = {"type": "object", "properties": {"default": PLAIN_VALUE_SCHEMA}}
     described = {
         **pipeline_keys,

@@ -623,7 +623,7 @@ def test_a_pipeline_keeps_outputs_of_stages_that_are_not_last(tmp_path: Path) ->
     assert p.sinks == ("a", "b") and p.keep == {"a": ("text",)}
     assert p.kept("a", {"text": "t", "ids": [1]}) == {"text": "t"}          # only the named ones
     assert p.kept("b", {"x": 1, "y": 2}) == {"x": 1, "y": 2}                # a last stage's: all
-    assert p.as_api()["outputs"] == {"a": ["text"]}
+    assert p.as_api()["kept_outputs"] == {"a": ["text"]}
     bad = {"stages": stages, "pipelines": {"p": {"stages": ["a", "b"],
                                                  "outputs": {"b": ["x"], "c": ["x"], "a": "text"}}}}
     found = problems(bad, tmp_path)
