@@ -135,7 +135,9 @@ def test_a_worker_the_oom_killer_takes_is_reported_as_out_of_memory() -> None:
         try:
             wait_ready(rd)
             pid = rd.stage_pid("hog")
-            doc = rd.wait(rd.submit("p", {"text": "eat"}), timeout=120)
+            # 32 MiB every 0.3 s: some 10 s to the limit, so the supervisor's once-a-second look at the
+            # worker's RSS (what the report gives) has had its looks even on a busy machine.
+            doc = rd.wait(rd.submit("p", {"text": "eat"}, params={"hog": {"every_s": 0.3}}), timeout=120)
             assert doc["state"] == "failed", doc
             message = doc["error"]["message"]
             print(f"the job's error: {message}")
