@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -257,6 +258,21 @@ def omnictl(d: RunningDaemon, *args: str, timeout: float = 30) -> subprocess.Com
     return subprocess.run([sys.executable, "-m", "omnictl", "--socket", str(d.socket), *args],
                           capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)},
                           preexec_fn=sigint_default)
+
+
+def metric(d: RunningDaemon, name: str) -> float:
+    """One sample of the daemon's /metrics by its full name (labels included), on a fresh connection."""
+    from omnictl.client import UnixHTTPConnection
+
+    conn = UnixHTTPConnection(str(d.socket), timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert m, f"no {name} in /metrics"
+    return float(m.group(1))
 
 
 def wait_gone(pids: list[int], timeout: float = 10) -> list[int]:

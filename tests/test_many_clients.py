@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from omnictl.client import ApiError, UnixHTTPConnection
-from conftest import (FIXTURES, RunningDaemon, daemon_config, short_tmpdir, sigint_default, stop_and_check,
+from omnictl.client import ApiError
+from conftest import (metric, FIXTURES, RunningDaemon, daemon_config, short_tmpdir, sigint_default, stop_and_check,
                       wait_for, wait_ready)
 
 STREAMS_WANTED = 5000          # what the issue asks this box to hold (when the limit allows)
@@ -91,17 +91,6 @@ def _status_and_body(answer: bytes) -> tuple[int, Any]:
     return status, json.loads(body)
 
 
-def _metric(d: RunningDaemon, name: str) -> float:
-    conn = UnixHTTPConnection(str(d.socket), timeout=10)
-    try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
-    m = re.search(rf"^{name} (\S+)$", text, re.M)
-    assert m, f"no {name} in /metrics"
-    return float(m.group(1))
-
 
 def _hold(d: RunningDaemon, job: str, n: int) -> tuple[list[socket.socket], list[bytes]]:
     """Open up to `n` streams; stop at the first refusals (returns what was held and refused)."""
@@ -125,7 +114,7 @@ def _close_all(socks: list[socket.socket]) -> None:
 def test_past_the_open_files_limit_a_new_connection_gets_a_clear_503() -> None:
     with daemon_with_nofile(256, 1024) as d:
         assert re.search(r'"open files limit".*"soft": 1024.*"was": 256', d.log()), d.log_tail()
-        limit = int(_metric(d, "omnid_connections_limit"))
+        limit = int(metric(d, "omnid_connections_limit"))
         assert 600 < limit < 1024, limit
         job = d.submit("slow", {"text": "x"})
         t0 = time.monotonic()
@@ -163,7 +152,7 @@ def test_past_the_open_files_limit_a_new_connection_gets_a_clear_503() -> None:
             assert chunk, seen[-500:]
             seen += chunk
         last.close()
-        assert _metric(d, "omnid_connections_refused_total") >= len(refused)
+        assert metric(d, "omnid_connections_refused_total") >= len(refused)
         assert "Traceback" not in d.log(), d.log_tail()
 
 
@@ -172,7 +161,7 @@ def test_thousands_of_event_streams_are_held() -> None:
     hard_cap = hard if hard != resource.RLIM_INFINITY else 1 << 20
     want = min(STREAMS_WANTED, hard_cap - 256, soft - 256)     # this test process holds the other ends
     with daemon_with_nofile(1024, hard_cap) as d:
-        limit = int(_metric(d, "omnid_connections_limit"))
+        limit = int(metric(d, "omnid_connections_limit"))
         want = min(want, limit - 8)
         job = d.submit("slow", {"text": "x"})
         t0 = time.monotonic()
@@ -183,11 +172,11 @@ def test_thousands_of_event_streams_are_held() -> None:
                   flush=True)
             assert not refused and len(held) == want, (len(held), refused[:1])
             assert d.client.health()["status"] == "ok"
-            assert _metric(d, "omnid_connections_open") >= want
+            assert metric(d, "omnid_connections_open") >= want
         finally:
             _close_all(held)
         d.client.cancel(job)
         t0 = time.monotonic()
-        wait_for(lambda: d.client.health()["status"] == "ok" and _metric(d, "omnid_connections_open") <= 2, 60,
+        wait_for(lambda: d.client.health()["status"] == "ok" and metric(d, "omnid_connections_open") <= 2, 60,
                  "the closed streams to be let go")
         print(f"all {len(held)} hang-ups seen in {time.monotonic() - t0:.1f} s", flush=True)

@@ -23,25 +23,13 @@ from typing import Any
 
 import pytest
 
-from omnictl.client import UnixHTTPConnection
-from conftest import (FIXTURES, RunningDaemon, daemon_config, short_tmpdir, sigint_default, stop_and_check,
+from conftest import (metric, FIXTURES, RunningDaemon, daemon_config, short_tmpdir, sigint_default, stop_and_check,
                       wait_for, wait_ready)
 
 
 def res_stage(function: str, **extra: Any) -> dict[str, Any]:
     return {"engine": "python", "function": f"resourcestages:{function}", "python_path": [str(FIXTURES)], **extra}
 
-
-def _metric(d: RunningDaemon, name: str) -> float:
-    conn = UnixHTTPConnection(str(d.socket), timeout=10)
-    try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    assert m, f"no {name} in /metrics"
-    return float(m.group(1))
 
 
 def test_a_worker_over_max_rss_mb_is_restarted_between_jobs(start_daemon: Callable[..., RunningDaemon]) -> None:
@@ -58,7 +46,7 @@ def test_a_worker_over_max_rss_mb_is_restarted_between_jobs(start_daemon: Callab
     snap = wait_for(lambda: (s := d.stages()["leaky"])["pid"] not in (None, first_pid) and s["state"] == "ready"
                     and s, 60, "the leaking worker to be replaced")
     assert snap["rss_restarts"] == 1 and snap["rss_bytes"] < 700 << 20, snap
-    assert _metric(d, 'omnid_stage_rss_restarts_total{replica="0",stage="leaky"}') == 1
+    assert metric(d, 'omnid_stage_rss_restarts_total{replica="0",stage="leaky"}') == 1
     assert "over max_rss_mb" in d.log()
     three = d.wait(d.submit("p", {"text": "3"}))
     assert three["state"] == "succeeded" and three["error"] is None, three
