@@ -152,6 +152,7 @@ class Heartbeat:
     gpu_memory_bytes: int | None = None
     tracked_jobs: int = 0           # jobs this worker still keeps state for (0 once all are forgotten)
     windows: tuple[tuple[str, int], ...] = ()   # (downstream stage, windows it admitted) since the start
+    rss_bytes: int | None = None    # the worker's own resident memory, as it read it (what an OOM report gives)
 
 
 @dataclass(frozen=True)

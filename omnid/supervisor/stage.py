@@ -234,6 +234,8 @@ class StageHandle:
             self.gpu_memory_bytes = msg.gpu_memory_bytes
             self.tracked_jobs = msg.tracked_jobs
             self.windows = dict(msg.windows)
+            if msg.rss_bytes:               # the worker's own look: in the pipe even when our loop lagged
+                self.last_rss = msg.rss_bytes
             if self.state.warm:
                 self.state = WorkerState.BUSY if msg.running else WorkerState.READY
             return
@@ -458,7 +460,7 @@ class StageHandle:
         pid = self.pid
         local = self.where()["placement"] == "local"      # (a Ray actor's pid may be another node's)
         rss = resources.rss_bytes(pid) if pid is not None and local and self.alive else None
-        if rss is None:
+        if not rss:                     # gone, or going: a dying process's statm reads 0 (kept: the last real one)
             return
         self.last_rss = rss
         limit = self.stage.max_rss_mb

@@ -393,7 +393,7 @@ class StageWorker:
         while True:
             self.send(P.Heartbeat(ts=time.time(), stats=self.stats(), running=tuple(self.inflight),
                                   gpu_memory_bytes=_gpu_memory(), tracked_jobs=self.tracked_jobs(),
-                                  windows=tuple(self.windows_sent.items())))
+                                  windows=tuple(self.windows_sent.items()), rss_bytes=_own_rss()))
             time.sleep(interval)
 
     # ------------------------------------------------------------------ the busy loop
@@ -814,6 +814,18 @@ def _apply_edge(edge: EdgeConfig, src: str, outputs: dict[str, Any], partial: bo
 def _clip(text: str, limit: int = 2000) -> str:
     """Keep control messages small: one write into the pipe, read whole by the supervisor."""
     return text if len(text) <= limit else text[:limit] + " [...]"
+
+
+def _own_rss() -> int | None:
+    """This process's resident memory (one read of /proc/self/statm), None where there is none."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
 def _gpu_memory() -> int | None:
