@@ -152,6 +152,10 @@ class StageConfig:
     replica_devices: tuple[tuple[int, ...], ...] = ()
     idle_unload_s: float | None = None      # no work this long: the workers stop (sleeping) until a job comes
     max_rss_mb: int | None = None           # a leak guard: a worker over this RSS is restarted between jobs
+    # vllm stages: where vLLM's engine core (scheduler and forward) runs: "inline", in the worker's own
+    # thread between omnid's work, or "process", a child process of the worker that steps while the
+    # worker turns the last step's outputs into segments (how `vllm serve` runs it)
+    engine_core: str = "inline"
     # vllm stages: the media (image, audio, video) a job may give it, and their limits
     media: MediaLimits = NO_MEDIA
     # `placement = "ray"`: the workers run as Ray actors (`ray`: their resource needs); a list gives one
@@ -477,7 +481,7 @@ def _check_listen_keys(c: _Checker, daemon: DaemonConfig) -> None:
 _STAGE_KEYS = ("engine", "model", "function", "python_path", "devices", "exclusive",
                "max_inflight", "queue_capacity", "shm_pool_mb", "args", "defaults", "env", "batch_function",
                "replicas", "idle_unload_s", "media", "placement", "ray", "max_rss_mb",
-               "outputs", "hidden_layers", "hidden_prompt", "prompt_embeds")
+               "engine_core", "outputs", "hidden_layers", "hidden_prompt", "prompt_embeds")
 _TENSOR_KEYS = ("outputs", "hidden_layers", "hidden_prompt", "prompt_embeds")
 PLACEMENTS = ("local", "ray")
 MAX_REPLICAS = 64
@@ -626,6 +630,7 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
     shm_pool_mb = c.positive(s, "shm_pool_mb", path, 1024, integer=True, allow_zero=True)
     idle_unload_s = c.positive(s, "idle_unload_s", path, None)
     max_rss_mb = c.positive(s, "max_rss_mb", path, None, integer=True)
+    engine_core = _parse_engine_core(c, s, path, engine)
     placement = _parse_placement(c, s, path, replicas, devices)
     ray = _parse_ray_needs(c, s, path)
     outputs, hidden_layers, hidden_prompt, prompt_embeds = _parse_tensors(c, s, path, engine, model, args)
@@ -638,10 +643,24 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
         args=dict(args), defaults=dict(defaults), env={k: str(v) for k, v in env.items()},
         batch_function=batch_function, media=media, replicas=replicas, replica_devices=replica_devices,
         idle_unload_s=float(idle_unload_s) if idle_unload_s is not None else None,
-        max_rss_mb=int(max_rss_mb) if max_rss_mb is not None else None,
+        max_rss_mb=int(max_rss_mb) if max_rss_mb is not None else None, engine_core=engine_core,
         placement=placement, ray=ray, outputs=outputs, hidden_layers=hidden_layers,
         hidden_prompt=hidden_prompt, prompt_embeds=prompt_embeds,
     )
+
+
+ENGINE_CORES = ("inline", "process")
+
+
+def _parse_engine_core(c: _Checker, s: Mapping[str, Any], path: str, engine: str | None) -> str:
+    """`engine_core = "inline" | "process"`: a vllm stage's engine core in the worker's thread, or in
+    a process of its own."""
+    where = c.get(s, "engine_core", path, str, "inline")
+    if "engine_core" in s and engine is not None and engine != "vllm":
+        c.add(f"{path}.engine_core", f"only vllm stages have an engine core to place, not {engine!r}")
+    elif where not in ENGINE_CORES:
+        c.add(f"{path}.engine_core", f"must be one of {', '.join(map(repr, ENGINE_CORES))}, not {where!r}")
+    return where if where in ENGINE_CORES else "inline"
 
 
 def model_dims(model: Path | None) -> tuple[int, int] | None:

@@ -25,6 +25,7 @@ from omnid.config import Config
 EXIT_LOAD_FAILED = 3
 # A worker that saw its parent die exits with this code.
 EXIT_ORPHANED = 4
+EXIT_ENGINE_DIED = 5      # a vllm stage's engine core process died (engine_core = "process")
 
 
 @dataclass(frozen=True)

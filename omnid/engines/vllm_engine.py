@@ -6,8 +6,14 @@ step, so a cancel takes effect at the next step through `abort_request`.
 Several requests are in flight at once when the stage's `max_inflight > 1`
 (vLLM batches them).
 
-The engine is kept inside this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`,
-`distributed_executor_backend="uni"`): one stage, one process tree. Token
+By default the engine core is kept inside this process (`engine_core = "inline"`:
+`VLLM_ENABLE_V1_MULTIPROCESSING=0`, `distributed_executor_backend="uni"`). With
+`engine_core = "process"` it runs as `vllm serve` runs it: vLLM's engine core busy loop in a child
+process of this worker (its scheduler and forward), which computes the next step while this thread
+turns the last step's outputs into segments; `step()` then waits only for outputs. Either way one
+stage is one process tree: the core starts in the worker's process group, asks to die with the
+worker (PR_SET_PDEATHSIG, in `_run_engine_core`), and is watched: a core that dies alone takes the worker down with
+`EXIT_ENGINE_DIED`, so the supervisor restarts the stage and fails or retries its jobs. Token
 deltas are streamed as text segments (`RequestOutputKind.DELTA`); the stage's
 output `text` is the whole generation (prefixed by the prompt when the job
 sets `include_prompt`). An input `messages` (a chat, as JSON text) replaces
@@ -27,6 +33,7 @@ import io
 import itertools
 import json
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,9 +41,10 @@ from typing import Any
 
 from omnid import media as M
 from omnid.config import StageConfig
+from omnid.protocol import EXIT_ENGINE_DIED
 from omnid.params import VLLM_OMNID_PARAMS, check_param, merged, parallel_size
 from omnid.engines.base import Engine, RequestContext
-from omnid.engines.vllm_tap import TAP_CLASS, TAP_ERROR
+from omnid.engines.vllm_tap import TAP_CLASS, TAP_ERROR, unpack
 
 
 @dataclass
@@ -52,6 +60,32 @@ class _Request:
     prompt_ids: list[int] | None = None                 # the prompt's ids, once sent (when asked)
     rows: list[Any] = field(default_factory=list)       # hidden-state rows not yet in a segment
     hidden: list[Any] = field(default_factory=list)     # every segment's rows (the final output)
+
+
+def _run_engine_core(*args: Any, **kwargs: Any) -> None:
+    """The engine core process's entry point (vLLM's `EngineCoreProc.run_engine_core`, which vLLM
+    starts by spawn on a CPU): first asks the kernel for a SIGKILL when the stage worker dies, even
+    by SIGKILL, so no core outlives its stage."""
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)     # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if str(os.getppid()) != os.environ.get("OMNID_ENGINE_PARENT", str(os.getppid())):
+        os._exit(EXIT_ENGINE_DIED)                  # the worker died before prctl took effect
+    from vllm.v1.engine.core import EngineCoreProc
+
+    EngineCoreProc.run_engine_core(*args, **kwargs)    # (unpatched in this process: vLLM's own)
+
+
+def _own_engine_core_entry() -> None:
+    """Make vLLM start its engine core through `_run_engine_core` (by name, so a spawned child
+    imports this module for it)."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    os.environ["OMNID_ENGINE_PARENT"] = str(os.getpid())
+    EngineCoreProc.run_engine_core = staticmethod(_run_engine_core)
 
 
 class TensorInputError(ValueError):
@@ -182,9 +216,15 @@ class VllmEngine(Engine):
     def __init__(self, stage: StageConfig) -> None:
         if not stage.devices:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self._own_core = stage.engine_core == "process"
+        if self._own_core:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         warnings.filterwarnings("ignore", category=FutureWarning)
         from vllm import EngineArgs, LLMEngine, SamplingParams
         from vllm.sampling_params import RequestOutputKind
+
+        if self._own_core:
+            _own_engine_core_entry()
 
         self._SamplingParams = SamplingParams
         self._delta = RequestOutputKind.DELTA
@@ -212,6 +252,43 @@ class VllmEngine(Engine):
         self._hidden = int(cfg.get_hidden_size())
         if self._tapped:
             self.engine.collective_rpc("omnid_tap_install", args=(list(stage.hidden_layers),))
+        self._closing = False
+        self._core_pids: list[int] = []
+        if self._own_core:
+            self._watch_core()
+
+    def _watch_core(self) -> None:
+        """A thread that waits on the engine core process; a core that dies while this worker lives
+        (killed alone, or crashed) ends the worker, which the supervisor restarts."""
+        import threading
+        from multiprocessing.connection import wait
+
+        manager = getattr(getattr(self.engine.engine_core, "resources", None), "engine_manager", None)
+        procs = list(getattr(manager, "processes", None) or [])
+        self._core_pids = [p.pid for p in procs if p.pid is not None]
+        if not procs:
+            return
+
+        def watch() -> None:
+            wait([p.sentinel for p in procs])
+            if self._closing:
+                return
+            dead = next((p for p in procs if p.exitcode is not None), procs[0])
+            dead.join(timeout=1)
+            print(f"omnid: the vLLM engine core process (pid {dead.pid}) of stage {self.stage.name!r} died "
+                  f"(exit status {dead.exitcode}): the stage worker exits to be restarted", file=sys.stderr,
+                  flush=True)
+            os._exit(EXIT_ENGINE_DIED)
+
+        threading.Thread(target=watch, name="engine-core-watch", daemon=True).start()
+
+    def close(self) -> None:
+        self._closing = True
+        if self._own_core:
+            try:
+                self.engine.engine_core.shutdown()
+            except Exception:
+                pass
 
     def _renderer(self, chat: bool = False) -> Callable[[Any], Any]:
         """vLLM >= 0.30 wants rendered prompts; older ones take a plain string (or prompt dict)."""
@@ -251,7 +328,8 @@ class VllmEngine(Engine):
     def info(self) -> dict[str, Any]:
         cfg = self.engine.model_config
         info: dict[str, Any] = {"model": str(self.stage.model), "dtype": str(getattr(cfg, "dtype", "")),
-                                "max_model_len": getattr(cfg, "max_model_len", None)}
+                                "max_model_len": getattr(cfg, "max_model_len", None),
+                                "engine_core": {"where": self.stage.engine_core, "pids": self._core_pids}}
         if self.stage.tensor_outputs or self.stage.takes_embeds:
             # what the pipelines ask of it: GET /v1/stages shows whether the tap is in
             info["tensors"] = {"gives": sorted(self.stage.tensor_outputs), "takes_embeds": self.stage.takes_embeds,
@@ -321,21 +399,26 @@ class VllmEngine(Engine):
                 rendered = self._render(text)
             sampling = self._SamplingParams(**params, output_kind=self._delta)
             request_id = f"{ctx.job}-{next(self._ids)}"
-            internal_id = self.engine.add_request(request_id, rendered, sampling)
-        except M.MediaError as e:
-            ctx.fail(str(e))
+        except Exception as e:          # bad parameter values, media its processor cannot take
+            ctx.fail(str(e) if isinstance(e, M.MediaError) else f"{type(e).__name__}: {e}")
             return
-        except Exception as e:          # bad parameter values, a prompt longer than the model, media
-            ctx.fail(f"{type(e).__name__}: {e}")    # its processor cannot take
+        tapped = self._tapped and "hidden_states" in ctx.wants
+        if tapped:
+            # Before add_request: the request's first forward is tapped from its first step on.
+            self.engine.collective_rpc("omnid_tap_watch", args=(request_id, self.stage.hidden_prompt))
+        try:
+            internal_id = self.engine.add_request(request_id, rendered, sampling)
+        except Exception as e:          # a prompt longer than the model, media vLLM's processing refuses
+            if tapped:
+                self._forget.append(request_id)
+            ctx.fail(str(e) if isinstance(e, M.MediaError) else f"{type(e).__name__}: {e}")
             return
         prefix = prompt if include_prompt else ""
         given = next(iter(tensor_prompt.values())) if tensor_prompt is not None else ()
         req = self._requests[request_id] = _Request(ctx, prefix, int(params["max_tokens"]), prompt_len=len(given),
                                                     internal_id=str(internal_id or request_id))
         self._by_job[ctx.job] = request_id
-        if self._tapped and "hidden_states" in ctx.wants:
-            # Before the next step, the request's first forward: the tap keeps its rows from there.
-            self.engine.collective_rpc("omnid_tap_watch", args=(req.internal_id, self.stage.hidden_prompt))
+        if tapped:
             self._watching.add(req.internal_id)
             self._by_internal[req.internal_id] = request_id
 
@@ -440,7 +523,7 @@ class VllmEngine(Engine):
     def _take_rows(self) -> None:
         """The tap's rows of the step just run, onto their requests (rank 0 answers)."""
         forget, self._forget = self._forget, []
-        answers = self.engine.collective_rpc("omnid_tap_take", args=(forget,))
+        answers = self.engine.collective_rpc("omnid_tap_take", args=(forget, self._own_core))
         rows = next((a for a in answers if a is not None), None) or {}
         if TAP_ERROR in rows:
             for internal_id in list(self._watching):
@@ -453,7 +536,7 @@ class VllmEngine(Engine):
             request_id = self._by_internal.get(internal_id)
             req = self._requests.get(request_id) if request_id is not None else None
             if req is not None:
-                req.rows.append(block)
+                req.rows.append(unpack(block))
 
     def _tensors(self, req: _Request, ids: list[int], prompt_ids: Any) -> dict[str, Any]:
         """One step's asked-for tensors: its token ids, and the hidden-state rows that came since the last
@@ -497,7 +580,7 @@ class VllmEngine(Engine):
         if req.internal_id in self._watching:
             self._watching.discard(req.internal_id)
             self._by_internal.pop(req.internal_id, None)
-            self._forget.append(req.internal_id)
+            self._forget.append(request_id)         # (the tap's key: the id it was watched by)
         return req
 
     def abort(self, job: str) -> None:

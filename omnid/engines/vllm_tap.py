@@ -72,6 +72,23 @@ def _as_rows(output: Any, with_residual: bool) -> Any:
     return output
 
 
+def pack(t: Any) -> tuple[bytes, str, list[int]]:
+    """A CPU tensor as (its bytes, its dtype's name, its shape): what crosses a process unchanged."""
+    t = t.contiguous()
+    return t.view(-1).view(__import__("torch").uint8).numpy().tobytes(), str(t.dtype).removeprefix("torch."), \
+        list(t.shape)
+
+
+def unpack(block: Any) -> Any:
+    """`pack`'s tensor back (a tensor given as itself passes through)."""
+    import torch
+
+    if isinstance(block, torch.Tensor):
+        return block
+    data, dtype, shape = block
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
+
+
 class HiddenStateTap:
     """Mixed into vLLM's worker class (`worker_extension_cls`); see the module docstring."""
 
@@ -123,8 +140,10 @@ class HiddenStateTap:
     def omnid_tap_watch(self, request_id: str, with_prompt: bool) -> None:
         self._omnid_tap.watched[request_id] = _Watch(with_prompt)
 
-    def omnid_tap_take(self, forget: list[str]) -> dict[str, Any] | None:
-        """The rows kept since the last take, by request id (CPU tensors); None on ranks other than 0."""
+    def omnid_tap_take(self, forget: list[str], packed: bool = False) -> dict[str, Any] | None:
+        """The rows kept since the last take, by request id (CPU tensors); None on ranks other than 0.
+        `packed` (an engine core in a process of its own: the answer crosses vLLM's msgpack, which
+        gives tensors back as lists): each as `(bytes, dtype name, shape)` instead, see `unpack`."""
         state: _TapState = self._omnid_tap
         kept, state.kept = state.kept, []
         for request_id in forget:
@@ -145,7 +164,10 @@ class HiddenStateTap:
             for request_id, n in selection:
                 rows.setdefault(request_id, []).append(stacked[at:at + n])
                 at += n
-        return {rid: (r[0] if len(r) == 1 else torch.cat(r, dim=0)) for rid, r in rows.items()}
+        whole = {rid: (r[0] if len(r) == 1 else torch.cat(r, dim=0)) for rid, r in rows.items()}
+        if packed:
+            return {rid: pack(t) for rid, t in whole.items()}
+        return whole
 
     # ------------------------------------------------------------------ inside the forward
 
@@ -177,7 +199,10 @@ class HiddenStateTap:
         row = 0
         for i, request_id in enumerate(batch.req_ids[:batch.num_reqs]):
             n = int(scheduled.get(request_id, 0))
-            watch = state.watched.get(request_id)
+            # watched by the id given to add_request (before it: a core in a process of its own may
+            # run the request's first step before any later word reaches it), which vLLM's own id
+            # extends with "-" and 8 random characters
+            watch = state.watched.get(request_id) or state.watched.get(request_id.rpartition("-")[0])
             if watch is not None and n > 0:
                 start = int(batch.num_computed_tokens_cpu[i])
                 prompt = int(runner.requests[request_id].num_prompt_tokens)

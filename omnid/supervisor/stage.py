@@ -71,6 +71,8 @@ def describe_exit(code: int | None) -> str:
             return f"was killed by signal {-code}"
     if code == P.EXIT_LOAD_FAILED:
         return f"could not load its engine (exit status {code})"
+    if code == P.EXIT_ENGINE_DIED:
+        return f"exited as its engine core process died (exit status {code})"
     return f"exited with status {code}"
 
 
