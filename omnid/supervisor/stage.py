@@ -286,7 +286,7 @@ class StageHandle(Follower):
             pipe.drain()                # what it said before dying (LoadFailed, Failed ...)
             pipe.close()
         self._close_log_pipe()          # its last lines (a traceback) before the death is logged
-        kill_group(proc.pid)           # anything the engine started dies with it
+        kill_group(proc.pid)            # anything the engine started dies with it
         code = proc.exitcode
         reason = f"worker (pid {proc.pid}) {describe_exit(code)}"
         if code == -signal.SIGKILL and not self.memory.we_killed and proc.pid is not None:
@@ -439,7 +439,7 @@ class StageHandle(Follower):
             self.state = WorkerState.STOPPED
             return
         self.send(P.Shutdown())
-        # still loading (or waiting to): nothing to finish, no wait
+        # (one still loading, or waiting to, has nothing to finish: no grace)
         await worker_process.end(proc, grace if self.state.warm else 0.0)
         self._close_log_pipe()
         self.state = WorkerState.STOPPED
