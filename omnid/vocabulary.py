@@ -98,6 +98,31 @@ class WorkerState(StrEnum):
 WARM_WORKER_STATES = frozenset({WorkerState.READY, WorkerState.BUSY})
 
 
+class SleepState(StrEnum):
+    """A stage's sleep (`idle_unload_s`, or `omnictl stage sleep`), as the supervisor keeps it.
+
+    awake -> dozing (its workers stopping; a job that comes now wakes it again) -> asleep (its
+    workers stopped, its GPUs let go) -> waking (its workers loading again) -> awake. What the API
+    shows of it is `WorkerState.SLEEPING` (and `starting` once a wake is asked for).
+    """
+
+    AWAKE = "awake"
+    DOZING = "dozing"
+    ASLEEP = "asleep"
+    WAKING = "waking"
+
+
+class DaemonState(StrEnum):
+    """The daemon's life: starting (until every stage's first workers are up; then a degraded stage
+    counts as ready) -> serving -> draining (SIGTERM: no new job, the running ones finish) -> stopping
+    (the workers stop; new jobs are turned away). A stop during the start goes to stopping at once."""
+
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    STOPPING = "stopping"
+
+
 class EventType(StrEnum):
     """The `type` of a job's events (`GET /v1/jobs/{id}/events`)."""
 

@@ -48,7 +48,8 @@ from omnid.supervisor.resources import DiskWatch
 from omnid.supervisor.openapi import describe_pipeline, openapi_document
 from omnid.supervisor.scheduler import Scheduler
 from omnid.supervisor.stage_group import StageGroup
-from omnid.vocabulary import TERMINAL_JOB_STATES, ErrorCode, JobRecord, JobState, WorkerState
+from omnid.supervisor.live import Live
+from omnid.vocabulary import TERMINAL_JOB_STATES, DaemonState, ErrorCode, JobRecord, JobState, WorkerState
 from omnid.worker.outputs import stream_file
 
 log = structlog.get_logger("omnid.api")
@@ -73,9 +74,19 @@ class DaemonInfo:
     pid: int
     started: float
     version: str
-    stopping: bool = False
-    draining: bool = False
-    starting: bool = True           # until every stage's first workers are up (then degraded counts as ready)
+    state: DaemonState = DaemonState.STARTING
+
+    @property
+    def starting(self) -> bool:     # until every stage's first workers are up (then degraded counts as ready)
+        return self.state is DaemonState.STARTING
+
+    @property
+    def draining(self) -> bool:
+        return self.state in (DaemonState.DRAINING, DaemonState.STOPPING)
+
+    @property
+    def stopping(self) -> bool:
+        return self.state is DaemonState.STOPPING
 
 
 RETRY_AFTER_S = 2      # what 429 and 503 answers suggest to wait before trying again (507: STORAGE_RETRY_AFTER_S)
@@ -139,9 +150,10 @@ async def errors_middleware(request: web.Request,
 
 
 class Api:
-    def __init__(self, config: Config, store: JobStore, scheduler: Scheduler, stages: Mapping[str, StageGroup],
+    def __init__(self, config: Config | Live, store: JobStore, scheduler: Scheduler, stages: Mapping[str, StageGroup],
                  metrics: Metrics, info: DaemonInfo) -> None:
-        self.config = config
+        self.live = Live.of(config)     # the config in force (`config` reads it; a reload changes it there)
+        config = self.live.config
         self.store = store
         self.scheduler = scheduler
         self.stages = stages
@@ -207,6 +219,10 @@ class Api:
             raise Refused(400, ErrorCode.BAD_JSON, f"the request body is not valid JSON: {e}") from None
         except RecursionError:
             raise Refused(400, ErrorCode.BAD_JSON, "the request body is nested too deeply") from None
+
+    @property
+    def config(self) -> Config:
+        return self.live.config
 
     # ------------------------------------------------------------------ jobs
 

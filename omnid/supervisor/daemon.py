@@ -49,13 +49,14 @@ from omnid.store import JobStore, StateDirBusy
 from omnid.supervisor import resources
 from omnid.supervisor.access import Access
 from omnid.supervisor.api import Api, DaemonInfo, error
+from omnid.supervisor.live import Live
 from omnid.supervisor.openai_api import OpenAiApi
 from omnid.supervisor.reload import Reloader
 from omnid.supervisor.scheduler import Scheduler
 from omnid.supervisor.stage import StageHandle
 from omnid.supervisor.stage_group import StageGroup
 from omnid.supervisor.stage_logs import DaemonLogHandler, install_daemon_log, remove_daemon_log
-from omnid.vocabulary import ErrorCode, WorkerState
+from omnid.vocabulary import DaemonState, ErrorCode, WorkerState
 
 log = structlog.get_logger("omnid.daemon")
 
@@ -110,7 +111,7 @@ class Daemon:
     """The supervisor. `run()` is its five steps (see the module docstring), each one method."""
 
     def __init__(self, config: Config) -> None:
-        self.config = config
+        self.live = Live(config)        # the config in force, which every part reads (a reload changes it)
         self.info = DaemonInfo(pid=os.getpid(), started=time.time(), version=__version__)
         self.device_locks = DeviceLocks(config.daemon.lock_dir, owner=f"omnid {config.source or ''}".strip())
         self.leases = DeviceLeases(self.device_locks)     # which stage needs which locked GPU (sleep frees them)
@@ -158,9 +159,9 @@ class Daemon:
             await self._listen_as_configured()      # a reload may change daemon.listen
 
     @property
-    def current(self) -> Config:
+    def config(self) -> Config:
         """The config in force (a reload replaces it)."""
-        return self.reloader.config if self.reloader is not None else self.config
+        return self.live.config
 
     async def run(self) -> int:
         """Run until SIGTERM/SIGINT. Returns the exit status."""
@@ -185,7 +186,7 @@ class Daemon:
             systemd.notify(f"READY=1\nSTATUS=serving {len(self.config.pipelines)} pipelines")
             log.info("ready", startup_s=round(time.time() - self.info.started, 3))
             self._serving = True
-            self.info.starting = False
+            self.info.state = DaemonState.SERVING
             if self._reload_wanted:
                 self.request_reload()
             await self._main_loop()                                 # 4
@@ -236,28 +237,29 @@ class Daemon:
         """The parts, each built after what it uses: stage handles, metrics, scheduler, API."""
         self._load_locks = {d: asyncio.Lock() for d in self.config.devices}   # one loader per device at a time
 
-        def make_replica(config: Config, name: str, replica: int) -> StageHandle:
-            if config.stages[name].placement_of(replica) == "ray":
+        # `config`: the one a reload makes it under, before that one is in force; None: the one in force.
+        def make_replica(config: Config | None, name: str, replica: int) -> StageHandle:
+            if (config if config is not None else self.live.worker).stages[name].placement_of(replica) == "ray":
                 from omnid.supervisor.ray_stage import RayStageHandle     # imports ray when first used
                 self._uses_ray = True
-                return RayStageHandle(config, config.stages[name], self.data_dir, store.jobs_dir,
-                                      self._load_locks, replica)
-            return StageHandle(config, config.stages[name], self.data_dir, store.jobs_dir, self._load_locks,
-                               replica)
+                return RayStageHandle(self.live, name, self.data_dir, store.jobs_dir, self._load_locks, replica,
+                                      config)
+            return StageHandle(self.live, name, self.data_dir, store.jobs_dir, self._load_locks, replica, config)
 
-        def make_stage(config: Config, name: str) -> StageGroup:
-            self.leases.hold(name, config.stages[name].devices)     # locked already (`_take_locks`, reload)
-            return StageGroup(config, name, make_replica, self.leases)
+        def make_stage(config: Config | None, name: str) -> StageGroup:
+            devices = (config if config is not None else self.live.worker).stages[name].devices
+            self.leases.hold(name, devices)     # locked already (`_take_locks`, reload)
+            return StageGroup(self.live, name, make_replica, self.leases, config)
 
-        self.stages = {name: make_stage(self.config, name) for name in self.config.stages}
+        self.stages = {name: make_stage(None, name) for name in self.config.stages}
         metrics = Metrics(self.stages)
-        self.scheduler = Scheduler(self.config, store, self.stages,
+        self.scheduler = Scheduler(self.live, store, self.stages,
                                    lambda address: P.socket_path(self.data_dir, address), metrics)
         self.scheduler.restore(store.unfinished())     # what the last daemon accepted and did not finish
         sched = self.scheduler
         self._retention = Retention(self.config.daemon, store,
                                     lambda: set(sched.live) | {job for _, job in sched.stopping})
-        api = Api(self.config, store, self.scheduler, self.stages, metrics, self.info)
+        api = Api(self.live, store, self.scheduler, self.stages, metrics, self.info)
         OpenAiApi(api).mount(api.app)       # /v1/models, /v1/chat/completions, ... on the same socket
         try:
             self.keys = KeyStore(key_path(self.config.daemon.state_dir))
@@ -265,7 +267,7 @@ class Daemon:
             raise StartupError(str(e)) from None
         Access(api, self.keys).mount(api.app)   # the TCP listener's door: API keys (innermost middleware)
         self._watch_resources(api, metrics)
-        self.reloader = Reloader(self.config, self.stages, self.scheduler, api, make_stage, self.device_locks,
+        self.reloader = Reloader(self.live, self.stages, self.scheduler, make_stage, self.device_locks,
                                  self._load_locks)
         return api
 
@@ -346,7 +348,7 @@ class Daemon:
         """Open `daemon.listen`'s addresses not open yet, close those no longer listed (their open
         connections finish what they are doing); returns what could not be opened."""
         assert self._runner is not None and self.keys is not None
-        wanted = [hp for hp in self.current.daemon.listen if hp not in self._inherited_tcp]
+        wanted = [hp for hp in self.config.daemon.listen if hp not in self._inherited_tcp]
         for hp in [hp for hp in self._tcp_sites if hp not in wanted]:
             await self._tcp_sites.pop(hp).stop()
             log.info("no longer listening", tcp=_address(*hp))
@@ -403,7 +405,7 @@ class Daemon:
                 pass
             for h in list(self.stages.values()):
                 h.check_heartbeat()
-            if self.scheduler is not None and not self.info.draining:
+            if self.scheduler is not None and self.info.state is DaemonState.SERVING:
                 self.scheduler.tend_sleep()         # idle stages with idle_unload_s go to sleep
             self._retention.maybe_run()             # finished jobs past keep_jobs / keep_jobs_days
             self._tend_disk()
@@ -416,7 +418,7 @@ class Daemon:
         when there is room; the disk's state (ready, 507) follows."""
         if self.store is not None and self.store.pending:
             self.store.flush()
-        cfg = self.current.daemon               # (a reload may have moved the floors)
+        cfg = self.config.daemon               # (a reload may have moved the floors)
         self.disk.configure(cfg.min_free_mb, cfg.min_free_inodes, cfg.ballast_mb)
         self.disk.tick()
 
@@ -428,9 +430,9 @@ class Daemon:
         Whatever still runs then is run again, or failed, by the next start (`Scheduler.restore`)."""
         if self.scheduler is None:
             return
-        self.info.draining = True
+        self.info.state = DaemonState.DRAINING
         kept = self.scheduler.drain()
-        grace = self.current.daemon.drain_timeout_s
+        grace = self.config.daemon.drain_timeout_s
         deadline = time.monotonic() + grace
         log.info("draining", running=self.scheduler.running(), kept_for_next_start=kept, grace_s=grace)
         while (running := self.scheduler.running()) and time.monotonic() < deadline and not self._stop_now.is_set():
@@ -449,7 +451,7 @@ class Daemon:
     async def _shutdown(self) -> None:
         """Keep what is live for the next start, close the API, stop the workers, release the locks,
         remove the socket."""
-        self.info.stopping = True
+        self.info.state = DaemonState.STOPPING
         systemd.notify("STOPPING=1")
         if self.scheduler is not None:
             self.scheduler.shutdown()
@@ -459,7 +461,7 @@ class Daemon:
             await self._metrics_runner.cleanup()
         if self.reloader is not None:
             await self.reloader.stop()
-        await asyncio.gather(*(h.stop(self.current.daemon.stop_grace_s) for h in list(self.stages.values())))
+        await asyncio.gather(*(h.stop(self.config.daemon.stop_grace_s) for h in list(self.stages.values())))
         if self._uses_ray:
             from omnid.supervisor import ray_stage
             for group in self.stages.values():

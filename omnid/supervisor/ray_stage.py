@@ -41,13 +41,14 @@ from typing import Any
 import structlog
 
 from omnid import protocol as P
-from omnid.config import Config, StageConfig
+from omnid.config import Config
 from omnid.dataplane import (ACK_FULL, POOL_REQUEST, RESERVE, SHM_ITEM, Closing, Listener, NeedsPlain, RawItem,
                              Sender, _OFFSET)
 from omnid.shm import ShmPool
 from omnid.supervisor.process_stats import ProcessSample
-from omnid.supervisor.stage import StageHandle, _error_summary
-from omnid.supervisor.stage_logs import _write_all, log_file, stage_log_path
+from omnid.supervisor.live import Live
+from omnid.supervisor.stage import StageHandle, error_summary
+from omnid.supervisor.stage_logs import log_file, stage_log_path, write_all
 from omnid.vocabulary import WorkerState
 
 log = structlog.get_logger("omnid.stage")
@@ -121,9 +122,9 @@ class _Bridge(Listener):
 class RayStageHandle(StageHandle):
     """One Ray-placed stage worker (a Ray actor) and its life cycle; see the module docstring."""
 
-    def __init__(self, config: Config, stage: StageConfig, data_dir: Path, jobs_dir: Path,
-                 device_locks: dict[int, asyncio.Lock], replica: int = 0) -> None:
-        super().__init__(config, stage, data_dir, jobs_dir, device_locks, replica)
+    def __init__(self, live: Live, name: str, data_dir: Path, jobs_dir: Path,
+                 device_locks: dict[int, asyncio.Lock], replica: int = 0, config: Config | None = None) -> None:
+        super().__init__(live, name, data_dir, jobs_dir, device_locks, replica, config)
         self._actor: Any = None
         self._incarnation = 0
         self._location: dict[str, Any] = {}
@@ -172,7 +173,7 @@ class RayStageHandle(StageHandle):
                 self._became_ready = False
                 self._load_error = None
                 self._worker_gone(None, None, f"cannot join the Ray cluster at {address}: {type(e).__name__}: "
-                                              f"{_error_summary(str(e), 300)}")
+                                              f"{error_summary(str(e), 300)}")
                 return
         await super().start()
 
@@ -356,7 +357,7 @@ class RayStageHandle(StageHandle):
         log_file(stage_log_path(daemon.state_dir, self.name, self.replica), daemon.log_file_max_bytes,
                  daemon.log_file_keep).write(lines)
         try:
-            _write_all(2, b"".join(line + b"\n" for line in lines))
+            write_all(2, b"".join(line + b"\n" for line in lines))
         except OSError:
             pass
 
@@ -463,7 +464,7 @@ def _actor_error(error: BaseException) -> str:
             text = text[text.index(marker):].removeprefix("Worker exit detail:").strip()
             break
     text = text.split(" Some common causes include", 1)[0]
-    return _error_summary(text, 300) or type(error).__name__
+    return error_summary(text, 300) or type(error).__name__
 
 
 def _printable(options: dict[str, Any]) -> dict[str, Any]:

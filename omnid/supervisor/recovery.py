@@ -27,6 +27,7 @@ from omnid.supervisor.live_job import LiveJob
 from omnid.vocabulary import ErrorCode, EventType, JobState, StageRunState, WorkerState
 
 if TYPE_CHECKING:
+    from omnid.supervisor.dispatch import Dispatch
     from omnid.supervisor.stage import StageHandle
     from omnid.supervisor.stage_group import StageGroup
 
@@ -38,16 +39,13 @@ class JobControl(Protocol):
     stages: Mapping[str, StageGroup]
     store: JobStore
 
-    def feed(self, jobs: list[LiveJob], stage: str, front: bool = False) -> None: ...
-
     def finish(self, job: LiveJob, state: JobState, error: dict[str, Any] | None = None) -> None: ...
-
-    def reroute(self, job: LiveJob, stage: str) -> int: ...
 
 
 class Recovery:
-    def __init__(self, jobs: JobControl) -> None:
+    def __init__(self, jobs: JobControl, dispatch: Dispatch) -> None:
         self._jobs = jobs
+        self._dispatch = dispatch           # the jobs' replicas (`reroute`) and their feeders (`feed`)
         # worker address -> jobs whose input for that worker must be asked for again once it is back
         self.resend_after_restart: dict[str, set[str]] = {}
 
@@ -142,7 +140,7 @@ class Recovery:
         jobs = sorted((live[j] for j in pending if j in live), key=lambda j: j.record.created_at)
         fed_by_the_feeder = [job for job in jobs if not job.pipeline.incoming(handle.name)]
         if fed_by_the_feeder:               # ahead of newer jobs, in their own order
-            self._jobs.feed(fed_by_the_feeder, handle.name, front=True)
+            self._dispatch.feed(fed_by_the_feeder, handle.name, front=True)
         for job in jobs:
             if job.pipeline.incoming(handle.name):
                 self.inputs_for(job, handle.name)
@@ -151,7 +149,7 @@ class Recovery:
         """Ask again for `stage`'s inputs of `job`: from the feeder, or from its upstreams."""
         incoming = job.pipeline.incoming(stage)
         if not incoming:
-            self._jobs.feed([job], stage, front=True)
+            self._dispatch.feed([job], stage, front=True)
         for edge in incoming:
             if job.stage(edge.src).state is not StageRunState.SUCCEEDED:
                 continue                    # not produced yet: it will be delivered when it is
@@ -179,7 +177,7 @@ class Recovery:
                 run = job.record.stages.get(name)
                 if run is None or job.route(name) != handle.replica or not run.state.open:
                     continue
-                self._jobs.reroute(job, name)
+                self._dispatch.reroute(job, name)
                 if job.id in lost:
                     self._ask(job, name)
             return

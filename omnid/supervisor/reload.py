@@ -30,7 +30,7 @@ import structlog
 from omnid import systemd
 from omnid.config import Config, ConfigError, PipelineConfig, load
 from omnid.locks import DeviceBusy, DeviceLocks
-from omnid.supervisor.api import Api
+from omnid.supervisor.live import Live
 from omnid.supervisor.scheduler import Scheduler
 from omnid.supervisor.stage import StageHandle
 from omnid.supervisor.stage_group import StageGroup
@@ -44,23 +44,33 @@ FIXED_DAEMON_KEYS = ("socket", "state_dir", "lock_dir", "socket_mode", "socket_g
 
 
 class Reloader:
-    def __init__(self, config: Config, stages: dict[str, StageGroup], scheduler: Scheduler, api: Api,
-                 make_handle: Callable[[Config, str], StageGroup], device_locks: DeviceLocks,
+    """Applies a reload to the parts; the config in force is `live`'s (a reload changes it there)."""
+
+    def __init__(self, live: Live, stages: dict[str, StageGroup], scheduler: Scheduler,
+                 make_handle: Callable[[Config | None, str], StageGroup], device_locks: DeviceLocks,
                  load_locks: dict[int, asyncio.Lock]) -> None:
-        self.config = config                    # the public one: pipelines by name
+        self.live = live
         self.stages = stages                    # the daemon's own dict, changed in place
         self.scheduler = scheduler
-        self.api = api
-        self._make_handle = make_handle
+        self._make_handle = make_handle         # (the config it is made under, before that is in force; name)
         self._device_locks = device_locks
         self._load_locks = load_locks
-        self.keys = {name: name for name in config.pipelines}                 # name -> current key
-        self.definitions: dict[str, PipelineConfig] = dict(config.pipelines)  # key -> definition
+        self.definitions: dict[str, PipelineConfig] = dict(live.config.pipelines)  # key -> definition
         self._lock = asyncio.Lock()
         self._removals: set[asyncio.Task[None]] = set()
         self._retiring: dict[str, StageGroup] = {}      # removed stages still finishing their jobs
         self._retiring_replicas: set[StageHandle] = set()   # replicas a smaller `replicas` let go
         self.reloads = 0
+
+    @property
+    def config(self) -> Config:
+        """The public config in force: pipelines by name."""
+        return self.live.config
+
+    @property
+    def keys(self) -> dict[str, str]:
+        """Each pipeline's key (the workers' name for its definition): name -> key."""
+        return self.live.keys
 
     def worker_config(self, config: Config) -> Config:
         """What workers get: `config` with every pipeline definition jobs may still name, by key."""
@@ -134,19 +144,25 @@ class Reloader:
             errors = "; ".join(f"{n}: {fresh[n].last_error}" for n in broken)
             log.error("reload refused: new stages could not load", errors=errors)
             return f"reload refused: new stage(s) could not load ({errors}); still serving"
-        # 2. Every other worker learns the new pipelines; changed stages get new workers (or
-        #    replicas more or fewer).
+        # 2. The new workers' config in force: removed stages, and replicas a smaller `replicas`
+        #    lets go, keep theirs; every other worker learns the new pipelines; changed stages get
+        #    new workers (or replicas more or fewer).
+        for name in removed:
+            self.stages[name].keep()
         for name in new.stages:
             if name not in added:
-                self.stages[name].reconfigure(worker_config)
-        results = await asyncio.gather(*(self._apply(self.stages[n], old, new, worker_config) for n in changed))
+                self.stages[name].keep(first=new.stages[name].replicas)
+        self.live.worker = worker_config
+        for name in new.stages:
+            if name in added:
+                self.stages[name].follow()
+            else:
+                self.stages[name].reconfigure()
+        results = await asyncio.gather(*(self._apply(self.stages[n], old, new) for n in changed))
         restarted = [n for n, replaced in zip(changed, results) if replaced]
         resized = [n for n in changed if new.stages[n].replicas != old.stages[n].replicas]
         # 3. The switch: new jobs run on the new pipelines.
-        self.config = new
-        self.keys = keys
-        self.scheduler.reconfigure(new, keys)
-        self.api.config = new
+        self.live.switch(new, keys)
         # 4. Removed stages finish what they have, then stop.
         for name in removed:
             self._retiring[name] = self.stages[name]
@@ -177,11 +193,12 @@ class Reloader:
             keys[name] = key
         return keys
 
-    async def _apply(self, group: StageGroup, old: Config, new: Config, worker_config: Config) -> bool:
-        """A stage whose definition changed: replicas added or let go, and new workers for the
-        replicas whose own definition changed (one after the other). True if any was replaced."""
+    async def _apply(self, group: StageGroup, old: Config, new: Config) -> bool:
+        """A stage whose definition changed (its new one in force): replicas added or let go, and new
+        workers for the replicas whose own definition changed (one after the other). True if any was
+        replaced."""
         before, after = old.stages[group.name], new.stages[group.name]
-        fresh, extra = group.resize_to(worker_config)
+        fresh, extra = group.resize_to()
         if group.sleeping:
             for h in fresh:                 # they load when the stage wakes
                 h.state = WorkerState.SLEEPING
@@ -203,7 +220,7 @@ class Reloader:
     async def _retire_replica(self, group: StageGroup, handle: StageHandle) -> None:
         """A replica a smaller `replicas` let go: it takes no new job; it stops once its jobs are done."""
         try:
-            while handle.running or self.scheduler.assigned(group.name)[handle.replica] > 0:
+            while handle.running or self.scheduler.dispatch.assigned(group.name)[handle.replica] > 0:
                 await asyncio.sleep(0.2)
             await handle.stop(self.config.daemon.stop_grace_s)
             group.drop_retired(handle)

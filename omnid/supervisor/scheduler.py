@@ -9,7 +9,9 @@ data plane. It follows each job through the workers' messages, one handler per m
 (`_HANDLERS`: `on_admitted`, `on_started`, ...), and owns the decisions: a job's state, its
 deadline, cancellation (with a grace period after which a worker that ignores it is killed and
 restarted), and cleaning every worker's per-job state (`Forget`) once a job is over. What happens
-when a worker dies is `Recovery`'s (recovery.py).
+when a worker dies is `Recovery`'s (recovery.py); which replica serves a job, and the feeding of its
+own inputs, `Dispatch`'s (dispatch.py); idle stages' sleep and wake, `SleepTender`'s (stage_sleep.py);
+the jobs a previous daemon left, `take_back`'s (restore.py). The config in force is `Live`'s (live.py).
 
 To add a worker message: define it in `omnid.protocol`, write `on_<message>` here, and list it in
 `_HANDLERS`. To add a job state: `omnid.vocabulary.JobState`.
@@ -18,7 +20,6 @@ To add a worker message: define it in `omnid.protocol`, write `on_<message>` her
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import secrets
 import time
@@ -29,16 +30,18 @@ from typing import Any
 import structlog
 
 from omnid import protocol as P
-from omnid.config import Config, PipelineConfig
-from omnid.dataplane import Sender, WorkItem
+from omnid.config import Config
 from omnid.metrics import Metrics
 from omnid.store import JobStore, StoreWriteFailed, Unfinished
+from omnid.supervisor.dispatch import Dispatch
 from omnid.supervisor.errors import STORAGE_RETRY_AFTER_S, Refused
-from omnid.supervisor.feeder import Feeder
+from omnid.supervisor.live import Live
 from omnid.supervisor.live_job import EventQueue, LiveJob
 from omnid.supervisor.recovery import Recovery
+from omnid.supervisor.restore import take_back
 from omnid.supervisor.stage import StageHandle
 from omnid.supervisor.stage_group import StageGroup
+from omnid.supervisor.stage_sleep import SleepTender
 from omnid.vocabulary import ErrorCode, EventType, JobRecord, JobState, StageRun, StageRunState, WorkerState
 
 log = structlog.get_logger("omnid.scheduler")
@@ -49,45 +52,30 @@ def new_job_id() -> str:
 
 
 class Scheduler:
-    """Owns the live jobs; the `StageListener` of every stage handle."""
+    """Owns the live jobs; the `StageListener` of every stage handle. Its parts: `dispatch` (each
+    job's replicas, and its inputs to the first stages: dispatch.py), `sleeper` (idle stages to sleep,
+    and woken for their jobs: stage_sleep.py), `recovery` (dead workers: recovery.py)."""
 
-    def __init__(self, config: Config, store: JobStore, stages: Mapping[str, StageGroup],
+    def __init__(self, live: Config | Live, store: JobStore, stages: Mapping[str, StageGroup],
                  data_socket: Callable[[str], Path], metrics: Metrics | None = None) -> None:
-        self.config = config
+        self.in_force = Live.of(live)       # the config in force (a reload switches it)
         self.store = store
         self.stages = stages
         self.metrics = metrics
         self.live: dict[str, LiveJob] = {}
-        self.keys: dict[str, str] = {name: name for name in config.pipelines}   # name -> the current key
         self._unarmed: list[LiveJob] = []       # restored jobs whose timers wait for the stages
         self.stopping: dict[tuple[str, str], asyncio.TimerHandle] = {}   # (worker address, job) -> grace kill
-        self.recovery = Recovery(self)
+        self.dispatch = Dispatch(self.in_force, self.live, stages, data_socket)
+        self.recovery = Recovery(self, self.dispatch)
+        self.sleeper = SleepTender(self)
         self.loop = asyncio.get_running_loop()
-        self._data_socket = data_socket
-        self.feeders: dict[str, Feeder] = {}    # worker address -> its feeder (first stages only)
-        self._sleeps: set[asyncio.Task[None]] = set()
         for group in stages.values():
             group.attach(self)
 
-    def _feeder(self, stage: str, replica: int) -> Feeder:
-        address = P.address(stage, replica)
-        feeder = self.feeders.get(address)
-        if feeder is None:
-            feeder = self.feeders[address] = Feeder(
-                address, Sender(self._data_socket, self.config.daemon.shm_min_bytes), self.is_live,
-                lambda job: self._address(job, stage))
-        return feeder
-
-    def _address(self, job_id: str, stage: str) -> str:
-        """Where a job's input for `stage` goes now (its replica may change while a feeder waits)."""
-        job = self.live.get(job_id)
-        return P.address(stage, job.route(stage) if job is not None else 0)
-
-    def reconfigure(self, config: Config, keys: dict[str, str]) -> None:
-        """A reload: new jobs use `config` (and the workers' pipeline `keys`); live jobs keep the
-        definition they started with. New stages are in `stages` already, attached to this."""
-        self.config = config
-        self.keys = dict(keys)
+    @property
+    def config(self) -> Config:
+        """The config in force: new jobs use its pipelines; live jobs keep the definition they started with."""
+        return self.in_force.config
 
     def is_live(self, job_id: str) -> bool:
         return job_id in self.live
@@ -120,8 +108,8 @@ class Scheduler:
                            timeout_s=timeout, inputs=input_summary, params=params,
                            stages={s: StageRun() for s in pipeline.stages})
         job = LiveJob(record, pipeline, inputs, self.store)
-        job.key = self.keys[pipeline_name]
-        self._route(job)
+        job.key = self.in_force.keys[pipeline_name]
+        self.dispatch.route(job)
         self.live[job.id] = job
         self.store.save(record)
         self.store.keep_inputs(job.id, inputs)
@@ -136,161 +124,27 @@ class Scheduler:
         job.timer = self.loop.call_later(timeout, self._timed_out, job.id)
         if self.metrics:
             self.metrics.job_submitted(pipeline_name)
-        self._wake_for(job)
+        self.sleeper.wake_for(job)
         for src in pipeline.sources:
-            self.feed([job], src)
+            self.dispatch.feed([job], src)
         return record
 
-    # ------------------------------------------------------------------ replicas
-
-    def assigned(self, stage: str) -> list[int]:
-        """Per replica of `stage`: the live jobs given to it and not done there (queued in it,
-        running in it, or on their way to it from upstream)."""
-        group = self.stages[stage]
-        counts = [0] * len(group.replicas)
-        for job in self.live.values():
-            run = job.record.stages.get(stage)
-            if run is not None and run.state.open and (run.replica or 0) < len(counts):
-                counts[run.replica or 0] += 1
-        return counts
-
-    def _route(self, job: LiveJob) -> None:
-        """Give the job one replica of each of its stages, the least loaded (`StageGroup.pick`)."""
-        for name, run in job.record.stages.items():
-            group = self.stages.get(name)
-            if group is not None:
-                run.replica = group.pick(self.assigned(name)) if len(group.replicas) > 1 else 0
-
-    def reroute(self, job: LiveJob, stage: str) -> int:
-        """The job's replica of `stage` is down for good: give it another; upstream workers and the
-        feeder send there from now on. Returns the new replica."""
-        group = self.stages[stage]
-        run = job.stage(stage)
-        run.replica = None                  # not counted where it was
-        new = group.pick(self.assigned(stage))
-        run.replica = new
-        for edge in job.pipeline.incoming(stage):
-            if (up := self.stages.get(edge.src)) is not None:
-                up.send(P.Reroute(job.id, stage, new))
-        log.info("job moved to another replica", job=job.id, stage=stage, replica=new)
-        return new
-
-    # ------------------------------------------------------------------ sleeping stages
+    # ------------------------------------------------------------------ sleeping stages (stage_sleep.py)
 
     def has_work(self, stage: str) -> bool:
-        """A live job still needs the stage (or a stopped job's work there is not over yet)."""
-        return stage in self._stages_with_work()
-
-    def _stages_with_work(self) -> set[str]:
-        """Every stage some live job still needs, or that still runs a stopped job (one pass)."""
-        busy = {P.parse_address(addr)[0] for addr, _ in self.stopping}
-        busy.update(name for name, group in self.stages.items() if group.running)
-        for job in self.live.values():
-            busy.update(name for name, run in job.record.stages.items() if run.state.open)
-        return busy
-
-    def _wake_for(self, job: LiveJob) -> None:
-        """The job needs its stages: each one asleep (or falling asleep) is woken; the job hears of it."""
-        for name in job.pipeline.stages:
-            group = self.stages.get(name)
-            if group is None:
-                continue
-            group.touch()
-            if group.resting:
-                job.events.emit(EventType.STAGE_WAKING, stage=name)
-                task = group.wake_soon()
-                task.add_done_callback(functools.partial(self._woke, job.id, name))
-
-    def _woke(self, job_id: str, stage: str, task: asyncio.Task[bool]) -> None:
-        job = self.live.get(job_id)
-        if job is None or task.cancelled():     # cancelled: the daemon stops (the job is kept for its next start)
-            return
-        group = self.stages[stage]
-        ok = task.exception() is None and task.result()
-        if ok:
-            job.events.emit(EventType.STAGE_AWAKE, stage=stage, wake_s=group.wake_s)
-            return
-        why = group.sleep_error or group.last_error or "it could not load"
-        self.finish(job, JobState.FAILED, {"code": str(ErrorCode.WAKE_FAILED), "stage": stage,
-                                           "message": f"stage {stage!r} was asleep and could not wake: {why}"})
+        return self.sleeper.has_work(stage)
 
     def tend_sleep(self) -> None:
-        """Once a second: a stage idle for its `idle_unload_s` goes to sleep; a stage with work is not idle."""
-        busy = self._stages_with_work()
-        for group in list(self.stages.values()):
-            if group.name in busy:
-                group.touch()
-                continue
-            limit = group.stage.idle_unload_s
-            if limit is not None and group.idle_for() >= limit and group.state.warm:
-                self.put_to_sleep(group)
+        self.sleeper.tend()
 
     def put_to_sleep(self, group: StageGroup) -> None:
-        """Stop the stage's workers now (it has no work: `has_work`, checked by the caller)."""
-        if group.resting:
-            return
-        group.dozing = True                 # from now on a job for it wakes it again
-        task = self.loop.create_task(self._sleep(group), name=f"sleep-{group.name}")
-        self._sleeps.add(task)
-        task.add_done_callback(self._sleeps.discard)
+        self.sleeper.put_to_sleep(group)
 
-    async def _sleep(self, group: StageGroup) -> None:
-        try:
-            slept = await group.sleep(self.config.daemon.stop_grace_s)
-        finally:
-            group.dozing = False
-        if not slept:                       # a job came first: it stays awake
-            return
-        for h in group.replicas:            # a job that slipped in while the workers stopped goes again
-            self.recovery.worker_slept(h)
-        if group.sleeping and self.has_work(group.name):
-            group.wake_soon()
+    # ------------------------------------------------------------------ a restart
 
     def restore(self, unfinished: list[Unfinished]) -> None:
-        """Take back the jobs a previous daemon accepted and did not finish, oldest first.
-
-        Queued jobs are queued again, in their order. A job that was running runs again from the
-        start if its pipeline's `retries` allow another attempt (its state stays `running`), else
-        it fails saying the daemon was interrupted. Their timeouts start again: the time the
-        daemon was down is not theirs.
-        """
-        now = time.time()
-        restored: list[LiveJob] = []
-        for old in unfinished:
-            record = old.record
-            pipeline = self.config.pipelines.get(record.pipeline)
-            was_running = record.state is JobState.RUNNING
-            job = LiveJob(record, pipeline or PipelineConfig(record.pipeline, tuple(record.stages), ()),
-                          old.inputs or {}, self.store, old.events)
-            job.attempts = old.attempts
-            self.live[job.id] = job
-            problem = None
-            if pipeline is None:
-                problem = f"the daemon restarted without its pipeline {record.pipeline!r} (the configuration changed)"
-            elif old.inputs is None:
-                problem = "the daemon stopped before this job finished; submit it again"
-            elif was_running and job.attempts >= pipeline.retries:
-                problem = ("the daemon was interrupted while this job was running"
-                           + (f" (retries = {pipeline.retries}, all used)" if pipeline.retries else ""))
-            if problem is not None or pipeline is None:
-                self.finish(job, JobState.FAILED, {"code": str(ErrorCode.DAEMON_RESTARTED), "message": problem})
-                continue
-            record.stages = {s: StageRun() for s in pipeline.stages}
-            self._route(job)
-            if was_running:
-                job.attempts += 1
-                self.store.keep_inputs(job.id, job.inputs, job.attempts)
-                job.events.emit(EventType.ERROR, code=str(ErrorCode.DAEMON_RESTARTED),
-                                message=f"the daemon was interrupted; running the job again "
-                                        f"(attempt {job.attempts + 1})")
-            self.store.save(record)
-            self._unarmed.append(job)       # its timer starts once the stages are up (`arm_restored`)
-            restored.append(job)
-        for src in sorted({s for job in restored for s in job.pipeline.sources}):
-            self.feed([job for job in restored if src in job.pipeline.sources], src)
-        if restored:
-            log.info("jobs taken back after a restart", queued=sum(j.record.state is JobState.QUEUED for j in restored),
-                     rerun=sum(j.record.state is JobState.RUNNING for j in restored), took_s=round(time.time() - now, 3))
+        """Take back the jobs a previous daemon accepted and did not finish (restore.py)."""
+        self._unarmed.extend(take_back(self, unfinished))   # their timers start once the stages are up
 
     def arm_restored(self) -> None:
         """The stages are up: restored jobs' timeouts start now (loading models is not their time)."""
@@ -298,17 +152,6 @@ class Scheduler:
             if job.id in self.live and job.timer is None:
                 job.timer = self.loop.call_later(job.record.timeout_s, self._timed_out, job.id)
         self._unarmed = []
-
-    def feed(self, jobs: list[LiveJob], stage: str, front: bool = False) -> None:
-        """Send jobs' own inputs, in this order, to one of their pipelines' first stages (each to
-        its replica there)."""
-        by_replica: dict[int, list[WorkItem]] = {}
-        for job in jobs:
-            by_replica.setdefault(job.route(stage), []).append(
-                WorkItem(job=job.id, pipeline=job.key, src=None, inputs=job.inputs, params=job.record.params,
-                         routes=job.routes))
-        for replica, items in by_replica.items():
-            self._feeder(stage, replica).push(items, front=front)
 
     # ------------------------------------------------------------------ events to clients
 
@@ -582,10 +425,8 @@ class Scheduler:
                 job.timer.cancel()
             job.events.close()
         self.store.flush()
-        for f in self.feeders.values():
-            f.stop()
-        for task in self._sleeps:
-            task.cancel()
+        self.dispatch.stop()
+        self.sleeper.stop()
 
 
 # A worker's per-job message -> its handler, called with the live job and the stage's name.

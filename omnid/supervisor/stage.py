@@ -7,10 +7,13 @@ control pipe (`ControlPipe`) and its process sentinel are watched with
 `loop.add_reader`, so a worker that dies, during its load or later, is noticed at
 once; `start` and `stop` only await (device load locks, READY, the worker's exit).
 
-`StageHandle` keeps the life cycle and composes its parts: `ControlPipe` (the
-control pipe's I/O), `RestartPolicy` (whether and when to restart),
-`ProcessSampler` (RSS and CPU for snapshots). It tells what happens to one
-`StageListener` (the scheduler), attached once both exist.
+`StageHandle` keeps the life cycle and composes its parts: `WorkerProcess` (the
+process's spawn, its pipes and its end: worker_process.py), `ControlPipe` (the
+control pipe's I/O), `RestartPolicy` (whether and when to restart), `MemoryWatch`
+(its RSS against `max_rss_mb`, and the OOM killer's traces: memory_watch.py),
+`ProcessSampler` (RSS and CPU for snapshots). Its config is the workers' config in
+force (`Live.worker`, live.py). It tells what happens to one `StageListener` (the
+scheduler), attached once both exist.
 
 States (`WorkerState`): starting -> waiting_for_device -> loading -> ready <-> busy;
 on death: restarting (backoff) -> loading ..., or failed when it keeps crashing or
@@ -20,7 +23,6 @@ cannot load; stopped at shutdown.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 import signal
 import time
@@ -33,16 +35,17 @@ import structlog
 
 from omnid import protocol as P
 from omnid.config import Config, StageConfig
-from omnid.supervisor import resources
+from omnid.supervisor import worker_process
 from omnid.supervisor.control_pipe import ControlPipe
+from omnid.supervisor.live import Follower, Live
+from omnid.supervisor.memory_watch import MemoryWatch
 from omnid.supervisor.process_stats import ProcessSampler
 from omnid.supervisor.restart_policy import GiveUp, RestartPolicy
 from omnid.supervisor.stage_logs import PipeReader, log_file, stage_log_path
+from omnid.supervisor.worker_process import WorkerProcess, kill_group
 from omnid.vocabulary import WorkerState
 
 log = structlog.get_logger("omnid.stage")
-
-_SPAWN = multiprocessing.get_context("spawn")
 
 
 class StageListener(Protocol):
@@ -76,7 +79,7 @@ def describe_exit(code: int | None) -> str:
     return f"exited with status {code}"
 
 
-def _error_summary(error: str, limit: int = 600) -> str:
+def error_summary(error: str, limit: int = 600) -> str:
     """The whole exception message, on one line, without its traceback: a load error's first line
     alone ("ValidationError: 1 validation error for ModelConfig") hides its cause."""
     message = error.split("\nTraceback (most recent call last):", 1)[0]
@@ -84,26 +87,17 @@ def _error_summary(error: str, limit: int = 600) -> str:
     return text if len(text) <= limit else text[:limit] + " [...]"
 
 
-def _kill_group(pid: int | None) -> None:
-    """SIGKILL the worker's process group: anything its engine started dies with it."""
-    if pid is None:
-        return
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+class StageHandle(Follower):
+    """One stage worker process and its life cycle. Its `config` is the workers' config in force
+    (`Live.worker`; one a reload lets go keeps its own: `Follower`)."""
 
-
-class StageHandle:
-    """One stage worker process and its life cycle."""
-
-    def __init__(self, config: Config, stage: StageConfig, data_dir: Path, jobs_dir: Path,
-                 device_locks: dict[int, asyncio.Lock], replica: int = 0) -> None:
-        self.config = config
+    def __init__(self, live: Live, name: str, data_dir: Path, jobs_dir: Path,
+                 device_locks: dict[int, asyncio.Lock], replica: int = 0, config: Config | None = None) -> None:
+        super().__init__(live, config)
         self.replica = replica
-        self.stage = stage.for_replica(replica)     # `devices`: this replica's own
-        self.name = stage.name
-        self.label = P.replica_label(stage.name, replica)   # for logs: `draw`, `draw#1`
+        self.name = name
+        self.label = P.replica_label(name, replica)   # for logs: `draw`, `draw#1`
+        self._stage: tuple[Config, StageConfig] | None = None
         self.data_dir = data_dir
         self.jobs_dir = jobs_dir
         self.device_locks = device_locks
@@ -127,13 +121,9 @@ class StageHandle:
         self._listener: StageListener | None = None
         self._pipe: ControlPipe | None = None
         self._log_pipe: PipeReader | None = None    # this incarnation's stdout/stderr (stage_logs.py)
-        self._policy = RestartPolicy.from_config(config.daemon)
+        self._policy = RestartPolicy.from_config(self.config.daemon)
         self._sampler = ProcessSampler()
-        self._oom: resources.OomWatch | None = None     # the cgroup's OOM count when the worker started
-        self._we_killed = False                          # the supervisor SIGKILLed it (not the kernel)
-        self.last_rss: int | None = None                 # its RSS at the last look (once a second)
-        self.rss_restarts = 0                            # restarts for being over max_rss_mb
-        self._rss_restart: asyncio.Task[None] | None = None
+        self.memory = MemoryWatch(self)     # its RSS (max_rss_mb) and what a SIGKILL nobody here sent means
         self._attempt_over = asyncio.Event()  # the start attempt ended: READY, death, failure or stop
         self._became_ready = False          # this incarnation sent READY
         self._load_error: str | None = None
@@ -144,6 +134,18 @@ class StageHandle:
     def attach(self, listener: StageListener) -> None:
         """From now on, tell `listener` what the worker says and does."""
         self._listener = listener
+
+    @property
+    def stage(self) -> StageConfig:
+        """This replica's stage definition in its config (`devices`: this replica's own)."""
+        config = self.config
+        if self._stage is None or self._stage[0] is not config:
+            self._stage = (config, config.stages[self.name].for_replica(self.replica))
+        return self._stage[1]
+
+    @property
+    def rss_restarts(self) -> int:
+        return self.memory.rss_restarts
 
     @property
     def pid(self) -> int | None:
@@ -173,29 +175,14 @@ class StageHandle:
                 lock.release()
 
     def _spawn(self) -> None:
-        parent, child = _SPAWN.Pipe(duplex=True)
-        # The worker's fds 1 and 2: an OS pipe whose write end goes over as a Connection (passed as an
-        # fd by the spawn method, like `child`); we store and forward its lines (stage_logs.py).
-        log_read, log_write = _SPAWN.Pipe(duplex=False)
         spec = P.WorkerSpec(stage=self.name, config=self.config, data_dir=self.data_dir,
                             jobs_dir=self.jobs_dir, parent_pid=os.getpid(), replica=self.replica)
-        from omnid.worker.main import worker_main
-        proc = _SPAWN.Process(target=worker_main, args=(spec, child, log_write), name=f"omnid-stage-{self.label}",
-                              daemon=False)
+        worker = WorkerProcess(spec, self.label)
         self.state = WorkerState.LOADING
         self._attempt_over.clear()
         self._became_ready = False
         self._load_error = None
-        try:
-            proc.start()
-        except BaseException:
-            parent.close()
-            child.close()
-            log_read.close()
-            log_write.close()
-            raise
-        child.close()
-        log_write.close()                  # the worker's (and its children's) copies alone: EOF when they are gone
+        proc, parent, log_read = worker.start()     # its stdout/stderr: stored and forwarded (stage_logs.py)
         self._close_log_pipe()             # the last incarnation's, if its EOF has not come yet
         daemon = self.config.daemon
         self._log_pipe = PipeReader(log_read, log_file(stage_log_path(daemon.state_dir, self.name, self.replica),
@@ -206,9 +193,7 @@ class StageHandle:
         self.ready_at = None
         self.last_heartbeat = time.monotonic()
         self._sampler.reset()
-        self._oom = resources.OomWatch.now(proc.pid or "self")
-        self._we_killed = False
-        self.last_rss = None
+        self.memory.spawned(proc.pid)
         self._pipe = ControlPipe(parent, self._on_message)
         asyncio.get_running_loop().add_reader(proc.sentinel, self._on_sentinel)
         log.info("stage worker spawned", stage=self.label, pid=proc.pid, devices=list(self.stage.devices),
@@ -236,8 +221,7 @@ class StageHandle:
             self.gpu_memory_bytes = msg.gpu_memory_bytes
             self.tracked_jobs = msg.tracked_jobs
             self.windows = dict(msg.windows)
-            if msg.rss_bytes:               # the worker's own look: in the pipe even when our loop lagged
-                self.last_rss = msg.rss_bytes
+            self.memory.heard(msg.rss_bytes)
             if self.state.warm:
                 self.state = WorkerState.BUSY if msg.running else WorkerState.READY
             return
@@ -304,27 +288,18 @@ class StageHandle:
             pipe.drain()                # what it said before dying (LoadFailed, Failed ...)
             pipe.close()
         self._close_log_pipe()          # its last lines (a traceback) before the death is logged
-        _kill_group(proc.pid)           # anything the engine started dies with it
+        kill_group(proc.pid)            # anything the engine started dies with it
         code = proc.exitcode
         reason = f"worker (pid {proc.pid}) {describe_exit(code)}"
-        if code == -signal.SIGKILL and not self._we_killed and proc.pid is not None:
-            reason += self._oom_note(proc.pid)
+        if code == -signal.SIGKILL and not self.memory.we_killed and proc.pid is not None:
+            reason += self.memory.oom_note(proc.pid)
         self._worker_gone(proc.pid, code, reason)
-
-    def _oom_note(self, pid: int) -> str:
-        """What a SIGKILL nobody here sent may mean: its last RSS, and "likely out of memory" when
-        the cgroup's OOM count or the kernel log says so."""
-        note = f" (last RSS {self.last_rss >> 20} MiB)" if self.last_rss else ""
-        evidence = self._oom.evidence(pid) if self._oom is not None else None
-        if evidence:
-            note += f": likely out of memory ({evidence})"
-        return note
 
     def _worker_gone(self, pid: int | None, code: int | None, reason: str) -> None:
         """The worker is gone (exit status `code`, None when unknown): a planned stop, or a death
         the listener hears of, followed by a restart (or the stage's failure)."""
         if self._load_error:
-            reason += f": {_error_summary(self._load_error)}"
+            reason += f": {error_summary(self._load_error)}"
         if not self._stopping:          # a planned stop (shutdown, sleep) is no error
             self.last_error = reason
         self.running = ()
@@ -378,12 +353,12 @@ class StageHandle:
 
     # ------------------------------------------------------------------ reload and restart
 
-    def reconfigure(self, config: Config) -> None:
-        """A reload: later spawns use `config` (this stage's definition in it may be new: `restart`
-        applies it); the live worker learns the new pipelines and daemon settings now."""
-        self.config = config
-        self.stage = config.stages[self.name].for_replica(self.replica)
-        self.send(P.Reconfigure(config))
+    def reconfigure(self) -> None:
+        """A reload put a new workers' config in force: later spawns use it (this stage's definition
+        in it may be new: `restart` applies it); the live worker learns the new pipelines and daemon
+        settings now."""
+        self.follow()
+        self.send(P.Reconfigure(self.config))
 
     async def restart(self, reason: str, idle_timeout: float) -> None:
         """Replace the worker (its definition changed, or `omnictl stage restart`): its running jobs
@@ -439,10 +414,10 @@ class StageHandle:
         proc = self.process
         if proc is not None and self.alive:
             self._policy.note_kill(counts)
-            self._we_killed = True
+            self.memory.we_killed = True
             log.warning("killing stage worker", stage=self.label, pid=proc.pid, reason=reason)
             self._load_error = reason
-            _kill_group(proc.pid)
+            kill_group(proc.pid)
             if proc.pid is not None:
                 try:
                     os.kill(proc.pid, signal.SIGKILL)
@@ -453,33 +428,7 @@ class StageHandle:
         timeout = self.config.daemon.heartbeat_timeout_s
         if self.state.warm and self.alive and time.monotonic() - self.last_heartbeat > timeout:
             self.kill(f"hung: no heartbeat for {timeout:g} s")
-        self._watch_memory()
-
-    def _watch_memory(self) -> None:
-        """Once a second (with the heartbeat check): the worker's RSS, kept for the report of an OOM
-        kill, and held against `max_rss_mb`: a worker over it is restarted between jobs (nothing
-        running or queued in it), like gunicorn's max_requests, counted in `rss_restarts`."""
-        pid = self.pid
-        local = self.where()["placement"] == "local"      # (a Ray actor's pid may be another node's)
-        rss = resources.rss_bytes(pid) if pid is not None and local and self.alive else None
-        if not rss:                     # gone, or going: a dying process's statm reads 0 (kept: the last real one)
-            return
-        self.last_rss = rss
-        limit = self.stage.max_rss_mb
-        if (not limit or rss <= limit << 20 or self._rss_restart is not None or self.state is not WorkerState.READY
-                or self.running or self.stats.depth):
-            return
-        self.rss_restarts += 1
-        reason = f"its RSS {rss >> 20} MiB is over max_rss_mb = {limit}"
-        log.warning("stage worker over max_rss_mb: restarting it between jobs", stage=self.label, pid=pid,
-                    rss_mb=rss >> 20, max_rss_mb=limit, rss_restarts=self.rss_restarts)
-        self._rss_restart = asyncio.get_running_loop().create_task(self._restart_for_rss(reason))
-
-    async def _restart_for_rss(self, reason: str) -> None:
-        try:
-            await self.restart(reason, 0.0)
-        finally:
-            self._rss_restart = None
+        self.memory.tend()
 
     async def stop(self, grace: float) -> None:
         """Shutdown: ask politely, wait `grace` seconds, then SIGKILL the process group."""
@@ -492,17 +441,8 @@ class StageHandle:
             self.state = WorkerState.STOPPED
             return
         self.send(P.Shutdown())
-        if not self.state.warm:
-            grace = 0.0                    # still loading (or waiting to): nothing to finish, no wait
-        deadline = time.monotonic() + grace
-        while proc.exitcode is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if proc.exitcode is None:
-            _kill_group(proc.pid)
-            proc.kill()
-            while proc.exitcode is None:
-                await asyncio.sleep(0.02)
-        _kill_group(proc.pid)
+        # (one still loading, or waiting to, has nothing to finish: no grace)
+        await worker_process.end(proc, grace if self.state.warm else 0.0)
         self._close_log_pipe()
         self.state = WorkerState.STOPPED
 

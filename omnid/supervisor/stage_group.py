@@ -11,8 +11,12 @@ The job keeps that replica for the stage: every window, hand-off and resend goes
 
 A stage with `idle_unload_s` sleeps when it has had no work for that long: its workers stop and
 its GPU lock files are let go (`sleep`); the next job wakes it (`wake`), and only one sleep or wake
-runs at a time. A reload that changes only `replicas` starts or stops replicas (`resize`) without
-touching the others.
+runs at a time. Its sleep is a `SleepState` (awake -> dozing -> asleep -> waking -> awake); a wake
+asked for (`wake_soon`) is a task, until it is over. A reload that changes only `replicas` starts
+or stops replicas (`resize_to`) without touching the others.
+
+The stage and its replicas read the workers' config in force (`Live.worker`, live.py); what a
+reload lets go keeps the config it had (`keep`).
 """
 
 from __future__ import annotations
@@ -26,37 +30,53 @@ import structlog
 
 from omnid.config import Config, StageConfig
 from omnid.locks import DeviceBusy, DeviceLeases
+from omnid.supervisor.live import Follower, Live
 from omnid.supervisor.stage import StageHandle, StageListener
-from omnid.vocabulary import WorkerState
+from omnid.vocabulary import SleepState, WorkerState
 
 log = structlog.get_logger("omnid.stage")
 
-MakeReplica = Callable[[Config, str, int], StageHandle]
+# (the config a reload made it under before that config is in force; None: the one in force, stage, replica)
+MakeReplica = Callable[[Config | None, str, int], StageHandle]
 
 
-class StageGroup:
-    """A stage's replicas, their common state, and its sleep."""
+class StageGroup(Follower):
+    """A stage's replicas, their common state, and its sleep. Its `config` is the workers' config
+    in force (`Live.worker`), unless it holds its own (`Follower`): `config`, for a stage a reload
+    adds, until the switch; the one it had, for a stage a reload removed."""
 
-    def __init__(self, config: Config, name: str, make_replica: MakeReplica,
-                 leases: DeviceLeases | None = None) -> None:
-        self.config = config
+    def __init__(self, live: Config | Live, name: str, make_replica: MakeReplica,
+                 leases: DeviceLeases | None = None, config: Config | None = None) -> None:
+        super().__init__(live, config)
         self.name = name
-        self.stage: StageConfig = config.stages[name]
         self._make_replica = make_replica
         self._leases = leases
         self.replicas: list[StageHandle] = [make_replica(config, name, i) for i in range(self.stage.replicas)]
         self.active = self.stage.replicas       # replicas from this index on are being retired (a reload)
         self._turn = 0                          # where the next tie between replicas starts
         self._listener: StageListener | None = None
-        self.sleeping = False                   # its workers are stopped until a job wakes it
-        self.dozing = False                     # going to sleep: a job that comes now wakes it again
+        self.sleep_state = SleepState.AWAKE     # dozing: a job that comes now wakes it again; asleep: workers stopped
         self.idle_since = time.monotonic()
         self.slept_at: float | None = None
         self.woke_at: float | None = None
         self.wake_s: float | None = None        # how long the last wake took (load included)
-        self.waking: asyncio.Task[bool] | None = None
+        self._wake_task: asyncio.Task[bool] | None = None     # a wake asked for (`wake_soon`), until it is over
         self._transition = asyncio.Lock()       # one sleep or wake at a time
         self.sleep_error: str | None = None     # why the last wake failed
+
+    @property
+    def stage(self) -> StageConfig:
+        return self.config.stages[self.name]
+
+    @property
+    def sleeping(self) -> bool:
+        """Its workers are stopped until a job wakes it."""
+        return self.sleep_state is SleepState.ASLEEP
+
+    @property
+    def dozing(self) -> bool:
+        """Going to sleep (its workers stopping): a job that comes now wakes it again."""
+        return self.sleep_state is SleepState.DOZING
 
     def __iter__(self) -> Iterator[StageHandle]:
         return iter(self.replicas)
@@ -76,7 +96,7 @@ class StageGroup:
         """ready/busy when every replica serves, degraded when some do, failed when none can;
         otherwise what the replicas are doing (loading, restarting ...); sleeping while asleep."""
         if self.sleeping:               # asleep; `starting` once a wake is asked for
-            return WorkerState.SLEEPING if self.waking is None else WorkerState.STARTING
+            return WorkerState.SLEEPING if self._wake_task is None else WorkerState.STARTING
         serving = self.replicas[:self.active] or self.replicas
         states = [h.state for h in serving]
         if all(s.warm for s in states):
@@ -90,12 +110,12 @@ class StageGroup:
     @property
     def resting(self) -> bool:
         """Asleep, falling asleep, or being woken: a job for it must (still) wake it."""
-        return self.sleeping or self.dozing or self.waking is not None
+        return self.sleeping or self.dozing or self._wake_task is not None
 
     @property
     def takes_jobs(self) -> bool:
         """Readiness: it serves now (or degraded), sleeps, or is being woken: a job for it is taken."""
-        return self.state.serving or self.waking is not None
+        return self.state.serving or self._wake_task is not None
 
     @property
     def last_error(self) -> str | None:
@@ -154,11 +174,26 @@ class StageGroup:
         for h in self.replicas:
             h.check_heartbeat()
 
-    def reconfigure(self, config: Config) -> None:
-        self.config = config
-        self.stage = config.stages[self.name]
+    def keep(self, first: int = 0) -> None:
+        """A reload lets the stage go (or its replicas from `first` on): what it lets go keeps the
+        config it runs with until it stops. Called before the new config is in force."""
+        if first == 0:
+            super().keep()
+        for h in self.replicas[first:]:
+            h.keep()
+
+    def follow(self) -> None:
+        """A stage a reload added: from the switch on, it and its replicas follow the config in force."""
+        super().follow()
+        for h in self.replicas:
+            h.follow()
+
+    def reconfigure(self) -> None:
+        """A reload put a new workers' config in force: the stage follows it, and so do the replicas
+        it keeps (their live workers learn it); those it lets go kept theirs (`keep`)."""
+        super().follow()
         for h in self.replicas[:self.stage.replicas]:
-            h.reconfigure(config)
+            h.reconfigure()
 
     async def restart(self, reason: str, idle_timeout: float) -> None:
         """Replace every replica's worker, one after the other (the others keep serving)."""
@@ -169,19 +204,20 @@ class StageGroup:
             await h.restart(reason, idle_timeout)
 
     async def stop(self, grace: float) -> None:
-        if self.waking is not None:
-            self.waking.cancel()
+        if self._wake_task is not None:
+            self._wake_task.cancel()
         await asyncio.gather(*(h.stop(grace) for h in self.replicas))
 
     # ------------------------------------------------------------------ a reload
 
-    def resize_to(self, config: Config) -> tuple[list[StageHandle], list[StageHandle]]:
-        """A reload changed `replicas`: (new handles to start, handles to retire once idle).
-        The replicas both configs have keep running (`restart` those whose worker changed)."""
-        want = config.stages[self.name].replicas
+    def resize_to(self) -> tuple[list[StageHandle], list[StageHandle]]:
+        """A reload changed `replicas` (its config is in force): (new handles to start, handles to
+        retire once idle). The replicas both configs have keep running (`restart` those whose worker
+        changed)."""
+        want = self.stage.replicas
         fresh: list[StageHandle] = []
         while len(self.replicas) < want:
-            h = self._make_replica(config, self.name, len(self.replicas))
+            h = self._make_replica(None, self.name, len(self.replicas))
             if self._listener is not None:
                 h.attach(self._listener)
             self.replicas.append(h)
@@ -207,23 +243,33 @@ class StageGroup:
         """Stop every worker and let go of the GPUs only this stage uses. False if it was already
         asleep (or is being woken). The caller checked that the stage has no work."""
         async with self._transition:
-            if self.sleeping or self.waking is not None:
+            if self.sleeping or self._wake_task is not None:
                 return False
             log.info("stage going to sleep", stage=self.name, idle_s=round(self.idle_for(), 1))
             await asyncio.gather(*(h.stop(grace) for h in self.replicas))
             for h in self.replicas:
                 h.state = WorkerState.SLEEPING
-            self.sleeping = True
+            self.sleep_state = SleepState.ASLEEP
             self.slept_at = time.time()
             freed = self._leases.drop(self.name) if self._leases is not None else ()
             log.info("stage asleep", stage=self.name, gpus_released=list(freed))
             return True
 
+    def doze(self) -> None:
+        """It is going to sleep (the scheduler's `put_to_sleep`, before `sleep`): from now on a job
+        for it wakes it again."""
+        self.sleep_state = SleepState.DOZING
+
+    def dozed(self) -> None:
+        """The sleep `doze` announced is over: asleep, or still awake (a job came first, or it failed)."""
+        if self.sleep_state is SleepState.DOZING:
+            self.sleep_state = SleepState.AWAKE
+
     def wake_soon(self) -> asyncio.Task[bool]:
         """Start waking the stage (once: later callers get the same task)."""
-        if self.waking is None:
-            self.waking = asyncio.get_running_loop().create_task(self.wake(), name=f"wake-{self.name}")
-        return self.waking
+        if self._wake_task is None:
+            self._wake_task = asyncio.get_running_loop().create_task(self.wake(), name=f"wake-{self.name}")
+        return self._wake_task
 
     async def wake(self) -> bool:
         """Load the workers again (after a sleep that may still be under way). True once they are
@@ -237,7 +283,7 @@ class StageGroup:
                 self.sleep_error = None
                 if not await self._lease_devices():
                     return False
-                self.sleeping = False
+                self.sleep_state = SleepState.WAKING
                 await asyncio.gather(*(h.wake() for h in self.replicas[:self.active]))
                 self.woke_at = time.time()
                 self.wake_s = round(time.monotonic() - t0, 3)
@@ -246,7 +292,9 @@ class StageGroup:
                 log.info("stage awake" if ok else "stage could not wake", stage=self.name, wake_s=self.wake_s)
                 return ok
         finally:
-            self.waking = None
+            self._wake_task = None
+            if self.sleep_state is SleepState.WAKING:
+                self.sleep_state = SleepState.AWAKE
 
     async def _lease_devices(self) -> bool:
         """Lock this stage's GPUs again; while another program holds one, wait (the jobs' timeouts

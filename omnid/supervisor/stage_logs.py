@@ -198,7 +198,7 @@ def log_file(path: Path, max_bytes: int, keep: int) -> LogFile:
     return f
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         try:
@@ -276,7 +276,7 @@ class PipeReader:
         lines = whole[:-1].split(b"\n")
         self.file.write(lines)
         if self.forward_fd is not None:
-            _write_all(self.forward_fd, whole)
+            write_all(self.forward_fd, whole)
 
     def _flush_partial(self) -> None:
         if self._partial:

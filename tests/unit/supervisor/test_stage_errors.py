@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from omnid.supervisor.stage import _error_summary, describe_exit
+from omnid.supervisor.stage import describe_exit, error_summary
 
 
 def test_a_multi_line_message_keeps_its_cause_and_drops_the_traceback() -> None:
@@ -10,11 +10,11 @@ def test_a_multi_line_message_keeps_its_cause_and_drops_the_traceback() -> None:
              "  Value error, User-specified max_model_len (1024) is greater than the derived max_model_len "
              "(max_position_embeddings=512 in model's config.json). [type=value_error]\n"
              "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n")
-    assert _error_summary(error) == (
+    assert error_summary(error) == (
         "ValidationError: 1 validation error for ModelConfig Value error, User-specified max_model_len (1024) "
         "is greater than the derived max_model_len (max_position_embeddings=512 in model's config.json). "
         "[type=value_error]")
-    assert _error_summary("x" * 1000).endswith(" [...]") and len(_error_summary("x" * 1000)) == 606
+    assert error_summary("x" * 1000).endswith(" [...]") and len(error_summary("x" * 1000)) == 606
 
 
 def test_exit_statuses_are_told_in_words() -> None:

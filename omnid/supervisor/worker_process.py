@@ -1,0 +1,71 @@
+"""A local stage worker's process, as its handle (stage.py) starts and ends it: the spawn with
+its two pipes (control, and the worker's stdout/stderr), the SIGKILL of its process group, and the
+stop (asked, a grace period, then killed).
+
+Runs in the supervisor's main thread (spawned from the thread that lives as long as the daemon:
+the kernel's parent-death signal is tied to it); `end` only awaits, polling the exit status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import time
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+from omnid import protocol as P
+
+_SPAWN = multiprocessing.get_context("spawn")
+
+
+def kill_group(pid: int | None) -> None:
+    """SIGKILL the worker's process group: anything its engine started dies with it."""
+    if pid is None:
+        return
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class WorkerProcess:
+    """One worker process, made and not started yet; `start` starts it."""
+
+    def __init__(self, spec: P.WorkerSpec, label: str) -> None:
+        self.control, self._child = _SPAWN.Pipe(duplex=True)
+        # The worker's fds 1 and 2: an OS pipe whose write end goes over as a Connection (passed as an
+        # fd by the spawn method, like the control pipe's end); the handle stores and forwards its lines.
+        self.log_read, self._log_write = _SPAWN.Pipe(duplex=False)
+        from omnid.worker.main import worker_main
+        self.process: BaseProcess = _SPAWN.Process(target=worker_main, args=(spec, self._child, self._log_write),
+                                                   name=f"omnid-stage-{label}", daemon=False)
+
+    def start(self) -> tuple[BaseProcess, Connection, Connection]:
+        """Start it: (the process, our end of its control pipe, the read end of its stdout/stderr).
+        A start that fails closes every pipe."""
+        try:
+            self.process.start()
+        except BaseException:
+            for conn in (self.control, self._child, self.log_read, self._log_write):
+                conn.close()
+            raise
+        self._child.close()
+        self._log_write.close()     # the worker's (and its children's) copies alone: EOF when they are gone
+        return self.process, self.control, self.log_read
+
+
+async def end(proc: BaseProcess, grace: float) -> None:
+    """Wait up to `grace` seconds for a worker asked to stop, then SIGKILL its process group; returns
+    once it has exited (and its group is killed)."""
+    deadline = time.monotonic() + grace
+    while proc.exitcode is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if proc.exitcode is None:
+        kill_group(proc.pid)
+        proc.kill()
+        while proc.exitcode is None:
+            await asyncio.sleep(0.02)
+    kill_group(proc.pid)
