@@ -30,6 +30,7 @@ from _harness import ROOT, Ctx, Row, Shared, fmt, shared_daemons  # noqa: E402
 import bench_capacity  # noqa: E402
 import bench_control  # noqa: E402
 import bench_dataplane  # noqa: E402
+import bench_engine_core  # noqa: E402
 import bench_engines  # noqa: E402
 import bench_omni  # noqa: E402
 import bench_peer  # noqa: E402
@@ -70,6 +71,7 @@ BENCHES: list[Bench] = [
           ["vLLM 16 x 64 tokens, max_inflight 16: jobs/s"], (120, 60), ("engines",)),
     Bench("vllm_vs_raw", "engines", bench_engines.bench_vllm_vs_raw_engine,
           ["vLLM 16 x 64 tokens through omnid: jobs/s"], (150, 90), ("engines",)),
+    Bench("engine_core", "engines", bench_engine_core.bench_engine_core, bench_engine_core.FIGURES, (900, 600), ()),
     Bench("sd_concurrency", "engines", bench_engines.bench_sd_concurrency,
           [f"tiny SD, {k} concurrent jobs: jobs/s" for k in (2, 4, 8)], (120, 70), ("engines",)),
     Bench("t2i", "engines", bench_engines.bench_t2i_throughput,
