@@ -33,9 +33,9 @@ import structlog
 
 from omnid import protocol as P
 from omnid.config import Config, StageConfig
+from omnid.process_stats import ProcessSampler
 from omnid.supervisor import resources
 from omnid.supervisor.control_pipe import ControlPipe
-from omnid.supervisor.process_stats import ProcessSampler
 from omnid.supervisor.restart_policy import GiveUp, RestartPolicy
 from omnid.supervisor.stage_logs import PipeReader, log_file, stage_log_path
 from omnid.vocabulary import WorkerState

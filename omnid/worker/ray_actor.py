@@ -83,7 +83,7 @@ MAX_LOG_LINE = 16 << 10
 
 
 def _report_usage(channel: QueueChannel, interval: float) -> None:
-    from omnid.supervisor.process_stats import ProcessSampler
+    from omnid.process_stats import ProcessSampler
     sampler = ProcessSampler()
     while True:
         sample = sampler.sample(os.getpid())
