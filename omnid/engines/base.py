@@ -15,11 +15,22 @@ import abc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
+
+from omnid.protocol import Progress, Segment
 
 
 class Cancelled(Exception):
     """Raised inside an engine's callbacks to stop a cancelled request at once."""
+
+
+class Outcome(StrEnum):
+    """How a request ended in its stage (`RequestContext.outcome`), set once."""
+
+    FINISHED = "finished"       # `finish`: its outputs are there
+    FAILED = "failed"           # `fail`: `error` says why
+    STOPPED = "stopped"         # `stopped`: aborted, the job ended meanwhile
 
 
 @dataclass
@@ -35,7 +46,8 @@ class RequestContext:
     stage: str
     inputs: dict[str, Any]
     params: dict[str, Any]
-    _emit: Callable[[str, dict[str, Any]], None] = field(repr=False, default=lambda kind, data: None)
+    # The worker's hook for what the request reports as it runs: its progress, its segments' events.
+    _emit: Callable[[Progress | Segment], None] = field(repr=False, default=lambda event: None)
     _is_cancelled: Callable[[], bool] = field(repr=False, default=lambda: False)
     _is_held: Callable[[], bool] = field(repr=False, default=lambda: False)
     # The worker's hook for each segment (streaming edges, live outputs); it returns an error that
@@ -44,7 +56,7 @@ class RequestContext:
     _on_segment: Callable[[dict[str, Any], bool], str | None] = field(repr=False, default=lambda outputs, is_last: None)
     started: float = field(default_factory=time.monotonic)
     # set exactly once, by finish / fail / stopped
-    outcome: str | None = None          # "finished" | "failed" | "stopped"
+    outcome: Outcome | None = None
     outputs: dict[str, Any] | None = None
     error: str | None = None
     segments: int = 0
@@ -66,7 +78,7 @@ class RequestContext:
         return self._is_held()
 
     def progress(self, done: int, total: int) -> None:
-        self._emit("progress", {"done": int(done), "total": int(total)})
+        self._emit(Progress(job=self.job, done=int(done), total=int(total)))
 
     def segment(self, outputs: dict[str, Any], is_last: bool = False) -> None:
         """Stream one piece of output (token text, a preview, an audio chunk).
@@ -83,7 +95,7 @@ class RequestContext:
         if text is not None and len(text) > 2000:      # the event shows it; the output keeps it whole
             text = text[:2000] + " [...]"
         audio = audio_seconds(outputs, self._wav)
-        self._emit("segment", {"index": self.segments, "is_last": is_last, "text": text, "audio_s": audio})
+        self._emit(Segment(job=self.job, index=self.segments, is_last=is_last, text=text, audio_s=float(audio or 0.0)))
         self.segments += 1
 
     def finish(self, outputs: dict[str, Any]) -> None:
@@ -91,16 +103,16 @@ class RequestContext:
             if not isinstance(outputs, dict):
                 self.fail(f"stage returned {type(outputs).__name__}, not a dict of named outputs")
                 return
-            self.outcome, self.outputs = "finished", outputs
+            self.outcome, self.outputs = Outcome.FINISHED, outputs
             self.ended = time.monotonic()
 
     def fail(self, error: str) -> None:
         if self.outcome is None:
-            self.outcome, self.error = "failed", error
+            self.outcome, self.error = Outcome.FAILED, error
 
     def stopped(self) -> None:
         if self.outcome is None:
-            self.outcome = "stopped"
+            self.outcome = Outcome.STOPPED
 
     @property
     def done(self) -> bool:

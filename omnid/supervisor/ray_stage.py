@@ -44,8 +44,8 @@ from omnid import protocol as P
 from omnid.config import Config
 from omnid.dataplane import (ACK_FULL, POOL_REQUEST, RESERVE, SHM_ITEM, Closing, Listener, NeedsPlain, RawItem,
                              Sender, _OFFSET)
+from omnid.process_stats import ProcessSample
 from omnid.shm import ShmPool
-from omnid.supervisor.process_stats import ProcessSample
 from omnid.supervisor.live import Live
 from omnid.supervisor.stage import StageHandle, error_summary
 from omnid.supervisor.stage_logs import log_file, stage_log_path, write_all

@@ -19,10 +19,11 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from omnid.config import PipelineConfig
 from omnid.paths import PRIVATE_DIR, PRIVATE_FILE
 from omnid.protocol import Output
 
@@ -215,3 +216,49 @@ def write_planned(job: str, job_dir: Path, planned: list[PlannedFile]) -> list[O
         size = _write(job_dir / file, data)
         events.append(Output(job=job, name=out_name, file=file, kind=kind, content_type=ctype, size=size))
     return events
+
+
+# A sink's outputs -> their files in the job's folder, one `Output` event each (job, outputs, prefix).
+WriteOutputs = Callable[[str, dict[str, Any], str], list[Output]]
+
+
+class Sink:
+    """One stage's part of its jobs' folders, in the pipelines where it is a last stage (or keeps
+    outputs): its outputs' files when a request ends (`write`, by `write_files`: into the folder
+    here, or a Ray-placed worker's through the supervisor), and its segments' stream files while
+    it runs (`open_live`, where `live`: the folder is on this machine). Main thread only."""
+
+    def __init__(self, stage: str, jobs_dir: Path, write_files: WriteOutputs | None, live: bool) -> None:
+        self.stage = stage
+        self.jobs_dir = jobs_dir
+        self.write_files: WriteOutputs = write_files or self._write_here
+        self.live = live
+
+    def is_for(self, pipeline: PipelineConfig) -> bool:
+        return self.stage in pipeline.sinks
+
+    def prefix(self, pipeline: PipelineConfig) -> str:
+        """How this last stage's outputs are named apart from the other last stages' ones."""
+        return f"{self.stage}." if len(pipeline.sinks) > 1 else ""
+
+    def open_live(self, job: str, pipeline: PipelineConfig) -> StreamWriter | None:
+        """A request starts: its stream files (those of an earlier attempt, before a retry, cleared)."""
+        if not self.is_for(pipeline) or not self.live:
+            return None
+        clear_stream(self.jobs_dir / job, self.prefix(pipeline))
+        return StreamWriter(self.jobs_dir / job, self.prefix(pipeline))
+
+    def close_live(self, job: str, pipeline: PipelineConfig, writer: StreamWriter | None) -> None:
+        """A request ended. Its segments were streamed to files for `?stream=1` readers (who keep
+        their open file); from now on the job's outputs are its final files."""
+        if writer is not None:
+            writer.close()
+        if self.is_for(pipeline) and self.live:
+            clear_stream(self.jobs_dir / job, self.prefix(pipeline))
+
+    def write(self, job: str, pipeline: PipelineConfig, outputs: dict[str, Any]) -> list[Output]:
+        """The request's outputs that are the job's, as files; one `Output` event each."""
+        return self.write_files(job, pipeline.kept(self.stage, outputs), self.prefix(pipeline))
+
+    def _write_here(self, job: str, outputs: dict[str, Any], prefix: str) -> list[Output]:
+        return write_outputs(job, self.jobs_dir / job, outputs, prefix)

@@ -83,7 +83,7 @@ MAX_LOG_LINE = 16 << 10
 
 
 def _report_usage(channel: QueueChannel, interval: float) -> None:
-    from omnid.supervisor.process_stats import ProcessSampler
+    from omnid.process_stats import ProcessSampler
     sampler = ProcessSampler()
     while True:
         sample = sampler.sample(os.getpid())
@@ -332,13 +332,14 @@ class StageActor:
                 "actor_id": ctx.get_actor_id(), "gpus": [str(g) for g in _gpu_ids()]}
 
     def _main(self) -> None:
-        from omnid.worker.main import StageWorker, _clip, _set_process_name, _setup_environment
+        from omnid.worker.bootstrap import clip, set_process_name, setup_environment
+        from omnid.worker.main import StageWorker
         spec = self.spec
         label = P.replica_label(spec.stage, spec.replica)
         _capture_output(self.channel)           # before anything is printed
-        _set_process_name(f"omnid:{label}")
+        set_process_name(f"omnid:{label}")
         gpus = os.environ.get("CUDA_VISIBLE_DEVICES")     # Ray's choice (ray.num_gpus), not `devices`
-        _setup_environment(spec)
+        setup_environment(spec)
         if gpus is None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
@@ -357,7 +358,7 @@ class StageActor:
             logs.adopt_library_loggers()
         except BaseException as e:
             tb = traceback.format_exc(limit=-3)
-            worker.send(P.LoadFailed(error=_clip(f"{type(e).__name__}: {e}\n{tb}")))
+            worker.send(P.LoadFailed(error=clip(f"{type(e).__name__}: {e}\n{tb}")))
             self.channel.taken.wait(5.0)        # the supervisor reads why before it sees the death
             os._exit(P.EXIT_LOAD_FAILED)
         self.worker = worker

@@ -1,6 +1,7 @@
 """Memory and CPU use of a stage worker and its children, for `GET /v1/stages`.
 
-Runs in the supervisor process's event-loop thread, when the API builds a stage snapshot.
+Runs in the supervisor process's event-loop thread, when the API builds a stage snapshot (and in a
+Ray-placed worker's `usage` thread, which samples its own process on its node).
 It reads /proc through psutil: short, non-blocking file reads, no waiting on the worker.
 """
 
