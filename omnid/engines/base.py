@@ -15,7 +15,9 @@ import abc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
+
+from omnid.engines.capabilities import Capabilities
 
 
 class Cancelled(Exception):
@@ -109,6 +111,8 @@ class RequestContext:
 
 class Engine(abc.ABC):
     """A loaded model that turns requests into outputs."""
+
+    capabilities: ClassVar[Capabilities]        # what it can do, declared in capabilities.py
 
     @abc.abstractmethod
     def add(self, ctx: RequestContext) -> None:
