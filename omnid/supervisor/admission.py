@@ -55,7 +55,7 @@ def job_submission(config: Config, body: Any) -> Submission:
     name = body.get("pipeline")
     if not isinstance(name, str) or not name:
         raise Refused(400, ErrorCode.INVALID_REQUEST, "\"pipeline\" must name a pipeline")
-    pipeline = find_pipeline(config, name, 400)
+    pipeline = find_pipeline(config, name)
     found, summary = inputs(config, body.get("inputs", {}), pipeline)
     params = job_params(config, body.get("params", {}), pipeline)
     timeout = body.get("timeout_s")
@@ -69,12 +69,14 @@ def job_submission(config: Config, body: Any) -> Submission:
     return Submission(pipeline, found, params, summary, timeout)
 
 
-def find_pipeline(config: Config, name: str, status: int) -> PipelineConfig:
-    """The pipeline named `name`; else Refused `unknown_pipeline` (400 in a body, 404 in a path)."""
+def find_pipeline(config: Config, name: str, in_path: bool = False) -> PipelineConfig:
+    """The pipeline named `name`; else Refused `unknown_pipeline` (400 named in a body, 404 in a path)."""
     pipeline = config.pipelines.get(name)
     if pipeline is None:
-        raise Refused(status, ErrorCode.UNKNOWN_PIPELINE, f"no pipeline {name!r}; known: "
-                      f"{', '.join(sorted(config.pipelines))}")
+        why = f"no pipeline {name!r}; known: {', '.join(sorted(config.pipelines))}"
+        if in_path:
+            raise Refused(404, ErrorCode.UNKNOWN_PIPELINE, why)
+        raise Refused(400, ErrorCode.UNKNOWN_PIPELINE, why)
     return pipeline
 
 

@@ -295,7 +295,7 @@ class Api:
 
     async def get_pipeline(self, request: web.Request) -> web.Response:
         """One pipeline: its inputs, each stage's parameters (types, limits, defaults), edges, outputs."""
-        pipeline = admission.find_pipeline(self.config, request.match_info["name"], 404)
+        pipeline = admission.find_pipeline(self.config, request.match_info["name"], in_path=True)
         return web.json_response(describe_pipeline(self.config, pipeline))
 
     async def openapi(self, request: web.Request) -> web.Response:
