@@ -12,7 +12,9 @@ submitted it; only that uid or root may read, cancel or delete it.
 
 `Api` is given its collaborators (config, store, scheduler, stage handles, metrics,
 and `DaemonInfo`) by the daemon that builds it; it imports nothing of the daemon.
-To add an endpoint: a handler method here and its route in `Api.__init__`.
+To add an endpoint: a handler method here and its route in `Api.__init__`. What a submission must
+be is admission.py's (every front end asks it); what the front ends share (the JSON body, a job's
+event stream, output files, logs, server-sent events) is http_common.py's.
 """
 
 from __future__ import annotations
