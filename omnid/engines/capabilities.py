@@ -10,7 +10,7 @@ A new engine: its module (the `Engine` subclass), and one `Capabilities` here, i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,8 +94,3 @@ def capabilities(engine: str) -> Capabilities:
 def engines_that(can: Callable[[Capabilities], bool]) -> tuple[str, ...]:
     """The names of the engines whose declaration passes `can`, in the registry's order."""
     return tuple(name for name, caps in CAPABILITIES.items() if can(caps))
-
-
-def named(engines: Iterable[str]) -> str:
-    """`vllm`, `vllm, diffusers`: engine names for a sentence."""
-    return ", ".join(engines)
