@@ -37,6 +37,7 @@ from omnictl.client import (
     file_input,
     parse_prometheus,
 )
+from omnid.vocabulary import JobState, WorkerState
 
 COMPLETION_SHELLS = ("bash", "zsh", "fish")
 COMPLETE_VAR = "_OMNICTL_COMPLETE"     # click's shell-completion protocol variable for prog "omnictl"
@@ -295,7 +296,7 @@ def _write_results(settings: Settings, client: Client, job: dict[str, Any], outp
         for path in paths:
             click.echo(str(path))
         click.echo(render.final_state_line(job))
-    raise click.exceptions.Exit(int(ExitCode.OK if job.get("state") == "succeeded" else ExitCode.JOB_FAILED))
+    raise click.exceptions.Exit(int(ExitCode.OK if job.get("state") == JobState.SUCCEEDED else ExitCode.JOB_FAILED))
 
 
 # --- commands ----------------------------------------------------------------------------------
@@ -449,7 +450,7 @@ def watch(settings: Settings, job_id: str) -> None:
     final = _follow(settings, client, job_id, sys.stdout)
     if not settings.json:
         click.echo(render.final_state_line(final))
-    raise click.exceptions.Exit(int(ExitCode.OK if final.get("state") == "succeeded" else ExitCode.JOB_FAILED))
+    raise click.exceptions.Exit(int(ExitCode.OK if final.get("state") == JobState.SUCCEEDED else ExitCode.JOB_FAILED))
 
 
 @command(click.argument("job_id", metavar="JOB", shell_complete=complete_jobs), output_dir_option)
@@ -502,10 +503,11 @@ def stage_restart(settings: Settings, name: str, no_wait: bool, timeout: float) 
 
     def replaced(snap: dict[str, Any]) -> bool:     # ready, every replica a new process
         pids = _replica_pids(snap)
-        return snap.get("state") in ("ready", "busy") and bool(pids) and None not in pids \
+        return snap.get("state") in (WorkerState.READY, WorkerState.BUSY) and bool(pids) and None not in pids \
             and not old_pids & set(pids)
 
-    snap = _wait_for_stage(settings, client, name, timeout, "not ready in time", done=replaced, failed=("failed",))
+    snap = _wait_for_stage(settings, client, name, timeout, "not ready in time", done=replaced,
+                           failed=(WorkerState.FAILED,))
     if settings.json:
         _print_json(snap)
     else:
@@ -571,8 +573,9 @@ def stage_wake(settings: Settings, name: str, no_wait: bool, timeout: float) -> 
         return
     # `sleeping` again: the wake failed (`starting` while it runs)
     snap = _wait_for_stage(settings, client, name, timeout, "not awake in time",
-                           done=lambda snap: snap.get("state") in ("ready", "busy", "degraded"),
-                           failed=("failed", "sleeping"))
+                           done=lambda snap: snap.get("state") in (WorkerState.READY, WorkerState.BUSY,
+                                                                   WorkerState.DEGRADED),
+                           failed=(WorkerState.FAILED, WorkerState.SLEEPING))
     if settings.json:
         _print_json(snap)
     else:

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 from omnictl.client import TERMINAL_STATES
+from omnid.vocabulary import JobState, WorkerState
 
 if TYPE_CHECKING:
     from omnictl.progress import StepBar
@@ -210,7 +211,7 @@ def final_state_line(job: JSON, now: float | None = None) -> str:
     duration = _job_duration(job, now)
     line = f"{job.get('id')} {state}"
     if duration is not None:
-        line += f" {'in' if state == 'succeeded' else 'after'} {format_duration(duration)}"
+        line += f" {'in' if state == JobState.SUCCEEDED else 'after'} {format_duration(duration)}"
     if job.get("error"):
         line += f": {format_error(job.get('error'))}"
     return line
@@ -279,7 +280,7 @@ def _stage_row(stage: JSON, name: str, pid: Any) -> list[Any]:
     queue = None if depth is None else (f"{depth}/{capacity}" if capacity is not None else str(depth))
     cpu = stage.get("cpu_percent")
     state = stage.get("state")
-    if state == "sleeping" and stage.get("idle_unload_s"):
+    if state == WorkerState.SLEEPING and stage.get("idle_unload_s"):
         state = f"sleeping (idle_unload_s {stage.get('idle_unload_s'):g})"
     return [
         name,

@@ -25,22 +25,15 @@ from typing import Any
 from omnid import paths
 from omnid.keys import KeyFileError, key_path, read_keys
 from omnid.media import MEDIA_KINDS, NO_MEDIA, MediaLimits, detect_kinds
-from omnid.params import ENGINE_PARAMS, check_param, parallel_size, stage_accepts
+from omnid.engines.capabilities import CAPABILITIES, capabilities, engines_that
+from omnid.engines.capabilities import TENSOR_OUTPUTS as TENSOR_OUTPUTS     # (declared with the engines;
+from omnid.engines.capabilities import TENSOR_PROMPTS as TENSOR_PROMPTS     # named here as before)
+from omnid.params import check_param, parallel_size, stage_accepts
 
-ENGINES = ("vllm", "diffusers", "python")
+ENGINES = tuple(CAPABILITIES)       # the names `engine = "..."` takes; what each can do: engines/capabilities.py
 FULL_WINDOW = -1
-# Engines a streaming edge (window = N > 0) may feed, and why the others cannot be.
-STREAM_ENGINES = ("python",)
-# What a vllm stage gives besides `text`, computed only when an edge maps them or `outputs` names them.
-# `prompt_token_ids`: the prompt as the engine tokenized it (a talker embeds it), in the first segment.
-TENSOR_OUTPUTS = ("token_ids", "hidden_states", "prompt_token_ids")
-VLLM_OUTPUTS = ("text", *TENSOR_OUTPUTS)
-# A vllm stage's prompt as tensors: each stands in for a text "prompt".
-TENSOR_PROMPTS = ("prompt_token_ids", "prompt_embeds")
-_WHOLE_INPUT = {
-    "vllm": "it needs its whole prompt before it can start generating",
-    "diffusers": "it needs its whole prompt (a diffusion model conditions every step on all of it)",
-}
+# Engines a streaming edge (window = N > 0) may feed (why the others cannot be: their `whole_input`).
+STREAM_ENGINES = engines_that(lambda e: e.streamed_input)
 
 @dataclass(frozen=True)
 class Problem:
@@ -494,12 +487,14 @@ def _parse_media(c: _Checker, raw: Any, path: str, engine: str | None, model: Pa
     """`[stages.NAME.media]`: per kind, how many items a job may give (default: 1 for each kind the
     model's config.json shows, else 0), and the limits on each item."""
     path = f"{path}.media"
-    detected = detect_kinds(model) if engine == "vllm" else ()
+    takes_media = engine is not None and capabilities(engine).media
+    detected = detect_kinds(model) if takes_media else ()
     if raw is None:
         return MediaLimits(**{k: 1 for k in detected}, detected=detected) if detected else NO_MEDIA
     m = c.table(raw, path)
-    if engine is not None and engine != "vllm":
-        c.add(path, f"only vllm stages take media inputs (a {engine} stage gets its inputs as they are)")
+    if engine is not None and not takes_media:
+        c.add(path, f"only {', '.join(engines_that(lambda e: e.media))} stages take media inputs (a {engine} "
+                    "stage gets its inputs as they are)")
         return NO_MEDIA
     c.unknown(m, _MEDIA_KEYS, path)
     counts: dict[str, int] = {}
@@ -574,12 +569,13 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
     model_raw = c.get(s, "model", path, str)
     function = c.get(s, "function", path, str)
     batch_function = c.get(s, "batch_function", path, str)
-    if engine in ("vllm", "diffusers"):
+    caps = capabilities(engine) if engine is not None else None
+    if caps is not None and caps.model_marker is not None:
         if model_raw is None:
             c.add(f"{path}.model", f"is required for engine {engine!r}")
         else:
             model = _resolve(base, model_raw)
-            marker = "config.json" if engine == "vllm" else "model_index.json"
+            marker = caps.model_marker
             if not model.is_dir():
                 c.add(f"{path}.model", f"directory {str(model)!r} does not exist")
             elif not (model / marker).is_file():
@@ -588,9 +584,9 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
             c.add(f"{path}.function", f"only python stages take a function, not {engine!r}")
         if batch_function is not None:
             c.add(f"{path}.batch_function", f"only python stages take a batch_function, not {engine!r}")
-    elif engine == "python":
+    elif caps is not None and caps.takes_function:
         if function is None and batch_function is None:     # either one, or both
-            c.add(f"{path}.function", "is required for engine 'python'")
+            c.add(f"{path}.function", f"is required for engine {engine!r}")
         if function is not None:
             _check_callable_ref(c, function, f"{path}.function", python_path)
         if batch_function is not None:
@@ -599,14 +595,15 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
             model = _resolve(base, model_raw)
     devices, replica_devices, replicas = _parse_devices(c, s, path)
     max_inflight = c.positive(s, "max_inflight", path, 1, integer=True)
-    if engine == "diffusers" and max_inflight > 64:
+    if caps is not None and caps.max_batch is not None and max_inflight > caps.max_batch:
         # up to max_inflight compatible jobs run as one batched pipeline call: keep that call bounded
-        c.add(f"{path}.max_inflight", f"engine {engine!r} batches at most 64 jobs in one pipeline call; "
-                                      f"must be from 1 to 64, not {max_inflight}")
+        c.add(f"{path}.max_inflight", f"engine {engine!r} batches at most {caps.max_batch} jobs in one pipeline "
+                                      f"call; must be from 1 to {caps.max_batch}, not {max_inflight}")
     args = c.get(s, "args", path, dict, {})
-    if engine == "vllm":
+    if caps is not None and caps.parallel:
         for one in (replica_devices or (tuple(devices),)):
             _check_vllm_parallelism(c, path, args, list(one))
+    if caps is not None and caps.media:
         if "limit_mm_per_prompt" in args:
             c.add(f"{path}.args.limit_mm_per_prompt", "set the media a job may give in the stage's media table "
                   "instead (media.image, media.audio, media.video): omnid passes them to vLLM as this, and "
@@ -617,8 +614,8 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
     for k, v in env.items():
         if not isinstance(v, str):
             c.add(f"{path}.env.{k}", f"must be a string, not {_typename(v)}")
-    if engine is not None:
-        known = ENGINE_PARAMS[engine]
+    if caps is not None:
+        known = caps.params
         for k, v in defaults.items():
             if known is not None and k not in known:
                 c.add(f"{path}.defaults.{k}",
@@ -683,10 +680,12 @@ def model_dims(model: Path | None) -> tuple[int, int] | None:
 def _parse_tensors(c: _Checker, s: Mapping[str, Any], path: str, engine: str | None, model: Path | None,
                    args: Mapping[str, Any]) -> tuple[tuple[str, ...], tuple[int, ...], bool, bool]:
     """A vllm stage's tensor keys: outputs, hidden_layers, hidden_prompt, prompt_embeds."""
-    if engine != "vllm":
+    caps = capabilities(engine) if engine is not None else None
+    if caps is None or not caps.tensors or caps.gives is None:
         for key in _TENSOR_KEYS:
             if key in s and engine is not None:
-                c.add(f"{path}.{key}", f"only vllm stages take {key}, not {engine!r}")
+                c.add(f"{path}.{key}", f"only {', '.join(engines_that(lambda e: e.tensors))} stages take {key}, "
+                                       f"not {engine!r}")
         return (), (-1,), False, False
     outputs_raw = c.get(s, "outputs", path, list, [])
     outputs: list[str] = []
@@ -694,7 +693,7 @@ def _parse_tensors(c: _Checker, s: Mapping[str, Any], path: str, engine: str | N
         if name == "text":
             continue                    # always given
         if name not in TENSOR_OUTPUTS:
-            c.add(f"{path}.outputs[{i}]", f"a vllm stage gives {', '.join(VLLM_OUTPUTS)}, not {name!r}")
+            c.add(f"{path}.outputs[{i}]", f"a {engine} stage gives {', '.join(caps.gives)}, not {name!r}")
         elif name not in outputs:
             outputs.append(name)
     layers_raw = c.get(s, "hidden_layers", path, list, [-1])
@@ -848,10 +847,10 @@ def _parse_edge(c: _Checker, raw: Any, path: str, members: tuple[str, ...],
     if window is None:
         window, ok = FULL_WINDOW, False
     dst_stage = known_stages.get(dst) if isinstance(dst, str) else None
-    if window > 0 and isinstance(dst_stage, StageConfig) and dst_stage.engine not in STREAM_ENGINES:
+    whole = capabilities(dst_stage.engine).whole_input if isinstance(dst_stage, StageConfig) else ""
+    if window > 0 and isinstance(dst_stage, StageConfig) and not capabilities(dst_stage.engine).streamed_input:
         c.add(f"{path}.window", f"stage {dst!r} ({dst_stage.engine}) cannot be fed by a window edge: "
-                                f"{_WHOLE_INPUT[dst_stage.engine]}. Only {', '.join(STREAM_ENGINES)} stages take "
-                                "streamed inputs; use window = -1")
+                                f"{whole}. Only {', '.join(STREAM_ENGINES)} stages take streamed inputs; use window = -1")
         ok = False
     mapping = c.get(e, "map", path, dict)
     if mapping is not None:
@@ -866,10 +865,12 @@ def _parse_edge(c: _Checker, raw: Any, path: str, members: tuple[str, ...],
         src_path = src_stage.python_path if isinstance(src_stage, StageConfig) else ()
         _check_callable_ref(c, transform, f"{path}.transform", src_path)
     src_stage = known_stages.get(src) if isinstance(src, str) else None
-    if mapping is not None and isinstance(src_stage, StageConfig) and src_stage.engine == "vllm":
+    gives = capabilities(src_stage.engine).gives if isinstance(src_stage, StageConfig) else None
+    if mapping is not None and isinstance(src_stage, StageConfig) and gives is not None:
         for k, v in mapping.items():
-            if isinstance(v, str) and v not in VLLM_OUTPUTS:
-                c.add(f"{path}.map.{k}", f"stage {src!r} (vllm) cannot give {v!r}: it gives {', '.join(VLLM_OUTPUTS)}")
+            if isinstance(v, str) and v not in gives:
+                c.add(f"{path}.map.{k}", f"stage {src!r} ({src_stage.engine}) cannot give {v!r}: it gives "
+                                         f"{', '.join(gives)}")
                 ok = False
     if not ok:
         return None
@@ -902,7 +903,8 @@ def _check_tensor_edges(c: _Checker, path: str, edge: EdgeConfig, stages: Mappin
     """An edge that hands a vllm stage `prompt_embeds` or `prompt_token_ids` from a vllm stage must
     give what it can take: hidden states of its width (one layer), token ids."""
     src, dst = stages.get(edge.src), stages.get(edge.dst)
-    if edge.map is None or src is None or dst is None or dst.engine != "vllm" or src.engine != "vllm":
+    if edge.map is None or src is None or dst is None or not capabilities(dst.engine).tensors \
+            or not capabilities(src.engine).tensors:
         return
     for down, up in edge.map.items():
         where = f"{path}.map.{down}"
@@ -928,11 +930,11 @@ def _check_media_edges(c: _Checker, path: str, edges: list[EdgeConfig], stages: 
     whose model takes none would fail every job: said now."""
     for edge in edges:
         src, dst = stages.get(edge.src), stages.get(edge.dst)
-        if dst is None or dst.engine != "vllm":
+        if dst is None or not capabilities(dst.engine).media:
             continue
         if edge.map is not None:
             names = [(f"{path}.map.{k}", k) for k in edge.map]
-        elif edge.transform is None and src is not None and src.engine == "diffusers":
+        elif edge.transform is None and src is not None and capabilities(src.engine).answer == "image":
             names = [(path, "image")]           # what a diffusers stage gives, passed on by name
         else:
             names = []
@@ -1121,7 +1123,7 @@ def _derive_tensors(c: _Checker, stages: dict[str, StageConfig],
     edge that maps one out of it) and whether an edge hands it prompt_embeds."""
     out = dict(stages)
     for name, st in stages.items():
-        if st.engine != "vllm":
+        if not capabilities(st.engine).tensors:
             continue
         asked = set(st.outputs)
         embeds = st.prompt_embeds

@@ -1,23 +1,27 @@
 """Engines: vllm, diffusers, python. Heavy imports happen only in `load_engine`,
-inside a stage worker process, never in the supervisor or omnictl."""
+inside a stage worker process, never in the supervisor or omnictl. What each engine can do is
+declared in `capabilities.py`, which imports none of them."""
 
 from __future__ import annotations
 
-from omnid.config import StageConfig
+import importlib
+from typing import TYPE_CHECKING
+
 from omnid.engines.base import Cancelled, Engine, RequestContext
+from omnid.engines.capabilities import CAPABILITIES
+
+if TYPE_CHECKING:
+    from omnid.config import StageConfig
 
 __all__ = ["Cancelled", "Engine", "RequestContext", "load_engine"]
 
 
 def load_engine(stage: StageConfig) -> Engine:
     """Build the stage's engine (loads the model; may take minutes on a real checkpoint)."""
-    if stage.engine == "vllm":
-        from omnid.engines.vllm_engine import VllmEngine
-        return VllmEngine(stage)
-    if stage.engine == "diffusers":
-        from omnid.engines.diffusers_engine import DiffusersEngine
-        return DiffusersEngine(stage)
-    if stage.engine == "python":
-        from omnid.engines.python_engine import PythonEngine
-        return PythonEngine(stage)
-    raise ValueError(f"unknown engine {stage.engine!r}")
+    caps = CAPABILITIES.get(stage.engine)
+    if caps is None:
+        raise ValueError(f"unknown engine {stage.engine!r}")
+    module, _, name = caps.engine_class.partition(":")
+    engine_class = getattr(importlib.import_module(module), name)
+    engine: Engine = engine_class(stage)
+    return engine

@@ -16,7 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, ClassVar
+
+from omnid.engines.capabilities import Capabilities
 
 from omnid.protocol import Progress, Segment
 
@@ -121,6 +123,8 @@ class RequestContext:
 
 class Engine(abc.ABC):
     """A loaded model that turns requests into outputs."""
+
+    capabilities: ClassVar[Capabilities]        # what it can do, declared in capabilities.py
 
     @abc.abstractmethod
     def add(self, ctx: RequestContext) -> None:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnid.config import StageConfig
+from omnid.engines.capabilities import DIFFUSERS
 from omnid.engines.base import Cancelled, Engine, RequestContext
 from omnid.params import check_param, merged
 
@@ -85,6 +86,8 @@ class _Batch:
 
 
 class DiffusersEngine(Engine):
+    capabilities = DIFFUSERS          # (engines/capabilities.py: what it can do)
+
     def __init__(self, stage: StageConfig) -> None:
         warnings.filterwarnings("ignore", category=FutureWarning)
         import torch

@@ -48,6 +48,7 @@ from typing import Any
 from omnid.config import StageConfig
 from omnid.params import merged
 from omnid.worker.windows import InputStream
+from omnid.engines.capabilities import PYTHON
 from omnid.engines.base import Cancelled, Engine, RequestContext
 
 
@@ -94,6 +95,8 @@ class _Queued:
 
 
 class PythonEngine(Engine):
+    capabilities = PYTHON          # (engines/capabilities.py: what it can do)
+
     def __init__(self, stage: StageConfig) -> None:
         self.stage = stage
         python_path = tuple(str(p) for p in stage.python_path)

@@ -43,6 +43,7 @@ from omnid import media as M
 from omnid.config import StageConfig
 from omnid.protocol import EXIT_ENGINE_DIED
 from omnid.params import VLLM_OMNID_PARAMS, check_param, merged, parallel_size
+from omnid.engines.capabilities import VLLM
 from omnid.engines.base import Engine, RequestContext
 from omnid.engines.vllm_tap import TAP_CLASS, TAP_ERROR, unpack
 
@@ -213,6 +214,8 @@ PROGRESS_EVERY = 8      # tokens between two progress reports (and one at the en
 
 
 class VllmEngine(Engine):
+    capabilities = VLLM          # (engines/capabilities.py: what it can do)
+
     def __init__(self, stage: StageConfig) -> None:
         if not stage.devices:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -36,6 +36,7 @@ from aiohttp import web
 from omnid.keys import ApiKey, KeyFileError, KeyStore
 from omnid.supervisor.api import RETRY_AFTER_S, error
 from omnid.supervisor.errors import Refused
+from omnid.supervisor.http_common import json_body
 from omnid.supervisor.openai_api import OPENAI_PATHS, OpenAiError
 from omnid.vocabulary import ErrorCode
 
@@ -192,7 +193,7 @@ class Access:
             raise Refused(403, ErrorCode.SOCKET_ONLY, "API keys are managed over the Unix socket only "
                           "(omnictl key ...), not with a key")
         uid: int = request["uid"]
-        self.api._check_admin(uid)
+        self.api.check_admin(uid)
         return uid
 
     async def list_keys(self, request: web.Request) -> web.Response:
@@ -204,7 +205,7 @@ class Access:
     async def add_key(self, request: web.Request) -> web.Response:
         """A new key: `{"name", "uid"?, "max_jobs"?, "rps"?}`; 201 with the key, shown this once."""
         caller = self._key_admin(request)
-        body = await self.api._json_body(request)
+        body = await json_body(request)
         if not isinstance(body, dict):
             raise Refused(400, ErrorCode.INVALID_REQUEST, "the request body must be a JSON object")
         unknown = set(body) - {"name", "uid", "max_jobs", "rps"}

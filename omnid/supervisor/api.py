@@ -12,23 +12,23 @@ submitted it; only that uid or root may read, cancel or delete it.
 
 `Api` is given its collaborators (config, store, scheduler, stage handles, metrics,
 and `DaemonInfo`) by the daemon that builds it; it imports nothing of the daemon.
-To add an endpoint: a handler method here and its route in `Api.__init__`.
+To add an endpoint: a handler method here and its route in `Api.__init__`. What a submission must
+be is admission.py's (every front end asks it); what the front ends share (the JSON body, a job's
+event stream, output files, logs, server-sent events) is http_common.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import grp
 import json
-import mimetypes
 import os
 import pwd
 import socket
 import struct
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,35 +36,25 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from omnid import media
-from omnid.config import TENSOR_PROMPTS, Config, PipelineConfig, StageConfig
+from omnid.config import Config
 from omnid.metrics import Metrics
-from omnid.params import job_param_problem, merged, plain_value, values_problem
 from omnid.store import JobStore, StoreWriteFailed
-from omnid.supervisor import stage_logs
+from omnid.supervisor import admission, stage_logs
+from omnid.supervisor.admission import Submission
 from omnid.supervisor.errors import STORAGE_RETRY_AFTER_S, Refused
-from omnid.supervisor.live_job import LAGGED
+from omnid.supervisor.http_common import MAX_BYTES_KEY, flag, follow, json_body, output_file, send_log, stream_output
 from omnid.supervisor.resources import DiskWatch
 from omnid.supervisor.openapi import describe_pipeline, openapi_document
 from omnid.supervisor.scheduler import Scheduler
 from omnid.supervisor.stage_group import StageGroup
 from omnid.supervisor.live import Live
 from omnid.vocabulary import TERMINAL_JOB_STATES, DaemonState, ErrorCode, JobRecord, JobState, WorkerState
-from omnid.worker.outputs import stream_file
 
 log = structlog.get_logger("omnid.api")
 
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MIN_PREFIX = 4                # a job id prefix shorter than this names no job (store.resolve)
-SUMMARY_CHARS = 1000          # how much of a long text input the job document shows
 # (in the order the API has always listed them)
 _STATE_NAMES = ", ".join([str(JobState.QUEUED), str(JobState.RUNNING), *sorted(map(str, TERMINAL_JOB_STATES))])
-_JOB_KEYS = {"pipeline", "inputs", "params", "timeout_s"}
-MAX_BYTES_KEY = web.AppKey("max_request_bytes", int)
-STREAM_POLL_S = 0.03          # `?stream=1`: how often a live output's stream file is looked at
-STREAM_CHUNK = 64 * 1024
-_STREAM_FLAGS = {"1": True, "true": True, "0": False, "false": False}
-LOG_POLL_S = 0.1              # `?follow=1`: how often a log file is looked at for new lines
 
 
 @dataclass
@@ -206,20 +196,6 @@ class Api:
             raise Refused(403, ErrorCode.NOT_YOURS, f"job {job.id} belongs to another user")
         return job
 
-    async def _json_body(self, request: web.Request) -> Any:
-        limit = request.app[MAX_BYTES_KEY]
-        if request.content_length is not None and request.content_length > limit:
-            raise Refused(413, ErrorCode.TOO_LARGE, f"the request body is larger than {limit} bytes "
-                          "(daemon.max_request_bytes)", max_bytes=limit)
-        raw = await request.read()
-        try:
-            # NaN and Infinity are not JSON: refused here, they could never be answered as JSON.
-            return json.loads(raw, parse_constant=_no_constant)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise Refused(400, ErrorCode.BAD_JSON, f"the request body is not valid JSON: {e}") from None
-        except RecursionError:
-            raise Refused(400, ErrorCode.BAD_JSON, "the request body is nested too deeply") from None
-
     @property
     def config(self) -> Config:
         return self.live.config
@@ -227,40 +203,25 @@ class Api:
     # ------------------------------------------------------------------ jobs
 
     async def submit(self, request: web.Request) -> web.Response:
-        body = await self._json_body(request)
-        if not isinstance(body, dict):
-            raise Refused(400, ErrorCode.INVALID_REQUEST, "the request body must be a JSON object")
-        unknown = set(body) - _JOB_KEYS
-        if unknown:
-            raise Refused(400, ErrorCode.INVALID_REQUEST, f"unknown field(s) {', '.join(sorted(unknown))}; "
-                          f"a job has {', '.join(sorted(_JOB_KEYS))}")
-        name = body.get("pipeline")
-        if not isinstance(name, str) or not name:
-            raise Refused(400, ErrorCode.INVALID_REQUEST, "\"pipeline\" must name a pipeline")
-        pipeline = self.config.pipelines.get(name)
-        if pipeline is None:
-            raise Refused(400, ErrorCode.UNKNOWN_PIPELINE, f"no pipeline {name!r}; known: "
-                          f"{', '.join(sorted(self.config.pipelines))}")
-        inputs, summary = self._inputs(body.get("inputs", {}), pipeline)
-        params = self._params(body.get("params", {}), pipeline)
-        timeout = body.get("timeout_s")
-        if timeout is not None:
-            # A range check, not math.isfinite: that overflows on a 400-digit integer.
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-                    or not 0 < timeout <= MAX_TIMEOUT_S:
-                raise Refused(400, ErrorCode.INVALID_REQUEST, f"\"timeout_s\" must be a number of seconds in "
-                              f"(0, {MAX_TIMEOUT_S:.0f}], not {timeout!r}")
-            timeout = float(timeout)
+        sub = admission.job_submission(self.config, await json_body(request))
+        job = self.take(request, sub, "the daemon is stopping: it finishes the jobs it is running and keeps the "
+                        "queued ones for its next start; submit again once it is back")
+        log.info("audit", action="submit", uid=request["uid"], job=job.id, pipeline=sub.pipeline.name)
+        return web.json_response(job.to_doc(), status=201, headers={"Location": f"/v1/jobs/{job.id}"})
+
+    def take(self, request: web.Request, sub: Submission, draining: str) -> JobRecord:
+        """A submission that passed admission, made a job of the caller's (every submit path's last
+        step): 503 while the daemon stops (`draining`: why, as the path says it), 507 while the disk is
+        short, the scheduler's own refusals. The job is in the database when this returns."""
         if self.info.stopping:
             raise Refused(503, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
         if self.info.draining:
-            raise Refused(503, ErrorCode.DRAINING, "the daemon is stopping: it finishes the jobs it is running "
-                          "and keeps the queued ones for its next start; submit again once it is back")
+            raise Refused(503, ErrorCode.DRAINING, draining)
         self.check_disk()
-        job = self.scheduler.submit(request["uid"], name, inputs, params, timeout, summary)
+        job = self.scheduler.submit(request["uid"], sub.pipeline.name, sub.inputs, sub.params, sub.timeout_s,
+                                    sub.summary)
         self.store.flush()              # a 201 means the job is in the database
-        log.info("audit", action="submit", uid=request["uid"], job=job.id, pipeline=name)
-        return web.json_response(job.to_doc(), status=201, headers={"Location": f"/v1/jobs/{job.id}"})
+        return job
 
     def check_disk(self) -> None:
         """507 `insufficient_storage` while the state dir is short (`resources.DiskWatch`): a job
@@ -274,127 +235,6 @@ class Api:
                           f"jobs: {state.reason}. Jobs already taken go on; free space (omnictl rm, or retention: "
                           f"daemon.keep_jobs) and submit again", retry_after_s=STORAGE_RETRY_AFTER_S,
                           disk=state.as_doc(self.disk))
-
-    def _inputs(self, raw: Any, pipeline: PipelineConfig) -> tuple[dict[str, Any], dict[str, Any]]:
-        """A job's `inputs` as JSON gives them, decoded (files to bytes) and checked for the
-        pipeline's first stages; with the summary the job document shows."""
-        if not isinstance(raw, dict):
-            raise Refused(400, ErrorCode.INVALID_REQUEST, "\"inputs\" must be an object of named inputs")
-        inputs: dict[str, Any] = {}
-        summary: dict[str, Any] = {}
-        for key, value in raw.items():
-            if not key or len(key) > 128:
-                raise Refused(400, ErrorCode.INVALID_INPUT, f"input name {key!r} is empty or too long")
-            if isinstance(value, (str, int, float, bool)) or value is None:
-                if not plain_value(value):
-                    raise Refused(400, ErrorCode.INVALID_INPUT, f"input {key!r} is not a finite number")
-                inputs[key] = value
-                summary[key] = self.text_summary(value) if isinstance(value, str) else value
-            elif _is_file(value) or _is_samples(value):
-                inputs[key], summary[key] = _file_or_samples(key, value)
-            elif isinstance(value, list) and value and all(_is_file(v) or _is_samples(v) for v in value):
-                decoded = [_file_or_samples(f"{key}[{i}]", v) for i, v in enumerate(value)]
-                inputs[key] = [data for data, _ in decoded]
-                summary[key] = [doc for _, doc in decoded]
-            elif isinstance(value, list) and plain_value(value):
-                inputs[key] = summary[key] = value
-            else:
-                raise Refused(400, ErrorCode.INVALID_INPUT, f"input {key!r} must be a string, number, boolean, list of "
-                              "those, a file {\"b64\": ..., \"filename\": ...} or a list of files, or audio samples "
-                              "{\"samples\": [...], \"rate\": HZ}")
-        self.check_inputs(inputs, summary, pipeline)
-        return inputs, summary
-
-    @staticmethod
-    def text_summary(value: str) -> str:
-        """A text input as the job document shows it: long ones cut (listings stay small)."""
-        return value if len(value) <= SUMMARY_CHARS else value[:SUMMARY_CHARS] + f"... ({len(value)} characters)"
-
-    def check_inputs(self, inputs: dict[str, Any], summary: dict[str, Any], pipeline: PipelineConfig) -> None:
-        """What the pipeline's first stages need of a job's (decoded) inputs: a vllm or diffusers
-        stage's text `prompt`, a vllm stage's media within its limits (each file's type and size
-        read from its header; `summary` gains what was read). Refused names the input."""
-        for src in pipeline.sources:
-            stage = self.config.stages[src]
-            has_media = stage.engine == "vllm" and self._check_media(stage, pipeline, inputs, summary)
-            if stage.engine in ("vllm", "diffusers") and isinstance(inputs.get("prompt"), bytes):
-                raise Refused(400, ErrorCode.INVALID_INPUT, f"input \"prompt\" of {stage.engine} stage {src!r} must be "
-                              "text, not a file (use --prompt or --input prompt=...)")
-            if stage.engine == "vllm" and (isinstance(inputs.get("messages"), str) or has_media
-                                           or any(inputs.get(k) is not None for k in TENSOR_PROMPTS)):
-                continue                # a chat (JSON text), media (the stage renders its chat template), tensors
-            if stage.engine in ("vllm", "diffusers") and not isinstance(inputs.get("prompt"), str):
-                raise Refused(400, ErrorCode.MISSING_INPUT, f"pipeline {pipeline.name!r} starts with {stage.engine} stage "
-                              f"{src!r}, which needs a text input \"prompt\"")
-
-    def _check_media(self, stage: StageConfig, pipeline: PipelineConfig, inputs: dict[str, Any],
-                     summary: dict[str, Any]) -> bool:
-        """A vllm first stage's media inputs against its `media` limits; True if the job has any."""
-        found = False
-        for kind in media.MEDIA_KINDS:
-            value = inputs.get(kind)
-            if value is None:
-                continue
-            found = True
-            if not stage.media.count(kind):
-                raise Refused(400, ErrorCode.MEDIA_NOT_ACCEPTED, f"input {kind!r}: pipeline {pipeline.name!r} starts "
-                              f"with stage {stage.name!r}, whose model takes no {kind} input (the media it takes: "
-                              f"{', '.join(stage.media.kinds) or 'none'})", input=kind)
-            files = value if isinstance(value, list) else [value]
-            if not all(isinstance(v, bytes) for v in files):
-                what = "a list of frame files" if kind == "video" else "a file {\"b64\": ...} or a list of files"
-                raise Refused(400, ErrorCode.INVALID_MEDIA, f"input {kind!r} must be {what}", input=kind)
-            try:
-                found_items = media.check_media(kind, value, stage.media)
-            except media.MediaError as e:
-                raise Refused(400, ErrorCode.INVALID_MEDIA, f"input {kind!r}{_filename(summary.get(kind))}: {e} "
-                              f"(stage {stage.name!r})", input=kind) from None
-            doc = summary.get(kind)
-            if isinstance(doc, dict) and found_items:
-                doc.update(found_items[0])
-            elif isinstance(doc, list) and kind != "video":
-                for item_doc, found_doc in zip(doc, found_items):
-                    if isinstance(item_doc, dict):
-                        item_doc.update(found_doc)
-        chat = inputs.get("messages")
-        if isinstance(chat, str) and '"type"' in chat:      # a chat may place media parts of its own
-            try:
-                placed = media.chat_media_counts(json.loads(chat))
-            except ValueError:
-                placed = {}             # (the stage says what is wrong with it)
-            for kind, n in placed.items():
-                if not n:
-                    continue
-                if not stage.media.count(kind):
-                    raise Refused(400, ErrorCode.MEDIA_NOT_ACCEPTED, f"input \"messages\" has {kind} parts, but "
-                                  f"stage {stage.name!r}'s model takes no {kind} input", input="messages")
-                given = len(media.as_items(kind, inputs[kind])) if inputs.get(kind) is not None else 0
-                if n != given:
-                    raise Refused(400, ErrorCode.INVALID_MEDIA, f"input \"messages\" has {n} {kind} part(s), but "
-                                  f"input {kind!r} gives {given}", input=kind)
-                found = True
-        return found
-
-    def _params(self, raw: Any, pipeline: PipelineConfig) -> dict[str, dict[str, Any]]:
-        if not isinstance(raw, dict):
-            raise Refused(400, ErrorCode.INVALID_REQUEST, "\"params\" must be an object: {\"STAGE\": {\"KEY\": value}}")
-        out: dict[str, dict[str, Any]] = {}
-        for stage_name, values in raw.items():
-            if stage_name not in pipeline.stages:
-                raise Refused(400, ErrorCode.INVALID_PARAM, f"pipeline {pipeline.name!r} has no stage {stage_name!r} "
-                              f"(its stages: {', '.join(pipeline.stages)})")
-            if not isinstance(values, dict):
-                raise Refused(400, ErrorCode.INVALID_PARAM, f"params.{stage_name} must be an object")
-            stage = self.config.stages[stage_name]
-            for key, value in values.items():
-                why = job_param_problem(stage_name, stage.engine, stage.defaults, key, value)
-                if why is not None:
-                    raise Refused(400, ErrorCode.INVALID_PARAM, why)
-            why = values_problem(stage_name, stage.engine, merged(stage.defaults, values))
-            if why is not None:
-                raise Refused(400, ErrorCode.INVALID_PARAM, why)
-            out[stage_name] = dict(values)
-        return out
 
     async def list_jobs(self, request: web.Request) -> web.Response:
         q = request.query
@@ -424,33 +264,17 @@ class Api:
 
     async def events(self, request: web.Request) -> web.StreamResponse:
         job = self._job(request)
-        past, queue = self.scheduler.subscribe(job.id)
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
         sent = 0
         try:
-            while True:
-                for past_event in past:
-                    await resp.write(json.dumps(past_event).encode() + b"\n")
-                    sent += 1
-                # `subscribe` read the past and registered the queue in one step of the
-                # loop, so no event is missed or sent twice.
-                event = await _next_event(request, queue) if queue is not None else None
-                while event is not None and event is not LAGGED:
+            async with aclosing(follow(request, self.scheduler, job.id)) as events:
+                async for event in events:
                     await resp.write(json.dumps(event).encode() + b"\n")
                     sent += 1
-                    event = await _next_event(request, queue) if queue is not None else None
-                if event is None:
-                    break
-                # We fell behind (this client reads slowly): the rest is in the store.
-                log.debug("event reader fell behind; catching up from the store", job=job.id, sent=sent)
-                past, queue = self.scheduler.subscribe(job.id, after=sent)
             await resp.write_eof()
         except ConnectionError as e:       # the reader hung up: its subscription goes (the job goes on)
             log.debug("event reader went away", job=job.id, sent=sent, error=str(e))
-        finally:
-            if queue is not None:
-                self.scheduler.unsubscribe(job.id, queue)
         return resp
 
     async def cancel(self, request: web.Request) -> web.Response:
@@ -475,94 +299,12 @@ class Api:
 
     async def output(self, request: web.Request) -> web.StreamResponse:
         """One output file; with `?stream=1`, a live job's output as its last stage produces it."""
-        stream = _flag(request.query.get("stream"), "stream")
+        stream = flag(request.query.get("stream"), "stream")
         job = self._job(request)
         name = request.match_info["name"]
         if not stream or job.terminal:
-            return self._output_file(job, name)
-        return await self._stream_output(request, job, name)
-
-    def _output_file(self, job: JobRecord, name: str) -> web.StreamResponse:
-        """The output's final file, or why there is none (409 running, 410 gone, 404 no such output)."""
-        for out in job.outputs:
-            if out["name"] == name or out["file"] == name:
-                path = self.store.job_dir(job.id) / out["file"]
-                if not path.is_file():
-                    raise Refused(410, ErrorCode.OUTPUT_GONE, f"output {name!r} of job {job.id} is no longer on disk")
-                return web.FileResponse(path, headers={"Content-Type": out["content_type"]})
-        if not job.terminal:
-            raise Refused(409, ErrorCode.JOB_NOT_FINISHED, f"job {job.id} is {job.state}; output {name!r} "
-                          "is not there yet")
-        names = ", ".join(o["name"] for o in job.outputs) or "none"
-        raise Refused(404, ErrorCode.UNKNOWN_OUTPUT, f"job {job.id} has no output {name!r} (its outputs: {names})")
-
-    def _ended(self, job_id: str) -> JobRecord | None:
-        """The job's record once it is no longer live (terminal, or None if deleted meanwhile); None while live."""
-        if job_id in self.scheduler.live:
-            return None
-        found = self.scheduler.job(job_id)
-        if found is None:
-            raise Refused(404, ErrorCode.UNKNOWN_JOB, f"no job {job_id!r}")
-        return found
-
-    async def _stream_output(self, request: web.Request, job: JobRecord, name: str) -> web.StreamResponse:
-        """`?stream=1` on a live job: the last stage's `.stream/NAME` file, sent as it grows (chunked).
-
-        Waits (polling, bounded by the job's end) for the file to appear; a job that ends without one
-        is answered like a plain download. Once the file is open, its bytes are sent until the job is
-        terminal and the file is read to its end (the worker removes the file when the job ends there;
-        our open file keeps it readable).
-        """
-        path = stream_file(self.store.job_dir(job.id), name)
-        while True:
-            try:
-                f = open(path, "rb")
-                break
-            except (FileNotFoundError, NotADirectoryError):
-                over = self._ended(job.id)
-                if over is not None:            # it ended with no stream file: its final files, if any
-                    return self._output_file(over, name)
-            if _gone(request):
-                log.debug("output stream reader went away", job=job.id, output=name)
-                return web.Response(status=499)       # nobody to answer: not sent
-            await asyncio.sleep(STREAM_POLL_S)
-        try:
-            resp = web.StreamResponse(headers={"Content-Type": self._stream_content_type(job, name)})
-            loop = asyncio.get_running_loop()
-            await resp.prepare(request)
-            ended = False
-            while True:
-                # fstat first: the file is read only when it grew, so an idle stream costs no thread.
-                if ended or os.fstat(f.fileno()).st_size > f.tell():
-                    data = await loop.run_in_executor(None, f.read, STREAM_CHUNK)
-                    if data:
-                        await resp.write(data)
-                        continue
-                    if ended:
-                        break                          # terminal, and read to the end
-                ended = job.id not in self.scheduler.live
-                if not ended:
-                    if _gone(request):
-                        raise ConnectionResetError("the client went away")
-                    await asyncio.sleep(STREAM_POLL_S)
-            await resp.write_eof()
-            return resp
-        except ConnectionError as e:
-            log.debug("output stream reader went away", job=job.id, output=name, error=str(e))
-            return resp
-        finally:
-            f.close()
-
-    def _stream_content_type(self, job: JobRecord, name: str) -> str:
-        """The final output's content type when it is known already, else a guess from the name."""
-        current = self.scheduler.job(job.id) or job
-        for out in current.outputs:
-            if out["name"] == name or out["file"] == name:
-                return str(out["content_type"])
-        guessed, _ = mimetypes.guess_type(name, strict=False)
-        if (guessed or "").startswith("text/") or name.rpartition(".")[2] == "text":
-            return "text/plain; charset=utf-8"
-        return guessed or "application/octet-stream"
+            return output_file(self.store, job, name)
+        return await stream_output(request, self.store, self.scheduler, job, name)
 
     # ------------------------------------------------------------------ daemon
 
@@ -571,11 +313,7 @@ class Api:
 
     async def get_pipeline(self, request: web.Request) -> web.Response:
         """One pipeline: its inputs, each stage's parameters (types, limits, defaults), edges, outputs."""
-        name = request.match_info["name"]
-        pipeline = self.config.pipelines.get(name)
-        if pipeline is None:
-            raise Refused(404, ErrorCode.UNKNOWN_PIPELINE, f"no pipeline {name!r}; known: "
-                          f"{', '.join(sorted(self.config.pipelines))}")
+        pipeline = admission.find_pipeline(self.config, request.match_info["name"], in_path=True)
         return web.json_response(describe_pipeline(self.config, pipeline))
 
     async def openapi(self, request: web.Request) -> web.Response:
@@ -601,7 +339,7 @@ class Api:
         """Replace a stage's workers (one given up after a crash loop too), one replica after the
         other; root or the admin group. A sleeping stage is woken instead. 202 at once: the stage's
         state in `GET /v1/stages` says when it is ready."""
-        self._check_admin(request["uid"])
+        self.check_admin(request["uid"])
         group = self._stage(request)
         self._background(group.restart(f"asked for by uid {request['uid']}", self.config.daemon.drain_timeout_s))
         log.info("audit", action="restart_stage", uid=request["uid"], stage=group.name)
@@ -610,7 +348,7 @@ class Api:
     async def sleep_stage(self, request: web.Request) -> web.Response:
         """Stop a stage's workers now, releasing their memory and GPUs, until a job (or `wake`) needs
         it; root or the admin group. 409 while it has work; 202 at once (`sleeping` in its state soon)."""
-        self._check_admin(request["uid"])
+        self.check_admin(request["uid"])
         group = self._stage(request)
         if self.scheduler.has_work(group.name):
             raise Refused(409, ErrorCode.STAGE_BUSY, f"stage {group.name!r} has jobs in progress; put it to sleep "
@@ -627,7 +365,7 @@ class Api:
     async def wake_stage(self, request: web.Request) -> web.Response:
         """Load a sleeping stage's workers again (before its next job: no wait then); root or the
         admin group. 202 at once; 200 when it is awake already."""
-        self._check_admin(request["uid"])
+        self.check_admin(request["uid"])
         group = self._stage(request)
         awake = not group.resting
         if not awake:
@@ -637,7 +375,7 @@ class Api:
         return web.json_response({"waking": group.name, "already": awake, "stage": group.snapshot()},
                                  status=200 if awake else 202)
 
-    def _check_admin(self, uid: int) -> None:
+    def check_admin(self, uid: int) -> None:
         if uid == 0:
             return
         group = self.config.daemon.admin_group
@@ -657,7 +395,7 @@ class Api:
     async def stage_logs(self, request: web.Request) -> web.StreamResponse:
         """A stage worker's stdout and stderr (root or daemon.admin_group): `TIME LINE` text lines,
         `?since=` (10m, 1h, ISO 8601, Unix time), `?tail=N`, `?follow=1` (sent as they come)."""
-        self._check_admin(request["uid"])
+        self.check_admin(request["uid"])
         group = self._stage(request)
         raw = request.query.get("replica", "0")
         if not raw.isdigit() or int(raw) >= max(group.stage.replicas, len(group.replicas)):
@@ -669,61 +407,11 @@ class Api:
 
     async def daemon_logs(self, request: web.Request) -> web.StreamResponse:
         """The daemon's own records (root or daemon.admin_group); the query as for a stage's logs."""
-        self._check_admin(request["uid"])
+        self.check_admin(request["uid"])
         return await self._send_log(request, stage_logs.daemon_log_path(self.config.daemon.state_dir))
 
     async def _send_log(self, request: web.Request, path: Path) -> web.StreamResponse:
-        """Logs can hold other users' prompts: the callers are checked before this. File reads run in
-        the executor; a follower polls the file (an fstat, every LOG_POLL_S) until it hangs up or the
-        daemon stops, holding one batch of lines at a time."""
-        q = request.query
-        since: float | None = None
-        if q.get("since"):
-            try:
-                since = stage_logs.parse_since(q["since"])
-            except stage_logs.BadSince as e:
-                raise Refused(400, ErrorCode.INVALID_REQUEST, str(e)) from None
-        tail: int | None = None
-        if q.get("tail") is not None:
-            try:
-                tail = int(q["tail"])
-                if not 0 <= tail <= stage_logs.MAX_TAIL:
-                    raise ValueError
-            except ValueError:
-                raise Refused(400, ErrorCode.INVALID_REQUEST,
-                              f"tail must be an integer from 0 to {stage_logs.MAX_TAIL}") from None
-        follow = _flag(q.get("follow"), "follow")
-        loop = asyncio.get_running_loop()
-        reader = stage_logs.LogReader(path, self.config.daemon.log_file_keep, since)
-        await loop.run_in_executor(None, reader.open)
-        try:
-            resp = web.StreamResponse(headers={"Content-Type": "text/plain; charset=utf-8",
-                                               "X-Content-Type-Options": "nosniff"})
-            await resp.prepare(request)
-            if tail is not None:
-                lines = await loop.run_in_executor(None, reader.tail, tail)
-                if lines:
-                    await resp.write(b"".join(lines))
-            else:
-                while lines := await loop.run_in_executor(None, reader.read):
-                    await resp.write(b"".join(lines))
-            while follow and not self.info.stopping:
-                if reader.changed():
-                    reader.follow_rotation()
-                    lines = await loop.run_in_executor(None, reader.read)
-                    if lines:
-                        await resp.write(b"".join(lines))
-                        continue
-                if _gone(request):
-                    raise ConnectionResetError("the client went away")
-                await asyncio.sleep(LOG_POLL_S)
-            await resp.write_eof()
-            return resp
-        except ConnectionError as e:
-            log.debug("log reader went away", path=str(path), error=str(e))
-            return resp
-        finally:
-            reader.close()
+        return await send_log(request, path, self.config.daemon.log_file_keep, lambda: self.info.stopping)
 
     async def health(self, request: web.Request) -> web.Response:
         info = self.info
@@ -760,105 +448,3 @@ class Api:
         data = generate_latest(self.metrics.registry)
         return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-
-def _is_file(value: Any) -> bool:
-    return isinstance(value, dict) and set(value) <= {"b64", "filename"} and isinstance(value.get("b64"), str) \
-        and isinstance(value.get("filename"), (str, type(None)))
-
-
-def _is_samples(value: Any) -> bool:
-    return isinstance(value, dict) and set(value) == {"samples", "rate"}
-
-
-def _file_or_samples(key: str, value: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
-    """A file input's bytes, or audio samples as a WAV file; and the summary the job shows of it."""
-    if "samples" in value:
-        rate = value["rate"]
-        if isinstance(rate, float) and rate.is_integer():
-            rate = int(rate)            # (JSON has one number type: 16000.0 is the integer its schema says)
-        try:
-            wav = media.samples_to_wav(value["samples"], rate)
-        except media.MediaError as e:
-            raise Refused(400, ErrorCode.INVALID_MEDIA, f"input {key!r}: {e}", input=key.partition("[")[0]) from None
-        return wav, {"samples": len(value["samples"]), "rate": rate, "size": len(wav)}
-    try:
-        data = base64.b64decode(value["b64"], validate=True)
-    except (binascii.Error, ValueError):
-        raise Refused(400, ErrorCode.INVALID_INPUT, f"input {key!r}: \"b64\" is not valid base64") from None
-    return data, {"filename": value.get("filename"), "size": len(data)}
-
-
-def _filename(doc: Any) -> str:
-    """` (cat.png)`, for an error about a named file input."""
-    name = doc.get("filename") if isinstance(doc, dict) else None
-    return f" ({name})" if isinstance(name, str) and name else ""
-
-
-def _flag(value: str | None, name: str) -> bool:
-    """A 1/true, 0/false query flag (none: false); anything else is refused."""
-    if value is None:
-        return False
-    flag = _STREAM_FLAGS.get(value.strip().lower())
-    if flag is None:
-        raise Refused(400, ErrorCode.INVALID_REQUEST, f"{name} must be 1 or true (or 0 or false), not {value!r}")
-    return flag
-
-
-DISCONNECT_POLL_S = 0.25      # how long a handler waiting on a quiet job may take to see that its caller hung up
-HUNG_UP: dict[str, Any] = {"type": "hung_up"}    # what HangupWatch puts in the queue of a caller that is gone
-
-
-class HangupWatch:
-    """One task for every handler that waits on a job's event queue: every DISCONNECT_POLL_S it
-    looks at each waiting caller (a flag of its transport) and wakes the ones that hung up, with
-    HUNG_UP in their queue. A waiting handler costs nothing of its own (no timer per stream), so
-    thousands of quiet streams are held for a few microseconds a sweep."""
-
-    def __init__(self) -> None:
-        self._waiting: dict[asyncio.Queue[Any], web.Request] = {}
-        self._task: asyncio.Task[None] | None = None
-
-    def watch(self, request: web.Request, queue: asyncio.Queue[Any]) -> None:
-        self._waiting[queue] = request
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._sweep(), name="hangup-watch")
-
-    def forget(self, queue: asyncio.Queue[Any]) -> None:
-        self._waiting.pop(queue, None)
-
-    async def _sweep(self) -> None:
-        while self._waiting:
-            await asyncio.sleep(DISCONNECT_POLL_S)
-            for queue, request in list(self._waiting.items()):
-                if _gone(request):
-                    del self._waiting[queue]
-                    try:
-                        queue.put_nowait(HUNG_UP)
-                    except asyncio.QueueFull:
-                        pass            # it has events to read: it looks at its caller after the next one
-
-
-_hangups = HangupWatch()
-
-
-async def _next_event(request: web.Request, queue: asyncio.Queue[Any]) -> Any:
-    """The queue's next item; ConnectionResetError once the caller hung up: looked at after every
-    item, and within DISCONNECT_POLL_S while the job is quiet (`HangupWatch`)."""
-    _hangups.watch(request, queue)
-    try:
-        item = await queue.get()
-    finally:
-        _hangups.forget(queue)
-    if item is HUNG_UP or _gone(request):
-        raise ConnectionResetError("the client went away")
-    return item
-
-
-def _gone(request: web.Request) -> bool:
-    """The caller hung up."""
-    transport = request.transport
-    return transport is None or transport.is_closing()
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")

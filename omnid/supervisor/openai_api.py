@@ -5,7 +5,8 @@ daemon mounts it: `OpenAiApi(api).mount(api.app)`). Handlers never block: they s
 scheduler, wait on the job's event queue (an asyncio queue; whether the caller hung up is looked at
 after every event and after every quiet DISCONNECT_POLL_S, so a hang-up cancels the job however fast
 its events flow) and read small output files in the loop's default executor. Speech streams
-through the API's own `?stream=1` helper (`Api._stream_output`).
+through the API's own `?stream=1` helper (`http_common.stream_output`). A request's checks are
+admission's (admission.py), in OpenAI's words where the OpenAI shape has its own.
 
 - `GET /v1/models`, `GET /v1/models/{model}`: the pipelines as models (`omnid.outputs`: what each
   produces: `text` for a vLLM last stage, `image` for diffusers; for a python last stage, the kinds
@@ -43,16 +44,22 @@ import structlog
 from aiohttp import web
 
 from omnid import media as M
-from omnid.config import PipelineConfig, StageConfig
+from omnid.config import Config, PipelineConfig
 from omnid.params import job_param_problem, merged, values_problem
-from omnid.supervisor.api import DISCONNECT_POLL_S, _gone, _next_event, retry_after  # noqa: F401 (re-exported)
+from omnid.supervisor import admission
+from omnid.supervisor.admission import Submission
+from omnid.supervisor.api import retry_after
 from omnid.supervisor.errors import Refused
-from omnid.supervisor.live_job import LAGGED
+from omnid.supervisor.http_common import DISCONNECT_POLL_S as DISCONNECT_POLL_S    # (re-exported)
+from omnid.supervisor.http_common import (follow, json_body, output_file, sse_done, sse_response, sse_send,
+                                          stream_output)
 from omnid.vocabulary import ErrorCode, EventType, JobRecord, JobState
 from omnid.worker.outputs import STREAM_DIR
 
 if TYPE_CHECKING:
+    from omnid.store import JobStore
     from omnid.supervisor.api import Api
+    from omnid.supervisor.scheduler import Scheduler
 
 log = structlog.get_logger("omnid.openai")
 
@@ -69,7 +76,6 @@ _SAMPLING = (("max_tokens", "max_tokens"), ("max_completion_tokens", "max_tokens
              ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
              ("top_k", "top_k"), ("min_p", "min_p"), ("min_tokens", "min_tokens"),
              ("repetition_penalty", "repetition_penalty"), ("ignore_eos", "ignore_eos"))
-_ENGINE_KIND = {"vllm": "text", "diffusers": "image"}
 _ENDPOINTS = {"text": ["/v1/chat/completions", "/v1/completions"], "image": ["/v1/images/generations"],
               "audio": ["/v1/audio/speech"]}
 
@@ -189,70 +195,40 @@ class OpenAiApi:
     # ------------------------------------------------------------------ models
 
     async def list_models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list",
-                                  "data": [self._model(p) for p in self.api.config.pipelines.values()]})
+        api = self.api
+        return web.json_response({"object": "list", "data": [_model(api.config, api.store, api.info.started, p)
+                                                             for p in api.config.pipelines.values()]})
 
     async def get_model(self, request: web.Request) -> web.Response:
-        return web.json_response(self._model(self._find(request.match_info["model"])))
+        p = _find(self.api.config, request.match_info["model"])
+        return web.json_response(_model(self.api.config, self.api.store, self.api.info.started, p))
 
-    def _model(self, p: PipelineConfig) -> dict[str, Any]:
-        produces = self._produces(p)
-        endpoints = sorted({e for kind in (produces or _ENDPOINTS) for e in _ENDPOINTS.get(kind, [])})
-        return {"id": p.name, "object": "model", "created": int(self.api.info.started), "owned_by": "omnid",
-                "omnid": {"stages": list(p.stages),
-                          "engines": [self.api.config.stages[s].engine for s in p.stages],
-                          "outputs": produces, "endpoints": endpoints,
-                          "media": list(stage.media.kinds) if (stage := self._media_stage(p)) else []}}
-
-    def _produces(self, p: PipelineConfig) -> list[str] | None:
-        """The kinds of output the pipeline produces; None when a python last stage has not shown
-        it yet (the kinds of its latest successful job's outputs, when there is one)."""
-        kinds: set[str] = set()
-        for s in p.sinks:
-            kind = _ENGINE_KIND.get(self.api.config.stages[s].engine)
-            if kind is not None:
-                kinds.add(kind)
-                continue
-            last = self.api.store.list(None, JobState.SUCCEEDED, p.name, 1)
-            if not last:
-                return None
-            kinds |= {str(o["kind"]) for o in last[0].outputs if o.get("stage") == s}
-        return sorted(kinds)
-
-    def _find(self, name: Any) -> PipelineConfig:
-        if not isinstance(name, str) or not name:
-            raise _bad("model", "you must provide a model parameter (a pipeline's name)")
-        p = self.api.config.pipelines.get(name)
-        if p is None:
-            raise OpenAiError(404, f"The model `{name}` does not exist (the pipelines: "
-                              f"{', '.join(sorted(self.api.config.pipelines))})", "model", str(ErrorCode.MODEL_NOT_FOUND))
-        return p
-
-    def _pipeline(self, body: dict[str, Any], kind: str) -> PipelineConfig:
-        """The pipeline named by `model`, if it produces `kind` (or may: an untried python last stage)."""
-        p = self._find(body.get("model"))
-        produces = self._produces(p)
-        if produces is not None and kind not in produces:
-            raise _bad("model", f"model {p.name!r} produces {', '.join(produces) or 'nothing'}, not {kind}; "
-                       f"{_ENDPOINTS[kind][0]} needs a pipeline that ends in {kind}", str(ErrorCode.MODEL_NOT_SUPPORTED))
+    def _pipeline(self, body: dict[str, Any], *kinds: str) -> PipelineConfig:
+        """The pipeline named by `model` (looked up once), if it produces each of `kinds` (or may: a
+        last stage whose engine declares no answer, untried)."""
+        p = _find(self.api.config, body.get("model"))
+        produces = admission.answers(self.api.config, self.api.store, p)
+        for kind in kinds:
+            if produces is not None and kind not in produces:
+                raise _bad("model", f"model {p.name!r} produces {', '.join(produces) or 'nothing'}, not {kind}; "
+                           f"{_ENDPOINTS[kind][0]} needs a pipeline that ends in {kind}",
+                           str(ErrorCode.MODEL_NOT_SUPPORTED))
         return p
 
     # ------------------------------------------------------------------ text
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
+        body = await _body(request)
         _refuse_chat_features(body)
         audio = _audio_request(body)
-        p = self._pipeline(body, "text")
-        if audio is not None:
-            self._pipeline(body, "audio")
-        stream, include_usage = self._common(body)
+        p = self._pipeline(body, "text", *(["audio"] if audio is not None else []))
+        stream, include_usage = _common(body)
         messages, parts = _messages(body.get("messages"))
-        params = self._sampling(p, body, {"include_prompt": False})
+        params = _sampling(self.api.config, p, body, {"include_prompt": False})
         if not parts:
-            inputs, summary = self.api._inputs({"messages": json.dumps(messages)}, p)
+            inputs, summary = admission.inputs(self.api.config, {"messages": json.dumps(messages)}, p)
         else:
-            inputs, summary = self._media_inputs(p, json.dumps(messages), parts)
+            inputs, summary = _media_inputs(self.api.config, p, json.dumps(messages), parts)
         if audio is not None:
             return await self._audio_chat(request, p, inputs, params, summary, stream, include_usage, audio)
         return await self._text_job(request, p, inputs, params, summary, stream, include_usage, chat=True, echo="")
@@ -265,7 +241,7 @@ class OpenAiApi:
         """A chat answered in text and speech, as OpenAI answers one: `message.audio` = {id, data
         (base64), expires_at, transcript}, the text being the transcript (`content` is null); streamed,
         `delta.audio` pieces: the transcript as it grows and the PCM16 as it is made."""
-        gen = _Generation(self._text_stage(p), self._token_stage(p))
+        gen = _generation(self.api.config, p)
         job = self._submit(request, p, inputs, params, summary)
         head = {"id": "chatcmpl-" + job.id, "object": "chat.completion", "created": int(job.created_at),
                 "model": p.name}
@@ -275,12 +251,12 @@ class OpenAiApi:
             if stream:
                 return await self._stream_audio_chat(request, job, gen, head, include_usage, audio_id, expires)
             transcript = "".join([piece async for piece in self._deltas(request, job, gen)])
-            record = self._succeeded(job.id)
+            record = _succeeded(self.api.scheduler, job.id)
             out = next((o for o in record.outputs if o["kind"] == "audio"), None)
             if out is None:
                 raise OpenAiError(500, f"job {job.id} of model {p.name!r} ended with no audio output",
                                   code=str(ErrorCode.INTERNAL_ERROR))
-            data = _wav_bytes(await self._read(record, out))
+            data = _wav_bytes(await _read(self.api.store, record, out))
             if fmt == "pcm16":
                 data = data[WAV_HEADER_BYTES:]
             message = {"role": "assistant", "content": None, "refusal": None,
@@ -295,10 +271,8 @@ class OpenAiApi:
                                  head: dict[str, Any], include_usage: bool, audio_id: str,
                                  expires: int) -> web.StreamResponse:
         head = {**head, "object": "chat.completion.chunk"}
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        job_dir = self.api.store.job_dir(job.id)
-        reader = _LiveAudio(job_dir)
+        resp = await sse_response(request)
+        reader = _LiveAudio(self.api.store.job_dir(job.id))
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
             return {**head, "choices": [{"index": 0, "logprobs": None, "finish_reason": finish, "delta": delta}],
@@ -307,69 +281,44 @@ class OpenAiApi:
         async def pcm_out() -> None:
             data = reader.read()
             if data:
-                await _send(resp, chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode("ascii")}}))
+                await sse_send(resp, chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode("ascii")}}))
 
         try:
-            await _send(resp, chunk({"role": "assistant", "content": None, "refusal": None}))
-            try:
-                async for piece in self._deltas(request, job, gen, on_event=pcm_out):
-                    await _send(resp, chunk({"audio": {"id": audio_id, "transcript": piece}}))
-                await pcm_out()                 # the rest, once the job has ended
-            except OpenAiError as e:
-                await _send(resp, _error_event(e))
-            else:
-                await _send(resp, chunk({"audio": {"id": audio_id, "expires_at": expires}}, gen.finish_reason))
-                if include_usage:
-                    await _send(resp, {**head, "choices": [], "usage": _usage(gen)})
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+            await sse_send(resp, chunk({"role": "assistant", "content": None, "refusal": None}))
+            await self._sse_answer(request, resp, job, gen, head if include_usage else None,
+                                   lambda piece: chunk({"audio": {"id": audio_id, "transcript": piece}}),
+                                   lambda: chunk({"audio": {"id": audio_id, "expires_at": expires}}, gen.finish_reason),
+                                   on_event=pcm_out)
         except ConnectionError as e:
             log.debug("audio chat stream reader went away", job=job.id, error=str(e))
         finally:
             reader.close()
         return resp
 
-    def _media_inputs(self, p: PipelineConfig, messages: str,
-                      parts: list[tuple[str, bytes, str]]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """A chat with media parts as a job's inputs: `messages`, and `image` / `audio` lists in the
-        order of their parts. Each part is checked against the limits of the stage that takes the
-        chat (400 naming the part), then the whole as any job's inputs are."""
-        stage = self._media_stage(p)
-        inputs: dict[str, Any] = {"messages": messages}
-        summary: dict[str, Any] = {"messages": self.api.text_summary(messages)}
-        for kind, data, where in parts:
-            limits = stage.media if stage is not None else M.NO_MEDIA
-            items = inputs.setdefault(kind, [])
-            if not limits.count(kind):
-                raise _bad(where, f"model {p.name!r} takes no {kind} input (the media it takes: "
-                                  f"{', '.join(limits.kinds) or 'none'})", "media_not_accepted")
-            if len(items) >= limits.count(kind):
-                raise _bad(where, f"model {p.name!r} takes at most {limits.count(kind)} {kind} item(s) per request",
-                           str(ErrorCode.INVALID_MEDIA))
-            try:
-                (doc,) = M.check_media(kind, data, limits)
-            except M.MediaError as e:
-                raise _bad(where, f"{where}: {e}", str(ErrorCode.INVALID_MEDIA)) from None
-            items.append(data)
-            summary.setdefault(kind, []).append({"filename": None, "size": len(data), **doc})
+    async def _sse_answer(self, request: web.Request, resp: web.StreamResponse, job: JobRecord, gen: _Generation,
+                          usage_head: dict[str, Any] | None, piece: Callable[[str], dict[str, Any]],
+                          last: Callable[[], dict[str, Any]],
+                          on_event: Callable[[], Awaitable[None]] | None = None) -> None:
+        """A streamed answer's tail: a chunk per piece of text (`on_event` awaited at every event and
+        once more at the end), the `last` chunk and the usage chunk (when `usage_head`), or the job's
+        error said in the stream as OpenAI's servers do; then `[DONE]`."""
         try:
-            self.api.check_inputs(inputs, summary, p)
-        except Refused as e:
-            raise _bad("messages", e.message, str(e.code)) from None
-        return inputs, summary
-
-    def _media_stage(self, p: PipelineConfig) -> StageConfig | None:
-        """The stage a chat's media go to: the pipeline's first vLLM stage."""
-        for name in p.sources:
-            stage = self.api.config.stages[name]
-            if stage.engine == "vllm":
-                return stage
-        return None
+            async for text in self._deltas(request, job, gen, on_event=on_event):
+                await sse_send(resp, piece(text))
+            if on_event is not None:
+                await on_event()                # the rest, once the job has ended
+        except OpenAiError as e:
+            await sse_send(resp, _error_event(e))
+        else:
+            await sse_send(resp, last())
+            if usage_head is not None:
+                await sse_send(resp, {**usage_head, "choices": [], "usage": _usage(gen)})
+        await sse_done(resp)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
+        body = await _body(request)
         p = self._pipeline(body, "text")
-        stream, include_usage = self._common(body)
+        stream, include_usage = _common(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -382,73 +331,19 @@ class OpenAiApi:
         echo = body.get("echo")
         if echo is not None and not isinstance(echo, bool):
             raise _bad("echo", "echo must be true or false")
-        stage = self._token_stage(p)
+        stage = admission.token_stage(self.api.config, p)
         extra: dict[str, Any] = {"include_prompt": False}
         if stage is not None and self.api.config.stages[stage].defaults.get("prompt_template"):
             extra["prompt_template"] = ""           # a completion continues the prompt as it is
-        params = self._sampling(p, body, extra)
-        inputs, summary = self.api._inputs({"prompt": prompt}, p)
+        params = _sampling(self.api.config, p, body, extra)
+        inputs, summary = admission.inputs(self.api.config, {"prompt": prompt}, p)
         return await self._text_job(request, p, inputs, params, summary, stream, include_usage, chat=False,
                                     echo=prompt if echo else "")
-
-    def _common(self, body: dict[str, Any]) -> tuple[bool, bool]:
-        """`n` (1 only), `stream`, `stream_options.include_usage`."""
-        n = body.get("n")
-        if n is not None and (isinstance(n, bool) or n != 1):
-            raise _bad("n", f"n must be 1 here (one job, one answer), not {n!r}")
-        stream = body.get("stream")
-        if stream is not None and not isinstance(stream, bool):
-            raise _bad("stream", "stream must be true or false")
-        options = body.get("stream_options")
-        if options is not None and not isinstance(options, dict):
-            raise _bad("stream_options", "stream_options must be an object")
-        if options and not stream:
-            raise _bad("stream_options", "stream_options is only allowed when stream is true")
-        include_usage = (options or {}).get("include_usage")
-        if include_usage is not None and not isinstance(include_usage, bool):
-            raise _bad("stream_options", "stream_options.include_usage must be true or false")
-        return bool(stream), bool(include_usage)
-
-    def _token_stage(self, p: PipelineConfig) -> str | None:
-        """The vLLM stage whose params the sampling fields set: a last stage, else the last one."""
-        vllm = [s for s in p.stages if self.api.config.stages[s].engine == "vllm"]
-        sinks = [s for s in vllm if s in p.sinks]
-        return (sinks or vllm)[-1] if vllm else None
-
-    def _text_stage(self, p: PipelineConfig) -> str:
-        """The last stage whose text segments are the answer: a vLLM one, else a python one."""
-        engines = {s: self.api.config.stages[s].engine for s in p.sinks}
-        for wanted in ("vllm", "python"):
-            for s in p.sinks:
-                if engines[s] == wanted:
-                    return s
-        raise _bad("model", f"model {p.name!r} does not end in text", str(ErrorCode.MODEL_NOT_SUPPORTED))
-
-    def _sampling(self, p: PipelineConfig, body: dict[str, Any], extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
-        """The OpenAI sampling fields as the vLLM stage's params, each checked by omnid's rules."""
-        stage = self._token_stage(p)
-        if stage is None:
-            return {}                   # no vLLM stage: nothing to sample (the fields are ignored)
-        defaults = self.api.config.stages[stage].defaults
-        values: dict[str, Any] = {}
-        for name, key in _SAMPLING:
-            value = body.get(name)
-            if value is None or (name == "stop" and value == []):
-                continue
-            why = job_param_problem(stage, "vllm", defaults, key, value)
-            if why is not None:
-                raise _bad(name, f"{name}: {why}")
-            values[key] = value
-        why = values_problem(stage, "vllm", merged(defaults, values))
-        if why is not None:
-            raise _bad("max_tokens", why)
-        values.update(extra)
-        return {stage: values}
 
     async def _text_job(self, request: web.Request, p: PipelineConfig, inputs: dict[str, Any],
                         params: dict[str, dict[str, Any]], summary: dict[str, Any], stream: bool,
                         include_usage: bool, chat: bool, echo: str) -> web.StreamResponse:
-        gen = _Generation(self._text_stage(p), self._token_stage(p))
+        gen = _generation(self.api.config, p)
         job = self._submit(request, p, inputs, params, summary)
         kind = "chat.completion" if chat else "text_completion"
         head = {"id": ("chatcmpl-" if chat else "cmpl-") + job.id, "object": kind,
@@ -470,8 +365,7 @@ class OpenAiApi:
                            chat: bool, include_usage: bool, echo: str) -> web.StreamResponse:
         """Server-sent events: one chunk per text segment, a last one with `finish_reason`, `[DONE]`."""
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+        resp = await sse_response(request)
 
         def chunk(text: str | None, finish: str | None = None, first: bool = False) -> dict[str, Any]:
             choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
@@ -484,20 +378,11 @@ class OpenAiApi:
 
         try:
             if chat:
-                await _send(resp, chunk(None, first=True))
+                await sse_send(resp, chunk(None, first=True))
             if echo:
-                await _send(resp, chunk(echo))
-            try:
-                async for piece in self._deltas(request, job, gen):
-                    await _send(resp, chunk(piece))
-            except OpenAiError as e:        # the job ended badly: said in the stream, as servers do
-                await _send(resp, _error_event(e))
-            else:
-                await _send(resp, chunk(None, gen.finish_reason))
-                if include_usage:
-                    await _send(resp, {**head, "choices": [], "usage": _usage(gen)})
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+                await sse_send(resp, chunk(echo))
+            await self._sse_answer(request, resp, job, gen, head if include_usage else None, chunk,
+                                   lambda: chunk(None, gen.finish_reason))
         except ConnectionError as e:
             log.debug("chat stream reader went away", job=job.id, error=str(e))
         return resp
@@ -507,7 +392,7 @@ class OpenAiApi:
         """The answer's text as its segments come; raises OpenAiError if the job ends badly. A last
         stage that streamed no text is answered with its `text` output once the job ended.
         `on_event` is awaited at every event (an audio chat sends the speech made meanwhile)."""
-        async for ev in self._follow(request, job.id):
+        async for ev in follow(request, self.api.scheduler, job.id):
             if on_event is not None:
                 await on_event()
             stage = ev.get("stage")
@@ -521,11 +406,11 @@ class OpenAiApi:
                 if text:
                     gen.pieces.append(text)
                     yield text
-        record = self._succeeded(job.id)
+        record = _succeeded(self.api.scheduler, job.id)
         if not gen.pieces:
             text_out = _pick(record.outputs, "text", "text", gen.text_stage)
             if text_out is not None:
-                text = (await self._read(record, text_out)).decode("utf-8", errors="replace")
+                text = (await _read(self.api.store, record, text_out)).decode("utf-8", errors="replace")
                 if text:
                     gen.pieces.append(text)
                     yield text
@@ -533,7 +418,7 @@ class OpenAiApi:
     # ------------------------------------------------------------------ images
 
     async def images(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
+        body = await _body(request)
         p = self._pipeline(body, "image")
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
@@ -545,7 +430,7 @@ class OpenAiApi:
             raise _bad("response_format", "only response_format \"b64_json\" is supported (omnid serves no URLs)")
         if body.get("output_format") not in (None, "png"):
             raise _bad("output_format", "only output_format \"png\" is supported")
-        draw = next((s for s in reversed(p.stages) if self.api.config.stages[s].engine == "diffusers"), None)
+        draw = admission.image_stage(self.api.config, p)
         params: dict[str, dict[str, Any]] = {}
         size = body.get("size")
         if size is not None and size != "auto":
@@ -555,26 +440,28 @@ class OpenAiApi:
             if draw is None:
                 raise _bad("size", f"model {p.name!r} has no diffusers stage to set the size of")
             params[draw] = {"width": int(m.group(1)), "height": int(m.group(2))}
+            stage = self.api.config.stages[draw]
             for key, value in params[draw].items():
-                why = job_param_problem(draw, "diffusers", self.api.config.stages[draw].defaults, key, value)
+                why = job_param_problem(draw, stage.engine, stage.defaults, key, value)
                 if why is not None:
                     raise _bad("size", f"size: {why}")
-        inputs, summary = self.api._inputs({self._prompt_key(p): prompt}, p)
+        inputs, summary = admission.inputs(self.api.config, {admission.prompt_key(self.api.config, p): prompt}, p)
         job = self._submit(request, p, inputs, params, summary)
         try:
-            async for _ in self._follow(request, job.id):
+            async for _ in follow(request, self.api.scheduler, job.id):
                 pass
-            record = self._succeeded(job.id)
+            record = _succeeded(self.api.scheduler, job.id)
             images = [o for o in record.outputs if o["kind"] == "image"]
             if not images:
                 raise OpenAiError(500, f"job {job.id} of {p.name!r} produced no image "
                                   f"(its outputs: {', '.join(o['name'] for o in record.outputs) or 'none'})",
                                   code=str(ErrorCode.NO_IMAGE), retry=False)
             revised_out = _pick(record.outputs, "text", "prompt", None)
-            revised = (await self._read(record, revised_out)).decode("utf-8", "replace") if revised_out else None
+            revised = (await _read(self.api.store, record, revised_out)).decode("utf-8", "replace") \
+                if revised_out else None
             data = []
             for out in images:
-                item = {"b64_json": base64.b64encode(await self._read(record, out)).decode("ascii")}
+                item = {"b64_json": base64.b64encode(await _read(self.api.store, record, out)).decode("ascii")}
                 if revised is not None:
                     item["revised_prompt"] = revised
                 data.append(item)
@@ -585,7 +472,7 @@ class OpenAiApi:
     # ------------------------------------------------------------------ speech
 
     async def speech(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
+        body = await _body(request)
         p = self._pipeline(body, "audio")
         text = body.get("input")
         if not isinstance(text, str) or not text:
@@ -603,23 +490,23 @@ class OpenAiApi:
         for s in p.sinks:        # `voice` goes to a last stage that declares it in its defaults
             if voice is not None and "voice" in self.api.config.stages[s].defaults:
                 params[s] = {"voice": voice}
-        inputs, summary = self.api._inputs({self._prompt_key(p, "text"): text}, p)
+        inputs, summary = admission.inputs(self.api.config, {admission.prompt_key(self.api.config, p, "text"): text}, p)
         job = self._submit(request, p, inputs, params, summary)
         if sse or fmt == "pcm":
             try:
                 return await self._speech_live(request, job, fmt, sse)
             finally:
                 self._abandon(request, job.id)
-        name = self._audio_name(p)
+        name = _audio_name(self.api.store, p)
         request[_CONTENT_TYPE_KEY] = "audio/wav"
         try:
             current = self.api.scheduler.job(job.id) or job
             try:
                 if current.terminal:
-                    return self.api._output_file(current, name)
-                return await self.api._stream_output(request, current, name)
+                    return output_file(self.api.store, current, name)
+                return await stream_output(request, self.api.store, self.api.scheduler, current, name)
             except Refused:
-                self._succeeded(job.id)          # the job's own error, if it ended badly
+                _succeeded(self.api.scheduler, job.id)          # the job's own error, if it ended badly
                 raise
         finally:
             self._abandon(request, job.id)
@@ -640,28 +527,28 @@ class OpenAiApi:
                 await resp.prepare(request)
                 started = True
             if sse and data:
-                await _send(resp, {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
+                await sse_send(resp, {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
             elif data:
                 await resp.write(data)
 
         try:
-            async for _ev in self._follow(request, job.id):
+            async for _ev in follow(request, self.api.scheduler, job.id):
                 data = reader.read()
                 if data:
                     if header:
                         data, header = reader.header + data, False
                     await out(data)
             await out(reader.read())
-            self._succeeded(job.id)          # the job's own error, if it ended badly
+            _succeeded(self.api.scheduler, job.id)          # the job's own error, if it ended badly
             if sse:
-                await _send(resp, {"type": "speech.audio.done",
+                await sse_send(resp, {"type": "speech.audio.done",
                                    "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}})
             await resp.write_eof()
         except OpenAiError as e:
             if not started:
                 raise                        # nothing sent yet: an ordinary error answer
             if sse:
-                await _send(resp, _error_event(e))
+                await sse_send(resp, _error_event(e))
             await resp.write_eof()
         except ConnectionError as e:
             log.debug("speech stream reader went away", job=job.id, error=str(e))
@@ -669,41 +556,13 @@ class OpenAiApi:
             reader.close()
         return resp
 
-    def _audio_name(self, p: PipelineConfig) -> str:
-        """The audio output's name: as the pipeline's latest successful job had it, else "audio"."""
-        last = self.api.store.list(None, JobState.SUCCEEDED, p.name, 1)
-        for out in last[0].outputs if last else []:
-            if out["kind"] == "audio":
-                return str(out["name"])
-        return "audio"
-
     # ------------------------------------------------------------------ jobs
-
-    def _prompt_key(self, p: PipelineConfig, python_key: str = "prompt") -> str:
-        """The input a text goes in: `prompt` for vLLM and diffusers first stages, else `python_key`."""
-        engines = {self.api.config.stages[s].engine for s in p.sources}
-        return "prompt" if engines & {"vllm", "diffusers"} else python_key
-
-    async def _body(self, request: web.Request) -> dict[str, Any]:
-        try:
-            body = await self.api._json_body(request)
-        except Refused as e:
-            raise OpenAiError(e.status, e.message, code=str(e.code)) from None
-        if not isinstance(body, dict):
-            raise _bad(None, "the request body must be a JSON object")
-        return body
 
     def _submit(self, request: web.Request, p: PipelineConfig, inputs: dict[str, Any],
                 params: dict[str, dict[str, Any]], summary: dict[str, Any]) -> JobRecord:
         """An ordinary job of the caller's (what `POST /v1/jobs` does after its checks)."""
-        info = self.api.info
-        if info.stopping:
-            raise Refused(503, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
-        if info.draining:
-            raise Refused(503, ErrorCode.DRAINING, "the daemon is stopping; try again once it is back")
-        self.api.check_disk()
-        job = self.api.scheduler.submit(request["uid"], p.name, inputs, params, None, summary)
-        self.api.store.flush()
+        job = self.api.take(request, Submission(p, inputs, params, summary),
+                            "the daemon is stopping; try again once it is back")
         request[_JOB_KEY] = job.id
         log.info("audit", action="submit", uid=request["uid"], job=job.id, pipeline=p.name, via=request.path)
         return job
@@ -715,57 +574,109 @@ class OpenAiApi:
             log.info("audit", action="cancel", uid=request["uid"], job=job_id, why="the caller went away",
                      via=request.path)
 
-    async def _follow(self, request: web.Request, job_id: str) -> AsyncIterator[dict[str, Any]]:
-        """The job's events from its start until it ended; ConnectionResetError if the caller hangs up."""
-        sent = 0
-        past, queue = self.api.scheduler.subscribe(job_id)
-        try:
-            while True:
-                for ev in past:
-                    sent += 1
-                    yield ev
-                if queue is None:
-                    return
-                while True:
-                    # The hang-up is looked at after every event as well as after every quiet
-                    # DISCONNECT_POLL_S: a job whose events flow (every token) is cancelled too.
-                    ev_or_end = await _next_event(request, queue)
-                    if ev_or_end is None:
-                        return
-                    if ev_or_end is LAGGED:
-                        break
-                    sent += 1
-                    yield ev_or_end
-                # fell behind: the rest is in the store
-                self.api.scheduler.unsubscribe(job_id, queue)
-                past, queue = self.api.scheduler.subscribe(job_id, after=sent)
-        finally:
-            if queue is not None:
-                self.api.scheduler.unsubscribe(job_id, queue)
-
-    def _succeeded(self, job_id: str) -> JobRecord:
-        """The ended job's record; OpenAiError when it did not succeed."""
-        record = self.api.scheduler.job(job_id)
-        if record is None:
-            raise OpenAiError(500, f"job {job_id} was deleted before it was answered", code="unknown_job",
-                              retry=False)
-        if record.state is not JobState.SUCCEEDED:
-            err = record.error or {}
-            raise OpenAiError(504 if record.state is JobState.TIMED_OUT else 500,
-                              f"job {job_id} {record.state}: {err.get('message') or 'no reason given'}",
-                              code=str(err.get("code") or record.state), retry=False)
-        return record
-
-    async def _read(self, record: JobRecord, out: dict[str, Any]) -> bytes:
-        path = self.api.store.job_dir(record.id) / out["file"]
-        try:
-            return await asyncio.get_running_loop().run_in_executor(None, path.read_bytes)
-        except FileNotFoundError:
-            raise OpenAiError(410, f"output {out['name']!r} of job {record.id} is no longer on disk",
-                              code=str(ErrorCode.OUTPUT_GONE)) from None
-
-
 # ---------------------------------------------------------------------------- helpers
+
+
+def _model(config: Config, store: JobStore, created: float, p: PipelineConfig) -> dict[str, Any]:
+    """A pipeline as a model: what it produces, which endpoints take it, the media its chats may hold."""
+    produces = admission.answers(config, store, p)
+    endpoints = sorted({e for kind in (produces or _ENDPOINTS) for e in _ENDPOINTS.get(kind, [])})
+    return {"id": p.name, "object": "model", "created": int(created), "owned_by": "omnid",
+            "omnid": {"stages": list(p.stages), "engines": [config.stages[s].engine for s in p.stages],
+                      "outputs": produces, "endpoints": endpoints,
+                      "media": list(stage.media.kinds) if (stage := admission.media_stage(config, p)) else []}}
+
+
+def _find(config: Config, name: Any) -> PipelineConfig:
+    if not isinstance(name, str) or not name:
+        raise _bad("model", "you must provide a model parameter (a pipeline's name)")
+    p = config.pipelines.get(name)
+    if p is None:
+        raise OpenAiError(404, f"The model `{name}` does not exist (the pipelines: "
+                          f"{', '.join(sorted(config.pipelines))})", "model",
+                          str(ErrorCode.MODEL_NOT_FOUND))
+    return p
+
+
+def _media_inputs(config: Config, p: PipelineConfig, messages: str,
+                  parts: list[tuple[str, bytes, str]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A chat with media parts as a job's inputs: `messages`, and `image` / `audio` lists in the
+    order of their parts. Each part is checked against the limits of the stage that takes the
+    chat (400 naming the part), then the whole as any job's inputs are."""
+    stage = admission.media_stage(config, p)
+    inputs: dict[str, Any] = {"messages": messages}
+    summary: dict[str, Any] = {"messages": admission.text_summary(messages)}
+    for kind, data, where in parts:
+        limits = stage.media if stage is not None else M.NO_MEDIA
+        items = inputs.setdefault(kind, [])
+        if not limits.count(kind):
+            raise _bad(where, f"model {p.name!r} takes no {kind} input (the media it takes: "
+                              f"{', '.join(limits.kinds) or 'none'})", "media_not_accepted")
+        if len(items) >= limits.count(kind):
+            raise _bad(where, f"model {p.name!r} takes at most {limits.count(kind)} {kind} item(s) per request",
+                       str(ErrorCode.INVALID_MEDIA))
+        try:
+            (doc,) = M.check_media(kind, data, limits)
+        except M.MediaError as e:
+            raise _bad(where, f"{where}: {e}", str(ErrorCode.INVALID_MEDIA)) from None
+        items.append(data)
+        summary.setdefault(kind, []).append({"filename": None, "size": len(data), **doc})
+    try:
+        admission.check_inputs(config, inputs, summary, p)
+    except Refused as e:
+        raise _bad("messages", e.message, str(e.code)) from None
+    return inputs, summary
+
+
+def _generation(config: Config, p: PipelineConfig) -> _Generation:
+    """A text job's answer so far: its text stage's segments, its token stage's counts."""
+    text = admission.text_stage(config, p)
+    if text is None:
+        raise _bad("model", f"model {p.name!r} does not end in text", str(ErrorCode.MODEL_NOT_SUPPORTED))
+    return _Generation(text, admission.token_stage(config, p))
+
+
+def _audio_name(store: JobStore, p: PipelineConfig) -> str:
+    """The audio output's name: as the pipeline's latest successful job had it, else "audio"."""
+    last = store.list(None, JobState.SUCCEEDED, p.name, 1)
+    for out in last[0].outputs if last else []:
+        if out["kind"] == "audio":
+            return str(out["name"])
+    return "audio"
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await json_body(request)
+    except Refused as e:
+        raise OpenAiError(e.status, e.message, code=str(e.code)) from None
+    if not isinstance(body, dict):
+        raise _bad(None, "the request body must be a JSON object")
+    return body
+
+
+def _succeeded(scheduler: Scheduler, job_id: str) -> JobRecord:
+    """The ended job's record; OpenAiError when it did not succeed."""
+    record = scheduler.job(job_id)
+    if record is None:
+        raise OpenAiError(500, f"job {job_id} was deleted before it was answered", code="unknown_job",
+                          retry=False)
+    if record.state is not JobState.SUCCEEDED:
+        err = record.error or {}
+        raise OpenAiError(504 if record.state is JobState.TIMED_OUT else 500,
+                          f"job {job_id} {record.state}: {err.get('message') or 'no reason given'}",
+                          code=str(err.get("code") or record.state), retry=False)
+    return record
+
+
+async def _read(store: JobStore, record: JobRecord, out: dict[str, Any]) -> bytes:
+    path = store.job_dir(record.id) / out["file"]
+    try:
+        return await asyncio.get_running_loop().run_in_executor(None, path.read_bytes)
+    except FileNotFoundError:
+        raise OpenAiError(410, f"output {out['name']!r} of job {record.id} is no longer on disk",
+                          code=str(ErrorCode.OUTPUT_GONE)) from None
+
 
 
 def _messages(raw: Any) -> tuple[list[dict[str, Any]], list[tuple[str, bytes, str]]]:
@@ -974,5 +885,43 @@ def _error_event(e: OpenAiError) -> dict[str, Any]:
     return {"error": {"message": e.message, "type": e.type, "param": None, "code": e.code}}
 
 
-async def _send(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
-    await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+def _common(body: dict[str, Any]) -> tuple[bool, bool]:
+    """`n` (1 only), `stream`, `stream_options.include_usage`."""
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise _bad("n", f"n must be 1 here (one job, one answer), not {n!r}")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise _bad("stream", "stream must be true or false")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("stream_options", "stream_options must be an object")
+    if options and not stream:
+        raise _bad("stream_options", "stream_options is only allowed when stream is true")
+    include_usage = (options or {}).get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise _bad("stream_options", "stream_options.include_usage must be true or false")
+    return bool(stream), bool(include_usage)
+
+
+def _sampling(config: Config, p: PipelineConfig, body: dict[str, Any],
+              extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The OpenAI sampling fields as the token stage's params, each checked by omnid's rules."""
+    stage = admission.token_stage(config, p)
+    if stage is None:
+        return {}                   # no stage that samples: nothing to sample (the fields are ignored)
+    engine, defaults = config.stages[stage].engine, config.stages[stage].defaults
+    values: dict[str, Any] = {}
+    for name, key in _SAMPLING:
+        value = body.get(name)
+        if value is None or (name == "stop" and value == []):
+            continue
+        why = job_param_problem(stage, engine, defaults, key, value)
+        if why is not None:
+            raise _bad(name, f"{name}: {why}")
+        values[key] = value
+    why = values_problem(stage, engine, merged(defaults, values))
+    if why is not None:
+        raise _bad("max_tokens", why)
+    values.update(extra)
+    return {stage: values}

@@ -4,7 +4,8 @@
 Runs in the supervisor's event-loop thread, called by the handlers in `api.py`; pure functions of
 the config and the app's router, no I/O, nothing blocks. Both documents are built from the same
 things the server checks with: the parameter rules of `omnid.params` (each rule describes itself),
-the engines' input needs (as `Api._inputs` enforces them) and the words of `omnid.vocabulary`, so
+the engines' declarations (`omnid.engines.capabilities`: their input needs, as admission.py
+enforces them, and their outputs) and the words of `omnid.vocabulary`, so
 the description cannot drift from the behaviour. The routes are read from the app's router at
 request time: an endpoint added anywhere (another module's routes too) is in the document; one
 this module has no schema for is still listed, described by its handler's docstring.
@@ -18,26 +19,16 @@ from typing import Any
 from aiohttp import web
 
 from omnid.config import Config, PipelineConfig, StageConfig
+from omnid.engines.capabilities import CAPABILITIES, capabilities, engines_that
 from omnid.media import IMAGE_FORMATS, MEDIA_KINDS
 from omnid.params import PLAIN_VALUE_SCHEMA, describe_stage_params, param_schema, stage_params_schema
 from omnid.supervisor.stage_logs import SINCE_PATTERN
 from omnid.vocabulary import ErrorCode, EventType, JobState, StageRunState, WorkerState
 
-# Engines whose first stage needs a text input "prompt" (the API refuses a job without it: 400
-# missing_input); a python stage's function reads whatever inputs it wants.
-PROMPT_ENGINES = ("vllm", "diffusers")
+# A first stage whose engine needs a text input "prompt" (`Capabilities.text_prompt`: the API refuses
+# a job without it, 400 missing_input) is described; a python stage's function reads whatever inputs it
+# wants. What a stage produces (the job's outputs when it is a last stage) is its engine's `outputs`.
 UNKNOWN_INPUTS = "unknown: a python stage's function reads whatever inputs it wants"
-# What each engine's stage produces (the job's outputs when it is a last stage).
-ENGINE_OUTPUTS: dict[str, list[dict[str, Any]]] = {
-    "vllm": [{"name": "text", "kind": "text", "file": "text.txt", "content_type": "text/plain; charset=utf-8",
-              "description": "the generated text (streamed as text segments)"}],
-    "diffusers": [
-        {"name": "image", "kind": "image", "file": "image.png", "content_type": "image/png",
-         "description": "the image (image-K.png, one per image, when num_images_per_prompt > 1)"},
-        {"name": "prompt", "kind": "text", "file": "prompt.txt", "content_type": "text/plain; charset=utf-8",
-         "description": "the prompt it drew"},
-    ],
-}
 UNKNOWN_OUTPUTS = ("whatever the function returns: str -> NAME.txt, image -> NAME.png, bytes sniffed, "
                    "tensor/array -> NAME.npy, other values -> NAME.json")
 
@@ -56,8 +47,9 @@ _MEDIA_INPUTS = {
 
 
 def _stage_inputs(stage: StageConfig) -> dict[str, Any]:
-    if stage.engine in PROMPT_ENGINES:
-        kinds = stage.media.kinds if stage.engine == "vllm" else ()
+    caps = capabilities(stage.engine)
+    if caps.text_prompt:
+        kinds = stage.media.kinds if caps.media else ()
         what = f"the text prompt of {stage.engine} stage {stage.name!r}"
         inputs: dict[str, Any] = {"prompt": {"type": "string", "required": not kinds,
                                              "description": what + (" (optional with media)" if kinds else "")}}
@@ -73,7 +65,7 @@ def _stage_inputs(stage: StageConfig) -> dict[str, Any]:
 
 
 def _stage_outputs(stage: StageConfig) -> dict[str, Any]:
-    outputs = ENGINE_OUTPUTS.get(stage.engine)
+    outputs = capabilities(stage.engine).outputs
     if outputs is not None:
         return {"known": True, "engine": stage.engine, "outputs": [dict(o) for o in outputs]}
     return {"known": False, "engine": stage.engine, "outputs": [], "note": UNKNOWN_OUTPUTS}
@@ -136,7 +128,7 @@ def _job_request(config: Config) -> dict[str, Any]:
     for pipeline in config.pipelines.values():
         sources = [config.stages[s] for s in pipeline.sources]
         # (a vllm stage that takes media may get media alone; `messages` is the other alternative)
-        needs_prompt = any(s.engine in PROMPT_ENGINES and not (s.engine == "vllm" and s.media.kinds)
+        needs_prompt = any(capabilities(s.engine).text_prompt and not (capabilities(s.engine).media and s.media.kinds)
                            for s in sources)
         inputs = {"type": "object", "additionalProperties": _INPUT_VALUE, "propertyNames": _INPUT_NAME,
                   "properties": {"prompt": _STR} if needs_prompt else {},
@@ -205,7 +197,7 @@ def schemas(config: Config) -> dict[str, Any]:
             ["known", "engine", "outputs"])},
     }
     stage_keys = {
-        "name": _STR, "engine": _enum(("vllm", "diffusers", "python")), "state": _enum(WorkerState),
+        "name": _STR, "engine": _enum(CAPABILITIES), "state": _enum(WorkerState),
         "pid": _nullable(_INT), "devices": {"type": "array", "items": _INT}, "queue_depth": _INT,
         "queue_capacity": _INT, "max_inflight": _INT, "running": {"type": "array", "items": _STR},
         "jobs_done": _INT, "restarts": _INT, "rss_bytes": _nullable(_INT), "cpu_percent": _nullable(_NUM),
@@ -420,19 +412,20 @@ def _body(schema: dict[str, Any]) -> dict[str, Any]:
     return {"required": True, "content": {"application/json": {"schema": schema}}}
 
 
-def _models(config: Config, engines: Iterable[str]) -> dict[str, Any]:
+def _models(config: Config, kind: str) -> dict[str, Any]:
     """`model`: the pipelines whose last stages' engines may give this kind of answer."""
-    wanted = set(engines)
-    names = [p.name for p in config.pipelines.values() if any(config.stages[s].engine in wanted for s in p.sinks)]
+    names = [p.name for p in config.pipelines.values()
+             if any(capabilities(config.stages[s].engine).may_answer(kind) for s in p.sinks)]
     return {"type": "string", "enum": names} if names else {"type": "string",
                                                               "description": "no pipeline here gives this answer"}
 
 
 def _sampling_fields() -> dict[str, Any]:
+    sampler = engines_that(lambda e: e.sampling)[0]      # (the engine whose params the sampling fields set)
     fields = {}
     for name in _SAMPLING:
         key = "max_tokens" if name == "max_completion_tokens" else name
-        fields[name] = _maybe(param_schema("vllm", key))
+        fields[name] = _maybe(param_schema(sampler, key))
     return fields
 
 
@@ -445,7 +438,7 @@ def _chat_request(config: Config) -> dict[str, Any]:
     ]}
     empty_list = {"type": "array", "maxItems": 0}
     return _obj({
-        "model": _models(config, ("vllm", "python")),
+        "model": _models(config, "text"),
         "messages": {"type": "array", "items": message, "minItems": 1},
         "n": _maybe({"const": 1}), "stream": _maybe(_BOOL),
         "stream_options": _maybe(_obj({"include_usage": _maybe(_BOOL)})),
@@ -463,7 +456,7 @@ def _chat_request(config: Config) -> dict[str, Any]:
 
 def _completion_request(config: Config) -> dict[str, Any]:
     return _obj({
-        "model": _models(config, ("vllm", "python")),
+        "model": _models(config, "text"),
         "prompt": {"anyOf": [_STR, {"type": "array", "items": _STR, "minItems": 1, "maxItems": 1}]},
         "n": _maybe({"const": 1}), "stream": _maybe(_BOOL),
         "stream_options": _maybe(_obj({"include_usage": _maybe(_BOOL)})),
@@ -474,11 +467,11 @@ def _completion_request(config: Config) -> dict[str, Any]:
 
 def _image_request(config: Config) -> dict[str, Any]:
     sides = "|".join(str(n) for n in range(8, 4097, 8))     # the diffusers rule: 8 to 4096, multiples of 8
-    drawn = any(st.engine == "diffusers" for st in config.stages.values())
+    drawn = any(capabilities(st.engine).image_size for st in config.stages.values())
     size = {"anyOf": [{"const": "auto"}, {"type": "string", "pattern": f"^(?:{sides})x(?:{sides})$"}]} if drawn \
         else {"const": "auto"}
     return _obj({
-        "model": _models(config, ("diffusers", "python")), "prompt": {"type": "string", "minLength": 1},
+        "model": _models(config, "image"), "prompt": {"type": "string", "minLength": 1},
         "n": _maybe({"const": 1}), "size": _maybe(size), "response_format": _maybe({"const": "b64_json"}),
         "output_format": _maybe({"const": "png"}),
     }, ["model", "prompt"])
@@ -486,7 +479,7 @@ def _image_request(config: Config) -> dict[str, Any]:
 
 def _speech_request(config: Config) -> dict[str, Any]:
     return _obj({
-        "model": _models(config, ("python",)), "input": {"type": "string", "minLength": 1},
+        "model": _models(config, "audio"), "input": {"type": "string", "minLength": 1},
         "voice": {"description": "given to a last stage that has `voice` in its defaults"},
         "response_format": _maybe(_enum(("wav", "pcm"))), "stream_format": _maybe(_enum(("audio", "sse"))),
     }, ["model", "input"])

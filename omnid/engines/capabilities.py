@@ -1,0 +1,96 @@
+"""What each engine can do, declared without loading it: the one registry of engines.
+
+Standard library only (and `omnid.params`): the supervisor, the API, the OpenAPI document and
+`omnid --check` ask these declarations instead of comparing engine names, and none of them imports
+an engine module (those run in stage workers). Each engine class points to its declaration
+(`Engine.capabilities`); `load_engine` finds the class from `engine_class`.
+
+A new engine: its module (the `Engine` subclass), and one `Capabilities` here, in `CAPABILITIES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from omnid.params import DIFFUSERS_PARAMS, VLLM_PARAMS
+
+_TEXT_OUTPUT: dict[str, Any] = {"name": "text", "kind": "text", "file": "text.txt",
+                                "content_type": "text/plain; charset=utf-8"}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """One engine's declaration. The flags say what a stage of this engine can do; the
+    supervisor's checks, the API's admission and the self-description read them."""
+
+    name: str                               # the config's `engine = "..."`
+    engine_class: str                       # "module:Class", imported only inside a stage worker
+    # -- its stage's config
+    model_marker: str | None = None         # the file its `model` directory must hold; None: no model needed
+    takes_function: bool = False            # a `function` / `batch_function` (and an optional `model`)
+    parallel: bool = False                  # splits its model over its devices by `args` (tensor/pipeline parallel)
+    max_batch: int | None = None            # the most jobs one call batches (bounds `max_inflight`); None: no bound
+    # -- its inputs
+    streamed_input: bool = False            # may be fed by a streaming edge (window = N > 0)
+    whole_input: str = ""                   # why it may not (said by `--check`)
+    text_prompt: bool = False               # as a first stage, needs a text input "prompt" (else 400)
+    chat: bool = False                      # a chat (`messages`, JSON text) stands in for the prompt
+    media: bool = False                     # takes media inputs (image, audio, video) within its `media` limits
+    tensors: bool = False                   # gives tensors (token ids, hidden states) and takes them as a prompt
+    # -- its outputs
+    answer: str | None = None               # the kind of answer a last stage gives ("text", "image"); None:
+                                            # whatever its function returns
+    outputs: tuple[dict[str, Any], ...] | None = None   # the outputs it produces; None: not known beforehand
+    gives: tuple[str, ...] | None = None    # the names an edge may map out of it; None: any
+    # -- its params
+    params: frozenset[str] | None = None    # the per-job parameters it takes (`omnid.params`); None: any
+    sampling: bool = False                  # takes the OpenAI sampling fields (and counts tokens)
+    image_size: bool = False                # takes `width` and `height` (the images endpoint's `size`)
+
+    def may_answer(self, kind: str) -> bool:
+        """A last stage of this engine may give an answer of `kind` (declared, or not known)."""
+        return self.answer is None or self.answer == kind
+
+
+# What a vllm stage gives besides `text`, computed only when an edge maps them or `outputs` names them.
+# `prompt_token_ids`: the prompt as the engine tokenized it (a talker embeds it), in the first segment.
+TENSOR_OUTPUTS = ("token_ids", "hidden_states", "prompt_token_ids")
+# A vllm stage's prompt as tensors: each stands in for a text "prompt".
+TENSOR_PROMPTS = ("prompt_token_ids", "prompt_embeds")
+
+VLLM = Capabilities(
+    name="vllm", engine_class="omnid.engines.vllm_engine:VllmEngine", model_marker="config.json", parallel=True,
+    whole_input="it needs its whole prompt before it can start generating",
+    text_prompt=True, chat=True, media=True, tensors=True, answer="text",
+    outputs=({**_TEXT_OUTPUT, "description": "the generated text (streamed as text segments)"},),
+    gives=("text", *TENSOR_OUTPUTS), params=VLLM_PARAMS, sampling=True,
+)
+DIFFUSERS = Capabilities(
+    name="diffusers", engine_class="omnid.engines.diffusers_engine:DiffusersEngine",
+    model_marker="model_index.json", max_batch=64,
+    whole_input="it needs its whole prompt (a diffusion model conditions every step on all of it)",
+    text_prompt=True, answer="image",
+    outputs=({"name": "image", "kind": "image", "file": "image.png", "content_type": "image/png",
+              "description": "the image (image-K.png, one per image, when num_images_per_prompt > 1)"},
+             {**_TEXT_OUTPUT, "name": "prompt", "file": "prompt.txt", "description": "the prompt it drew"}),
+    params=DIFFUSERS_PARAMS, image_size=True,
+)
+PYTHON = Capabilities(
+    name="python", engine_class="omnid.engines.python_engine:PythonEngine", takes_function=True,
+    streamed_input=True,
+)
+
+# The registry, in the order `--check` lists the engines.
+CAPABILITIES: dict[str, Capabilities] = {c.name: c for c in (VLLM, DIFFUSERS, PYTHON)}
+
+
+def capabilities(engine: str) -> Capabilities:
+    """The declaration of `engine` (a name the config accepted)."""
+    return CAPABILITIES[engine]
+
+
+def engines_that(can: Callable[[Capabilities], bool]) -> tuple[str, ...]:
+    """The names of the engines whose declaration passes `can`, in the registry's order."""
+    return tuple(name for name, caps in CAPABILITIES.items() if can(caps))

@@ -1,0 +1,304 @@
+"""Admission: whether a submission may become a job, and why not. One door for every front end
+(`POST /v1/jobs`, the OpenAI-compatible paths, and the TCP listener behind its keys).
+
+Checking a submission: its pipeline resolved (once per request), its inputs decoded and checked
+for the pipeline's first stages (a text prompt where the engine needs one, media within the
+stage's limits), its params checked by `omnid.params`' rules, its timeout; each refusal a
+`Refused` that names what is wrong. What an engine needs and gives is read from its declaration
+(`omnid.engines.capabilities`), never from its name. The pipeline facts the OpenAI paths ask
+(which stage answers in text, which samples, which takes media) are here too.
+
+Pure functions of the config in force (the caller passes it) and the request's JSON; no I/O but
+`answers`' one read of the job store (a short sqlite read). Runs in the supervisor's event loop.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from omnid import media
+from omnid.config import TENSOR_PROMPTS, Config, PipelineConfig, StageConfig
+from omnid.engines.capabilities import capabilities
+from omnid.params import job_param_problem, merged, plain_value, values_problem
+from omnid.store import JobStore
+from omnid.supervisor.errors import Refused
+from omnid.vocabulary import ErrorCode, JobState
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+SUMMARY_CHARS = 1000          # how much of a long text input the job document shows
+JOB_KEYS = frozenset({"pipeline", "inputs", "params", "timeout_s"})
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A submission that passed admission: what the scheduler is given."""
+
+    pipeline: PipelineConfig
+    inputs: dict[str, Any]
+    params: dict[str, dict[str, Any]]
+    summary: dict[str, Any]               # the inputs as the job document shows them
+    timeout_s: float | None = None
+
+
+def job_submission(config: Config, body: Any) -> Submission:
+    """`POST /v1/jobs`'s body, checked: {"pipeline", "inputs", "params", "timeout_s"}."""
+    if not isinstance(body, dict):
+        raise Refused(400, ErrorCode.INVALID_REQUEST, "the request body must be a JSON object")
+    unknown = set(body) - JOB_KEYS
+    if unknown:
+        raise Refused(400, ErrorCode.INVALID_REQUEST, f"unknown field(s) {', '.join(sorted(unknown))}; "
+                      f"a job has {', '.join(sorted(JOB_KEYS))}")
+    name = body.get("pipeline")
+    if not isinstance(name, str) or not name:
+        raise Refused(400, ErrorCode.INVALID_REQUEST, "\"pipeline\" must name a pipeline")
+    pipeline = find_pipeline(config, name)
+    found, summary = inputs(config, body.get("inputs", {}), pipeline)
+    params = job_params(config, body.get("params", {}), pipeline)
+    timeout = body.get("timeout_s")
+    if timeout is not None:
+        # A range check, not math.isfinite: that overflows on a 400-digit integer.
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+                or not 0 < timeout <= MAX_TIMEOUT_S:
+            raise Refused(400, ErrorCode.INVALID_REQUEST, f"\"timeout_s\" must be a number of seconds in "
+                          f"(0, {MAX_TIMEOUT_S:.0f}], not {timeout!r}")
+        timeout = float(timeout)
+    return Submission(pipeline, found, params, summary, timeout)
+
+
+def find_pipeline(config: Config, name: str, in_path: bool = False) -> PipelineConfig:
+    """The pipeline named `name`; else Refused `unknown_pipeline` (400 named in a body, 404 in a path)."""
+    pipeline = config.pipelines.get(name)
+    if pipeline is None:
+        why = f"no pipeline {name!r}; known: {', '.join(sorted(config.pipelines))}"
+        if in_path:
+            raise Refused(404, ErrorCode.UNKNOWN_PIPELINE, why)
+        raise Refused(400, ErrorCode.UNKNOWN_PIPELINE, why)
+    return pipeline
+
+
+# ------------------------------------------------------------------ inputs
+
+
+def inputs(config: Config, raw: Any, pipeline: PipelineConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A job's `inputs` as JSON gives them, decoded (files to bytes) and checked for the
+    pipeline's first stages; with the summary the job document shows."""
+    if not isinstance(raw, dict):
+        raise Refused(400, ErrorCode.INVALID_REQUEST, "\"inputs\" must be an object of named inputs")
+    found: dict[str, Any] = {}
+    summary: dict[str, Any] = {}
+    for key, value in raw.items():
+        if not key or len(key) > 128:
+            raise Refused(400, ErrorCode.INVALID_INPUT, f"input name {key!r} is empty or too long")
+        if isinstance(value, (str, int, float, bool)) or value is None:
+            if not plain_value(value):
+                raise Refused(400, ErrorCode.INVALID_INPUT, f"input {key!r} is not a finite number")
+            found[key] = value
+            summary[key] = text_summary(value) if isinstance(value, str) else value
+        elif _is_file(value) or _is_samples(value):
+            found[key], summary[key] = _file_or_samples(key, value)
+        elif isinstance(value, list) and value and all(_is_file(v) or _is_samples(v) for v in value):
+            decoded = [_file_or_samples(f"{key}[{i}]", v) for i, v in enumerate(value)]
+            found[key] = [data for data, _ in decoded]
+            summary[key] = [doc for _, doc in decoded]
+        elif isinstance(value, list) and plain_value(value):
+            found[key] = summary[key] = value
+        else:
+            raise Refused(400, ErrorCode.INVALID_INPUT, f"input {key!r} must be a string, number, boolean, list of "
+                          "those, a file {\"b64\": ..., \"filename\": ...} or a list of files, or audio samples "
+                          "{\"samples\": [...], \"rate\": HZ}")
+    check_inputs(config, found, summary, pipeline)
+    return found, summary
+
+
+def text_summary(value: str) -> str:
+    """A text input as the job document shows it: long ones cut (listings stay small)."""
+    return value if len(value) <= SUMMARY_CHARS else value[:SUMMARY_CHARS] + f"... ({len(value)} characters)"
+
+
+def check_inputs(config: Config, found: dict[str, Any], summary: dict[str, Any], pipeline: PipelineConfig) -> None:
+    """What the pipeline's first stages need of a job's (decoded) inputs: the text `prompt` of an
+    engine that needs one, the media of one that takes them within its limits (each file's type and
+    size read from its header; `summary` gains what was read). Refused names the input."""
+    for src in pipeline.sources:
+        stage = config.stages[src]
+        caps = capabilities(stage.engine)
+        has_media = caps.media and _check_media(stage, pipeline, found, summary)
+        if caps.text_prompt and isinstance(found.get("prompt"), bytes):
+            raise Refused(400, ErrorCode.INVALID_INPUT, f"input \"prompt\" of {stage.engine} stage {src!r} must be "
+                          "text, not a file (use --prompt or --input prompt=...)")
+        if (caps.chat and isinstance(found.get("messages"), str)) or has_media \
+                or (caps.tensors and any(found.get(k) is not None for k in TENSOR_PROMPTS)):
+            continue                # a chat (JSON text), media (the stage renders its chat template), tensors
+        if caps.text_prompt and not isinstance(found.get("prompt"), str):
+            raise Refused(400, ErrorCode.MISSING_INPUT, f"pipeline {pipeline.name!r} starts with {stage.engine} stage "
+                          f"{src!r}, which needs a text input \"prompt\"")
+
+
+def _check_media(stage: StageConfig, pipeline: PipelineConfig, found: dict[str, Any],
+                 summary: dict[str, Any]) -> bool:
+    """A first stage's media inputs against its `media` limits; True if the job has any."""
+    any_media = False
+    for kind in media.MEDIA_KINDS:
+        value = found.get(kind)
+        if value is None:
+            continue
+        any_media = True
+        if not stage.media.count(kind):
+            raise Refused(400, ErrorCode.MEDIA_NOT_ACCEPTED, f"input {kind!r}: pipeline {pipeline.name!r} starts "
+                          f"with stage {stage.name!r}, whose model takes no {kind} input (the media it takes: "
+                          f"{', '.join(stage.media.kinds) or 'none'})", input=kind)
+        files = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, bytes) for v in files):
+            what = "a list of frame files" if kind == "video" else "a file {\"b64\": ...} or a list of files"
+            raise Refused(400, ErrorCode.INVALID_MEDIA, f"input {kind!r} must be {what}", input=kind)
+        try:
+            found_items = media.check_media(kind, value, stage.media)
+        except media.MediaError as e:
+            raise Refused(400, ErrorCode.INVALID_MEDIA, f"input {kind!r}{_filename(summary.get(kind))}: {e} "
+                          f"(stage {stage.name!r})", input=kind) from None
+        doc = summary.get(kind)
+        if isinstance(doc, dict) and found_items:
+            doc.update(found_items[0])
+        elif isinstance(doc, list) and kind != "video":
+            for item_doc, found_doc in zip(doc, found_items):
+                if isinstance(item_doc, dict):
+                    item_doc.update(found_doc)
+    chat = found.get("messages")
+    if isinstance(chat, str) and '"type"' in chat:      # a chat may place media parts of its own
+        try:
+            placed = media.chat_media_counts(json.loads(chat))
+        except ValueError:
+            placed = {}             # (the stage says what is wrong with it)
+        for kind, n in placed.items():
+            if not n:
+                continue
+            if not stage.media.count(kind):
+                raise Refused(400, ErrorCode.MEDIA_NOT_ACCEPTED, f"input \"messages\" has {kind} parts, but "
+                              f"stage {stage.name!r}'s model takes no {kind} input", input="messages")
+            given = len(media.as_items(kind, found[kind])) if found.get(kind) is not None else 0
+            if n != given:
+                raise Refused(400, ErrorCode.INVALID_MEDIA, f"input \"messages\" has {n} {kind} part(s), but "
+                              f"input {kind!r} gives {given}", input=kind)
+            any_media = True
+    return any_media
+
+
+def _is_file(value: Any) -> bool:
+    return isinstance(value, dict) and set(value) <= {"b64", "filename"} and isinstance(value.get("b64"), str) \
+        and isinstance(value.get("filename"), (str, type(None)))
+
+
+def _is_samples(value: Any) -> bool:
+    return isinstance(value, dict) and set(value) == {"samples", "rate"}
+
+
+def _file_or_samples(key: str, value: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+    """A file input's bytes, or audio samples as a WAV file; and the summary the job shows of it."""
+    if "samples" in value:
+        rate = value["rate"]
+        if isinstance(rate, float) and rate.is_integer():
+            rate = int(rate)            # (JSON has one number type: 16000.0 is the integer its schema says)
+        try:
+            wav = media.samples_to_wav(value["samples"], rate)
+        except media.MediaError as e:
+            raise Refused(400, ErrorCode.INVALID_MEDIA, f"input {key!r}: {e}", input=key.partition("[")[0]) from None
+        return wav, {"samples": len(value["samples"]), "rate": rate, "size": len(wav)}
+    try:
+        data = base64.b64decode(value["b64"], validate=True)
+    except (binascii.Error, ValueError):
+        raise Refused(400, ErrorCode.INVALID_INPUT, f"input {key!r}: \"b64\" is not valid base64") from None
+    return data, {"filename": value.get("filename"), "size": len(data)}
+
+
+def _filename(doc: Any) -> str:
+    """` (cat.png)`, for an error about a named file input."""
+    name = doc.get("filename") if isinstance(doc, dict) else None
+    return f" ({name})" if isinstance(name, str) and name else ""
+
+
+# ------------------------------------------------------------------ params
+
+
+def job_params(config: Config, raw: Any, pipeline: PipelineConfig) -> dict[str, dict[str, Any]]:
+    """A job's `params` ({"STAGE": {"KEY": value}}), each checked by its stage's engine's rules."""
+    if not isinstance(raw, dict):
+        raise Refused(400, ErrorCode.INVALID_REQUEST, "\"params\" must be an object: {\"STAGE\": {\"KEY\": value}}")
+    out: dict[str, dict[str, Any]] = {}
+    for stage_name, values in raw.items():
+        if stage_name not in pipeline.stages:
+            raise Refused(400, ErrorCode.INVALID_PARAM, f"pipeline {pipeline.name!r} has no stage {stage_name!r} "
+                          f"(its stages: {', '.join(pipeline.stages)})")
+        if not isinstance(values, dict):
+            raise Refused(400, ErrorCode.INVALID_PARAM, f"params.{stage_name} must be an object")
+        stage = config.stages[stage_name]
+        for key, value in values.items():
+            why = job_param_problem(stage_name, stage.engine, stage.defaults, key, value)
+            if why is not None:
+                raise Refused(400, ErrorCode.INVALID_PARAM, why)
+        why = values_problem(stage_name, stage.engine, merged(stage.defaults, values))
+        if why is not None:
+            raise Refused(400, ErrorCode.INVALID_PARAM, why)
+        out[stage_name] = dict(values)
+    return out
+
+
+# ------------------------------------------------------------------ what a pipeline answers with
+
+
+def answers(config: Config, store: JobStore, p: PipelineConfig) -> list[str] | None:
+    """The kinds of answer the pipeline gives (`text`, `image`, ...): its last stages' engines'
+    declared ones; None when a last stage's engine declares none and it has not shown it yet (the
+    kinds of its latest successful job's outputs, when there is one)."""
+    kinds: set[str] = set()
+    for s in p.sinks:
+        kind = capabilities(config.stages[s].engine).answer
+        if kind is not None:
+            kinds.add(kind)
+            continue
+        last = store.list(None, JobState.SUCCEEDED, p.name, 1)
+        if not last:
+            return None
+        kinds |= {str(o["kind"]) for o in last[0].outputs if o.get("stage") == s}
+    return sorted(kinds)
+
+
+def media_stage(config: Config, p: PipelineConfig) -> StageConfig | None:
+    """The stage a chat's media go to: the pipeline's first stage whose engine takes media."""
+    for name in p.sources:
+        stage = config.stages[name]
+        if capabilities(stage.engine).media:
+            return stage
+    return None
+
+
+def token_stage(config: Config, p: PipelineConfig) -> str | None:
+    """The stage whose params the sampling fields set (and whose tokens are counted): of the stages
+    whose engine samples, a last stage, else the last one."""
+    sampling = [s for s in p.stages if capabilities(config.stages[s].engine).sampling]
+    sinks = [s for s in sampling if s in p.sinks]
+    return (sinks or sampling)[-1] if sampling else None
+
+
+def text_stage(config: Config, p: PipelineConfig) -> str | None:
+    """The last stage whose text segments are the answer: one whose engine answers in text, else
+    one whose engine's answer is not declared (a function's)."""
+    answer = {s: capabilities(config.stages[s].engine).answer for s in p.sinks}
+    for wanted in ("text", None):
+        for s in p.sinks:
+            if answer[s] == wanted:
+                return s
+    return None
+
+
+def image_stage(config: Config, p: PipelineConfig) -> str | None:
+    """The last stage whose engine takes an image's `width` and `height`."""
+    return next((s for s in reversed(p.stages) if capabilities(config.stages[s].engine).image_size), None)
+
+
+def prompt_key(config: Config, p: PipelineConfig, otherwise: str = "prompt") -> str:
+    """The input a text goes in: `prompt` when a first stage's engine needs a text prompt, else `otherwise`."""
+    return "prompt" if any(capabilities(config.stages[s].engine).text_prompt for s in p.sources) else otherwise
