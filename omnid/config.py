@@ -148,7 +148,7 @@ class StageConfig:
     # vllm stages: where vLLM's engine core (scheduler and forward) runs: "inline", in the worker's own
     # thread between omnid's work, or "process", a child process of the worker that steps while the
     # worker turns the last step's outputs into segments (how `vllm serve` runs it)
-    engine_core: str = "inline"
+    engine_core: str = "process"
     # vllm stages: the media (image, audio, video) a job may give it, and their limits
     media: MediaLimits = NO_MEDIA
     # `placement = "ray"`: the workers run as Ray actors (`ray`: their resource needs); a list gives one
@@ -652,12 +652,12 @@ ENGINE_CORES = ("inline", "process")
 def _parse_engine_core(c: _Checker, s: Mapping[str, Any], path: str, engine: str | None) -> str:
     """`engine_core = "inline" | "process"`: a vllm stage's engine core in the worker's thread, or in
     a process of its own."""
-    where = c.get(s, "engine_core", path, str, "inline")
-    if "engine_core" in s and engine is not None and engine != "vllm":
+    where = c.get(s, "engine_core", path, str, "process")
+    if "engine_core" in s and engine is not None and not capabilities(engine).engine_core:
         c.add(f"{path}.engine_core", f"only vllm stages have an engine core to place, not {engine!r}")
     elif where not in ENGINE_CORES:
         c.add(f"{path}.engine_core", f"must be one of {', '.join(map(repr, ENGINE_CORES))}, not {where!r}")
-    return where if where in ENGINE_CORES else "inline"
+    return where if where in ENGINE_CORES else "process"
 
 
 def model_dims(model: Path | None) -> tuple[int, int] | None:

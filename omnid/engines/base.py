@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from omnid.engines.capabilities import Capabilities
 
-from omnid.protocol import Progress, Segment
+from omnid import protocol as P
 
 
 class Cancelled(Exception):
@@ -49,7 +49,7 @@ class RequestContext:
     inputs: dict[str, Any]
     params: dict[str, Any]
     # The worker's hook for what the request reports as it runs: its progress, its segments' events.
-    _emit: Callable[[Progress | Segment], None] = field(repr=False, default=lambda event: None)
+    _emit: Callable[[P.Progress | P.Segment], None] = field(repr=False, default=lambda event: None)
     _is_cancelled: Callable[[], bool] = field(repr=False, default=lambda: False)
     _is_held: Callable[[], bool] = field(repr=False, default=lambda: False)
     # The worker's hook for each segment (streaming edges, live outputs); it returns an error that
@@ -80,7 +80,7 @@ class RequestContext:
         return self._is_held()
 
     def progress(self, done: int, total: int) -> None:
-        self._emit(Progress(job=self.job, done=int(done), total=int(total)))
+        self._emit(P.Progress(job=self.job, done=int(done), total=int(total)))
 
     def segment(self, outputs: dict[str, Any], is_last: bool = False) -> None:
         """Stream one piece of output (token text, a preview, an audio chunk).
@@ -97,7 +97,7 @@ class RequestContext:
         if text is not None and len(text) > 2000:      # the event shows it; the output keeps it whole
             text = text[:2000] + " [...]"
         audio = audio_seconds(outputs, self._wav)
-        self._emit(Segment(job=self.job, index=self.segments, is_last=is_last, text=text, audio_s=float(audio or 0.0)))
+        self._emit(P.Segment(job=self.job, index=self.segments, is_last=is_last, text=text, audio_s=float(audio or 0.0)))
         self.segments += 1
 
     def finish(self, outputs: dict[str, Any]) -> None:

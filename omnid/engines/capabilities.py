@@ -48,6 +48,9 @@ class Capabilities:
     params: frozenset[str] | None = None    # the per-job parameters it takes (`omnid.params`); None: any
     sampling: bool = False                  # takes the OpenAI sampling fields (and counts tokens)
     image_size: bool = False                # takes `width` and `height` (the images endpoint's `size`)
+    # -- its worker
+    engine_core: bool = False               # has an engine core to place (`engine_core = "process" | "inline"`)
+    worker_env: tuple[tuple[str, str], ...] = ()    # environment defaults its worker sets before loading it
 
     def may_answer(self, kind: str) -> bool:
         """A last stage of this engine may give an answer of `kind` (declared, or not known)."""
@@ -65,7 +68,9 @@ VLLM = Capabilities(
     whole_input="it needs its whole prompt before it can start generating",
     text_prompt=True, chat=True, media=True, tensors=True, answer="text",
     outputs=({**_TEXT_OUTPUT, "description": "the generated text (streamed as text segments)"},),
-    gives=("text", *TENSOR_OUTPUTS), params=VLLM_PARAMS, sampling=True,
+    gives=("text", *TENSOR_OUTPUTS), params=VLLM_PARAMS, sampling=True, engine_core=True,
+    # the engine core stays in the worker unless `engine_core = "process"` (the engine sets that itself)
+    worker_env=(("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_LOGGING_LEVEL", "WARNING")),
 )
 DIFFUSERS = Capabilities(
     name="diffusers", engine_class="omnid.engines.diffusers_engine:DiffusersEngine",

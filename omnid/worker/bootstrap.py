@@ -15,6 +15,7 @@ import sys
 from multiprocessing.connection import Connection
 
 from omnid import protocol as P
+from omnid.engines.capabilities import capabilities
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -52,10 +53,8 @@ def setup_environment(spec: P.WorkerSpec) -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    if stage.engine == "vllm":
-        # Keep the engine core inside this process: one stage = one process tree we own.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    for k, v in capabilities(stage.engine).worker_env:
+        os.environ.setdefault(k, v)
     for k, v in stage.env.items():
         os.environ[k] = v
     # The stage's python_path serves its function and the transforms of its outgoing edges.
