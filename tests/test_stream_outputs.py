@@ -24,13 +24,13 @@ from typing import Any
 
 import pytest
 
-from conftest import FIXTURES, ROOT, RunningDaemon
+from conftest import ROOT, RunningDaemon, module_daemon, python_stage, run_on_a_pty, short_tmpdir
 
 NOBODY = 65534
 
 
 def _stage(function: str, **extra: Any) -> dict[str, Any]:
-    return {"engine": "python", "function": f"streamstages:{function}", "python_path": [str(FIXTURES)], **extra}
+    return python_stage("streamstages", function, **extra)
 
 
 STAGES = {
@@ -88,20 +88,10 @@ def read_timed(sock: Path | str, path: str) -> tuple[int, dict[str, str], list[t
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[RunningDaemon]:
     # The conftest fixture is function-scoped; one daemon for the module keeps the file fast.
-    from conftest import daemon_config, launch, short_tmpdir, stop_and_check, wait_ready
-    d = short_tmpdir()
-    config = daemon_config(d, STAGES, PIPELINES, {"socket_mode": "0666"})
-    rd = RunningDaemon(launch(config, d / "omnid.log"), d, config, d / "omnid.sock", d / "state", d / "lock",
-                       d / "omnid.log")
-    try:
-        wait_ready(rd, timeout=60)
-        os.chmod(d, 0o755)                        # the socket's folder, for the uid-65534 client
+    with module_daemon(short_tmpdir(), STAGES, PIPELINES, {"socket_mode": "0666"}, ready_timeout=60,
+                       forbid_in_log=("Traceback", "request failed")) as rd:
+        os.chmod(rd.dir, 0o755)                   # the socket's folder, for the uid-65534 client
         yield rd
-    finally:
-        problems = stop_and_check(rd)
-        log = rd.log()
-        assert not problems, problems
-        assert "Traceback" not in log and "request failed" not in log, log[-3000:]
 
 
 def _out(job: str, name: str, query: str = "") -> str:
@@ -259,27 +249,9 @@ def test_submit_wait_says_when_the_first_output_came(daemon: RunningDaemon, tmp_
 
 def test_first_output_line_on_a_terminal(daemon: RunningDaemon) -> None:
     """On a TTY too, the line is printed once, on its own line."""
-    import pty
-    cmd = [sys.executable, "-m", "omnictl", "--socket", str(daemon.socket), "submit", "b", "--wait",
-           "-o", str(daemon.dir / "tty-out")]
-    pid, fd = pty.fork()
-    if pid == 0:                                   # the child: stdout and stderr are the terminal
-        os.chdir(ROOT)
-        os.execv(sys.executable, cmd)
-    output = b""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            data = os.read(fd, 4096)
-        except OSError:
-            break
-        if not data:
-            break
-        output += data
-    os.close(fd)
-    _, status = os.waitpid(pid, 0)
-    text = output.decode(errors="replace")
-    assert os.waitstatus_to_exitcode(status) == 0, text
+    code, text = run_on_a_pty([sys.executable, "-m", "omnictl", "--socket", str(daemon.socket), "submit", "b",
+                               "--wait", "-o", str(daemon.dir / "tty-out")])
+    assert code == 0, text
     lines = [x.split("\r")[-1] for x in text.replace("\x1b[K", "").splitlines()]
     firsts = [x for x in lines if x.startswith("first output after")]
     assert len(firsts) == 1 and re.fullmatch(r"first output after \d+\.\d+s", firsts[0]), text
