@@ -319,6 +319,22 @@ def check_config(folder: Path, stages: dict[str, Any], pipelines: dict[str, Any]
                           capture_output=True, text=True, timeout=60, cwd=folder)
 
 
+def report_from_a_child(target: Callable[..., None], *args: Any, timeout: float, what: str) -> Any:
+    """Run `target(*args, conn)` in a forked child (one that gives up root, say) and return what it
+    sends on `conn`; fail if it sends nothing within `timeout` s, naming `what`."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(*args, child))
+    proc.start()
+    child.close()
+    try:
+        assert parent.poll(timeout), f"{what} did not report"
+        return parent.recv()
+    finally:
+        proc.join(10)
+
+
 def run_on_a_pty(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 30) -> tuple[int, str]:
     """Run `cmd` in ROOT with its stdout and stderr on a terminal (a pty); read it until the child
     exits (or `timeout` s). Returns its exit status and all it wrote."""

@@ -11,7 +11,6 @@ bytes of a chunked response can be timed as they arrive.
 from __future__ import annotations
 
 import http.client
-import multiprocessing
 import os
 import re
 import socket
@@ -24,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT, RunningDaemon, module_daemon, python_stage, run_on_a_pty, short_tmpdir
+from conftest import ROOT, RunningDaemon, module_daemon, python_stage, report_from_a_child, run_on_a_pty, short_tmpdir
 
 NOBODY = 65534
 
@@ -202,16 +201,8 @@ def test_someone_elses_job_is_403(daemon: RunningDaemon) -> None:
     running = daemon.submit("b", params={"bytes": {"n": 10, "delay": 0.2}})
     done = daemon.submit("b", params={"bytes": {"delay": 0.0}})
     daemon.wait(done, timeout=20)
-    ctx = multiprocessing.get_context("fork")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_as_nobody, args=(str(daemon.socket), [running, done], child))
-    proc.start()
-    child.close()
-    try:
-        assert parent.poll(20), "the uid-65534 client did not report"
-        seen = parent.recv()
-    finally:
-        proc.join(10)
+    seen = report_from_a_child(_as_nobody, str(daemon.socket), [running, done], timeout=20,
+                               what="the uid-65534 client")
     assert isinstance(seen, list), seen
     for status, body in seen:
         assert status == 403 and b"not_yours" in body, seen
