@@ -319,6 +319,21 @@ def check_config(folder: Path, stages: dict[str, Any], pipelines: dict[str, Any]
                           capture_output=True, text=True, timeout=60, cwd=folder)
 
 
+@contextmanager
+def openai_on_socket(d: RunningDaemon, timeout: float) -> Iterator[Any]:
+    """The OpenAI SDK's client of the daemon, over its Unix socket (the test is skipped without
+    openai or httpx). No retries: a retried request would be a second job."""
+    openai = pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(d.socket)), timeout=timeout)
+    client = openai.OpenAI(base_url="http://omnid/v1", api_key="unused", http_client=http, max_retries=0)
+    try:
+        yield client
+    finally:
+        client.close()
+        http.close()
+
+
 def report_from_a_child(target: Callable[..., None], *args: Any, timeout: float, what: str) -> Any:
     """Run `target(*args, conn)` in a forked child (one that gives up root, say) and return what it
     sends on `conn`; fail if it sends nothing within `timeout` s, naming `what`."""

@@ -29,8 +29,8 @@ from typing import Any
 
 import pytest
 
-from conftest import (MODELS, ROOT, RunningDaemon, build_tiny_models, demo_stage, module_daemon, python_stage, short_tmpdir,
-                      tiny_llm, tiny_sd)
+from conftest import (MODELS, ROOT, RunningDaemon, build_tiny_models, demo_stage, module_daemon, openai_on_socket,
+                      python_stage, short_tmpdir, tiny_llm, tiny_sd)
 from omnictl.client import ApiError, file_input
 
 pytestmark = pytest.mark.engines
@@ -217,11 +217,8 @@ def test_upstream_audio_through_edges(daemon: RunningDaemon) -> None:
 
 @pytest.fixture(scope="module")
 def openai_client(daemon: RunningDaemon) -> Iterator[Any]:
-    openai = pytest.importorskip("openai")
-    httpx = pytest.importorskip("httpx")
-    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(daemon.socket)), timeout=120)
-    yield openai.OpenAI(base_url="http://omnid/v1", api_key="unused", http_client=http, max_retries=0)
-    http.close()
+    with openai_on_socket(daemon, 120) as client:
+        yield client
 
 
 def test_openai_chat_with_an_image_url(daemon: RunningDaemon, openai_client: Any) -> None:

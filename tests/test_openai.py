@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from conftest import MODELS, RunningDaemon, build_tiny_models, chat_draw_speak, module_daemon, py_stage, short_tmpdir, wait_for
+from conftest import (MODELS, RunningDaemon, build_tiny_models, chat_draw_speak, module_daemon, openai_on_socket, py_stage,
+                      short_tmpdir, wait_for)
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -40,11 +41,8 @@ def daemon() -> Iterator[RunningDaemon]:
 
 @pytest.fixture(scope="module")
 def client(daemon: RunningDaemon) -> Iterator[Any]:
-    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(daemon.socket)), timeout=120)
-    # No retries: a retried request would be a second job.
-    c = openai.OpenAI(base_url="http://omnid/v1", api_key="unused", http_client=http, max_retries=0)
-    yield c
-    c.close()
+    with openai_on_socket(daemon, 120) as c:
+        yield c
 
 
 def _job(daemon: RunningDaemon, job_id: str) -> dict[str, Any]:
