@@ -17,7 +17,6 @@ a test either.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -43,10 +42,9 @@ if sys.path[:1] != [_REPO]:
 
 from omnictl.client import (TERMINAL_STATES, Client, ClientError, DaemonUnreachable,
                             EventsIdleTimeout)
-
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = ROOT / "tests" / "fixtures"
-MODELS = Path(os.environ.get("OMNID_TEST_MODELS", ROOT / ".models"))
+# The helpers the benchmarks share (tests/omnidtest.py), re-exported: tests import them from here.
+from omnidtest import (EXAMPLES, FIXTURES, MODELS, ROOT, TINY_LLM_ARGS, build_tiny_models,  # noqa: F401
+                       demo_stage, python_stage, stop_process, tiny_llm, tiny_sd, toml_dumps)
 
 ANY_EXIT = "any"         # `expect_exit=ANY_EXIT`: the test checks the daemon's exit status itself
 STOP_TIMEOUT_S = 30      # how long a daemon may take to exit after SIGTERM
@@ -54,48 +52,54 @@ EVENT_IDLE_S = 5.0       # an event stream quiet this long is reopened (replayed
 LOG_TAIL = 3000
 
 
-# ------------------------------------------------------------------------- TOML writing
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, (str, Path)):
-        return json.dumps(str(v))
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
-    raise TypeError(f"cannot write {type(v).__name__} as TOML")
-
-
-def toml_dumps(data: dict[str, dict[str, Any]]) -> str:
-    """Top-level tables of tables ([stages.NAME]) or of values ([daemon])."""
-    out: list[str] = []
-    for section, body in data.items():
-        scalars = {k: v for k, v in body.items() if not isinstance(v, dict) or section == "daemon"}
-        tables = {k: v for k, v in body.items() if isinstance(v, dict) and section != "daemon"}
-        if scalars:
-            out.append(f"[{section}]")
-            out += [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in scalars.items()]
-            out.append("")
-        for name, table in tables.items():
-            out.append(f"[{section}.{json.dumps(name)}]")
-            out += [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in table.items()]
-            out.append("")
-    return "\n".join(out)
+# ------------------------------------------------------------------------- stages
 
 
 def py_stage(function: str, **extra: Any) -> dict[str, Any]:
     """A `python` stage running a function of tests/fixtures/teststages.py."""
-    return {"engine": "python", "function": f"teststages:{function}", "python_path": [str(FIXTURES)], **extra}
+    return python_stage("teststages", function, **extra)
 
 
 def sleeper(seconds: float, **extra: Any) -> dict[str, Any]:
     """A python stage that works `seconds` per job (teststages.sleep), cancellable."""
     return py_stage("sleep", defaults={"seconds": seconds}, **extra)
+
+
+def edge(src: str, dst: str, **extra: Any) -> dict[str, Any]:
+    """A pipeline's edge from stage `src` to stage `dst`."""
+    return {"from": src, "to": dst, **extra}
+
+
+@pytest.fixture
+def models(tmp_path: Path) -> Path:
+    """Fake local model directories in tmp_path, next to a config file there (only their marker
+    files matter to the config's checks): llm, sd, and an empty one."""
+    (tmp_path / "llm").mkdir()
+    (tmp_path / "llm" / "config.json").write_text("{}")
+    (tmp_path / "sd").mkdir()
+    (tmp_path / "sd" / "model_index.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    return tmp_path
+
+
+def chat_draw_speak() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The stages and pipelines of the OpenAI-compatible paths' daemons (test_openai, test_tcp):
+    `chat` (the tiny Llama, 12 sampled tokens, the prompt included), `t2i` (its text drawn by the
+    tiny SD, 2 steps) and `speak` (its text read by the demo's vocoder, a window of 4 segments)."""
+    stages = {
+        "expand": tiny_llm({"max_tokens": 12, "temperature": 0.9, "seed": 7, "include_prompt": True},
+                           max_model_len=256),
+        "draw": tiny_sd({"num_inference_steps": 2, "guidance_scale": 5.0, "seed": 0}),
+        "speak": demo_stage("vocoder", defaults={"seconds_per_word": 0.02}),
+    }
+    pipelines = {
+        "chat": {"stages": ["expand"]},
+        "t2i": {"stages": ["expand", "draw"],
+                "edges": [{"from": "expand", "to": "draw", "window": -1, "map": {"prompt": "text"}}]},
+        "speak": {"stages": ["expand", "speak"],
+                  "edges": [{"from": "expand", "to": "speak", "window": 4, "map": {"text": "text"}}]},
+    }
+    return stages, pipelines
 
 
 # ------------------------------------------------------------------------- daemons
@@ -234,15 +238,9 @@ class RunningDaemon:
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> int:
         """SIGTERM, and wait up to `timeout` s; SIGKILL past it. Returns the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise AssertionError(f"omnid (pid {self.proc.pid}) did not exit within {timeout} s of "
-                                     f"SIGTERM; killed it\n--- tail of {self.log_path}:\n{self.log_tail()}")
+        if not stop_process(self.proc, timeout):
+            raise AssertionError(f"omnid (pid {self.proc.pid}) did not exit within {timeout} s of "
+                                 f"SIGTERM; killed it\n--- tail of {self.log_path}:\n{self.log_tail()}")
         return self.proc.returncode
 
 
@@ -258,6 +256,12 @@ def omnictl(d: RunningDaemon, *args: str, timeout: float = 30) -> subprocess.Com
     return subprocess.run([sys.executable, "-m", "omnictl", "--socket", str(d.socket), *args],
                           capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)},
                           preexec_fn=sigint_default)
+
+
+def interrupt(proc: subprocess.Popen[Any], timeout: float = 10) -> int:
+    """Ctrl-C a child (SIGINT) and reap it; SIGKILL past `timeout` s. Returns its exit status."""
+    stop_process(proc, timeout, signal.SIGINT)
+    return proc.returncode
 
 
 def metric(d: RunningDaemon, name: str) -> float:
@@ -298,6 +302,77 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str, every: float = 
             return value
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def wait_end(d: RunningDaemon, job: str, timeout: float = 30) -> dict[str, Any]:
+    """Poll the job until it is over (never an unbounded wait on its event stream); its document."""
+    return wait_for(lambda: (doc := d.client.job(job))["state"] in TERMINAL and doc, timeout,
+                    f"job {job} to end", every=0.05)
+
+
+def check_config(folder: Path, stages: dict[str, Any], pipelines: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    """`omnid --check` of a config of these stages and pipelines, written into `folder`."""
+    path = folder / "omnid.toml"
+    path.write_text(toml_dumps({"daemon": {"socket": str(folder / "s.sock"), "state_dir": str(folder / "st")},
+                                "stages": stages, "pipelines": pipelines}))
+    return subprocess.run([sys.executable, "-m", "omnid", "--check", "-c", str(path)],
+                          capture_output=True, text=True, timeout=60, cwd=folder)
+
+
+@contextmanager
+def openai_on_socket(d: RunningDaemon, timeout: float) -> Iterator[Any]:
+    """The OpenAI SDK's client of the daemon, over its Unix socket (the test is skipped without
+    openai or httpx). No retries: a retried request would be a second job."""
+    openai = pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(d.socket)), timeout=timeout)
+    client = openai.OpenAI(base_url="http://omnid/v1", api_key="unused", http_client=http, max_retries=0)
+    try:
+        yield client
+    finally:
+        client.close()
+        http.close()
+
+
+def report_from_a_child(target: Callable[..., None], *args: Any, timeout: float, what: str) -> Any:
+    """Run `target(*args, conn)` in a forked child (one that gives up root, say) and return what it
+    sends on `conn`; fail if it sends nothing within `timeout` s, naming `what`."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(*args, child))
+    proc.start()
+    child.close()
+    try:
+        assert parent.poll(timeout), f"{what} did not report"
+        return parent.recv()
+    finally:
+        proc.join(10)
+
+
+def run_on_a_pty(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 30) -> tuple[int, str]:
+    """Run `cmd` in ROOT with its stdout and stderr on a terminal (a pty); read it until the child
+    exits (or `timeout` s). Returns its exit status and all it wrote."""
+    import pty
+    pid, fd = pty.fork()
+    if pid == 0:                                   # the child: stdout and stderr are the terminal
+        os.chdir(ROOT)
+        if env is not None:
+            os.environ.update(env)
+        os.execv(cmd[0], cmd)
+    output = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            data = os.read(fd, 4096)
+        except OSError:
+            break
+        if not data:
+            break
+        output += data
+    os.close(fd)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), output.decode(errors="replace")
 
 
 def wait_started(d: RunningDaemon, job: str, stage: str, timeout: float = 60) -> float:
@@ -378,9 +453,10 @@ def stop_and_check(rd: RunningDaemon) -> list[str]:
 
 @contextmanager
 def module_daemon(d: Path, stages: dict[str, Any], pipelines: dict[str, Any], daemon: dict[str, Any] | None = None,
-                  *, ready_timeout: float = 300) -> Iterator[RunningDaemon]:
+                  *, ready_timeout: float = 300, forbid_in_log: tuple[str, ...] = ()) -> Iterator[RunningDaemon]:
     """A daemon that a module-scoped fixture shares among its tests (it yields from this): started
-    in `d` and ready; at the end stopped and checked as `start_daemon` checks its own, and `d` removed."""
+    in `d` and ready; at the end stopped and checked as `start_daemon` checks its own (and its log
+    holds none of `forbid_in_log`), and `d` removed."""
     cfg = daemon_config(d, stages, pipelines, daemon)
     rd = RunningDaemon(launch(cfg, d / "omnid.log"), d, cfg, d / "omnid.sock", d / "state", d / "lock",
                        d / "omnid.log")
@@ -389,8 +465,11 @@ def module_daemon(d: Path, stages: dict[str, Any], pipelines: dict[str, Any], da
         yield rd
     finally:
         problems = stop_and_check(rd)
+        log = rd.log()
         shutil.rmtree(d, ignore_errors=True)
         assert not problems, "\n".join(problems)
+        for words in forbid_in_log:
+            assert words not in log, f"{words!r} in the daemon's log:\n{log[-LOG_TAIL:]}"
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ uid 65534 (nobody) and talks to the same socket, so SO_PEERCRED sees it.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import re
 import signal
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 
 from omnictl.client import ApiError, Client, UnixHTTPConnection
-from conftest import RunningDaemon, py_stage, wait_for, wait_started
+from conftest import RunningDaemon, py_stage, report_from_a_child, wait_for, wait_started
 
 
 
@@ -232,16 +231,7 @@ def test_jobs_belong_to_their_uid(start_daemon: Callable[..., RunningDaemon]) ->
     root_job = d.submit("slow", {"text": "root's"}, params={"long": {"seconds": 30}})
     wait_started(d, root_job, "long")
 
-    ctx = multiprocessing.get_context("fork")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_as_nobody, args=(str(d.socket), root_job, child))
-    proc.start()
-    child.close()
-    try:
-        assert parent.poll(60), "the uid-65534 client did not report"
-        seen = parent.recv()
-    finally:
-        proc.join(10)
+    seen = report_from_a_child(_as_nobody, str(d.socket), root_job, timeout=60, what="the uid-65534 client")
     assert "crash" not in seen, seen
     assert seen["uid"] == NOBODY
     assert seen["list_before"] == ("ok", [])

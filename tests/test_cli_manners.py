@@ -22,7 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, RunningDaemon, py_stage, sigint_default, sleeper
+from conftest import (ROOT, RunningDaemon, module_daemon, py_stage, run_on_a_pty, short_tmpdir, sigint_default,
+                      sleeper)
 
 from omnictl.cli import client_version
 
@@ -43,17 +44,8 @@ NO_DAEMON = "/tmp/omnid-no-such-dir/omnid.sock"
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[RunningDaemon]:
-    from conftest import daemon_config, launch, short_tmpdir, stop_and_check, wait_ready
-    d = short_tmpdir()
-    config = daemon_config(d, STAGES, PIPELINES)
-    rd = RunningDaemon(launch(config, d / "omnid.log"), d, config, d / "omnid.sock", d / "state", d / "lock",
-                       d / "omnid.log")
-    try:
-        wait_ready(rd, timeout=60)
+    with module_daemon(short_tmpdir(), STAGES, PIPELINES, ready_timeout=60) as rd:
         yield rd
-    finally:
-        problems = stop_and_check(rd)
-        assert not problems, problems
 
 
 def omnictl(where: RunningDaemon | str, *args: str, env: dict[str, str] | None = None,
@@ -200,28 +192,9 @@ def test_plain_progress_lines_when_not_a_terminal(daemon: RunningDaemon, tmp_pat
 
 
 def test_progress_bar_on_a_terminal(daemon: RunningDaemon) -> None:
-    import pty
-    cmd = [sys.executable, "-m", "omnictl", "--socket", str(daemon.socket), "submit", "slow", "--wait",
-           "-o", str(daemon.dir / "tty-out")]
-    pid, fd = pty.fork()
-    if pid == 0:                                   # the child: stdout and stderr are the terminal
-        os.chdir(ROOT)
-        os.environ.update(ENV)
-        os.execv(sys.executable, cmd)
-    output = b""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            data = os.read(fd, 4096)
-        except OSError:
-            break
-        if not data:
-            break
-        output += data
-    os.close(fd)
-    _, status = os.waitpid(pid, 0)
-    text = output.decode(errors="replace")
-    assert os.waitstatus_to_exitcode(status) == 0, text
+    code, text = run_on_a_pty([sys.executable, "-m", "omnictl", "--socket", str(daemon.socket), "submit", "slow",
+                               "--wait", "-o", str(daemon.dir / "tty-out")], ENV)
+    assert code == 0, text
     plain = re.sub(r"\x1b\[[0-9;]*[mK]", "", text)
     bars = [x.strip() for x in re.split(r"[\r\n]", plain) if x.startswith("slow: ") and "/60" in x]
     assert bars and all(re.fullmatch(r"slow: [━╸╺ ]+ +\d+/60 (\?|\d+\.\d) steps/s (-:--:--|\d:\d\d:\d\d)", b)

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from omnid import config as C
-from conftest import FIXTURES, toml_dumps
+from conftest import FIXTURES, edge, toml_dumps
 
 
 
@@ -50,17 +50,6 @@ def assert_reported(result: subprocess.CompletedProcess[str], expected: list[tup
             f"no problem {key!r} containing {fragment!r} in:\n{result.stderr}"
 
 
-@pytest.fixture
-def models(tmp_path: Path) -> Path:
-    """Fake local model directories next to the config file (only their marker files matter)."""
-    (tmp_path / "llm").mkdir()
-    (tmp_path / "llm" / "config.json").write_text("{}")
-    (tmp_path / "sd").mkdir()
-    (tmp_path / "sd" / "model_index.json").write_text("{}")
-    (tmp_path / "empty").mkdir()
-    return tmp_path
-
-
 def base_config(tmp_path: Path) -> dict[str, Any]:
     """A valid config using all three engines; model paths are relative to the file."""
     return {
@@ -84,10 +73,6 @@ def write_config(tmp_path: Path, data: dict[str, Any], name: str = "omnid.toml")
     path = tmp_path / name
     path.write_text(toml_dumps(data))
     return path
-
-
-def edge(src: str, dst: str, **extra: Any) -> dict[str, Any]:
-    return {"from": src, "to": dst, **extra}
 
 
 # ------------------------------------------------------------------------- --check, one problem each

@@ -17,7 +17,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from conftest import RunningDaemon, py_stage
+from conftest import RunningDaemon, module_daemon, py_stage, short_tmpdir
 
 from omnictl.client import UnixHTTPConnection
 from omnid.vocabulary import ErrorCode, JobState
@@ -34,18 +34,8 @@ PIPELINES = {
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[RunningDaemon]:
-    from conftest import daemon_config, launch, short_tmpdir, stop_and_check, wait_ready
-    d = short_tmpdir()
-    config = daemon_config(d, STAGES, PIPELINES)
-    rd = RunningDaemon(launch(config, d / "omnid.log"), d, config, d / "omnid.sock", d / "state", d / "lock",
-                       d / "omnid.log")
-    try:
-        wait_ready(rd, timeout=60)
+    with module_daemon(short_tmpdir(), STAGES, PIPELINES, ready_timeout=60, forbid_in_log=("request failed",)) as rd:
         yield rd
-    finally:
-        problems = stop_and_check(rd)
-        assert not problems, problems
-        assert "request failed" not in rd.log(), rd.log_tail()
 
 
 def call(d: RunningDaemon, method: str, path: str, body: Any = None) -> tuple[int, dict[str, str], bytes]:

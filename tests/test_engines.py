@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,35 +17,24 @@ from typing import Any
 import pytest
 
 from omnictl.client import ApiError
-from conftest import MODELS, ROOT, RunningDaemon, module_daemon, short_tmpdir
+from conftest import (RunningDaemon, build_tiny_models, demo_stage, module_daemon, short_tmpdir, sleeper, tiny_llm,
+                      tiny_sd)
 
 pytestmark = pytest.mark.engines
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _models() -> None:
-    if not ((MODELS / "llm" / ".omnid-tiny-ok").exists() and (MODELS / "sd" / ".omnid-tiny-ok").exists()):
-        subprocess.run([sys.executable, "-m", "omnid.tinymodels", str(MODELS)], check=True)
-
-
 @pytest.fixture(scope="module")
 def engines() -> Iterator[RunningDaemon]:
-    _models()
+    build_tiny_models("llm", "sd")
     d = short_tmpdir()
     stages = {
-        "expand": {"engine": "vllm", "model": str(MODELS / "llm"), "devices": [],
-                   "args": {"max_model_len": 512, "dtype": "bfloat16", "seed": 0},
-                   "defaults": {"max_tokens": 16, "temperature": 0.9, "seed": 7, "include_prompt": True}},
-        "draw": {"engine": "diffusers", "model": str(MODELS / "sd"), "devices": [], "queue_capacity": 2,
-                 "defaults": {"num_inference_steps": 4, "guidance_scale": 5.0, "seed": 0}},
-        "batch": {"engine": "vllm", "model": str(MODELS / "llm"), "devices": [], "max_inflight": 3,
-                  "args": {"max_model_len": 512, "dtype": "bfloat16", "seed": 0},
-                  "defaults": {"max_tokens": 48, "ignore_eos": True}},
-        "slowsink": {"engine": "python", "function": "teststages:sleep", "python_path": [str(ROOT / "tests" / "fixtures")],
-                     "queue_capacity": 1, "defaults": {"seconds": 1.5}},
-        "frame": {"engine": "python", "function": "demo_stages:frame",
-                  "python_path": [str(ROOT / "etc" / "examples")]},
+        "expand": tiny_llm({"max_tokens": 16, "temperature": 0.9, "seed": 7, "include_prompt": True}),
+        "draw": tiny_sd({"num_inference_steps": 4, "guidance_scale": 5.0, "seed": 0}, queue_capacity=2),
+        "batch": tiny_llm({"max_tokens": 48, "ignore_eos": True}, max_inflight=3),
+        "slowsink": sleeper(1.5, queue_capacity=1),
+        "frame": demo_stage("frame"),
     }
     pipelines = {
         "t2i": {"stages": ["expand", "draw"],

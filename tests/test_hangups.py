@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from omnid.supervisor.openai_api import DISCONNECT_POLL_S
-from conftest import FIXTURES, MODELS, RunningDaemon, module_daemon, short_tmpdir, wait_for
+from conftest import MODELS, RunningDaemon, module_daemon, python_stage, short_tmpdir, tiny_llm, wait_for
 
 SLACK_S = 1.0          # a shared, loaded machine: scheduling, the cancel's own round trip
 
@@ -29,11 +29,8 @@ def daemon() -> Iterator[RunningDaemon]:
     if not is_built(MODELS / "llm", "llm"):
         pytest.skip("the tiny models are not built (make models)")
     stages = {
-        "llm": {"engine": "vllm", "model": str(MODELS / "llm"), "devices": [],
-                "args": {"max_model_len": 512, "dtype": "bfloat16", "seed": 0},
-                "defaults": {"max_tokens": 480, "ignore_eos": True, "temperature": 0.9, "seed": 7}},
-        "drip": {"engine": "python", "function": "resourcestages:drip", "python_path": [str(FIXTURES)],
-                 "defaults": {"n": 400, "every_s": 0.05}},
+        "llm": tiny_llm({"max_tokens": 480, "ignore_eos": True, "temperature": 0.9, "seed": 7}),
+        "drip": python_stage("resourcestages", "drip", defaults={"n": 400, "every_s": 0.05}),
     }
     with module_daemon(short_tmpdir(), stages, {"llm": {"stages": ["llm"]}, "drip": {"stages": ["drip"]}},
                        {"heartbeat_timeout_s": 60.0}) as rd:

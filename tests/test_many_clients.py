@@ -23,6 +23,7 @@ from typing import Any
 from omnictl.client import ApiError
 from conftest import (metric, FIXTURES, RunningDaemon, daemon_config, short_tmpdir, sigint_default, stop_and_check,
                       wait_for, wait_ready)
+from omnidtest import RefusedStream, open_event_stream
 
 STREAMS_WANTED = 5000          # what the issue asks this box to hold (when the limit allows)
 
@@ -51,38 +52,6 @@ def daemon_with_nofile(soft: int, hard: int) -> Iterator[RunningDaemon]:
         assert not problems, "\n".join(problems)
 
 
-def _open_stream(path: str, job: str) -> socket.socket:
-    """An event stream of `job`, answered 200 and its first event read; the socket stays open."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(30)
-    s.connect(path)
-    s.sendall(f"GET /v1/jobs/{job}/events HTTP/1.1\r\nHost: omnid\r\n\r\n".encode())
-    got = b""
-    while True:
-        chunk = s.recv(65536)
-        if not chunk:
-            s.close()
-            raise RefusedStream(got)            # (closed: `_status_and_body` says what came)
-        got += chunk
-        head, sep, body = got.partition(b"\r\n\r\n")
-        if not sep:
-            continue
-        if head.split(b" ", 2)[1] != b"200":
-            m = re.search(rb"(?i)content-length: (\d+)", head)
-            if m and len(body) >= int(m.group(1)):
-                s.close()
-                raise RefusedStream(got)
-        elif b"\n" in body:
-            break
-    return s
-
-
-class RefusedStream(Exception):
-    def __init__(self, answer: bytes) -> None:
-        super().__init__(answer[:300])
-        self.answer = answer
-
-
 def _status_and_body(answer: bytes) -> tuple[int, Any]:
     head, _, body = answer.partition(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
@@ -98,7 +67,7 @@ def _hold(d: RunningDaemon, job: str, n: int) -> tuple[list[socket.socket], list
     refused: list[bytes] = []
     for _ in range(n):
         try:
-            held.append(_open_stream(str(d.socket), job))
+            held.append(open_event_stream(str(d.socket), job))
         except RefusedStream as e:
             refused.append(e.answer)
             if len(refused) >= 20:

@@ -29,19 +29,14 @@ from typing import Any
 
 import pytest
 
-from conftest import FIXTURES, MODELS, ROOT, RunningDaemon, module_daemon, short_tmpdir
+from conftest import (MODELS, ROOT, RunningDaemon, build_tiny_models, demo_stage, module_daemon, openai_on_socket,
+                      python_stage, short_tmpdir, tiny_llm, tiny_sd)
 from omnictl.client import ApiError, file_input
 
 pytestmark = pytest.mark.engines
 
 PIXELS = 256 * 256              # the describe stage's media.max_pixels
 AUDIO_S = 25                    # the listen stage's media.max_audio_s
-
-
-def _models() -> None:
-    from omnid.tinymodels import is_built
-    if not all(is_built(MODELS / kind, kind) for kind in ("llm", "sd", "vlm", "alm")):
-        subprocess.run([sys.executable, "-m", "omnid.tinymodels", str(MODELS)], check=True)
 
 
 def png(color: str = "red", size: tuple[int, int] = (64, 64), fmt: str = "PNG") -> bytes:
@@ -68,25 +63,18 @@ def b64file(data: bytes, filename: str | None = None) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[RunningDaemon]:
-    _models()
+    build_tiny_models("llm", "sd", "vlm", "alm")
     d = short_tmpdir()
-    vllm_args = {"dtype": "bfloat16", "seed": 0}
     greedy = {"max_tokens": 8, "temperature": 0.0, "seed": 7}
     stages = {
-        "describe": {"engine": "vllm", "model": str(MODELS / "vlm"), "devices": [], "max_inflight": 4,
-                     "queue_capacity": 8, "args": {"max_model_len": 512, **vllm_args}, "defaults": greedy,
-                     "media": {"image": 2, "max_pixels": PIXELS}},
-        "listen": {"engine": "vllm", "model": str(MODELS / "alm"), "devices": [],
-                   "args": {"max_model_len": 512, **vllm_args}, "defaults": greedy,
-                   "media": {"audio": 1, "max_audio_s": AUDIO_S}},
-        "expand": {"engine": "vllm", "model": str(MODELS / "llm"), "devices": [],
-                   "args": {"max_model_len": 256, **vllm_args}, "defaults": {"max_tokens": 12, "seed": 7}},
-        "draw": {"engine": "diffusers", "model": str(MODELS / "sd"), "devices": [],
-                 "defaults": {"num_inference_steps": 2, "seed": 0}},
-        "speak": {"engine": "python", "function": "demo_stages:vocoder",
-                  "python_path": [str(ROOT / "etc" / "examples")], "defaults": {"seconds_per_word": 0.05}},
-        "tone": {"engine": "python", "function": "mediastages:tone", "python_path": [str(FIXTURES)]},
-        "picture": {"engine": "python", "function": "mediastages:picture", "python_path": [str(FIXTURES)]},
+        "describe": tiny_llm(greedy, model=MODELS / "vlm", max_inflight=4, queue_capacity=8,
+                             media={"image": 2, "max_pixels": PIXELS}),
+        "listen": tiny_llm(greedy, model=MODELS / "alm", media={"audio": 1, "max_audio_s": AUDIO_S}),
+        "expand": tiny_llm({"max_tokens": 12, "seed": 7}, max_model_len=256),
+        "draw": tiny_sd({"num_inference_steps": 2, "seed": 0}),
+        "speak": demo_stage("vocoder", defaults={"seconds_per_word": 0.05}),
+        "tone": python_stage("mediastages", "tone"),
+        "picture": python_stage("mediastages", "picture"),
     }
     pipelines = {
         "describe": {"stages": ["describe"]},
@@ -229,11 +217,8 @@ def test_upstream_audio_through_edges(daemon: RunningDaemon) -> None:
 
 @pytest.fixture(scope="module")
 def openai_client(daemon: RunningDaemon) -> Iterator[Any]:
-    openai = pytest.importorskip("openai")
-    httpx = pytest.importorskip("httpx")
-    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(daemon.socket)), timeout=120)
-    yield openai.OpenAI(base_url="http://omnid/v1", api_key="unused", http_client=http, max_retries=0)
-    http.close()
+    with openai_on_socket(daemon, 120) as client:
+        yield client
 
 
 def test_openai_chat_with_an_image_url(daemon: RunningDaemon, openai_client: Any) -> None:

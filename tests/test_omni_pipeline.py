@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from conftest import MODELS, RunningDaemon, module_daemon, short_tmpdir, wait_for, wait_started
+from conftest import MODELS, RunningDaemon, module_daemon, openai_on_socket, short_tmpdir, wait_for, wait_started
 
 pytestmark = pytest.mark.engines
 
@@ -170,11 +170,8 @@ def test_kill9_of_the_talker_fails_its_job_naming_it_and_the_next_job_succeeds(o
 
 @pytest.fixture(scope="module")
 def client(omni: RunningDaemon) -> Iterator[Any]:
-    httpx = pytest.importorskip("httpx")
-    openai = pytest.importorskip("openai")
-    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(omni.socket)), timeout=240)
-    yield openai.OpenAI(base_url="http://omnid/v1", api_key="unused", http_client=http, max_retries=0)
-    http.close()
+    with openai_on_socket(omni, 240) as c:
+        yield c
 
 
 def _wav_pcm(data: bytes) -> Any:

@@ -10,14 +10,13 @@ from __future__ import annotations
 import base64
 import os
 import struct
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from conftest import MODELS, ROOT, RunningDaemon, module_daemon, short_tmpdir, wait_for
+from conftest import (MODELS, RunningDaemon, build_tiny_models, chat_draw_speak, module_daemon, openai_on_socket, py_stage,
+                      short_tmpdir, wait_for)
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -28,47 +27,22 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CHAT = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Tell me about the sea."}]
 
 
-def _models() -> None:
-    from omnid.tinymodels import is_built
-    if not (is_built(MODELS / "llm", "llm") and is_built(MODELS / "sd", "sd")):
-        subprocess.run([sys.executable, "-m", "omnid.tinymodels", str(MODELS)], check=True)
-
-
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[RunningDaemon]:
-    _models()
+    build_tiny_models("llm", "sd")
     d = short_tmpdir()
-    stages = {
-        "expand": {"engine": "vllm", "model": str(MODELS / "llm"), "devices": [],
-                   "args": {"max_model_len": 256, "dtype": "bfloat16", "seed": 0},
-                   "defaults": {"max_tokens": 12, "temperature": 0.9, "seed": 7, "include_prompt": True}},
-        "draw": {"engine": "diffusers", "model": str(MODELS / "sd"), "devices": [],
-                 "defaults": {"num_inference_steps": 2, "guidance_scale": 5.0, "seed": 0}},
-        "speak": {"engine": "python", "function": "demo_stages:vocoder",
-                  "python_path": [str(ROOT / "etc" / "examples")], "defaults": {"seconds_per_word": 0.02}},
-        # a python last stage that writes text slowly: 200 segments, 50 ms apart
-        "slow": {"engine": "python", "function": "teststages:count",
-                 "python_path": [str(ROOT / "tests" / "fixtures")], "defaults": {"n": 200, "delay": 0.05}},
-    }
-    pipelines = {
-        "chat": {"stages": ["expand"]},
-        "t2i": {"stages": ["expand", "draw"],
-                "edges": [{"from": "expand", "to": "draw", "window": -1, "map": {"prompt": "text"}}]},
-        "speak": {"stages": ["expand", "speak"],
-                  "edges": [{"from": "expand", "to": "speak", "window": 4, "map": {"text": "text"}}]},
-        "slow": {"stages": ["slow"]},
-    }
+    stages, pipelines = chat_draw_speak()
+    # a python last stage that writes text slowly: 200 segments, 50 ms apart
+    stages["slow"] = py_stage("count", defaults={"n": 200, "delay": 0.05})
+    pipelines["slow"] = {"stages": ["slow"]}
     with module_daemon(d, stages, pipelines, {"heartbeat_timeout_s": 60.0}) as rd:
         yield rd
 
 
 @pytest.fixture(scope="module")
 def client(daemon: RunningDaemon) -> Iterator[Any]:
-    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(daemon.socket)), timeout=120)
-    # No retries: a retried request would be a second job.
-    c = openai.OpenAI(base_url="http://omnid/v1", api_key="unused", http_client=http, max_retries=0)
-    yield c
-    c.close()
+    with openai_on_socket(daemon, 120) as c:
+        yield c
 
 
 def _job(daemon: RunningDaemon, job_id: str) -> dict[str, Any]:

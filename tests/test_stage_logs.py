@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import MODELS, ROOT, RunningDaemon, omnictl, sigint_default, wait_for, wait_started
+from conftest import MODELS, ROOT, RunningDaemon, interrupt, omnictl, sigint_default, tiny_sd, wait_for, wait_started
 from test_reload import _as_nobody
 
 from omnictl.client import Client
@@ -148,12 +148,7 @@ def test_follow_shows_new_lines_live(daemon: RunningDaemon) -> None:
         run_job(d, "live-2")
         read_until(b"stderr says live-2", 10)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        interrupt(proc)
     assert proc.returncode == 130
 
 
@@ -227,8 +222,7 @@ def test_follow_a_diffusers_stage_while_it_draws(start_daemon: Start) -> None:
     if not (MODELS / "sd" / ".omnid-tiny-ok").exists():
         pytest.skip("no tiny SD model (python -m omnid.tinymodels .models)")
     defaults = {"num_inference_steps": 400, "guidance_scale": 5.0, "seed": 0, "height": 64, "width": 64}
-    d = start_daemon({"draw": {"engine": "diffusers", "model": str(MODELS / "sd"), "devices": [],
-                               "defaults": defaults}},
+    d = start_daemon({"draw": tiny_sd(defaults)},
                      {"draw": {"stages": ["draw"]}}, {"heartbeat_timeout_s": 60.0, "cancel_grace_s": 60.0})
     proc = subprocess.Popen([sys.executable, "-m", "omnictl", "--socket", str(d.socket), "logs", "draw", "-f"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -252,10 +246,5 @@ def test_follow_a_diffusers_stage_while_it_draws(start_daemon: Start) -> None:
         d.client.cancel(job)
         assert d.wait(job, timeout=120)["state"] == "cancelled"
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        interrupt(proc)
     assert proc.returncode == 130

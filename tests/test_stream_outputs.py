@@ -11,7 +11,6 @@ bytes of a chunked response can be timed as they arrive.
 from __future__ import annotations
 
 import http.client
-import multiprocessing
 import os
 import re
 import socket
@@ -24,13 +23,13 @@ from typing import Any
 
 import pytest
 
-from conftest import FIXTURES, ROOT, RunningDaemon
+from conftest import ROOT, RunningDaemon, module_daemon, python_stage, report_from_a_child, run_on_a_pty, short_tmpdir
 
 NOBODY = 65534
 
 
 def _stage(function: str, **extra: Any) -> dict[str, Any]:
-    return {"engine": "python", "function": f"streamstages:{function}", "python_path": [str(FIXTURES)], **extra}
+    return python_stage("streamstages", function, **extra)
 
 
 STAGES = {
@@ -88,20 +87,10 @@ def read_timed(sock: Path | str, path: str) -> tuple[int, dict[str, str], list[t
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[RunningDaemon]:
     # The conftest fixture is function-scoped; one daemon for the module keeps the file fast.
-    from conftest import daemon_config, launch, short_tmpdir, stop_and_check, wait_ready
-    d = short_tmpdir()
-    config = daemon_config(d, STAGES, PIPELINES, {"socket_mode": "0666"})
-    rd = RunningDaemon(launch(config, d / "omnid.log"), d, config, d / "omnid.sock", d / "state", d / "lock",
-                       d / "omnid.log")
-    try:
-        wait_ready(rd, timeout=60)
-        os.chmod(d, 0o755)                        # the socket's folder, for the uid-65534 client
+    with module_daemon(short_tmpdir(), STAGES, PIPELINES, {"socket_mode": "0666"}, ready_timeout=60,
+                       forbid_in_log=("Traceback", "request failed")) as rd:
+        os.chmod(rd.dir, 0o755)                   # the socket's folder, for the uid-65534 client
         yield rd
-    finally:
-        problems = stop_and_check(rd)
-        log = rd.log()
-        assert not problems, problems
-        assert "Traceback" not in log and "request failed" not in log, log[-3000:]
 
 
 def _out(job: str, name: str, query: str = "") -> str:
@@ -212,16 +201,8 @@ def test_someone_elses_job_is_403(daemon: RunningDaemon) -> None:
     running = daemon.submit("b", params={"bytes": {"n": 10, "delay": 0.2}})
     done = daemon.submit("b", params={"bytes": {"delay": 0.0}})
     daemon.wait(done, timeout=20)
-    ctx = multiprocessing.get_context("fork")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_as_nobody, args=(str(daemon.socket), [running, done], child))
-    proc.start()
-    child.close()
-    try:
-        assert parent.poll(20), "the uid-65534 client did not report"
-        seen = parent.recv()
-    finally:
-        proc.join(10)
+    seen = report_from_a_child(_as_nobody, str(daemon.socket), [running, done], timeout=20,
+                               what="the uid-65534 client")
     assert isinstance(seen, list), seen
     for status, body in seen:
         assert status == 403 and b"not_yours" in body, seen
@@ -259,27 +240,9 @@ def test_submit_wait_says_when_the_first_output_came(daemon: RunningDaemon, tmp_
 
 def test_first_output_line_on_a_terminal(daemon: RunningDaemon) -> None:
     """On a TTY too, the line is printed once, on its own line."""
-    import pty
-    cmd = [sys.executable, "-m", "omnictl", "--socket", str(daemon.socket), "submit", "b", "--wait",
-           "-o", str(daemon.dir / "tty-out")]
-    pid, fd = pty.fork()
-    if pid == 0:                                   # the child: stdout and stderr are the terminal
-        os.chdir(ROOT)
-        os.execv(sys.executable, cmd)
-    output = b""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            data = os.read(fd, 4096)
-        except OSError:
-            break
-        if not data:
-            break
-        output += data
-    os.close(fd)
-    _, status = os.waitpid(pid, 0)
-    text = output.decode(errors="replace")
-    assert os.waitstatus_to_exitcode(status) == 0, text
+    code, text = run_on_a_pty([sys.executable, "-m", "omnictl", "--socket", str(daemon.socket), "submit", "b",
+                               "--wait", "-o", str(daemon.dir / "tty-out")])
+    assert code == 0, text
     lines = [x.split("\r")[-1] for x in text.replace("\x1b[K", "").splitlines()]
     firsts = [x for x in lines if x.startswith("first output after")]
     assert len(firsts) == 1 and re.fullmatch(r"first output after \d+\.\d+s", firsts[0]), text

@@ -15,10 +15,7 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from conftest import (MODELS, TERMINAL, RunningDaemon, daemon_config, launch, py_stage, short_tmpdir,
-                      toml_dumps, wait_for, wait_gone, wait_ready)
+from conftest import (RunningDaemon, build_tiny_models, check_config, module_daemon, py_stage, short_tmpdir,
+                      tiny_llm, tiny_sd, wait_end, wait_for)
 
 Start = Callable[..., RunningDaemon]
 
@@ -43,12 +40,6 @@ def up_down(window: int, pipeline: str = "p", up: dict[str, Any] | None = None,
     pipelines = {pipeline: {"stages": ["up", "down"],
                             "edges": [{"from": "up", "to": "down", "window": window, **edge}]}}
     return stages, pipelines
-
-
-def wait_end(d: RunningDaemon, job: str, timeout: float = 30) -> dict[str, Any]:
-    """Poll the job until it is over (never an unbounded wait on its event stream)."""
-    return wait_for(lambda: (doc := d.client.job(job))["state"] in TERMINAL and doc, timeout,
-                    f"job {job} to end", every=0.05)
 
 
 def windows(d: RunningDaemon, job: str, output: str = "log") -> list[dict[str, Any]]:
@@ -149,13 +140,9 @@ def test_plain_function_upstream_arrives_as_one_last_window(start_daemon: Start)
 @pytest.fixture(scope="module")
 def llm() -> Iterator[RunningDaemon]:
     """One daemon for the vLLM tests (loading vLLM costs ~10 s on 2 cores)."""
-    if not (MODELS / "llm" / ".omnid-tiny-ok").exists():
-        subprocess.run([sys.executable, "-m", "omnid.tinymodels", str(MODELS)], check=True)
-    d = short_tmpdir()
+    build_tiny_models("llm")
     stages = {
-        "gen": {"engine": "vllm", "model": str(MODELS / "llm"), "devices": [], "max_inflight": 8,
-                "args": {"max_model_len": 256, "dtype": "bfloat16", "seed": 0},
-                "defaults": {"max_tokens": 64, "ignore_eos": True}},
+        "gen": tiny_llm({"max_tokens": 64, "ignore_eos": True}, max_model_len=256, max_inflight=8),
         "down": py_stage("stream_sink", max_inflight=4),
         "keep": py_stage("passthrough"),
     }
@@ -165,17 +152,8 @@ def llm() -> Iterator[RunningDaemon]:
         "both": {"stages": ["gen", "down", "keep"],
                  "edges": [{"from": "gen", "to": "down", "window": 8}, {"from": "gen", "to": "keep"}]},
     }
-    cfg = daemon_config(d, stages, pipelines, {"heartbeat_timeout_s": 60.0})
-    rd = RunningDaemon(launch(cfg, d / "omnid.log"), d, cfg, d / "omnid.sock", d / "state", d / "lock",
-                       d / "omnid.log")
-    try:
-        wait_ready(rd, timeout=300)
+    with module_daemon(short_tmpdir(), stages, pipelines, {"heartbeat_timeout_s": 60.0}) as rd:
         yield rd
-    finally:
-        workers = rd.worker_pids()
-        rd.stop()
-        shutil.rmtree(d, ignore_errors=True)
-        assert not wait_gone(workers), "stage workers outlived the daemon"
 
 
 def llm_segments(events: list[dict[str, Any]]) -> list[str]:
@@ -401,29 +379,21 @@ def test_sigkill_mid_stream_fails_the_job_clearly(victim: str, start_daemon: Sta
 # ------------------------------------------------------------------ 9. --check
 
 
-def _check(tmp_path: Path, stages: dict[str, Any], pipelines: dict[str, Any]) -> subprocess.CompletedProcess[str]:
-    path = tmp_path / "omnid.toml"
-    path.write_text(toml_dumps({"daemon": {"socket": str(tmp_path / "s.sock"), "state_dir": str(tmp_path / "st")},
-                                "stages": stages, "pipelines": pipelines}))
-    return subprocess.run([sys.executable, "-m", "omnid", "--check", "-c", str(path)],
-                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
-
-
 def test_check_window_edges(tmp_path: Path) -> None:
-    ok = _check(tmp_path, {"a": py_stage("stream_source"), "b": py_stage("stream_sink"), "c": py_stage("stream_sink")},
+    ok = check_config(tmp_path, {"a": py_stage("stream_source"), "b": py_stage("stream_sink"), "c": py_stage("stream_sink")},
                 {"ab": {"stages": ["a", "b"], "edges": [{"from": "a", "to": "b", "window": 3}]},
                  "abc": {"stages": ["a", "b", "c"], "edges": [{"from": "a", "to": "b", "window": 1},
                                                               {"from": "b", "to": "c", "window": 5}]}})
     assert ok.returncode == 0, ok.stdout + ok.stderr
 
-    draw = {"engine": "diffusers", "model": str(MODELS / "sd"), "devices": []}
-    bad = _check(tmp_path, {"a": py_stage("stream_source"), "draw": draw},
+    draw = tiny_sd()
+    bad = check_config(tmp_path, {"a": py_stage("stream_source"), "draw": draw},
                  {"t2i": {"stages": ["a", "draw"], "edges": [{"from": "a", "to": "draw", "window": 4}]}})
     assert bad.returncode == 2, bad.stdout + bad.stderr
     assert "pipelines.t2i.edges[0].window" in bad.stderr
     assert "stage 'draw' (diffusers) cannot be fed by a window edge" in bad.stderr, bad.stderr
 
-    two = _check(tmp_path, {"a": py_stage("stream_source"), "b": py_stage("echo"), "c": py_stage("stream_sink")},
+    two = check_config(tmp_path, {"a": py_stage("stream_source"), "b": py_stage("echo"), "c": py_stage("stream_sink")},
                  {"fanin": {"stages": ["a", "b", "c"], "edges": [{"from": "a", "to": "c", "window": 2},
                                                                  {"from": "b", "to": "c"}]}})
     assert two.returncode == 2, two.stdout + two.stderr

@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 
-from conftest import (FIXTURES, MODELS, ROOT, RunningDaemon, daemon_config, module_daemon, omnictl, py_stage,
-                      short_tmpdir, sleeper, wait_for)
+from conftest import (FIXTURES, ROOT, RunningDaemon, build_tiny_models, chat_draw_speak, daemon_config, module_daemon,
+                      omnictl, py_stage, short_tmpdir, sleeper, wait_for)
 from omnictl.client import Client
 from omnid.keys import KeyStore, key_path
 
@@ -94,30 +94,13 @@ def tcp(base: str, key: str | None = None, header: str = "bearer") -> Any:
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[RunningDaemon]:
-    from omnid.tinymodels import is_built
-    if not (is_built(MODELS / "llm", "llm") and is_built(MODELS / "sd", "sd")):
-        subprocess.run([sys.executable, "-m", "omnid.tinymodels", str(MODELS)], check=True)
+    build_tiny_models("llm", "sd")
     d = short_tmpdir()
     os.chmod(d, 0o755)              # the client running as OTHER_UID reaches the socket in it
     port = free_port()
-    stages = {
-        "expand": {"engine": "vllm", "model": str(MODELS / "llm"), "devices": [],
-                   "args": {"max_model_len": 256, "dtype": "bfloat16", "seed": 0},
-                   "defaults": {"max_tokens": 12, "temperature": 0.9, "seed": 7, "include_prompt": True}},
-        "draw": {"engine": "diffusers", "model": str(MODELS / "sd"), "devices": [],
-                 "defaults": {"num_inference_steps": 2, "guidance_scale": 5.0, "seed": 0}},
-        "speak": {"engine": "python", "function": "demo_stages:vocoder",
-                  "python_path": [str(ROOT / "etc" / "examples")], "defaults": {"seconds_per_word": 0.02}},
-        "echo": py_stage("echo"),
-    }
-    pipelines = {
-        "chat": {"stages": ["expand"]},
-        "t2i": {"stages": ["expand", "draw"],
-                "edges": [{"from": "expand", "to": "draw", "window": -1, "map": {"prompt": "text"}}]},
-        "speak": {"stages": ["expand", "speak"],
-                  "edges": [{"from": "expand", "to": "speak", "window": 4, "map": {"text": "text"}}]},
-        "echo": {"stages": ["echo"]},
-    }
+    stages, pipelines = chat_draw_speak()
+    stages["echo"] = py_stage("echo")
+    pipelines["echo"] = {"stages": ["echo"]}
     # socket_mode 0666: the test's client running as OTHER_UID must reach the socket too
     with module_daemon(d, stages, pipelines, {"heartbeat_timeout_s": 60.0, "listen": [f"127.0.0.1:{port}"],
                                               "socket_mode": "0666"}) as rd:
@@ -295,6 +278,11 @@ def test_sampling_parameters_are_checked_at_the_door(daemon: RunningDaemon, clie
 # ------------------------------------------------------------------------- start, limits, CORS
 
 
+def echo_only() -> tuple[dict[str, Any], dict[str, Any]]:
+    """One python stage `echo` and its pipeline `echo`: a daemon for what the door does."""
+    return {"echo": py_stage("echo")}, {"echo": {"stages": ["echo"]}}
+
+
 def _echo_daemon(start_daemon: Callable[..., RunningDaemon], **daemon_keys: Any) -> RunningDaemon:
     return start_daemon({"echo": py_stage("echo"), "nap": sleeper(2.0)},
                         {"echo": {"stages": ["echo"]}, "nap": {"stages": ["nap"]}}, daemon_keys)
@@ -304,8 +292,7 @@ def test_a_wide_address_without_keys_is_refused_at_start(tmp_path: Path) -> None
     d = short_tmpdir()
     try:
         port = free_port()
-        cfg = daemon_config(d, {"echo": py_stage("echo")}, {"echo": {"stages": ["echo"]}},
-                            {"listen": [f"0.0.0.0:{port}"]})
+        cfg = daemon_config(d, *echo_only(), {"listen": [f"0.0.0.0:{port}"]})
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         check = subprocess.run([sys.executable, "-m", "omnid", "--check", "-c", str(cfg)], capture_output=True,
                                text=True, env=env, timeout=60)
@@ -373,7 +360,7 @@ def test_cors_is_off_unless_an_origin_is_allowed(start_daemon: Callable[..., Run
     key = add_key(shut, "k")
     with tcp(f"http://127.0.0.1:{closed}", key) as h:
         assert "Access-Control-Allow-Origin" not in h.get("/v1/models", headers={"Origin": "https://chat.example"}).headers
-    d = start_daemon({"echo": py_stage("echo")}, {"echo": {"stages": ["echo"]}},
+    d = start_daemon(*echo_only(),
                      {"listen": [f"127.0.0.1:{opened}"], "allow_origins": ["https://chat.example"]})
     key = add_key(d, "k")
     with tcp(f"http://127.0.0.1:{opened}") as h:
@@ -389,7 +376,7 @@ def test_cors_is_off_unless_an_origin_is_allowed(start_daemon: Callable[..., Run
 
 def test_metrics_without_key_is_an_explicit_exemption(start_daemon: Callable[..., RunningDaemon]) -> None:
     port, metrics_port = free_port(), free_port()
-    start_daemon({"echo": py_stage("echo")}, {"echo": {"stages": ["echo"]}},
+    start_daemon(*echo_only(),
                  {"listen": [f"127.0.0.1:{port}"], "metrics_without_key": True,
                   "metrics_listen": f"127.0.0.1:{metrics_port}"})
     with tcp(f"http://127.0.0.1:{port}") as h:
@@ -404,7 +391,7 @@ def test_socket_activation_hands_over_a_tcp_socket(tmp_path: Path) -> None:
     d = short_tmpdir()
     port = free_port()
     try:
-        cfg = daemon_config(d, {"echo": py_stage("echo")}, {"echo": {"stages": ["echo"]}})
+        cfg = daemon_config(d, *echo_only())
         key = KeyStore(key_path(d / "state")).add("activated", os.getuid())[1]
         unix = d / "activation.sock"
         log = d / "omnid.log"
@@ -434,7 +421,7 @@ def test_socket_activation_hands_over_a_tcp_socket(tmp_path: Path) -> None:
 
 def test_sighup_opens_and_closes_listen_addresses(start_daemon: Callable[..., RunningDaemon]) -> None:
     first, second = free_port(), free_port()
-    stages, pipelines = {"echo": py_stage("echo")}, {"echo": {"stages": ["echo"]}}
+    stages, pipelines = echo_only()
     d = start_daemon(stages, pipelines, {"listen": [f"127.0.0.1:{first}"]})
     key = add_key(d, "k")
     pid = d.stages()["echo"]["pid"]

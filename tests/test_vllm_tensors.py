@@ -12,12 +12,11 @@ prefilled in chunks (the tap counts rows from the scheduler's numbers). The pyth
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,30 +25,27 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import (FIXTURES, MODELS, TERMINAL, RunningDaemon, module_daemon, short_tmpdir, toml_dumps,
-                      wait_for)
+import conftest
+from conftest import (MODELS, RunningDaemon, build_tiny_models, check_config, module_daemon, python_stage,
+                      short_tmpdir, tiny_llm, wait_for)
 
 LLM = MODELS / "llm"
 SCHEDULE = [4, 8, 16, 25]
 
 
 def tensor_stage(function: str, **extra: Any) -> dict[str, Any]:
-    return {"engine": "python", "function": f"tensorstages:{function}", "python_path": [str(FIXTURES)], **extra}
+    return python_stage("tensorstages", function, **extra)
 
 
-GEN = {"engine": "vllm", "model": str(LLM), "devices": [], "max_inflight": 8,
-       # at most 64 tokens a step: a longer prompt is prefilled in chunks, over several steps
-       "args": {"max_model_len": 512, "dtype": "bfloat16", "seed": 0, "enable_chunked_prefill": True,
-                "max_num_batched_tokens": 64},
-       "defaults": {"max_tokens": 12, "ignore_eos": True, "temperature": 0.0},
-       "outputs": ["token_ids", "hidden_states"], "hidden_layers": [-1, 1], "hidden_prompt": True,
-       "prompt_embeds": True}
+GEN = tiny_llm({"max_tokens": 12, "ignore_eos": True, "temperature": 0.0}, max_inflight=8,
+               # at most 64 tokens a step: a longer prompt is prefilled in chunks, over several steps
+               args={"enable_chunked_prefill": True, "max_num_batched_tokens": 64},
+               outputs=["token_ids", "hidden_states"], hidden_layers=[-1, 1], hidden_prompt=True, prompt_embeds=True)
 
 
 @pytest.fixture(scope="module")
 def d() -> Iterator[RunningDaemon]:
-    if not (LLM / ".omnid-tiny-ok").exists():
-        subprocess.run([sys.executable, "-m", "omnid.tinymodels", str(MODELS)], check=True)
+    build_tiny_models("llm")
     stages = {
         "gen": GEN,
         "win": tensor_stage("tensor_windows", max_inflight=4),
@@ -68,9 +64,7 @@ def d() -> Iterator[RunningDaemon]:
         yield rd
 
 
-def wait_end(d: RunningDaemon, job: str, timeout: float = 90) -> dict[str, Any]:
-    return wait_for(lambda: (doc := d.client.job(job))["state"] in TERMINAL and doc, timeout,
-                    f"job {job} to end", every=0.05)
+wait_end = functools.partial(conftest.wait_end, timeout=90)      # vLLM on a shared machine: a longer default
 
 
 def npy(d: RunningDaemon, job: str, name: str) -> np.ndarray:
@@ -285,27 +279,19 @@ def test_sigkill_of_the_consumer_fails_the_job_clearly(d: RunningDaemon, tmp_pat
 # ------------------------------------------------------------------ 5. --check
 
 
-def _check(tmp_path: Path, stages: dict[str, Any], pipelines: dict[str, Any]) -> subprocess.CompletedProcess[str]:
-    path = tmp_path / "omnid.toml"
-    path.write_text(toml_dumps({"daemon": {"socket": str(tmp_path / "s.sock"), "state_dir": str(tmp_path / "st")},
-                                "stages": stages, "pipelines": pipelines}))
-    return subprocess.run([sys.executable, "-m", "omnid", "--check", "-c", str(path)],
-                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
-
-
 def test_check_refuses_tensor_mismatches(tmp_path: Path) -> None:
     narrow = tmp_path / "narrow"
     narrow.mkdir()
     cfg = json.loads((LLM / "config.json").read_text())
     (narrow / "config.json").write_text(json.dumps({**cfg, "hidden_size": 64}))
     plain = {"engine": "vllm", "model": str(LLM), "devices": []}
-    ok = _check(tmp_path, {"a": plain, "b": dict(plain), "w": tensor_stage("tensor_windows")},
+    ok = check_config(tmp_path, {"a": plain, "b": dict(plain), "w": tensor_stage("tensor_windows")},
                 {"ab": {"stages": ["a", "b"], "edges": [{"from": "a", "to": "b", "map": {"prompt_embeds": "hidden_states"}}]},
                  "aw": {"stages": ["a", "w"], "edges": [{"from": "a", "to": "w", "window": [2, 8],
                                                          "map": {"s": "hidden_states", "i": "token_ids"}}]}})
     assert ok.returncode == 0, ok.stdout + ok.stderr
 
-    bad = _check(tmp_path, {"a": {**plain, "hidden_layers": [0, 3, -1]}, "n": {**plain, "model": str(narrow)},
+    bad = check_config(tmp_path, {"a": {**plain, "hidden_layers": [0, 3, -1]}, "n": {**plain, "model": str(narrow)},
                             "w": tensor_stage("tensor_windows"), "two": {**plain, "hidden_layers": [-1, 1]}},
                  {"an": {"stages": ["a", "n"], "edges": [{"from": "a", "to": "n", "map": {"prompt_embeds": "hidden_states"}}]},
                   "aw": {"stages": ["a", "w"], "edges": [{"from": "a", "to": "w", "window": [2, 0],

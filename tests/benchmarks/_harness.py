@@ -1,7 +1,8 @@
 """Shared helpers of the benchmark suite: real daemons, timed jobs, and the rows of the table.
 
-Self-contained on purpose (a few helpers copied from tests/conftest.py rather than imported), so
-the benchmarks do not move when the test fixtures do. Every wait here has a deadline.
+Apart from the pytest fixtures on purpose (its daemons are its own, so the benchmarks do not move
+when the test fixtures do); what both write the same (the TOML config, the stages on the tiny
+models) comes from tests/omnidtest.py. Every wait here has a deadline.
 
 - `start_daemon(stages, pipelines)` writes a TOML config into a short /tmp dir, starts
   `python -m omnid -c CONFIG`, waits for `/v1/ready` and returns a `Daemon` (with `ready_s`, the
@@ -14,10 +15,8 @@ the benchmarks do not move when the test fixtures do. Every wait here has a dead
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -29,14 +28,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = Path(__file__).resolve().parent
-MODELS = Path(os.environ.get("OMNID_TEST_MODELS", ROOT / ".models"))
+_ROOT = BENCH_DIR.parent.parent
 
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+# tests/ after the repository root: tests/omnictl (the CLI's tests) must never be taken for `omnictl`
+if str(BENCH_DIR.parent) not in sys.path:
+    sys.path.append(str(BENCH_DIR.parent))
 
 from omnictl.client import TERMINAL_STATES, Client, ClientError, EventsIdleTimeout  # noqa: E402
+from omnidtest import MODELS, ROOT, TINY_LLM_ARGS, stop_process, tiny_llm, tiny_sd, toml_dumps  # noqa: E402, F401
 
 Event = dict[str, Any]
 N = TypeVar("N", int, float)
@@ -168,56 +170,22 @@ class Ctx:
 # ------------------------------------------------------------------------- config writing
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, (str, Path)):
-        return json.dumps(str(v))
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
-    raise TypeError(f"cannot write {type(v).__name__} as TOML")
-
-
-def toml_dumps(data: dict[str, dict[str, Any]]) -> str:
-    """Top-level tables of tables ([stages.NAME]) or of values ([daemon])."""
-    out: list[str] = []
-    for section, body in data.items():
-        scalars = {k: v for k, v in body.items() if not isinstance(v, dict) or section == "daemon"}
-        tables = {k: v for k, v in body.items() if isinstance(v, dict) and section != "daemon"}
-        if scalars:
-            out.append(f"[{section}]")
-            out += [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in scalars.items()]
-            out.append("")
-        for name, table in tables.items():
-            out.append(f"[{section}.{json.dumps(name)}]")
-            out += [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in table.items()]
-            out.append("")
-    return "\n".join(out)
-
-
 def py_stage(function: str, **extra: Any) -> dict[str, Any]:
     """A python stage running a function of tests/benchmarks/_stages.py."""
     return {"engine": "python", "function": f"_stages:{function}", "python_path": [str(BENCH_DIR)], **extra}
 
 
-VLLM_ARGS: dict[str, Any] = {"max_model_len": 512, "dtype": "bfloat16", "seed": 0}
+VLLM_ARGS: dict[str, Any] = {"max_model_len": 512, **TINY_LLM_ARGS}
 
 
 def vllm_stage(max_inflight: int = 1, **extra: Any) -> dict[str, Any]:
     """The tiny Llama on vLLM (CPU), greedy, never stopping early."""
-    return {"engine": "vllm", "model": str(MODELS / "llm"), "devices": [], "max_inflight": max_inflight,
-            "args": dict(VLLM_ARGS),
-            "defaults": {"max_tokens": 256, "temperature": 0.0, "ignore_eos": True}, **extra}
+    return tiny_llm({"max_tokens": 256, "temperature": 0.0, "ignore_eos": True}, max_inflight=max_inflight, **extra)
 
 
 def sd_stage(**extra: Any) -> dict[str, Any]:
     """The tiny Stable Diffusion (64 px) on diffusers (CPU)."""
-    return {"engine": "diffusers", "model": str(MODELS / "sd"), "devices": [],
-            "defaults": {"num_inference_steps": 10, "guidance_scale": 5.0, "seed": 0}, **extra}
+    return tiny_sd({"num_inference_steps": 10, "guidance_scale": 5.0, "seed": 0}, **extra)
 
 
 # Daemon settings for benchmarks: quiet logs, patient heartbeats on a busy 2-core machine, room
@@ -306,15 +274,8 @@ class Daemon:
 
     def stop(self, timeout: float = 30) -> None:
         """SIGTERM; raise unless it exits 0 within `timeout` s (then it is SIGKILLed)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise RuntimeError(f"omnid did not exit within {timeout} s of SIGTERM; killed it\n"
-                                   f"{self.log_tail()}")
+        if not stop_process(self.proc, timeout):
+            raise RuntimeError(f"omnid did not exit within {timeout} s of SIGTERM; killed it\n{self.log_tail()}")
         code = self.proc.returncode
         shutil.rmtree(self.dir, ignore_errors=True) if code == 0 else None
         if code != 0:
@@ -406,13 +367,7 @@ def start_daemon(stages: dict[str, Any], pipelines: dict[str, Any], daemon: dict
 def kill_daemon(d: Daemon) -> None:
     """Best effort: SIGTERM, then SIGKILL; never raises."""
     try:
-        if d.proc.poll() is None:
-            d.proc.send_signal(signal.SIGTERM)
-            try:
-                d.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                d.proc.kill()
-                d.proc.wait(5)
+        stop_process(d.proc, 15)
     except Exception:
         pass
 
@@ -465,6 +420,16 @@ class Shared:
                 problems.append(f"shared daemon {name}: {e}")
         self.daemons.clear()
         return problems
+
+
+def health_p50(d: Daemon, n: int) -> float:
+    """The median of `n` bare `GET /v1/health` round trips, one after the other (s)."""
+    lat = []
+    for _ in range(n):
+        t = time.perf_counter()
+        d.client.health()
+        lat.append(time.perf_counter() - t)
+    return p50(lat)
 
 
 def in_threads(n: int, fn: Callable[[int], Any], timeout: float) -> list[Any]:

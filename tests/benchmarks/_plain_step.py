@@ -15,44 +15,21 @@ machine). It exits at EOF. So the caller alternates the two trees under the same
 from __future__ import annotations
 
 import json
-import os
 import sys
-import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ["CUDA_VISIBLE_DEVICES"] = ""
+from _vllm_step import timed_batch, vllm_engine
 
 
 def main(tree: str, model: str, batch: int, tokens: int) -> None:
     sys.path.insert(0, tree)
-    from omnid.config import StageConfig
-    from omnid.engines.base import RequestContext
-    from omnid.engines.vllm_engine import VllmEngine
-
-    stage = StageConfig(name="bench", engine="vllm", model=Path(model), max_inflight=batch,
-                        args={"max_model_len": 512, "dtype": "bfloat16", "seed": 0},
-                        defaults={"max_tokens": tokens, "temperature": 0.0, "ignore_eos": True})
-    engine = VllmEngine(stage)
+    engine = vllm_engine(model, batch, tokens)
     print(json.dumps({"ready": True, "from": str(Path(sys.modules["omnid"].__file__ or "").parent)}), flush=True)
     n = 0
     for _ in sys.stdin:
         n += 1
-        ctxs = [RequestContext(job=f"j{n}-{i}", stage="bench", inputs={"prompt": f"a lighthouse {i}"}, params={})
-                for i in range(batch)]
-        for ctx in ctxs:
-            engine.add(ctx)
-        engine.step()                           # the prefill
-        steps, t0 = 0, time.process_time()
-        while engine.has_work():
-            engine.step()
-            steps += 1
-        cpu = time.process_time() - t0
-        if not all(ctx.outcome == "finished" for ctx in ctxs):
-            raise SystemExit(f"{[ctx.error for ctx in ctxs]}")
-        print(json.dumps({"ms": 1000 * cpu / max(1, steps)}), flush=True)
+        _, ms = timed_batch(engine, [f"j{n}-{i}" for i in range(batch)])
+        print(json.dumps({"ms": ms}), flush=True)
 
 
 if __name__ == "__main__":

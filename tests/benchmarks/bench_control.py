@@ -12,17 +12,8 @@ from typing import Any
 
 import psutil
 
-from _harness import Ctx, Daemon, Row, at_least, at_most, fmt, in_threads, p50, pct, raise_first
+from _harness import Ctx, Daemon, Row, at_least, at_most, fmt, health_p50, in_threads, p50, pct, raise_first
 from omnictl.client import ApiError, Client
-
-
-def _health_p50(d: Daemon, n: int) -> float:
-    lat = []
-    for _ in range(n):
-        t = time.perf_counter()
-        d.client.health()
-        lat.append(time.perf_counter() - t)
-    return p50(lat)
 
 
 def _job_latencies(ctx: Ctx, d: Daemon, pipeline: str, n: int) -> list[float]:
@@ -49,7 +40,7 @@ def bench_noop_latency(ctx: Ctx) -> list[Row]:
     for _ in range(10):
         d.run("p1", timeout=30).check()
         d.run("p3", timeout=30).check()
-    health = _health_p50(d, n)
+    health = health_p50(d, n)
     one: list[float] = []
     three: list[float] = []
     inside: list[float] = []
@@ -63,7 +54,7 @@ def bench_noop_latency(ctx: Ctx) -> list[Row]:
         for a, b in (("n1", "n2"), ("n2", "n3")):
             inside.append(float(r.first(type="stage_started", stage=b)["ts"])
                           - float(r.first(type="stage_finished", stage=a)["ts"]))
-    health = (health + _health_p50(d, n)) / 2
+    health = (health + health_p50(d, n)) / 2
     p1, p3 = p50(one), p50(three)
     hop = (p3 - p1) / 2
     return [

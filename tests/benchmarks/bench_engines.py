@@ -64,29 +64,35 @@ def _cancel_to_next(ctx: Ctx, d: Daemon, pipeline: str, long_params: dict[str, A
     return started - t_cancel, _steps(ts, skip), first_step - t_cancel
 
 
-def bench_cancel_diffusers(ctx: Ctx) -> list[Row]:
-    """A running 500-step tiny-SD job cancelled after 12 steps -> the queued next job's stage_started.
-
-    Anchor: one denoising step of the cancelled job (median gap between its progress events,
-    skipping the first 3). Median over runs.
-    """
+def _cancel_rows(ctx: Ctx, figure: str, anchor: str, first: str, pipeline: str, long_params: dict[str, Any],
+                 next_params: dict[str, Any], step_type: str, stage: str, after: int, skip: int) -> list[Row]:
+    """The row of a cancel -> next job started figure: `_cancel_to_next` a few times, the medians."""
     d = ctx.daemon("engines")
     lat: list[float] = []
     step: list[float] = []
     firsts: list[float] = []
     for i in range(ctx.n(3, 2)):
         ctx.check(f"run {i}")
-        a, b, c = _cancel_to_next(ctx, d, "draw", {"draw": {"num_inference_steps": 500}},
-                                  {"draw": {"num_inference_steps": 2}}, "progress", "draw", after=12, skip=3)
+        a, b, c = _cancel_to_next(ctx, d, pipeline, long_params, next_params, step_type, stage, after=after, skip=skip)
         lat.append(a)
         step.append(b)
         firsts.append(c)
-        ctx.log(f"run {i}: cancel -> next started {1000 * a:.0f} ms; step {1000 * b:.1f} ms")
+        ctx.log(f"run {i}: cancel -> next started {1000 * a:.1f} ms; step {1000 * b:.2f} ms")
     latency, one = p50(lat), p50(step)
-    return [Row("cancel diffusers (500 steps) -> next job started", 1000 * latency, "ms",
-                "one denoising step", 1000 * one, "ms", latency / one, "latency / step", None,
+    return [Row(figure, 1000 * latency, "ms", anchor, 1000 * one, "ms", latency / one, "latency / step", None,
                 f"median of {len(lat)}: {', '.join(fmt(1000 * x) for x in lat)} ms; the next job's first "
-                f"step came {fmt(1000 * p50(firsts))} ms after the cancel")]
+                f"{first} came {fmt(1000 * p50(firsts))} ms after the cancel")]
+
+
+def bench_cancel_diffusers(ctx: Ctx) -> list[Row]:
+    """A running 500-step tiny-SD job cancelled after 12 steps -> the queued next job's stage_started.
+
+    Anchor: one denoising step of the cancelled job (median gap between its progress events,
+    skipping the first 3). Median over runs.
+    """
+    return _cancel_rows(ctx, "cancel diffusers (500 steps) -> next job started", "one denoising step", "step",
+                        "draw", {"draw": {"num_inference_steps": 500}}, {"draw": {"num_inference_steps": 2}},
+                        "progress", "draw", after=12, skip=3)
 
 
 def bench_cancel_vllm(ctx: Ctx) -> list[Row]:
@@ -95,23 +101,9 @@ def bench_cancel_vllm(ctx: Ctx) -> list[Row]:
     Anchor: one decode step of the cancelled job (median gap between its token segments,
     skipping the first 10). Median over runs.
     """
-    d = ctx.daemon("engines")
-    lat: list[float] = []
-    step: list[float] = []
-    firsts: list[float] = []
-    for i in range(ctx.n(3, 2)):
-        ctx.check(f"run {i}")
-        a, b, c = _cancel_to_next(ctx, d, "llm1", {"gen1": {"max_tokens": 480}}, {"gen1": {"max_tokens": 4}},
-                                  "segment", "gen1", after=40, skip=10)
-        lat.append(a)
-        step.append(b)
-        firsts.append(c)
-        ctx.log(f"run {i}: cancel -> next started {1000 * a:.1f} ms; step {1000 * b:.2f} ms")
-    latency, one = p50(lat), p50(step)
-    return [Row("cancel vLLM generation -> next job started", 1000 * latency, "ms",
-                "one decode step", 1000 * one, "ms", latency / one, "latency / step", None,
-                f"median of {len(lat)}: {', '.join(fmt(1000 * x) for x in lat)} ms; the next job's first "
-                f"token came {fmt(1000 * p50(firsts))} ms after the cancel")]
+    return _cancel_rows(ctx, "cancel vLLM generation -> next job started", "one decode step", "token",
+                        "llm1", {"gen1": {"max_tokens": 480}}, {"gen1": {"max_tokens": 4}},
+                        "segment", "gen1", after=40, skip=10)
 
 
 def _batch_wall(ctx: Ctx, d: Daemon, pipeline: str, stage: str, n: int, tokens: int) -> float:

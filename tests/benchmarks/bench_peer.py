@@ -31,7 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from _harness import BENCH_DIR, MODELS, VLLM_ARGS, Ctx, Row, kill_daemon, start_daemon
+from _harness import BENCH_DIR, MODELS, VLLM_ARGS, Ctx, Row, kill_daemon, start_daemon, tiny_llm
 
 CLI = BENCH_DIR / "_vllm_cli.py"
 CONCURRENCY = (16, 64)
@@ -114,9 +114,8 @@ def _vllm_round(ctx: Ctx, concurrency: int, tag: str) -> dict[str, Any]:
 
 def _omnid_round(ctx: Ctx, concurrency: int, tag: str) -> dict[str, Any]:
     port = _free_port()
-    stage = {"engine": "vllm", "model": str(MODELS / "llm"), "devices": [], "max_inflight": concurrency,
-             "queue_capacity": concurrency, "args": {**VLLM_ARGS, "max_num_seqs": concurrency},
-             "env": {"VLLM_CPU_KVCACHE_SPACE": ENV["VLLM_CPU_KVCACHE_SPACE"]}}
+    stage = tiny_llm(max_inflight=concurrency, queue_capacity=concurrency, args={"max_num_seqs": concurrency},
+                     env={"VLLM_CPU_KVCACHE_SPACE": ENV["VLLM_CPU_KVCACHE_SPACE"]})
     d = start_daemon({"chat": stage}, {"chat": {"stages": ["chat"]}}, {"listen": [f"127.0.0.1:{port}"]})
     try:
         key = str(d.client.add_key("bench")["key"])

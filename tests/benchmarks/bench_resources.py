@@ -12,32 +12,8 @@ from __future__ import annotations
 import socket
 import time
 
-from _harness import Ctx, Daemon, Row, at_most, fmt, p50
-
-
-def _health_p50(d: Daemon, n: int) -> float:
-    lat = []
-    for _ in range(n):
-        t = time.perf_counter()
-        d.client.health()
-        lat.append(time.perf_counter() - t)
-    return p50(lat)
-
-
-def _stream(path: str, job: str) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(30)
-    s.connect(path)
-    s.sendall(f"GET /v1/jobs/{job}/events HTTP/1.1\r\nHost: omnid\r\n\r\n".encode())
-    got = b""
-    while b"\r\n\r\n" not in got or b"\n" not in got.partition(b"\r\n\r\n")[2]:
-        chunk = s.recv(65536)
-        if not chunk:
-            raise RuntimeError(f"stream closed: {got[:300]!r}")
-        got += chunk
-    if not got.startswith(b"HTTP/1.1 200"):
-        raise RuntimeError(f"stream refused: {got[:300]!r}")
-    return s
+from _harness import Ctx, Row, at_most, fmt, health_p50, p50
+from omnidtest import open_event_stream
 
 
 def bench_held_streams(ctx: Ctx) -> list[Row]:
@@ -46,19 +22,19 @@ def bench_held_streams(ctx: Ctx) -> list[Row]:
     job = d.submit("ab", {"text": "x"}, {"sa": {"seconds": 600}})
     held: list[socket.socket] = []
     try:
-        before = _health_p50(d, n_probe)
+        before = health_p50(d, n_probe)
         t0 = time.monotonic()
         for i in range(n_streams):
             if i % 200 == 0:
                 ctx.check(f"stream {i}")
-            held.append(_stream(str(d.socket), job))
+            held.append(open_event_stream(str(d.socket), job))
         opened_s = time.monotonic() - t0
-        during = _health_p50(d, n_probe)
+        during = health_p50(d, n_probe)
     finally:
         for s in held:
             s.close()
         d.client.cancel(job)
-    after_close = _health_p50(d, n_probe)
+    after_close = health_p50(d, n_probe)
     return [Row(f"GET /v1/health p50 with {n_streams} event streams held", during, "s",
                 "same, none held (before and after)", (before + after_close) / 2, "s",
                 during / ((before + after_close) / 2), "held / none", at_most(2.0, "<= 2x"),

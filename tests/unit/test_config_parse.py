@@ -16,28 +16,14 @@ from typing import Any
 
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, edge
 from omnid import config as C
 from omnid import paths
 from omnid.params import DIFFUSERS_PARAMS, VLLM_PARAMS
 
 
-@pytest.fixture
-def models(tmp_path: Path) -> Path:
-    (tmp_path / "llm").mkdir()
-    (tmp_path / "llm" / "config.json").write_text("{}")
-    (tmp_path / "sd").mkdir()
-    (tmp_path / "sd" / "model_index.json").write_text("{}")
-    (tmp_path / "empty").mkdir()
-    return tmp_path
-
-
 def py(function: str = "sleep", **extra: Any) -> dict[str, Any]:
     return {"engine": "python", "function": f"teststages:{function}", "python_path": [str(FIXTURES)], **extra}
-
-
-def edge(src: str, dst: str, **extra: Any) -> dict[str, Any]:
-    return {"from": src, "to": dst, **extra}
 
 
 def minimal(**pipeline: Any) -> dict[str, Any]:
