@@ -220,10 +220,11 @@ class StageWorker:
 
     def stats(self) -> P.QueueStats:
         used, slots = self.pool.usage() if self.pool is not None else (0, 0)
+        hits, misses = getattr(self.engine, "cache_counts", (0, 0))     # a diffusers stage's DiT cache
         return P.QueueStats(enqueued=self.enqueued, dequeued=self.dequeued, dropped=self.dropped,
                             depth=self.inbox.qsize(), blocked_s=self.sender.blocked_s,
                             window_triggers=self.triggers, shm_capacity=self.pool.capacity if self.pool else 0,
-                            shm_used=used, shm_slots=slots)
+                            shm_used=used, shm_slots=slots, cache_hits=hits, cache_misses=misses)
 
     def tracked_jobs(self) -> int:
         """How many jobs this worker keeps any state for (the bounded `dead` LRU aside)."""
