@@ -30,6 +30,7 @@ from _harness import ROOT, Ctx, Row, Shared, fmt, shared_daemons  # noqa: E402
 import bench_capacity  # noqa: E402
 import bench_control  # noqa: E402
 import bench_dataplane  # noqa: E402
+import bench_dit  # noqa: E402
 import bench_engines  # noqa: E402
 import bench_omni  # noqa: E402
 import bench_peer  # noqa: E402
@@ -72,6 +73,7 @@ BENCHES: list[Bench] = [
           ["vLLM 16 x 64 tokens through omnid: jobs/s"], (150, 90), ("engines",)),
     Bench("sd_concurrency", "engines", bench_engines.bench_sd_concurrency,
           [f"tiny SD, {k} concurrent jobs: jobs/s" for k in (2, 4, 8)], (120, 70), ("engines",)),
+    Bench("dit", "engines", bench_dit.bench_dit, bench_dit.FIGURES, (600, 420), ()),
     Bench("t2i", "engines", bench_engines.bench_t2i_throughput,
           ["t2i (vLLM 24 tok -> SD 12 steps), N jobs: jobs/s"], (120, 60), ("engines",)),
     Bench("startup", "engines", bench_engines.bench_startup,
