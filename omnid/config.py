@@ -652,8 +652,8 @@ def _parse_cache(c: _Checker, raw: Any, path: str, engine: str | None, model: Pa
             c.add(f"{path}.{key}", f"unknown option for cache kind {kind!r} (known: {', '.join(sorted(options))})")
             ok = False
         elif not _cache_value_ok(want, value):
-            c.add(f"{path}.{key}", f"must be {_CACHE_VALUE_WORDS[want]}{'' if want in ('bool', 'string', 'strings', 'range') else ' (>= 0)'}, "
-                                   f"not {value!r}")
+            bound = " (>= 0)" if want in ("int", "number") else ""
+            c.add(f"{path}.{key}", f"must be {_CACHE_VALUE_WORDS[want]}{bound}, not {value!r}")
             ok = False
         elif key == "taylor_factors_dtype" and value not in CACHE_DTYPES:
             c.add(f"{path}.{key}", f"must be one of {', '.join(CACHE_DTYPES)}, not {value!r}")

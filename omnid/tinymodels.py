@@ -7,7 +7,7 @@ importing this module stays cheap. Nothing is downloaded: every config,
 tokenizer and weight is made here, and the Hugging Face offline switches
 are set before any of those libraries is imported.
 
-Six models are built under ROOT:
+Seven models are built under ROOT:
 
 ``ROOT/llm``
     A tiny ``LlamaForCausalLM`` (hidden 128, 2 heads of dim 64, 2 layers)
@@ -24,6 +24,13 @@ Six models are built under ROOT:
     A tiny ``StableDiffusionPipeline`` (UNet, VAE, CLIP text encoder,
     CLIP tokenizer, DDIM scheduler, no safety checker) whose default
     output is a 64x64 image; a few steps take well under a second on CPU.
+
+``ROOT/dit``
+    A tiny DiT: a ``FluxPipeline`` (2 joint and 6 single-stream transformer blocks, inner dim 32,
+    no guidance embedding, a 2-block VAE, the tiny CLIP text encoder and a tiny T5 encoder, both
+    on the CLIP tokenizer, a flow-matching Euler scheduler). Flux, because its pipeline opens the
+    ``cache_context`` that diffusers' cache hooks need. Run it at 64 px (``height``/``width``):
+    Flux's default size is 128 latent px.
 
 ``ROOT/vlm``
     A tiny vision-language model: LLaVA (a 2-layer CLIP vision tower on
@@ -914,7 +921,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m omnid.tinymodels",
         description="Build tiny random-weight LLM, Stable Diffusion, vision- and audio-language and omni models offline.",
     )
-    parser.add_argument("root", type=Path, help="folder to build into (ROOT/llm, ROOT/sd, ROOT/vlm, ROOT/alm, ROOT/omni, ROOT/tts)")
+    parser.add_argument("root", type=Path, help="folder to build into (ROOT/llm, ROOT/sd, ROOT/vlm, ROOT/alm, ROOT/omni, ROOT/tts, ROOT/dit)")
     parser.add_argument("--force", action="store_true", help="rebuild even if already built")
     args = parser.parse_args(argv)
     _offline_env()

@@ -161,3 +161,11 @@ def test_parsed_cache_reaches_the_stage(tmp_path: Path) -> None:
                                               "spatial_attention_timestep_skip_range": [100, 800]}
     assert not C.parse({"stages": {"draw": {"engine": "diffusers", "model": str(DIT)}},
                         "pipelines": {"draw": {"stages": ["draw"]}}}, base=tmp_path).stages["draw"].cache
+
+
+def test_example_config_checks() -> None:
+    _models()
+    example = Path(__file__).resolve().parent.parent / "etc" / "examples" / "dit_cache.toml"
+    result = subprocess.run([sys.executable, "-m", "omnid", "-c", str(example), "--check"], capture_output=True,
+                            text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr
