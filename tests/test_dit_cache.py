@@ -169,3 +169,24 @@ def test_example_config_checks() -> None:
     result = subprocess.run([sys.executable, "-m", "omnid", "-c", str(example), "--check"], capture_output=True,
                             text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr
+
+
+def test_worker_refuses_a_stateful_kind_without_cache_context() -> None:
+    """In-process: a DiT pipeline whose __call__ opens no transformer.cache_context (PixArt, SD3 in
+    diffusers 0.42) cannot take first_block: the worker's load fails, saying so."""
+    from omnid.engines.diffusers_engine import _apply_cache
+
+    class Transformer:
+        def enable_cache(self, config: Any) -> None:
+            raise AssertionError("must be refused before")
+
+    class PixArtLikePipeline:
+        transformer = Transformer()
+
+        def __call__(self, prompt: str) -> None:
+            return None
+
+    stage = C.StageConfig(name="draw", engine="diffusers", cache={"kind": "first_block", "threshold": 0.2})
+    with pytest.raises(ValueError, match=r"stages\.draw\.cache: PixArtLikePipeline does not open a "
+                                         r"transformer\.cache_context"):
+        _apply_cache(stage, PixArtLikePipeline())

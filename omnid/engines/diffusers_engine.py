@@ -104,7 +104,7 @@ def _apply_cache(stage: StageConfig, pipe: Any) -> _CacheCounter | None:
     if transformer is None or not hasattr(transformer, "enable_cache"):
         raise ValueError(f"{where}: cache kind {kind!r} needs a DiT pipeline whose transformer takes a cache; "
                          f"{type(pipe).__name__} has {'no transformer' if transformer is None else type(transformer).__name__}")
-    if kind in _CONTEXT_KINDS and "cache_context" not in inspect.getsource(type(pipe).__call__):
+    if kind in _CONTEXT_KINDS and "cache_context" not in _source(type(pipe).__call__):
         raise ValueError(f"{where}: {type(pipe).__name__} does not open a transformer.cache_context around its "
                          f"transformer calls, which cache kind {kind!r} needs (try pyramid_attention_broadcast)")
     options: dict[str, Any] = {}
@@ -128,6 +128,14 @@ def _apply_cache(stage: StageConfig, pipe: Any) -> _CacheCounter | None:
         raise ValueError(f"{where}: diffusers refused cache kind {kind!r} on {type(transformer).__name__}: "
                          f"{type(e).__name__}: {e}") from e
     return _count_decisions(transformer)
+
+
+def _source(function: Any) -> str:
+    """A function's source; "cache_context" when it cannot be read (then nothing is refused here)."""
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):
+        return "cache_context"
 
 
 def _count_decisions(transformer: Any) -> _CacheCounter | None:
