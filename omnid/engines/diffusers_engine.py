@@ -29,8 +29,8 @@ one denoising step at a time.
 `cache` (a DiT pipeline's transformer only; see omnid.config.CACHE_KINDS): diffusers' cache hook of
 that kind goes on `pipe.transformer` at load (`enable_cache`). Its state is reset before every call
 (a cancelled call never reaches the pipeline's own reset). For the kinds that decide per transformer
-call whether to run the remaining blocks (first_block, mag_cache, sea_cache), a forward hook on the
-head block reads that decision: a skip is a hit, a full run a miss. Each job's stage result carries its
+call whether to run the remaining blocks (first_block, mag_cache: their state's `should_compute`), a
+forward hook on the head block reads that decision: a skip is a hit, a full run a miss. Each job's stage result carries its
 call's counts (`usage`: cache_hits, cache_misses; in a batch, each row the batch's), and the worker's
 heartbeat the stage's totals (`cache_counts`).
 """
