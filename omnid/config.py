@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import ipaddress
+import json
 import os
 import re
 import sys
@@ -166,6 +167,9 @@ class StageConfig:
     # this stage, and whether some edge hands it prompt_embeds. A change restarts the worker.
     tensor_outputs: frozenset[str] = frozenset()
     takes_embeds: bool = False
+    # diffusers stages: a DiT cache (`cache = { kind = "first_block", threshold = 0.2 }`), checked
+    # against CACHE_KINDS; empty: none. The engine maps it onto diffusers' own cache config.
+    cache: Mapping[str, Any] = field(default_factory=dict)
 
     def placement_of(self, replica: int) -> str:
         """"local" or "ray": where replica `replica`'s worker runs."""
@@ -474,7 +478,7 @@ def _check_listen_keys(c: _Checker, daemon: DaemonConfig) -> None:
 _STAGE_KEYS = ("engine", "model", "function", "python_path", "devices", "exclusive",
                "max_inflight", "queue_capacity", "shm_pool_mb", "args", "defaults", "env", "batch_function",
                "replicas", "idle_unload_s", "media", "placement", "ray", "max_rss_mb",
-               "engine_core", "outputs", "hidden_layers", "hidden_prompt", "prompt_embeds")
+               "engine_core", "outputs", "hidden_layers", "hidden_prompt", "prompt_embeds", "cache")
 _TENSOR_KEYS = ("outputs", "hidden_layers", "hidden_prompt", "prompt_embeds")
 PLACEMENTS = ("local", "ray")
 MAX_REPLICAS = 64
@@ -548,6 +552,122 @@ def _check_vllm_parallelism(c: _Checker, path: str, args: Mapping[str, Any], dev
     if devices and len(devices) < size:
         c.add(f"{path}.devices", f"tensor/pipeline parallelism of {size} needs {size} GPUs, but the stage has "
                                  f"{len(devices)} ({devices})")
+
+
+# `cache` of a diffusers stage: its kinds (diffusers' hook configs, named without "Config") and the
+# options each takes, by the kind of TOML value: "int", "number", "bool", "string", "range" (two
+# integers [lo, hi]), "numbers" / "strings" (arrays of those). Options that are callables or tensors
+# in diffusers are left out; the engine fills the timestep callback in. The supervisor checks them
+# here without importing diffusers.
+CACHE_KINDS: dict[str, dict[str, str]] = {
+    "first_block": {"threshold": "number"},
+    "mag_cache": {"threshold": "number", "max_skip_steps": "int", "retention_ratio": "number",
+                  "num_inference_steps": "int", "mag_ratios": "numbers", "calibrate": "bool"},
+    "taylorseer": {"cache_interval": "int", "disable_cache_before_step": "int", "disable_cache_after_step": "int",
+                   "max_order": "int", "taylor_factors_dtype": "string", "skip_predict_identifiers": "strings",
+                   "cache_identifiers": "strings", "use_lite_mode": "bool"},
+    "pyramid_attention_broadcast": {
+        "spatial_attention_block_skip_range": "int", "temporal_attention_block_skip_range": "int",
+        "cross_attention_block_skip_range": "int", "spatial_attention_timestep_skip_range": "range",
+        "temporal_attention_timestep_skip_range": "range", "cross_attention_timestep_skip_range": "range"},
+    "faster_cache": {
+        "spatial_attention_block_skip_range": "int", "temporal_attention_block_skip_range": "int",
+        "spatial_attention_timestep_skip_range": "range", "temporal_attention_timestep_skip_range": "range",
+        "low_frequency_weight_update_timestep_range": "range",
+        "high_frequency_weight_update_timestep_range": "range", "alpha_low_frequency": "number",
+        "alpha_high_frequency": "number", "unconditional_batch_skip_range": "int",
+        "unconditional_batch_timestep_skip_range": "range", "tensor_format": "string",
+        "is_guidance_distilled": "bool"},
+    "sea_cache": {"threshold": "number", "residual_order": "int", "retention_steps": "int", "cache_end_steps": "int",
+                  "max_consecutive_cached": "int", "power_exp": "number"},
+}
+CACHE_DTYPES = ("float32", "float16", "bfloat16")
+_CACHE_VALUE_WORDS = {"int": "an integer", "number": "a number", "bool": "true or false", "string": "a string",
+                      "range": "two integers [lo, hi]", "numbers": "an array of numbers",
+                      "strings": "an array of strings"}
+
+
+def _cache_value_ok(kind: str, value: Any) -> bool:
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    if kind == "number":
+        return number(value) and value >= 0
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "string":
+        return isinstance(value, str)
+    if kind == "range":
+        return isinstance(value, list) and len(value) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value) and value[0] <= value[1]
+    if kind == "numbers":
+        return isinstance(value, list) and bool(value) and all(number(v) for v in value)
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)      # strings
+
+
+def _model_index(model: Path | None) -> dict[str, Any] | None:
+    """A diffusers model's model_index.json (its pipeline class and components), or None."""
+    if model is None:
+        return None
+    try:
+        index = json.loads((model / "model_index.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return index if isinstance(index, dict) else None
+
+
+def _names_component(entry: Any) -> bool:
+    """A model_index.json entry that names a component: ["diffusers", "FluxTransformer2DModel"]."""
+    return isinstance(entry, list) and len(entry) == 2 and entry[0] is not None and entry[1] is not None
+
+
+def _parse_cache(c: _Checker, raw: Any, path: str, engine: str | None, model: Path | None) -> dict[str, Any]:
+    """`cache = { kind = "first_block", threshold = 0.2 }`: one of CACHE_KINDS and its options, on a
+    diffusers stage whose pipeline has a `transformer` (a DiT; its model_index.json says so)."""
+    path = f"{path}.cache"
+    if raw is None:
+        return {}
+    t = c.table(raw, path)
+    if not isinstance(raw, dict):
+        return {}
+    if engine is not None and engine != "diffusers":
+        c.add(path, f"only diffusers stages take a cache (this one is {engine!r})")
+        return {}
+    kind = c.get(t, "kind", path, str, required=True)
+    if kind is None:
+        return {}
+    options = CACHE_KINDS.get(kind)
+    if options is None:
+        c.add(f"{path}.kind", f"unknown cache kind {kind!r} (known: {', '.join(CACHE_KINDS)})")
+        return {}
+    ok = True
+    for key, value in t.items():
+        if key == "kind":
+            continue
+        want = options.get(key)
+        if want is None:
+            c.add(f"{path}.{key}", f"unknown option for cache kind {kind!r} (known: {', '.join(sorted(options))})")
+            ok = False
+        elif not _cache_value_ok(want, value):
+            bound = " (>= 0)" if want in ("int", "number") else ""
+            c.add(f"{path}.{key}", f"must be {_CACHE_VALUE_WORDS[want]}{bound}, not {value!r}")
+            ok = False
+        elif key == "taylor_factors_dtype" and value not in CACHE_DTYPES:
+            c.add(f"{path}.{key}", f"must be one of {', '.join(CACHE_DTYPES)}, not {value!r}")
+            ok = False
+    if kind == "mag_cache" and "mag_ratios" not in t and not t.get("calibrate"):
+        c.add(path, "cache kind 'mag_cache' needs mag_ratios (the model's, from a calibrate = true run) or "
+                    "calibrate = true")
+        ok = False
+    index = _model_index(model)
+    if index is not None and not _names_component(index.get("transformer")):
+        denoiser = "a unet" if _names_component(index.get("unet")) else "no transformer"
+        c.add(path, f"cache kind {kind!r} needs a DiT pipeline (one with a transformer), but "
+                    f"{str(model)!r} is a {index.get('_class_name', 'pipeline')} with {denoiser}")
+        ok = False
+    return dict(t) if ok else {}
 
 
 def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | None:
@@ -631,6 +751,7 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
     placement = _parse_placement(c, s, path, replicas, devices)
     ray = _parse_ray_needs(c, s, path)
     outputs, hidden_layers, hidden_prompt, prompt_embeds = _parse_tensors(c, s, path, engine, model, args)
+    cache = _parse_cache(c, s.get("cache"), path, engine, model)
     if engine is None:
         return None
     return StageConfig(
@@ -642,7 +763,7 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
         idle_unload_s=float(idle_unload_s) if idle_unload_s is not None else None,
         max_rss_mb=int(max_rss_mb) if max_rss_mb is not None else None, engine_core=engine_core,
         placement=placement, ray=ray, outputs=outputs, hidden_layers=hidden_layers,
-        hidden_prompt=hidden_prompt, prompt_embeds=prompt_embeds,
+        hidden_prompt=hidden_prompt, prompt_embeds=prompt_embeds, cache=cache,
     )
 
 

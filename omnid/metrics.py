@@ -3,7 +3,7 @@
 Runs in the supervisor's event-loop thread. Job counters are updated by the
 scheduler; per-stage figures are read at scrape time from each stage's last
 heartbeat (queue depth, enqueue/dequeue counts, time blocked on a downstream
-watermark, window triggers), folded across worker restarts so counters never
+watermark, window triggers, DiT cache hits and misses), folded across worker restarts so counters never
 go backwards.
 """
 
@@ -47,6 +47,9 @@ class _StageCollector(Collector):
             "dropped": ("omnid_stage_dropped", "Items dropped because their job had ended"),
             "blocked_s": ("omnid_stage_blocked_seconds", "Time spent blocked on a downstream high watermark"),
             "window_triggers": ("omnid_stage_window_triggers", "Hand-offs that triggered a downstream stage"),
+            "cache_hits": ("omnid_stage_cache_hits", "DiT cache (a diffusers stage's `cache`): transformer calls "
+                           "that skipped the remaining blocks"),
+            "cache_misses": ("omnid_stage_cache_misses", "DiT cache: transformer calls that ran every block"),
         }
         for field, (name, doc) in counters.items():
             fam = CounterMetricFamily(name, doc, labels=_LABELS)

@@ -144,6 +144,8 @@ class QueueStats:
     shm_capacity: int = 0           # the stage's shared-memory pool: its size,
     shm_used: int = 0               # the bytes in slots taken,
     shm_slots: int = 0              # and how many slots are taken (0 once every job's values are gone)
+    cache_hits: int = 0             # a diffusers stage's DiT cache: transformer calls that skipped the
+    cache_misses: int = 0           # remaining blocks, and calls that ran them all
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ importing this module stays cheap. Nothing is downloaded: every config,
 tokenizer and weight is made here, and the Hugging Face offline switches
 are set before any of those libraries is imported.
 
-Six models are built under ROOT:
+Seven models are built under ROOT:
 
 ``ROOT/llm``
     A tiny ``LlamaForCausalLM`` (hidden 128, 2 heads of dim 64, 2 layers)
@@ -24,6 +24,13 @@ Six models are built under ROOT:
     A tiny ``StableDiffusionPipeline`` (UNet, VAE, CLIP text encoder,
     CLIP tokenizer, DDIM scheduler, no safety checker) whose default
     output is a 64x64 image; a few steps take well under a second on CPU.
+
+``ROOT/dit``
+    A tiny DiT: a ``FluxPipeline`` (2 joint and 6 single-stream transformer blocks, inner dim 32,
+    no guidance embedding, a 2-block VAE, the tiny CLIP text encoder and a tiny T5 encoder, both
+    on the CLIP tokenizer, a flow-matching Euler scheduler). Flux, because its pipeline opens the
+    ``cache_context`` that diffusers' cache hooks need. Run it at 64 px (``height``/``width``):
+    Flux's default size is 128 latent px.
 
 ``ROOT/vlm``
     A tiny vision-language model: LLaVA (a 2-layer CLIP vision tower on
@@ -393,6 +400,25 @@ def _write_clip_tokenizer_files(folder: Path) -> None:
     )
 
 
+def _clip_tokenizer() -> Any:
+    """The tiny CLIP tokenizer (CLIP_WORDS as whole tokens, every byte), made offline."""
+    from transformers import CLIPTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="omnid-clip-tok-") as tok_dir:
+        _write_clip_tokenizer_files(Path(tok_dir))
+        tokenizer = CLIPTokenizer.from_pretrained(
+            tok_dir,
+            model_max_length=SD_MAX_LENGTH,
+            bos_token=CLIP_BOS,
+            eos_token=CLIP_EOS,
+            unk_token=CLIP_EOS,
+            pad_token=CLIP_EOS,
+        )
+    for key in ("is_local", "local_files_only"):
+        tokenizer.init_kwargs.pop(key, None)
+    return tokenizer
+
+
 def build_sd(model_dir: Path) -> Path:
     """Build the tiny Stable Diffusion pipeline into `model_dir`; return the folder."""
     _offline_env()
@@ -404,20 +430,9 @@ def build_sd(model_dir: Path) -> Path:
             StableDiffusionPipeline,
             UNet2DConditionModel,
         )
-        from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+        from transformers import CLIPTextConfig, CLIPTextModel
 
-        with tempfile.TemporaryDirectory(prefix="omnid-clip-tok-") as tok_dir:
-            _write_clip_tokenizer_files(Path(tok_dir))
-            tokenizer = CLIPTokenizer.from_pretrained(
-                tok_dir,
-                model_max_length=SD_MAX_LENGTH,
-                bos_token=CLIP_BOS,
-                eos_token=CLIP_EOS,
-                unk_token=CLIP_EOS,
-                pad_token=CLIP_EOS,
-            )
-        for key in ("is_local", "local_files_only"):
-            tokenizer.init_kwargs.pop(key, None)
+        tokenizer = _clip_tokenizer()
         _seed_all(SEED)
         text_encoder = CLIPTextModel(
             CLIPTextConfig(
@@ -480,6 +495,72 @@ def build_sd(model_dir: Path) -> Path:
         pipe.save_pretrained(out)
 
     return _build_atomically(model_dir, "sd", fill)
+
+
+# --------------------------------------------------------------------------- DiT (Flux)
+
+# Flux is the DiT whose pipeline opens a `cache_context` around each transformer call, which the
+# diffusers cache hooks (first_block, mag_cache, taylorseer, ...) need; PixArt and SD3 do not.
+# Its pipeline's default size is 128 latent px times the VAE's scale: configs give height/width
+# (64 px: 16x16 = 256 image tokens after the VAE's x2 and Flux's 2x2 packing).
+DIT_LATENT_CHANNELS = 4
+DIT_DOUBLE_LAYERS = 2       # joint (text + image) blocks, then
+DIT_SINGLE_LAYERS = 6       # single-stream blocks: first_block cache skips all but the first on a hit
+DIT_HEADS = 2
+DIT_HEAD_DIM = 16           # inner dim 32; RoPE axes 4 + 6 + 6 = 16
+
+
+def build_dit(model_dir: Path) -> Path:
+    """Build the tiny DiT pipeline (a ``FluxPipeline``) into `model_dir`; return the folder.
+
+    A 2 + 6 block ``FluxTransformer2DModel`` (inner dim 32, no guidance embedding, like schnell),
+    a 2-block VAE (x2), the tiny CLIP text encoder for the pooled embedding and a tiny T5 encoder
+    for the sequence, both on the tiny CLIP tokenizer, and a flow-matching Euler scheduler.
+    """
+    _offline_env()
+
+    def fill(out: Path) -> None:
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+        from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+        tokenizer = _clip_tokenizer()
+        _seed_all(SEED + 10)
+        text_encoder = CLIPTextModel(
+            CLIPTextConfig(
+                vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, projection_dim=32,
+                num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=SD_MAX_LENGTH,
+                layer_norm_eps=1e-5, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        )
+        _seed_all(SEED + 11)
+        text_encoder_2 = T5EncoderModel(
+            T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                     relative_attention_num_buckets=8, pad_token_id=tokenizer.pad_token_id,
+                     eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id)
+        )
+        _seed_all(SEED + 12)
+        transformer = FluxTransformer2DModel(
+            patch_size=1, in_channels=DIT_LATENT_CHANNELS * 4, num_layers=DIT_DOUBLE_LAYERS,
+            num_single_layers=DIT_SINGLE_LAYERS, attention_head_dim=DIT_HEAD_DIM,
+            num_attention_heads=DIT_HEADS, joint_attention_dim=32, pooled_projection_dim=32,
+            guidance_embeds=False, axes_dims_rope=(4, 6, 6),
+        )
+        _seed_all(SEED + 13)
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3,
+            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+            block_out_channels=(32, 64), layers_per_block=1, latent_channels=DIT_LATENT_CHANNELS,
+            norm_num_groups=32, sample_size=64, use_quant_conv=False, use_post_quant_conv=False,
+            shift_factor=0.0, scaling_factor=1.0,
+        )
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0)
+        pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                            text_encoder_2=text_encoder_2, tokenizer_2=tokenizer, transformer=transformer)
+        pipe.save_pretrained(out)
+
+    return _build_atomically(model_dir, "dit", fill)
 
 
 # ------------------------------------------------------------------ vision / audio LMs
@@ -804,7 +885,7 @@ def build_tts(model_dir: Path) -> Path:
 
 BUILDERS: dict[str, Callable[[Path], Path]] = {"llm": build_llm, "sd": build_sd, "vlm": build_vlm,
                                                "alm": build_alm, "omni": build_omni,
-                                               "tts": build_tts}
+                                               "tts": build_tts, "dit": build_dit}
 
 
 def build_all(
@@ -840,7 +921,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m omnid.tinymodels",
         description="Build tiny random-weight LLM, Stable Diffusion, vision- and audio-language and omni models offline.",
     )
-    parser.add_argument("root", type=Path, help="folder to build into (ROOT/llm, ROOT/sd, ROOT/vlm, ROOT/alm, ROOT/omni, ROOT/tts)")
+    parser.add_argument("root", type=Path, help="folder to build into (ROOT/llm, ROOT/sd, ROOT/vlm, ROOT/alm, ROOT/omni, ROOT/tts, ROOT/dit)")
     parser.add_argument("--force", action="store_true", help="rebuild even if already built")
     args = parser.parse_args(argv)
     _offline_env()

@@ -25,6 +25,14 @@ when the pipeline and scheduler are known to allow it (`_SHRINKABLE_*`);
 otherwise they are still computed and thrown away. Every `ctx` call is made
 in the main thread. The main thread blocks on the helper thread's reply for
 one denoising step at a time.
+
+`cache` (a DiT pipeline's transformer only; see omnid.config.CACHE_KINDS): diffusers' cache hook of
+that kind goes on `pipe.transformer` at load (`enable_cache`). Its state is reset before every call
+(a cancelled call never reaches the pipeline's own reset). For the kinds that decide per transformer
+call whether to run the remaining blocks (first_block, mag_cache: their state's `should_compute`), a
+forward hook on the head block reads that decision: a skip is a hit, a full run a miss. Each job's stage result carries its
+call's counts (`usage`: cache_hits, cache_misses; in a batch, each row the batch's), and the worker's
+heartbeat the stage's totals (`cache_counts`).
 """
 
 from __future__ import annotations
@@ -54,6 +62,118 @@ _SHRINKABLE_PIPELINES = frozenset({"StableDiffusionPipeline", "StableDiffusionXL
 _SHRINKABLE_SCHEDULERS = frozenset({"DDIMScheduler", "DDPMScheduler", "EulerDiscreteScheduler",
                                     "EulerAncestralDiscreteScheduler"})
 _BATCHED_TENSORS = ("latents", "prompt_embeds", "add_text_embeds", "add_time_ids")
+
+
+# Kinds whose hooks keep state per `transformer.cache_context(...)`: the pipeline must open one.
+_CONTEXT_KINDS = frozenset({"first_block", "mag_cache", "sea_cache", "taylorseer"})
+# Kinds that read the denoising loop's timestep through a callback (`pipe.current_timestep`).
+_TIMESTEP_KINDS = frozenset({"pyramid_attention_broadcast", "faster_cache"})
+_CACHE_CLASSES = {"first_block": "FirstBlockCacheConfig", "mag_cache": "MagCacheConfig",
+                  "taylorseer": "TaylorSeerCacheConfig", "pyramid_attention_broadcast": "PyramidAttentionBroadcastConfig",
+                  "faster_cache": "FasterCacheConfig", "sea_cache": "SeaCacheConfig"}
+
+
+class _CacheCounter:
+    """Hits (the remaining blocks skipped) and misses of a decision-making cache hook, per transformer
+    call: totals of the worker's life and of the pipeline call running now."""
+
+    def __init__(self) -> None:
+        self.hits = self.misses = 0
+        self.call_hits = self.call_misses = 0
+
+    def start_call(self) -> None:
+        self.call_hits = self.call_misses = 0
+
+    def count(self, computed: bool) -> None:
+        if computed:
+            self.misses += 1
+            self.call_misses += 1
+        else:
+            self.hits += 1
+            self.call_hits += 1
+
+
+def _apply_cache(stage: StageConfig, pipe: Any) -> _CacheCounter | None:
+    """Put the stage's `cache` on the pipeline's transformer; a counter when the hook reports hits."""
+    import diffusers
+    import torch
+
+    spec = dict(stage.cache)
+    kind = str(spec.pop("kind"))
+    where = f"stages.{stage.name}.cache"
+    transformer = getattr(pipe, "transformer", None)
+    if transformer is None or not hasattr(transformer, "enable_cache"):
+        raise ValueError(f"{where}: cache kind {kind!r} needs a DiT pipeline whose transformer takes a cache; "
+                         f"{type(pipe).__name__} has {'no transformer' if transformer is None else type(transformer).__name__}")
+    if kind in _CONTEXT_KINDS and "cache_context" not in _source(type(pipe).__call__):
+        raise ValueError(f"{where}: {type(pipe).__name__} does not open a transformer.cache_context around its "
+                         f"transformer calls, which cache kind {kind!r} needs (try pyramid_attention_broadcast)")
+    options: dict[str, Any] = {}
+    for key, value in spec.items():
+        if isinstance(value, list) and key.endswith("_range"):
+            value = tuple(value)
+        elif key == "taylor_factors_dtype":
+            value = getattr(torch, str(value))
+        options[key] = value
+    if kind in _TIMESTEP_KINDS:
+        if not hasattr(type(pipe), "current_timestep"):
+            raise ValueError(f"{where}: {type(pipe).__name__} has no current_timestep, which cache kind {kind!r} "
+                             "reads")
+        options["current_timestep_callback"] = lambda: pipe.current_timestep
+    config_class = getattr(diffusers, _CACHE_CLASSES[kind], None)
+    if config_class is None:
+        raise ValueError(f"{where}: this diffusers ({diffusers.__version__}) has no {_CACHE_CLASSES[kind]}")
+    try:
+        transformer.enable_cache(config_class(**options))
+    except (ValueError, TypeError, KeyError, IndexError) as e:
+        raise ValueError(f"{where}: diffusers refused cache kind {kind!r} on {type(transformer).__name__}: "
+                         f"{type(e).__name__}: {e}") from e
+    return _count_decisions(transformer)
+
+
+def _source(function: Any) -> str:
+    """A function's source; "cache_context" when it cannot be read (then nothing is refused here)."""
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):
+        return "cache_context"
+
+
+def _count_decisions(transformer: Any) -> _CacheCounter | None:
+    """A forward hook on the head block of a hook that decides per call (its state's `should_compute`
+    or `gate_should_compute`), feeding a counter; None when the kind decides per module instead."""
+    from diffusers.hooks.hooks import StateManager
+
+    for module in transformer.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        if registry is None or module is transformer:
+            continue
+        for hook in registry.hooks.values():
+            managers = [v for v in vars(hook).values() if isinstance(v, StateManager)]
+            if not getattr(hook, "_is_stateful", False) or not managers:
+                continue
+            manager = managers[0]
+            state_class = getattr(manager, "_state_cls", None)
+            name = "should_compute" if "should_compute" in _state_fields(state_class) else \
+                "gate_should_compute" if "gate_should_compute" in _state_fields(state_class) else None
+            if name is None:
+                return None
+            counter = _CacheCounter()
+
+            def after(_module: Any, _args: Any, _output: Any, manager: Any = manager, name: str = name) -> None:
+                counter.count(bool(getattr(manager.get_state(), name, True)))
+
+            module.register_forward_hook(after)
+            return counter
+    return None
+
+
+def _state_fields(state_class: Any) -> set[str]:
+    """The attributes a hook's state object sets (made once to look)."""
+    try:
+        return set(vars(state_class()))
+    except Exception:                           # noqa: BLE001 - a state that needs arguments: no counting
+        return set()
 
 
 @dataclass
@@ -104,6 +224,7 @@ class DiffusersEngine(Engine):
                                                       **args)
         self.pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
+        self._cache = _apply_cache(stage, self.pipe) if stage.cache else None
         self._call_args = set(inspect.signature(self.pipe.__call__).parameters)
         self.max_batch = max(1, stage.max_inflight)
         self._shrink_inputs = self._shrinkable_tensors()
@@ -121,7 +242,15 @@ class DiffusersEngine(Engine):
         return [name for name in _BATCHED_TENSORS if name in allowed] if "latents" in allowed else []
 
     def info(self) -> dict[str, Any]:
-        return {"model": str(self.stage.model), "pipeline": type(self.pipe).__name__, "device": self.device}
+        info = {"model": str(self.stage.model), "pipeline": type(self.pipe).__name__, "device": self.device}
+        if self.stage.cache:
+            info["cache"] = str(self.stage.cache["kind"])
+        return info
+
+    @property
+    def cache_counts(self) -> tuple[int, int]:
+        """(hits, misses) of the stage's cache hook since the worker started; (0, 0) without one."""
+        return (self._cache.hits, self._cache.misses) if self._cache is not None else (0, 0)
 
     # ------------------------------------------------------------------ the Engine interface
 
@@ -235,6 +364,11 @@ class DiffusersEngine(Engine):
                 kwargs["negative_prompt"] = [r.negative_prompt or "" for r in batch.rows]
         if len(batch.rows) > 1 and self._shrink_inputs:
             kwargs["callback_on_step_end_tensor_inputs"] = list(self._shrink_inputs)
+        if self.stage.cache:
+            # a cancelled call never reached the pipeline's own reset: no state of it may leak into this one
+            self.pipe.transformer._reset_stateful_cache()
+            if self._cache is not None:
+                self._cache.start_call()
         return self.pipe(prompt=prompt, generator=generator, callback_on_step_end=on_step_end,
                          **first.extra, **kwargs)
 
@@ -257,6 +391,8 @@ class DiffusersEngine(Engine):
             if not mine:
                 request.ctx.fail(f"the pipeline returned {len(images)} images for {len(batch.rows)} requests")
                 continue
+            if self._cache is not None:
+                request.ctx.usage = {"cache_hits": self._cache.call_hits, "cache_misses": self._cache.call_misses}
             request.ctx.segment({"image": mine[-1]}, is_last=True)
             request.ctx.finish({"image": mine[0] if len(mine) == 1 else mine, "prompt": request.ctx.inputs["prompt"]})
 

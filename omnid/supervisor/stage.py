@@ -306,7 +306,7 @@ class StageHandle(Follower):
         # Fold this incarnation's counters into the totals, for monotonic metrics.
         self.totals = P.QueueStats(**{k: getattr(self.totals, k) + getattr(self.stats, k)
                                       for k in ("enqueued", "dequeued", "dropped", "blocked_s",
-                                                "window_triggers")})
+                                                "window_triggers", "cache_hits", "cache_misses")})
         self.stats = P.QueueStats()
         for dst, n in self.windows.items():
             self.windows_before[dst] = self.windows_before.get(dst, 0) + n

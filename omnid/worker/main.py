@@ -110,10 +110,11 @@ class StageWorker:
     def stats(self) -> P.QueueStats:
         used, slots = self.pool.usage() if self.pool is not None else (0, 0)
         intake = self.intake
+        hits, misses = getattr(self.engine, "cache_counts", (0, 0))     # a diffusers stage's DiT cache
         return P.QueueStats(enqueued=intake.enqueued, dequeued=intake.dequeued, dropped=intake.dropped,
                             depth=intake.queue.qsize(), blocked_s=self.handoff.sender.blocked_s,
                             window_triggers=self.handoff.triggers, shm_capacity=self.pool.capacity if self.pool else 0,
-                            shm_used=used, shm_slots=slots)
+                            shm_used=used, shm_slots=slots, cache_hits=hits, cache_misses=misses)
 
     def admit(self, item: WorkItem) -> bool | None:
         """Data-plane callback (a data-conn thread): `Intake.admit`."""

@@ -30,6 +30,7 @@ from _harness import ROOT, Ctx, Row, Shared, fmt, shared_daemons  # noqa: E402
 import bench_capacity  # noqa: E402
 import bench_control  # noqa: E402
 import bench_dataplane  # noqa: E402
+import bench_dit  # noqa: E402
 import bench_engine_core  # noqa: E402
 import bench_engines  # noqa: E402
 import bench_omni  # noqa: E402
@@ -74,6 +75,7 @@ BENCHES: list[Bench] = [
     Bench("engine_core", "engines", bench_engine_core.bench_engine_core, bench_engine_core.FIGURES, (900, 600), ()),
     Bench("sd_concurrency", "engines", bench_engines.bench_sd_concurrency,
           [f"tiny SD, {k} concurrent jobs: jobs/s" for k in (2, 4, 8)], (120, 70), ("engines",)),
+    Bench("dit", "engines", bench_dit.bench_dit, bench_dit.FIGURES, (600, 420), ()),
     Bench("t2i", "engines", bench_engines.bench_t2i_throughput,
           ["t2i (vLLM 24 tok -> SD 12 steps), N jobs: jobs/s"], (120, 60), ("engines",)),
     Bench("startup", "engines", bench_engines.bench_startup,
