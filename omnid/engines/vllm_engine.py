@@ -60,6 +60,8 @@ class _Request:
     ids: list[int] = field(default_factory=list)        # generated token ids (when asked)
     prompt_ids: list[int] | None = None                 # the prompt's ids, once sent (when asked)
     rows: list[Any] = field(default_factory=list)       # hidden-state rows not yet in a segment
+    rows_sent: int = 0                                  # hidden-state rows given in segments so far
+    prompt_n: int = -1                                  # the prompt's length in tokens, once seen
     hidden: list[Any] = field(default_factory=list)     # every segment's rows (the final output)
 
 
@@ -557,6 +559,18 @@ class VllmEngine(Engine):
             rows = req.rows[0] if len(req.rows) == 1 else torch.cat(req.rows, dim=0) if req.rows else None
             req.rows = []
             if rows is not None:
+                # A segment carries the rows of its own tokens: the first, the prompt's too (`hidden_prompt`).
+                # An engine core in a process of its own may have run the next step before the take:
+                # its rows wait for their token's segment.
+                if req.prompt_n < 0:            # (vLLM gives the prompt's ids with the first output only)
+                    req.prompt_n = len(prompt_ids or ()) or req.prompt_len
+                due = req.tokens + (req.prompt_n - 1 if self.stage.hidden_prompt else 0)
+                keep = rows.shape[0] - (due - req.rows_sent)
+                if keep > 0:
+                    rows, ahead = rows[:rows.shape[0] - keep], rows[rows.shape[0] - keep:]
+                    req.rows = [ahead]
+                req.rows_sent += rows.shape[0]
+            if rows is not None and rows.shape[0]:
                 found["hidden_states"] = rows
                 req.hidden.append(rows)
         return found
