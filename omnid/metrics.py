@@ -23,8 +23,8 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from omnid.supervisor.resources import ConnectionGuard, DiskWatch
-    from omnid.supervisor.stage import StageHandle
-    from omnid.supervisor.stage_group import StageGroup
+    from omnid.supervisor.workers.stage import StageHandle
+    from omnid.supervisor.workers.stage_group import StageGroup
 
 _LABELS = ["stage", "replica"]
 

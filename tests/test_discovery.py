@@ -95,10 +95,10 @@ def test_every_registered_route_is_documented(daemon: RunningDaemon, openapi: di
     # The app as the daemon builds it (its collaborators are not needed to register the routes).
     from omnid.config import load
     from omnid.keys import KeyStore
-    from omnid.supervisor.access import Access
-    from omnid.supervisor.api import Api, DaemonInfo
-    from omnid.supervisor.openai_api import OpenAiApi
-    from omnid.supervisor.openapi import openapi_document
+    from omnid.supervisor.http.access import Access
+    from omnid.supervisor.http.api import Api, DaemonInfo
+    from omnid.supervisor.http.openai_api import OpenAiApi
+    from omnid.supervisor.http.openapi import openapi_document
     api = Api(load(daemon.config_path), None, None, {}, None, DaemonInfo(os.getpid(), 0.0, "x"))  # type: ignore[arg-type]
     OpenAiApi(api).mount(api.app)
     Access(api, KeyStore(daemon.dir / "no-keys.json")).mount(api.app)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from omnid.supervisor.openai_api import DISCONNECT_POLL_S
+from omnid.supervisor.http.openai_api import DISCONNECT_POLL_S
 from conftest import MODELS, RunningDaemon, module_daemon, python_stage, short_tmpdir, tiny_llm, wait_for
 
 SLACK_S = 1.0          # a shared, loaded machine: scheduling, the cancel's own round trip

@@ -47,15 +47,15 @@ from omnid.metrics import Metrics
 from omnid.retention import Retention
 from omnid.store import JobStore, StateDirBusy
 from omnid.supervisor import resources
-from omnid.supervisor.access import Access
-from omnid.supervisor.api import Api, DaemonInfo, error
+from omnid.supervisor.http.access import Access
+from omnid.supervisor.http.api import Api, DaemonInfo, error
 from omnid.supervisor.live import Live
-from omnid.supervisor.openai_api import OpenAiApi
+from omnid.supervisor.http.openai_api import OpenAiApi
 from omnid.supervisor.reload import Reloader
-from omnid.supervisor.scheduler import Scheduler
-from omnid.supervisor.stage import StageHandle
-from omnid.supervisor.stage_group import StageGroup
-from omnid.supervisor.stage_logs import DaemonLogHandler, install_daemon_log, remove_daemon_log
+from omnid.supervisor.jobs.scheduler import Scheduler
+from omnid.supervisor.workers.stage import StageHandle
+from omnid.supervisor.workers.stage_group import StageGroup
+from omnid.supervisor.workers.stage_logs import DaemonLogHandler, install_daemon_log, remove_daemon_log
 from omnid.vocabulary import DaemonState, ErrorCode, WorkerState
 
 log = structlog.get_logger("omnid.daemon")
@@ -240,7 +240,7 @@ class Daemon:
         # `config`: the one a reload makes it under, before that one is in force; None: the one in force.
         def make_replica(config: Config | None, name: str, replica: int) -> StageHandle:
             if (config if config is not None else self.live.worker).stages[name].placement_of(replica) == "ray":
-                from omnid.supervisor.ray_stage import RayStageHandle     # imports ray when first used
+                from omnid.supervisor.workers.ray_stage import RayStageHandle     # imports ray when first used
                 self._uses_ray = True
                 return RayStageHandle(self.live, name, self.data_dir, store.jobs_dir, self._load_locks, replica,
                                       config)
@@ -463,7 +463,7 @@ class Daemon:
             await self.reloader.stop()
         await asyncio.gather(*(h.stop(self.config.daemon.stop_grace_s) for h in list(self.stages.values())))
         if self._uses_ray:
-            from omnid.supervisor import ray_stage
+            from omnid.supervisor.workers import ray_stage
             for group in self.stages.values():
                 for handle in group:
                     if isinstance(handle, ray_stage.RayStageHandle):

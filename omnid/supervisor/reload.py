@@ -31,9 +31,9 @@ from omnid import systemd
 from omnid.config import Config, ConfigError, PipelineConfig, load
 from omnid.locks import DeviceBusy, DeviceLocks
 from omnid.supervisor.live import Live
-from omnid.supervisor.scheduler import Scheduler
-from omnid.supervisor.stage import StageHandle
-from omnid.supervisor.stage_group import StageGroup
+from omnid.supervisor.jobs.scheduler import Scheduler
+from omnid.supervisor.workers.stage import StageHandle
+from omnid.supervisor.workers.stage_group import StageGroup
 from omnid.vocabulary import WorkerState
 
 log = structlog.get_logger("omnid.reload")

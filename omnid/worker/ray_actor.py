@@ -1,6 +1,6 @@
 """A stage worker placed on a Ray node: the same `StageWorker`, run inside a Ray actor.
 
-The supervisor (`omnid.supervisor.ray_stage.RayStageHandle`) creates one `StageActor` per
+The supervisor (`omnid.supervisor.workers.ray_stage.RayStageHandle`) creates one `StageActor` per
 Ray-placed replica, with `max_restarts = 0`: a dead actor is a dead worker, and omnid's own
 supervisor restarts it, as it restarts a local one. Only the worker's two channels differ from a
 local worker's, and only here:

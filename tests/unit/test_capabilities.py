@@ -33,7 +33,7 @@ def test_declarations_say_what_the_checks_said_by_name() -> None:
 
 
 def test_the_supervisor_imports_no_engine() -> None:
-    code = ("import sys, omnid.supervisor.daemon, omnid.supervisor.admission, omnid.config; "
+    code = ("import sys, omnid.supervisor.daemon, omnid.supervisor.http.admission, omnid.config; "
             "print(sorted(m for m in sys.modules if m.startswith('omnid.engines.') "
             "and m != 'omnid.engines.base' and m != 'omnid.engines.capabilities'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from omnid import protocol as P
-from omnid.supervisor.control_pipe import ControlPipe
+from omnid.supervisor.workers.control_pipe import ControlPipe
 
 
 async def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:

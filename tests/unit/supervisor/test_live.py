@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from omnid.config import Config, parse
-from omnid.supervisor.api import DaemonInfo
+from omnid.supervisor.http.api import DaemonInfo
 from omnid.supervisor.live import Follower, Live
-from omnid.supervisor.stage_group import StageGroup
+from omnid.supervisor.workers.stage_group import StageGroup
 from omnid.vocabulary import DaemonState, SleepState, WorkerState
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from omnid import protocol as P
-from omnid.supervisor.restart_policy import GiveUp, Restart, RestartDecision, RestartPolicy
+from omnid.supervisor.workers.restart_policy import GiveUp, Restart, RestartDecision, RestartPolicy
 
 CRASH = -9     # killed by SIGKILL: any exit that is not EXIT_LOAD_FAILED
 

@@ -24,10 +24,10 @@ from omnid import protocol as P
 from omnid.config import Config, parse
 from omnid.dataplane import Listener, WorkItem
 from omnid.store import JobStore
-from omnid.supervisor import scheduler as scheduler_module
+from omnid.supervisor.jobs import scheduler as scheduler_module
 from omnid.supervisor.errors import Refused
-from omnid.supervisor.scheduler import Scheduler
-from omnid.supervisor.stage_group import StageGroup
+from omnid.supervisor.jobs.scheduler import Scheduler
+from omnid.supervisor.workers.stage_group import StageGroup
 from omnid.vocabulary import ErrorCode, EventType, JobState, StageRunState, WorkerState
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
@@ -484,7 +484,7 @@ def test_inputs_asked_for_again_keep_the_jobs_order(tmp_path: Path) -> None:
 
 
 def test_a_subscriber_that_falls_behind_is_dropped_and_catches_up_from_the_store(tmp_path: Path) -> None:
-    from omnid.supervisor.live_job import LAGGED, SUBSCRIBER_BACKLOG
+    from omnid.supervisor.jobs.live_job import LAGGED, SUBSCRIBER_BACKLOG
 
     async def test(h: Harness) -> None:
         job = h.submit()

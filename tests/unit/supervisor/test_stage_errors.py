@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from omnid.supervisor.stage import describe_exit, error_summary
+from omnid.supervisor.workers.stage import describe_exit, error_summary
 
 
 def test_a_multi_line_message_keeps_its_cause_and_drops_the_traceback() -> None:

@@ -1,4 +1,4 @@
-"""omnid.supervisor.stage_logs in this process: rotation, what is stored, the pipe reader, `since`,
+"""omnid.supervisor.workers.stage_logs in this process: rotation, what is stored, the pipe reader, `since`,
 and reading back (tail, since, follow across a rotation)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from omnid.supervisor import stage_logs as sl
+from omnid.supervisor.workers import stage_logs as sl
 
 NOW = 1_764_474_442.0          # 2025-11-30T03:47:22Z
 

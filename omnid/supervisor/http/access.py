@@ -34,14 +34,14 @@ import structlog
 from aiohttp import web
 
 from omnid.keys import ApiKey, KeyFileError, KeyStore
-from omnid.supervisor.api import RETRY_AFTER_S, error
+from omnid.supervisor.http.api import RETRY_AFTER_S, error
 from omnid.supervisor.errors import Refused
-from omnid.supervisor.http_common import json_body
-from omnid.supervisor.openai_api import OPENAI_PATHS, OpenAiError
+from omnid.supervisor.http.http_common import json_body
+from omnid.supervisor.http.openai_api import OPENAI_PATHS, OpenAiError
 from omnid.vocabulary import ErrorCode
 
 if TYPE_CHECKING:
-    from omnid.supervisor.api import Api
+    from omnid.supervisor.http.api import Api
 
 log = structlog.get_logger("omnid.access")
 

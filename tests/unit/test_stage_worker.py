@@ -30,7 +30,7 @@ from omnid.worker.jobs import ENDED_JOBS_KEPT, JobTable
 from omnid.worker.main import StageWorker
 from omnid.worker.windows import InputStream
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 class FakeControl:

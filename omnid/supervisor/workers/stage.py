@@ -36,13 +36,13 @@ import structlog
 from omnid import protocol as P
 from omnid.config import Config, StageConfig
 from omnid.process_stats import ProcessSampler
-from omnid.supervisor import worker_process
-from omnid.supervisor.control_pipe import ControlPipe
+from omnid.supervisor.workers import worker_process
+from omnid.supervisor.workers.control_pipe import ControlPipe
 from omnid.supervisor.live import Follower, Live
-from omnid.supervisor.memory_watch import MemoryWatch
-from omnid.supervisor.restart_policy import GiveUp, RestartPolicy
-from omnid.supervisor.stage_logs import PipeReader, log_file, stage_log_path
-from omnid.supervisor.worker_process import WorkerProcess, kill_group
+from omnid.supervisor.workers.memory_watch import MemoryWatch
+from omnid.supervisor.workers.restart_policy import GiveUp, RestartPolicy
+from omnid.supervisor.workers.stage_logs import PipeReader, log_file, stage_log_path
+from omnid.supervisor.workers.worker_process import WorkerProcess, kill_group
 from omnid.vocabulary import WorkerState
 
 log = structlog.get_logger("omnid.stage")

@@ -18,11 +18,11 @@ import structlog
 
 from omnid.config import PipelineConfig
 from omnid.store import Unfinished
-from omnid.supervisor.live_job import LiveJob
+from omnid.supervisor.jobs.live_job import LiveJob
 from omnid.vocabulary import ErrorCode, EventType, JobState, StageRun
 
 if TYPE_CHECKING:
-    from omnid.supervisor.scheduler import Scheduler
+    from omnid.supervisor.jobs.scheduler import Scheduler
 
 log = structlog.get_logger("omnid.scheduler")
 

@@ -31,7 +31,7 @@ import structlog
 from omnid.config import Config, StageConfig
 from omnid.locks import DeviceBusy, DeviceLeases
 from omnid.supervisor.live import Follower, Live
-from omnid.supervisor.stage import StageHandle, StageListener
+from omnid.supervisor.workers.stage import StageHandle, StageListener
 from omnid.vocabulary import SleepState, WorkerState
 
 log = structlog.get_logger("omnid.stage")

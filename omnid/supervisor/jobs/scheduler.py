@@ -33,15 +33,15 @@ from omnid import protocol as P
 from omnid.config import Config
 from omnid.metrics import Metrics
 from omnid.store import JobStore, StoreWriteFailed, Unfinished
-from omnid.supervisor.dispatch import Dispatch
+from omnid.supervisor.jobs.dispatch import Dispatch
 from omnid.supervisor.errors import STORAGE_RETRY_AFTER_S, Refused
 from omnid.supervisor.live import Live
-from omnid.supervisor.live_job import EventQueue, LiveJob
-from omnid.supervisor.recovery import Recovery
-from omnid.supervisor.restore import take_back
-from omnid.supervisor.stage import StageHandle
-from omnid.supervisor.stage_group import StageGroup
-from omnid.supervisor.stage_sleep import SleepTender
+from omnid.supervisor.jobs.live_job import EventQueue, LiveJob
+from omnid.supervisor.jobs.recovery import Recovery
+from omnid.supervisor.jobs.restore import take_back
+from omnid.supervisor.workers.stage import StageHandle
+from omnid.supervisor.workers.stage_group import StageGroup
+from omnid.supervisor.jobs.stage_sleep import SleepTender
 from omnid.vocabulary import ErrorCode, EventType, JobRecord, JobState, StageRun, StageRunState, WorkerState
 
 log = structlog.get_logger("omnid.scheduler")

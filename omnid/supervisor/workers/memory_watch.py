@@ -17,7 +17,7 @@ from omnid.supervisor import resources
 from omnid.vocabulary import WorkerState
 
 if TYPE_CHECKING:
-    from omnid.supervisor.stage import StageHandle
+    from omnid.supervisor.workers.stage import StageHandle
 
 log = structlog.get_logger("omnid.stage")
 

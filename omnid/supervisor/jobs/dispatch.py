@@ -18,10 +18,10 @@ import structlog
 
 from omnid import protocol as P
 from omnid.dataplane import Sender, WorkItem
-from omnid.supervisor.feeder import Feeder
+from omnid.supervisor.jobs.feeder import Feeder
 from omnid.supervisor.live import Live
-from omnid.supervisor.live_job import LiveJob
-from omnid.supervisor.stage_group import StageGroup
+from omnid.supervisor.jobs.live_job import LiveJob
+from omnid.supervisor.workers.stage_group import StageGroup
 
 log = structlog.get_logger("omnid.scheduler")
 

@@ -39,14 +39,15 @@ from aiohttp import web
 from omnid.config import Config
 from omnid.metrics import Metrics
 from omnid.store import JobStore, StoreWriteFailed
-from omnid.supervisor import admission, stage_logs
-from omnid.supervisor.admission import Submission
+from omnid.supervisor.http import admission
+from omnid.supervisor.workers import stage_logs
+from omnid.supervisor.http.admission import Submission
 from omnid.supervisor.errors import STORAGE_RETRY_AFTER_S, Refused
-from omnid.supervisor.http_common import MAX_BYTES_KEY, flag, follow, json_body, output_file, send_log, stream_output
+from omnid.supervisor.http.http_common import MAX_BYTES_KEY, flag, follow, json_body, output_file, send_log, stream_output
 from omnid.supervisor.resources import DiskWatch
-from omnid.supervisor.openapi import describe_pipeline, openapi_document
-from omnid.supervisor.scheduler import Scheduler
-from omnid.supervisor.stage_group import StageGroup
+from omnid.supervisor.http.openapi import describe_pipeline, openapi_document
+from omnid.supervisor.jobs.scheduler import Scheduler
+from omnid.supervisor.workers.stage_group import StageGroup
 from omnid.supervisor.live import Live
 from omnid.vocabulary import TERMINAL_JOB_STATES, DaemonState, ErrorCode, JobRecord, JobState, WorkerState
 

@@ -20,10 +20,10 @@ import structlog
 from aiohttp import web
 
 from omnid.store import JobStore
-from omnid.supervisor import stage_logs
+from omnid.supervisor.workers import stage_logs
 from omnid.supervisor.errors import Refused
-from omnid.supervisor.live_job import LAGGED
-from omnid.supervisor.scheduler import Scheduler
+from omnid.supervisor.jobs.live_job import LAGGED
+from omnid.supervisor.jobs.scheduler import Scheduler
 from omnid.vocabulary import ErrorCode, JobRecord
 from omnid.worker.outputs import stream_file
 

@@ -22,7 +22,7 @@ from omnid.config import Config, PipelineConfig, StageConfig
 from omnid.engines.capabilities import CAPABILITIES, capabilities, engines_that
 from omnid.media import IMAGE_FORMATS, MEDIA_KINDS
 from omnid.params import PLAIN_VALUE_SCHEMA, describe_stage_params, param_schema, stage_params_schema
-from omnid.supervisor.stage_logs import SINCE_PATTERN
+from omnid.supervisor.workers.stage_logs import SINCE_PATTERN
 from omnid.vocabulary import ErrorCode, EventType, JobState, StageRunState, WorkerState
 
 # A first stage whose engine needs a text input "prompt" (`Capabilities.text_prompt`: the API refuses

@@ -13,12 +13,12 @@ import functools
 from typing import TYPE_CHECKING
 
 from omnid import protocol as P
-from omnid.supervisor.live_job import LiveJob
-from omnid.supervisor.stage_group import StageGroup
+from omnid.supervisor.jobs.live_job import LiveJob
+from omnid.supervisor.workers.stage_group import StageGroup
 from omnid.vocabulary import ErrorCode, EventType, JobState
 
 if TYPE_CHECKING:
-    from omnid.supervisor.scheduler import Scheduler
+    from omnid.supervisor.jobs.scheduler import Scheduler
 
 
 class SleepTender:

@@ -47,8 +47,8 @@ from omnid.dataplane import (ACK_FULL, POOL_REQUEST, RESERVE, SHM_ITEM, Closing,
 from omnid.process_stats import ProcessSample
 from omnid.shm import ShmPool
 from omnid.supervisor.live import Live
-from omnid.supervisor.stage import StageHandle, error_summary
-from omnid.supervisor.stage_logs import log_file, stage_log_path, write_all
+from omnid.supervisor.workers.stage import StageHandle, error_summary
+from omnid.supervisor.workers.stage_logs import log_file, stage_log_path, write_all
 from omnid.vocabulary import WorkerState
 
 log = structlog.get_logger("omnid.stage")

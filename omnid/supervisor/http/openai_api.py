@@ -46,20 +46,20 @@ from aiohttp import web
 from omnid import media as M
 from omnid.config import Config, PipelineConfig
 from omnid.params import job_param_problem, merged, values_problem
-from omnid.supervisor import admission
-from omnid.supervisor.admission import Submission
-from omnid.supervisor.api import retry_after
+from omnid.supervisor.http import admission
+from omnid.supervisor.http.admission import Submission
+from omnid.supervisor.http.api import retry_after
 from omnid.supervisor.errors import Refused
-from omnid.supervisor.http_common import DISCONNECT_POLL_S as DISCONNECT_POLL_S    # (re-exported)
-from omnid.supervisor.http_common import (follow, json_body, output_file, sse_done, sse_response, sse_send,
+from omnid.supervisor.http.http_common import DISCONNECT_POLL_S as DISCONNECT_POLL_S    # (re-exported)
+from omnid.supervisor.http.http_common import (follow, json_body, output_file, sse_done, sse_response, sse_send,
                                           stream_output)
 from omnid.vocabulary import ErrorCode, EventType, JobRecord, JobState
 from omnid.worker.outputs import STREAM_DIR
 
 if TYPE_CHECKING:
     from omnid.store import JobStore
-    from omnid.supervisor.api import Api
-    from omnid.supervisor.scheduler import Scheduler
+    from omnid.supervisor.http.api import Api
+    from omnid.supervisor.jobs.scheduler import Scheduler
 
 log = structlog.get_logger("omnid.openai")
 

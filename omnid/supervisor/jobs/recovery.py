@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from omnid import protocol as P
 from omnid.store import JobStore
-from omnid.supervisor.live_job import LiveJob
+from omnid.supervisor.jobs.live_job import LiveJob
 from omnid.vocabulary import ErrorCode, EventType, JobState, StageRunState, WorkerState
 
 if TYPE_CHECKING:
-    from omnid.supervisor.dispatch import Dispatch
-    from omnid.supervisor.stage import StageHandle
-    from omnid.supervisor.stage_group import StageGroup
+    from omnid.supervisor.jobs.dispatch import Dispatch
+    from omnid.supervisor.workers.stage import StageHandle
+    from omnid.supervisor.workers.stage_group import StageGroup
 
 
 class JobControl(Protocol):
