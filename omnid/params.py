@@ -26,9 +26,6 @@ DIFFUSERS_PARAMS = frozenset({
     "num_inference_steps", "guidance_scale", "height", "width", "seed",
     "negative_prompt", "eta", "guidance_rescale", "num_images_per_prompt",
 })
-ENGINE_PARAMS: dict[str, frozenset[str] | None] = {
-    "vllm": VLLM_PARAMS, "diffusers": DIFFUSERS_PARAMS, "python": None,
-}
 
 _SEED_MAX = 2**63
 
@@ -108,35 +105,53 @@ _stop = Rule(_check_stop, {"anyOf": [{"type": "string", "minLength": 1},
                                      {"type": "array", "items": {"type": "string", "minLength": 1}}]})
 
 
-# Value rules for the known parameters, checked at the door (400) rather than in the engine.
-PARAM_RULES: dict[str, dict[str, Rule]] = {
-    "vllm": {
-        "max_tokens": _integer(1), "min_tokens": _integer(0), "temperature": _number(0, 2),
-        "top_p": _number(0, 1, lo_open=True), "top_k": _integer(-1), "min_p": _number(0, 1),
-        "seed": _integer(0, _SEED_MAX - 1), "stop": _stop, "ignore_eos": _of_type(bool, "true or false"),
-        "repetition_penalty": _number(0, lo_open=True), "presence_penalty": _number(-2, 2),
-        "frequency_penalty": _number(-2, 2), "include_prompt": _of_type(bool, "true or false"),
-        "prompt_template": _of_type(str, "a string"),
-    },
-    "diffusers": {
-        "num_inference_steps": _integer(1, 1000), "guidance_scale": _number(0),
-        "height": _integer(8, 4096, multiple=8), "width": _integer(8, 4096, multiple=8),
-        "seed": _integer(0, _SEED_MAX - 1), "negative_prompt": _of_type(str, "a string"),
-        "eta": _number(0, 1), "guidance_rescale": _number(0), "num_images_per_prompt": _integer(1, 16),
-    },
+# Value rules for the known parameters, checked at the door (400) rather than in the engine; each
+# engine's declaration (`omnid.engines.capabilities`) names its table.
+VLLM_RULES: dict[str, Rule] = {
+    "max_tokens": _integer(1), "min_tokens": _integer(0), "temperature": _number(0, 2),
+    "top_p": _number(0, 1, lo_open=True), "top_k": _integer(-1), "min_p": _number(0, 1),
+    "seed": _integer(0, _SEED_MAX - 1), "stop": _stop, "ignore_eos": _of_type(bool, "true or false"),
+    "repetition_penalty": _number(0, lo_open=True), "presence_penalty": _number(-2, 2),
+    "frequency_penalty": _number(-2, 2), "include_prompt": _of_type(bool, "true or false"),
+    "prompt_template": _of_type(str, "a string"),
 }
+DIFFUSERS_RULES: dict[str, Rule] = {
+    "num_inference_steps": _integer(1, 1000), "guidance_scale": _number(0),
+    "height": _integer(8, 4096, multiple=8), "width": _integer(8, 4096, multiple=8),
+    "seed": _integer(0, _SEED_MAX - 1), "negative_prompt": _of_type(str, "a string"),
+    "eta": _number(0, 1), "guidance_rescale": _number(0), "num_images_per_prompt": _integer(1, 16),
+}
+
+
+def token_bounds_problem(stage: str, values: Mapping[str, Any]) -> str | None:
+    """vLLM's rule between parameters: `min_tokens` <= `max_tokens`."""
+    lo, hi = values.get("min_tokens"), values.get("max_tokens")
+    if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
+        return f"params.{stage}.min_tokens ({lo}) must not be more than max_tokens ({hi})"
+    return None
+
+
+def _caps(engine: str) -> Any:
+    """The engine's declaration; None for a name no engine has (the config parser says so)."""
+    from omnid.engines.capabilities import CAPABILITIES      # (it imports this module: read at call time)
+
+    return CAPABILITIES.get(engine)
 
 
 def check_param(engine: str, key: str, value: Any) -> str | None:
     """Why `value` is not valid for a known parameter of `engine`, or None."""
-    rule = PARAM_RULES.get(engine, {}).get(key)
+    caps = _caps(engine)
+    rule = caps.rules.get(key) if caps is not None else None
     return rule(value) if rule is not None else None
 
 
 def stage_accepts(engine: str, defaults: Mapping[str, Any]) -> frozenset[str] | None:
     """Parameter names a job may set on a stage of `engine` with these `defaults`; None means any."""
-    known = ENGINE_PARAMS[engine]
-    return None if known is None else known | frozenset(defaults)
+    caps = _caps(engine)
+    if caps is None:
+        raise KeyError(engine)
+    known = caps.params
+    return None if known is None else frozenset(known) | frozenset(defaults)
 
 
 def plain_value(value: Any) -> bool:
@@ -165,12 +180,11 @@ def job_param_problem(stage: str, engine: str, defaults: Mapping[str, Any], key:
 
 def values_problem(stage: str, engine: str, values: Mapping[str, Any]) -> str | None:
     """Why the values a job would run with (its stage's defaults and its params, merged) do not
-    go together, or None: the rules between parameters (vLLM: `min_tokens` <= `max_tokens`)."""
-    if engine == "vllm":
-        lo, hi = values.get("min_tokens"), values.get("max_tokens")
-        if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
-            return f"params.{stage}.min_tokens ({lo}) must not be more than max_tokens ({hi})"
-    return None
+    go together, or None: the rules between parameters the engine declares (vLLM: `min_tokens` <=
+    `max_tokens`)."""
+    caps = _caps(engine)
+    between = caps.values_rule if caps is not None else None
+    return between(stage, values) if between is not None else None
 
 
 def merged(defaults: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
@@ -196,7 +210,8 @@ ANY_PARAMS = "any (the function reads what it wants)"
 def param_schema(engine: str, key: str) -> dict[str, Any]:
     """JSON Schema of one parameter's value: its rule's, else (a name only a stage's defaults
     add, or any name on a python stage) any plain value."""
-    rule = PARAM_RULES.get(engine, {}).get(key)
+    caps = _caps(engine)
+    rule = caps.rules.get(key) if caps is not None else None
     return dict(rule.schema) if rule is not None else dict(PLAIN_VALUE_SCHEMA)
 
 

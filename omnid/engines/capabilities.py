@@ -10,11 +10,11 @@ A new engine: its module (the `Engine` subclass), and one `Capabilities` here, i
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from omnid.params import DIFFUSERS_PARAMS, VLLM_PARAMS
+from omnid.params import DIFFUSERS_PARAMS, DIFFUSERS_RULES, VLLM_PARAMS, VLLM_RULES, Rule, token_bounds_problem
 
 _TEXT_OUTPUT: dict[str, Any] = {"name": "text", "kind": "text", "file": "text.txt",
                                 "content_type": "text/plain; charset=utf-8"}
@@ -46,6 +46,8 @@ class Capabilities:
     gives: tuple[str, ...] | None = None    # the names an edge may map out of it; None: any
     # -- its params
     params: frozenset[str] | None = None    # the per-job parameters it takes (`omnid.params`); None: any
+    rules: Mapping[str, Rule] = field(default_factory=dict)    # their value rules, checked at the door
+    values_rule: Callable[[str, Mapping[str, Any]], str | None] | None = None    # a rule between them
     sampling: bool = False                  # takes the OpenAI sampling fields (and counts tokens)
     image_size: bool = False                # takes `width` and `height` (the images endpoint's `size`)
     # -- its worker
@@ -68,7 +70,8 @@ VLLM = Capabilities(
     whole_input="it needs its whole prompt before it can start generating",
     text_prompt=True, chat=True, media=True, tensors=True, answer="text",
     outputs=({**_TEXT_OUTPUT, "description": "the generated text (streamed as text segments)"},),
-    gives=("text", *TENSOR_OUTPUTS), params=VLLM_PARAMS, sampling=True, engine_core=True,
+    gives=("text", *TENSOR_OUTPUTS), params=VLLM_PARAMS, rules=VLLM_RULES, values_rule=token_bounds_problem,
+    sampling=True, engine_core=True,
     # the engine core stays in the worker unless `engine_core = "process"` (the engine sets that itself)
     worker_env=(("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_LOGGING_LEVEL", "WARNING")),
 )
@@ -80,7 +83,7 @@ DIFFUSERS = Capabilities(
     outputs=({"name": "image", "kind": "image", "file": "image.png", "content_type": "image/png",
               "description": "the image (image-K.png, one per image, when num_images_per_prompt > 1)"},
              {**_TEXT_OUTPUT, "name": "prompt", "file": "prompt.txt", "description": "the prompt it drew"}),
-    params=DIFFUSERS_PARAMS, image_size=True,
+    params=DIFFUSERS_PARAMS, rules=DIFFUSERS_RULES, image_size=True,
 )
 PYTHON = Capabilities(
     name="python", engine_class="omnid.engines.python_engine:PythonEngine", takes_function=True,

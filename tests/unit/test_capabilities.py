@@ -8,7 +8,7 @@ import sys
 
 from omnid.config import ENGINES, STREAM_ENGINES
 from omnid.engines.capabilities import CAPABILITIES, capabilities
-from omnid.params import ENGINE_PARAMS
+from omnid.params import DIFFUSERS_PARAMS, VLLM_PARAMS
 
 
 def test_every_engine_is_declared_once_and_its_class_points_to_it() -> None:
@@ -20,7 +20,7 @@ def test_every_engine_is_declared_once_and_its_class_points_to_it() -> None:
         module, _, cls = caps.engine_class.partition(":")
         engine = getattr(importlib.import_module(module), cls)
         assert engine.capabilities is caps
-        assert caps.params == ENGINE_PARAMS[name]
+        assert caps.params == {"vllm": VLLM_PARAMS, "diffusers": DIFFUSERS_PARAMS}.get(name)
 
 
 def test_declarations_say_what_the_checks_said_by_name() -> None:

@@ -101,10 +101,13 @@ def test_unknown_parameters_and_python_stages_have_no_rules() -> None:
 
 
 def test_every_known_parameter_has_a_rule() -> None:
-    assert set(M.PARAM_RULES["vllm"]) == M.VLLM_PARAMS
-    assert set(M.PARAM_RULES["diffusers"]) == M.DIFFUSERS_PARAMS
+    assert set(M.VLLM_RULES) == M.VLLM_PARAMS
+    assert set(M.DIFFUSERS_RULES) == M.DIFFUSERS_PARAMS
     assert set(M.VLLM_OMNID_PARAMS) <= M.VLLM_PARAMS
-    assert M.ENGINE_PARAMS == {"vllm": M.VLLM_PARAMS, "diffusers": M.DIFFUSERS_PARAMS, "python": None}
+    from omnid.engines.capabilities import CAPABILITIES
+    assert {n: c.params for n, c in CAPABILITIES.items()} == {"vllm": M.VLLM_PARAMS, "diffusers": M.DIFFUSERS_PARAMS,
+                                                              "python": None}
+    assert CAPABILITIES["vllm"].rules is M.VLLM_RULES and CAPABILITIES["diffusers"].rules is M.DIFFUSERS_RULES
 
 
 # ------------------------------------------------------------------------- stage_accepts

@@ -19,28 +19,29 @@ from aiohttp import web
 from omnictl.client import parse_prometheus
 from omnictl.render import pipeline_detail, ready_text
 from omnid.config import Config, DaemonConfig, EdgeConfig, PipelineConfig, StageConfig
-from omnid.params import ANY_PARAMS, PARAM_RULES, PLAIN_VALUE_SCHEMA, describe_stage_params, stage_params_schema
+from omnid.engines.capabilities import CAPABILITIES
+from omnid.params import ANY_PARAMS, PLAIN_VALUE_SCHEMA, describe_stage_params, stage_params_schema
 from omnid.supervisor.http.openapi import OPERATIONS, describe_pipeline, openapi_document, routes
 
 SAMPLES: list[Any] = [-3, -2, -1, 0, 1, 2, 7, 8, 16, 17, 1000, 1001, 4096, 4104, 2**63 - 1, 2**63,
                       0.5, 0.01, 1.5, 2.5, -2.5, True, False, "x", "", ["a", "b"], [], [1], None, {"a": 1}]
 
 
-@pytest.mark.parametrize("engine,key", [(e, k) for e, rules in PARAM_RULES.items() for k in rules])
+@pytest.mark.parametrize("engine,key", [(e, k) for e, rules in ((n, c.rules) for n, c in CAPABILITIES.items()) for k in rules])
 def test_each_rule_describes_exactly_what_it_checks(engine: str, key: str) -> None:
-    rule = PARAM_RULES[engine][key]
+    rule = CAPABILITIES[engine].rules[key]
     validator = jsonschema.Draft202012Validator(rule.schema)
     for value in SAMPLES:
         assert (rule(value) is None) == validator.is_valid(value), (engine, key, value, rule.schema, rule(value))
 
 
 def test_rule_schemas_carry_their_limits() -> None:
-    assert PARAM_RULES["diffusers"]["num_inference_steps"].schema == {"type": "integer", "minimum": 1, "maximum": 1000}
-    assert PARAM_RULES["diffusers"]["width"].schema == {"type": "integer", "minimum": 8, "maximum": 4096,
+    assert CAPABILITIES["diffusers"].rules["num_inference_steps"].schema == {"type": "integer", "minimum": 1, "maximum": 1000}
+    assert CAPABILITIES["diffusers"].rules["width"].schema == {"type": "integer", "minimum": 8, "maximum": 4096,
                                                         "multipleOf": 8}
-    assert PARAM_RULES["vllm"]["top_p"].schema == {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
-    assert PARAM_RULES["vllm"]["ignore_eos"].schema == {"type": "boolean"}
-    assert PARAM_RULES["vllm"]["prompt_template"].schema == {"type": "string"}
+    assert CAPABILITIES["vllm"].rules["top_p"].schema == {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
+    assert CAPABILITIES["vllm"].rules["ignore_eos"].schema == {"type": "boolean"}
+    assert CAPABILITIES["vllm"].rules["prompt_template"].schema == {"type": "string"}
 
 
 def test_stage_params_with_defaults() -> None:
