@@ -64,7 +64,7 @@ POLL_S = 0.1
 BUSY_POLL_S = 0.0005    # while the caller has other work to step between polls
 _HEADER = struct.Struct(">Q")
 MAX_FRAME = 1 << 34
-_OFFSET = struct.Struct(">Q")
+OFFSET = struct.Struct(">Q")    # a pool offset or size in a frame (the Ray bridge reads it too)
 # Payloads that are not a plain pickle (which starts with b"\x80") start with one of these:
 POOL_REQUEST = b"P"     # -> b"P" + pool size, with the pool's memfd; or NO_POOL
 RESERVE = b"R"          # + size -> b"O" + offset; ACK_FULL (no room now); NO_POOL (never room)
@@ -218,12 +218,12 @@ class Sender:
         """The destination's pool, mapped on first use on this connection."""
         if dst not in self._pools:
             send_frame(sock, POOL_REQUEST)
-            msg, fds, _flags, _addr = socket.recv_fds(sock, 1 + _OFFSET.size, 1)
+            msg, fds, _flags, _addr = socket.recv_fds(sock, 1 + OFFSET.size, 1)
             if not msg:
                 raise ConnectionError("receiver closed before answering")
             if msg[:1] == POOL_REQUEST and fds:
                 try:
-                    (size,) = _OFFSET.unpack(msg[1:1 + _OFFSET.size])
+                    (size,) = OFFSET.unpack(msg[1:1 + OFFSET.size])
                     self._pools[dst] = mmap.mmap(fds[0], size)
                 finally:
                     for fd in fds:
@@ -260,12 +260,12 @@ class Sender:
             return IPC_ITEM + encoded.payload if encoded.lent else plain()
         pool = self._pool(dst, sock)
         if pool is not None:
-            sock.sendall(_HEADER.pack(1 + _OFFSET.size) + RESERVE + _OFFSET.pack(encoded.size))
+            sock.sendall(_HEADER.pack(1 + OFFSET.size) + RESERVE + OFFSET.pack(encoded.size))
             answer = _recv_exact(sock, 1)
             if answer == RESERVED:
-                (base,) = _OFFSET.unpack(_recv_exact(sock, _OFFSET.size))
+                (base,) = OFFSET.unpack(_recv_exact(sock, OFFSET.size))
                 shm.copy_in(pool, base, encoded)
-                return SHM_ITEM + _OFFSET.pack(base) + encoded.payload
+                return SHM_ITEM + OFFSET.pack(base) + encoded.payload
             if answer == ACK_FULL:
                 return None
         return plain()                      # no pool there, or the values are larger than it
@@ -512,10 +512,10 @@ class Listener:
             if self.pool is None:
                 conn.sendall(NO_POOL)
             else:
-                socket.send_fds(conn, [POOL_REQUEST + _OFFSET.pack(self.pool.capacity)], [self.pool.fd])
+                socket.send_fds(conn, [POOL_REQUEST + OFFSET.pack(self.pool.capacity)], [self.pool.fd])
             return None
         if kind == RESERVE:
-            (size,) = _OFFSET.unpack(frame[1:1 + _OFFSET.size])
+            (size,) = OFFSET.unpack(frame[1:1 + OFFSET.size])
             if self.pool is None or size > self.pool.capacity:
                 conn.sendall(NO_POOL)
                 return None
@@ -524,14 +524,14 @@ class Listener:
                 conn.sendall(ACK_FULL)
                 return None
             reserved.add(offset)
-            conn.sendall(RESERVED + _OFFSET.pack(offset))
+            conn.sendall(RESERVED + OFFSET.pack(offset))
             return None
         if kind == SHM_ITEM:
-            (base,) = _OFFSET.unpack(frame[1:1 + _OFFSET.size])
+            (base,) = OFFSET.unpack(frame[1:1 + OFFSET.size])
             if self.pool is None or base not in reserved:
                 raise ValueError(f"a shared-memory item in a slot ({base}) this connection did not reserve")
             reserved.discard(base)
-            return self._lent_item(conn, memoryview(frame)[1 + _OFFSET.size:], self.pool, base)
+            return self._lent_item(conn, memoryview(frame)[1 + OFFSET.size:], self.pool, base)
         return decode(frame)
 
     def _lent_item(self, conn: socket.socket, payload: memoryview, pool: shm.ShmPool | None,

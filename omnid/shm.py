@@ -129,7 +129,7 @@ class ShmPool:
 
 
 @dataclass(frozen=True)
-class _Large:
+class Large:
     """Where a large value sits in a slot, and how to rebuild it."""
 
     kind: str                   # "tensor", "array", "bytes"
@@ -156,12 +156,12 @@ class _Pickler(pickle.Pickler):
         super().__init__(file, protocol=5)
         self.min_bytes = min_bytes
         self.gpus = gpus                # the GPUs the receiver sees: their tensors are lent
-        self.large: list[tuple[_Large, Any]] = []
+        self.large: list[tuple[Large, Any]] = []
         self.lent: list[tuple[cuda_ipc.Lent, Any]] = []
         self.cuda = False               # a CUDA tensor went staged (the receiver's GPUs unknown)
         self.size = 0
 
-    def persistent_id(self, obj: Any) -> _Large | cuda_ipc.Lent | None:
+    def persistent_id(self, obj: Any) -> Large | cuda_ipc.Lent | None:
         kind = _large_kind(obj, self.min_bytes)
         if kind is None:
             return None
@@ -171,12 +171,12 @@ class _Pickler(pickle.Pickler):
                 return lent
             self.cuda = True
         if kind == "bytes":
-            ref = _Large("bytes", self.size, len(obj))
+            ref = Large("bytes", self.size, len(obj))
         elif kind == "tensor":
-            ref = _Large("tensor", self.size, obj.numel() * obj.element_size(), str(obj.dtype).removeprefix("torch."),
+            ref = Large("tensor", self.size, obj.numel() * obj.element_size(), str(obj.dtype).removeprefix("torch."),
                          tuple(obj.shape), obj.device.type)
         else:
-            ref = _Large("array", self.size, obj.nbytes, obj.dtype.str, tuple(obj.shape))
+            ref = Large("array", self.size, obj.nbytes, obj.dtype.str, tuple(obj.shape))
         self.large.append((ref, obj))
         self.size += _align(ref.nbytes)
         return ref
@@ -200,9 +200,9 @@ def _on_device(tensor: Any) -> bool:
     return bool(tensor.device.type != "cpu")
 
 
-def blob(nbytes: int) -> _Large:
+def blob(nbytes: int) -> Large:
     """One raw block of `nbytes` at a slot's start: a whole slot's contents copied in as they are."""
-    return _Large("bytes", 0, nbytes)
+    return Large("bytes", 0, nbytes)
 
 
 class Encoded:
@@ -212,7 +212,7 @@ class Encoded:
     until the receiver has copied it. `cuda`: some CUDA tensor of it is staged only because the
     receiver's GPUs were not known (encode it again with them)."""
 
-    def __init__(self, payload: bytes, large: list[tuple[_Large, Any]], size: int,
+    def __init__(self, payload: bytes, large: list[tuple[Large, Any]], size: int,
                  lent: list[tuple[cuda_ipc.Lent, Any]] | None = None, cuda: bool = False) -> None:
         self.payload = payload
         self.large = large
@@ -278,7 +278,7 @@ class _Unpickler(pickle.Unpickler):
                 raise cuda_ipc.IpcFailed(f"a tensor lent by CUDA IPC, and no CUDA driver here "
                                          f"({cuda_ipc.driver_error()})")
             return driver.receive(pid)          # our own copy: nothing of the sender's is kept
-        if not isinstance(pid, _Large):
+        if not isinstance(pid, Large):
             raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
         if self.pool is None:
             raise pickle.UnpicklingError("a value in a shared-memory slot, in an item that has none")

@@ -284,7 +284,7 @@ class _BufUnpickler(pickle.Unpickler):
         self.device = device
 
     def persistent_load(self, pid: Any) -> Any:
-        if not isinstance(pid, shm._Large):
+        if not isinstance(pid, shm.Large):
             raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
         import numpy
         raw = self.buf[pid.offset:pid.offset + pid.nbytes]

@@ -43,7 +43,7 @@ import structlog
 from omnid import protocol as P
 from omnid.config import Config
 from omnid.dataplane import (ACK_FULL, POOL_REQUEST, RESERVE, SHM_ITEM, Closing, Listener, NeedsPlain, RawItem,
-                             Sender, _OFFSET)
+                             Sender, OFFSET)
 from omnid.process_stats import ProcessSample
 from omnid.shm import ShmPool
 from omnid.supervisor.live import Live
@@ -107,14 +107,14 @@ class _Bridge(Listener):
             return super()._item(conn, frame, reserved)
         if kind == SHM_ITEM:
             import numpy
-            (base,) = _OFFSET.unpack(frame[1:1 + _OFFSET.size])
+            (base,) = OFFSET.unpack(frame[1:1 + OFFSET.size])
             pool = self.pool
             if pool is None or base not in reserved:
                 raise ValueError(f"a shared-memory item in a slot ({base}) this connection did not reserve")
             reserved.discard(base)
             size = pool.slot_size(base)
             buf = numpy.frombuffer(pool.mm, dtype=numpy.uint8, count=size, offset=base)
-            return RawItem(payload=bytes(frame[1 + _OFFSET.size:]), buf=buf, size=size,
+            return RawItem(payload=bytes(frame[1 + OFFSET.size:]), buf=buf, size=size,
                            release=lambda: pool.release(base))
         return RawItem(payload=bytes(frame))
 
