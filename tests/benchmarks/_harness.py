@@ -136,6 +136,7 @@ class Ctx:
         self.problems: list[str] = []       # things to report beside the table (a daemon's bad exit)
         self.started = time.monotonic()
         self.deadline = self.started + budget_s
+        self.starting = False               # a shared daemon is starting (its time is not the bench's)
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -159,7 +160,11 @@ class Ctx:
     def daemon(self, name: str) -> "Daemon":
         """A shared daemon; the time spent starting it (first use) is added to this bench's budget."""
         t = time.monotonic()
-        d = self.shared.get(name)
+        self.starting = True
+        try:
+            d = self.shared.get(name)
+        finally:
+            self.starting = False
         spent = time.monotonic() - t
         if spent > 1:
             self.deadline += spent

@@ -1,7 +1,7 @@
 """`engine_core = "process"` against `"inline"`: the same tiny Llama twice in one daemon.
 
 One daemon of its own, two vllm stages (max_inflight 16), alike but for where the engine core
-runs: in the worker's thread (`inline`, the default) or in a process of its own (`process`, as
+runs: in the worker's thread (`inline`) or in a process of its own (`process`, the default, as
 `vllm serve` runs it). Rows, each the process figure against the inline one of the same run:
 - 16 concurrent 64-token jobs: jobs/s (before the first POST -> the last terminal event);
 - the first token's latency over those 16 jobs: p50 and p99 (POST -> the first segment);
@@ -81,7 +81,7 @@ def bench_engine_core(ctx: Ctx) -> list[Row]:
     cancel = {w: p50(lat[w]) / p50(step[w]) for w in lat}
     walls_note = "; ".join(f"{w} {', '.join(fmt(x) for x in v)} s" for w, v in walls.items())
     return [
-        Row(FIGURES[0], jps["process"], "/s", "engine core inline (the default)", jps["inline"], "/s",
+        Row(FIGURES[0], jps["process"], "/s", "engine core inline", jps["inline"], "/s",
             jps["process"] / jps["inline"], "process / inline", at_least(1.0, ">= 1.0x"), f"walls: {walls_note}"),
         Row(FIGURES[1], f50["process"], "ms", "engine core inline", f50["inline"], "ms",
             f50["process"] / f50["inline"], "process / inline", None, f"{len(firsts['process'])} jobs each"),

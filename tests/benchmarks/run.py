@@ -128,7 +128,7 @@ def run_bench(b: Bench, quick: bool, shared: Shared) -> tuple[list[Row], list[st
     t = threading.Thread(target=body, name=f"bench-{b.name}", daemon=True)
     started = time.monotonic()
     t.start()
-    while t.is_alive() and time.monotonic() < ctx.deadline + GRACE_S:
+    while t.is_alive() and (ctx.starting or time.monotonic() < ctx.deadline + GRACE_S):
         t.join(0.2)
     seconds = time.monotonic() - started
     if t.is_alive():
