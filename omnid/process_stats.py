@@ -7,9 +7,22 @@ It reads /proc through psutil: short, non-blocking file reads, no waiting on the
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import psutil
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes(pid: int) -> int | None:
+    """A process's own resident memory (one read of /proc/PID/statm, no psutil object); None when
+    it is gone. The supervisor's once-a-second look at a worker, and a worker's look at itself."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 @dataclass(frozen=True)

@@ -324,18 +324,6 @@ def kernel_says_oom(pid: int) -> bool | None:
     return False
 
 
-def rss_bytes(pid: int) -> int | None:
-    """A process's own resident memory (one read of /proc/PID/statm); None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/statm", "rb") as f:
-            return int(f.read().split()[1]) * PAGE_SIZE
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-
-
 @dataclass
 class OomWatch:
     """The supervisor's cgroup's OOM kill count, looked at when a worker starts and when it dies."""

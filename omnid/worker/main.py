@@ -43,6 +43,7 @@ from omnid import protocol as P
 from omnid.config import PipelineConfig
 from omnid.dataplane import Listener, Sender, WorkItem
 from omnid.engines.base import Engine, Outcome, RequestContext
+from omnid.process_stats import rss_bytes
 from omnid.shm import ShmPool
 from omnid.vocabulary import ErrorCode
 from omnid.worker.bootstrap import capture_output, clip, die_with_parent, set_process_name, setup_environment
@@ -182,7 +183,7 @@ class StageWorker:
         while True:
             self.send(P.Heartbeat(ts=time.time(), stats=self.stats(), running=tuple(self.running),
                                   gpu_memory_bytes=_gpu_memory(), tracked_jobs=len(self.jobs),
-                                  windows=tuple(self.handoff.windows_sent.items()), rss_bytes=_own_rss()))
+                                  windows=tuple(self.handoff.windows_sent.items()), rss_bytes=rss_bytes(os.getpid())))
             time.sleep(interval)
 
     # ------------------------------------------------------------------ the busy loop
@@ -465,18 +466,6 @@ class _NoEngine(Engine):
 
     def has_work(self) -> bool:
         return False
-
-
-def _own_rss() -> int | None:
-    """This process's resident memory (one read of /proc/self/statm), None where there is none."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE_SIZE
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
 def _gpu_memory() -> int | None:

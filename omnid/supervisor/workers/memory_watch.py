@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from omnid.process_stats import rss_bytes
 from omnid.supervisor import resources
 from omnid.vocabulary import WorkerState
 
@@ -60,7 +61,7 @@ class MemoryWatch:
         h = self._handle
         pid = h.pid
         local = h.where()["placement"] == "local"      # (a Ray actor's pid may be another node's)
-        rss = resources.rss_bytes(pid) if pid is not None and local and h.alive else None
+        rss = rss_bytes(pid) if pid is not None and local and h.alive else None
         if not rss:                     # gone, or going: a dying process's statm reads 0 (kept: the last real one)
             return
         self.last_rss = rss
