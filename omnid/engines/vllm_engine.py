@@ -69,14 +69,9 @@ def _run_engine_core(*args: Any, **kwargs: Any) -> None:
     """The engine core process's entry point (vLLM's `EngineCoreProc.run_engine_core`, which vLLM
     starts by spawn on a CPU): first asks the kernel for a SIGKILL when the stage worker dies, even
     by SIGKILL, so no core outlives its stage."""
-    import ctypes
-    import signal
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)     # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if str(os.getppid()) != os.environ.get("OMNID_ENGINE_PARENT", str(os.getppid())):
-        os._exit(EXIT_ENGINE_DIED)                  # the worker died before prctl took effect
+    from omnid.worker.bootstrap import die_with_parent
+
+    die_with_parent(int(os.environ["OMNID_ENGINE_PARENT"]))     # (set by the worker before vLLM starts us)
     from vllm.v1.engine.core import EngineCoreProc
 
     EngineCoreProc.run_engine_core(*args, **kwargs)    # (unpatched in this process: vLLM's own)
@@ -565,9 +560,8 @@ class VllmEngine(Engine):
                 if req.prompt_n < 0:            # (vLLM gives the prompt's ids with the first output only)
                     req.prompt_n = len(prompt_ids or ()) or req.prompt_len
                 due = req.tokens + (req.prompt_n - 1 if self.stage.hidden_prompt else 0)
-                keep = rows.shape[0] - (due - req.rows_sent)
-                if keep > 0:
-                    rows, ahead = rows[:rows.shape[0] - keep], rows[rows.shape[0] - keep:]
+                if rows.shape[0] > due - req.rows_sent:
+                    rows, ahead = rows[:due - req.rows_sent], rows[due - req.rows_sent:]
                     req.rows = [ahead]
                 req.rows_sent += rows.shape[0]
             if rows is not None and rows.shape[0]:

@@ -22,7 +22,8 @@ _PR_SET_NAME = 15
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to SIGKILL us when the supervisor dies (even by SIGKILL)."""
+    """Ask the kernel to SIGKILL us when our parent dies (even by SIGKILL): a worker's supervisor, an
+    engine core's worker."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
