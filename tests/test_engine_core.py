@@ -69,6 +69,11 @@ def test_the_core_is_a_process_of_the_stage_worker_tree(d: RunningDaemon) -> Non
     worker = d.stage_pid("proc")
     assert core in [c.pid for c in psutil.Process(worker).children(recursive=True)]
     assert os.getpgid(core) == os.getpgid(worker)       # the group the supervisor kills as one
+    # The model runs in the core's process: no third vLLM process (vLLM's mp executor on a CPU,
+    # whose idle worker polls its queue), so the tree is the worker and its core, and an idle
+    # stage costs nothing.
+    core_children = [c for c in psutil.Process(core).children(recursive=True) if c.name().startswith("VLLM")]
+    assert core_children == [], [(c.pid, c.name()) for c in core_children]
 
 
 def test_process_and_inline_cores_give_the_same_tokens_and_rows(d: RunningDaemon) -> None:

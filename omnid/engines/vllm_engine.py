@@ -6,13 +6,13 @@ step, so a cancel takes effect at the next step through `abort_request`.
 Several requests are in flight at once when the stage's `max_inflight > 1`
 (vLLM batches them).
 
-By default the engine core is kept inside this process (`engine_core = "inline"`:
-`VLLM_ENABLE_V1_MULTIPROCESSING=0`, `distributed_executor_backend="uni"`). With
-`engine_core = "process"` it runs as `vllm serve` runs it: vLLM's engine core busy loop in a child
-process of this worker (its scheduler and forward), which computes the next step while this thread
-turns the last step's outputs into segments; `step()` then waits only for outputs. Either way one
-stage is one process tree: the core starts in the worker's process group, asks to die with the
-worker (PR_SET_PDEATHSIG, in `_run_engine_core`), and is watched: a core that dies alone takes the worker down with
+By default (`engine_core = "process"`) it runs as `vllm serve` runs it: vLLM's engine core busy
+loop (its scheduler and the model's forward) in a child process of this worker, which computes the
+next step while this thread turns the last step's outputs into segments; `step()` then waits only
+for outputs. `engine_core = "inline"` keeps the core in this thread (`distributed_executor_backend
+="uni"`, no multiprocessing). Either way one stage is one process tree: the core starts in the
+worker's process group, asks to die with the worker (PR_SET_PDEATHSIG, in `_run_engine_core`), and
+is watched: a core that dies alone takes the worker down with
 `EXIT_ENGINE_DIED`, so the supervisor restarts the stage and fails or retries its jobs. Token
 deltas are streamed as text segments (`RequestOutputKind.DELTA`); the stage's
 output `text` is the whole generation (prefixed by the prompt when the job
@@ -217,8 +217,11 @@ class VllmEngine(Engine):
         if not stage.devices:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         self._own_core = stage.engine_core == "process"
-        if self._own_core:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        # The core's own process comes from `enable_multiprocessing` below; the variable stays 0
+        # (the worker's environment): on a CPU vLLM reads 1 as "and the model in a third process"
+        # (its mp executor, whose idle worker polls its queue at ~20 % of a core). With 0 the
+        # model runs in the core's process, as `vllm serve` runs one GPU.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         warnings.filterwarnings("ignore", category=FutureWarning)
         from vllm import EngineArgs, LLMEngine, SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -229,7 +232,8 @@ class VllmEngine(Engine):
         self._SamplingParams = SamplingParams
         self._delta = RequestOutputKind.DELTA
         self.stage = stage
-        self.engine = LLMEngine.from_engine_args(EngineArgs(**engine_args(stage)))
+        self.engine = LLMEngine.from_engine_args(EngineArgs(**engine_args(stage)),
+                                                 enable_multiprocessing=self._own_core)
         self.default_max_tokens = int(stage.defaults.get("max_tokens", 16))
         self._ids = itertools.count()
         self._requests: dict[str, _Request] = {}

@@ -1,15 +1,18 @@
-"""The raw-engine anchor of the vLLM batching row: vLLM's LLMEngine in this one process.
+"""The raw-engine anchors of the vLLM batching rows: vLLM's LLMEngine driven by this one process.
 
-Run as a subprocess by bench_engines.bench_vllm_vs_raw_engine (never imported by the suite):
+Run as a subprocess by bench_engines (never imported by the suite):
 
-    python _raw_vllm.py MODEL ARGS_JSON
+    python _raw_vllm.py MODEL ARGS_JSON [inline|process]
 
-Builds the engine with the same arguments and environment as omnid's vllm_engine.py (CPU,
-in-process core, uni executor, enforce_eager, stats off, plus ARGS_JSON: the bench's
-max_model_len/dtype/seed), runs a small warm-up batch and prints {"load_s": ...}. Then, for each
-line `N TOKENS` read from stdin, adds N greedy requests of TOKENS tokens at once (ignore_eos,
-deltas, as omnid asks for them), steps until every one has finished and prints {"wall": seconds}.
-It exits at EOF. So the caller can alternate its runs with the daemon's, under the same noise.
+Builds the engine with the same arguments and environment as omnid's vllm_engine.py (CPU, uni
+executor, enforce_eager, stats off, plus ARGS_JSON: the bench's max_model_len/dtype/seed):
+`inline` (the default) keeps the engine core in this process; `process` puts it in a child process,
+as vLLM's multiprocessing LLMEngine and omnid's `engine_core = "process"` do (the model in the
+core's process). Runs a small warm-up batch and prints {"load_s": ...}. Then, for each line
+`N TOKENS` read from stdin, adds N greedy requests of TOKENS tokens at once (ignore_eos, deltas, as
+omnid asks for them), steps until every one has finished and prints {"wall": seconds}; a line
+`N TOKENS serial` runs the N one after another. It exits at EOF. So the caller can alternate its
+runs with the daemon's, under the same noise.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import time
 import warnings
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"      # (process mode: enable_multiprocessing below)
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,7 +33,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
-def main(model: str, args_json: str) -> None:
+def main(model: str, args_json: str, mode: str = "inline") -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     from vllm import EngineArgs, LLMEngine, SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -38,7 +41,7 @@ def main(model: str, args_json: str) -> None:
     t = time.monotonic()
     args: dict[str, Any] = {"model": model, "distributed_executor_backend": "uni", "disable_log_stats": True,
                             "enforce_eager": True, **json.loads(args_json)}
-    engine = LLMEngine.from_engine_args(EngineArgs(**args))
+    engine = LLMEngine.from_engine_args(EngineArgs(**args), enable_multiprocessing=mode == "process")
     try:                                   # as vllm_engine.VllmEngine._renderer
         from vllm.renderers.inputs.preprocess import parse_model_prompt
         renderer = engine.renderer
@@ -72,11 +75,18 @@ def main(model: str, args_json: str) -> None:
     batch(2, 8)                            # warm-up
     print(json.dumps({"load_s": load_s}), flush=True)
     for line in sys.stdin:
-        if not line.strip():
+        words = line.split()
+        if not words:
             continue
-        n, tokens = (int(x) for x in line.split())
-        print(json.dumps({"wall": batch(n, tokens)}), flush=True)
+        n, tokens = int(words[0]), int(words[1])
+        if words[2:] == ["serial"]:
+            wall = sum(batch(1, tokens) for _ in range(n))
+        else:
+            wall = batch(n, tokens)
+        print(json.dumps({"wall": wall}), flush=True)
+    if mode == "process":
+        engine.engine_core.shutdown()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "{}")
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "{}", sys.argv[3] if len(sys.argv) > 3 else "inline")

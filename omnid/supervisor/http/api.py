@@ -43,7 +43,8 @@ from omnid.supervisor.http import admission
 from omnid.supervisor.workers import stage_logs
 from omnid.supervisor.http.admission import Submission
 from omnid.supervisor.errors import STORAGE_RETRY_AFTER_S, Refused
-from omnid.supervisor.http.http_common import MAX_BYTES_KEY, flag, follow, json_body, output_file, send_log, stream_output
+from omnid.supervisor.http.http_common import (MAX_BYTES_KEY, flag, follow_batches, json_body, output_file, send_log,
+                                          stream_output)
 from omnid.supervisor.resources import DiskWatch
 from omnid.supervisor.http.openapi import describe_pipeline, openapi_document
 from omnid.supervisor.jobs.scheduler import Scheduler
@@ -269,10 +270,10 @@ class Api:
         await resp.prepare(request)
         sent = 0
         try:
-            async with aclosing(follow(request, self.scheduler, job.id)) as events:
-                async for event in events:
-                    await resp.write(json.dumps(event).encode() + b"\n")
-                    sent += 1
+            async with aclosing(follow_batches(request, self.scheduler, job.id)) as batches:
+                async for batch in batches:     # what is there at once goes in one write
+                    await resp.write(b"".join(json.dumps(ev).encode() + b"\n" for ev in batch))
+                    sent += len(batch)
             await resp.write_eof()
         except ConnectionError as e:       # the reader hung up: its subscription goes (the job goes on)
             log.debug("event reader went away", job=job.id, sent=sent, error=str(e))

@@ -13,6 +13,7 @@ import json
 import mimetypes
 import os
 from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -127,37 +128,61 @@ async def next_event(request: web.Request, queue: asyncio.Queue[Any]) -> Any:
     return item
 
 
-async def follow(request: web.Request, scheduler: Scheduler, job_id: str) -> AsyncGenerator[dict[str, Any], None]:
-    """The job's events from its start until it ended, each once; ConnectionResetError if the
-    caller hangs up. A reader that fell behind (its queue dropped: LAGGED) reads the rest from the
-    store. (Close it when done, `contextlib.aclosing`: that ends its subscription at once.)"""
+async def follow_batches(request: web.Request, scheduler: Scheduler,
+                         job_id: str) -> AsyncGenerator[list[dict[str, Any]], None]:
+    """The job's events from its start until it ended, each once, as the lists that are there at
+    once (the past in one, then what one wake-up finds queued: a step's tokens of a batch come
+    together), so a reader writes each list in one write. ConnectionResetError if the caller hangs
+    up. A reader that fell behind (its queue dropped: LAGGED) reads the rest from the store.
+    (Close it when done, `contextlib.aclosing`: that ends its subscription at once.)"""
     sent = 0
     past, queue = scheduler.subscribe(job_id)
     try:
         while True:
             # `subscribe` read the past and registered the queue in one step of the loop, so no
             # event is missed or sent twice.
-            for ev in past:
-                sent += 1
-                yield ev
+            if past:
+                sent += len(past)
+                yield list(past)
             if queue is None:
                 return
-            while True:
-                # The hang-up is looked at after every event as well as after every quiet
+            lagged = False
+            while not lagged:
+                # The hang-up is looked at after every wake-up as well as after every quiet
                 # DISCONNECT_POLL_S: a job whose events flow (every token) is cancelled too.
-                ev_or_end = await next_event(request, queue)
-                if ev_or_end is None:
-                    return
-                if ev_or_end is LAGGED:
-                    break
-                sent += 1
-                yield ev_or_end
+                item = await next_event(request, queue)
+                batch: list[dict[str, Any]] = []
+                while True:
+                    if item is None:
+                        if batch:
+                            yield batch
+                        return
+                    if item is LAGGED:
+                        lagged = True
+                        break
+                    if item is HUNG_UP:
+                        raise ConnectionResetError("the client went away")
+                    batch.append(item)
+                    if queue.empty():
+                        break
+                    item = queue.get_nowait()
+                if batch:
+                    sent += len(batch)
+                    yield batch
             log.debug("event reader fell behind; catching up from the store", job=job_id, sent=sent)
             scheduler.unsubscribe(job_id, queue)
             past, queue = scheduler.subscribe(job_id, after=sent)
     finally:
         if queue is not None:
             scheduler.unsubscribe(job_id, queue)
+
+
+async def follow(request: web.Request, scheduler: Scheduler, job_id: str) -> AsyncGenerator[dict[str, Any], None]:
+    """`follow_batches`, one event at a time."""
+    async with aclosing(follow_batches(request, scheduler, job_id)) as batches:
+        async for batch in batches:
+            for ev in batch:
+                yield ev
 
 
 # ------------------------------------------------------------------ a job's outputs

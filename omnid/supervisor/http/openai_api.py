@@ -36,6 +36,7 @@ import json
 import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -51,8 +52,8 @@ from omnid.supervisor.http.admission import Submission
 from omnid.supervisor.http.api import retry_after
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.http.http_common import DISCONNECT_POLL_S as DISCONNECT_POLL_S    # (re-exported)
-from omnid.supervisor.http.http_common import (follow, json_body, output_file, sse_done, sse_response, sse_send,
-                                          stream_output)
+from omnid.supervisor.http.http_common import (follow, follow_batches, json_body, output_file, sse_done,
+                                          sse_response, sse_send, stream_output)
 from omnid.vocabulary import ErrorCode, EventType, JobRecord, JobState
 from omnid.worker.outputs import STREAM_DIR
 
@@ -172,6 +173,19 @@ class _Generation:
     @property
     def finish_reason(self) -> str:
         return "length" if self.max_tokens is not None and self.completion_tokens >= self.max_tokens else "stop"
+
+
+def _take(ev: dict[str, Any], gen: _Generation) -> str | None:
+    """What one event says of the generation: its counts into `gen`, a text segment's text out."""
+    stage = ev.get("stage")
+    if ev["type"] == EventType.PROGRESS and stage == gen.token_stage:
+        gen.tokens, gen.max_tokens = int(ev["done"]), int(ev["total"])
+    elif ev["type"] == EventType.STAGE_FINISHED and stage == gen.token_stage and ev.get("usage"):
+        gen.prompt_tokens = int(ev["usage"].get("prompt_tokens") or 0)
+    elif ev["type"] == EventType.SEGMENT and stage == gen.text_stage:
+        gen.segments += 1
+        return ev.get("text") or None
+    return None
 
 
 class OpenAiApi:
@@ -389,21 +403,17 @@ class OpenAiApi:
 
     async def _deltas(self, request: web.Request, job: JobRecord, gen: _Generation,
                       on_event: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[str]:
-        """The answer's text as its segments come; raises OpenAiError if the job ends badly. A last
-        stage that streamed no text is answered with its `text` output once the job ended.
-        `on_event` is awaited at every event (an audio chat sends the speech made meanwhile)."""
-        async for ev in follow(request, self.api.scheduler, job.id):
-            if on_event is not None:
-                await on_event()
-            stage = ev.get("stage")
-            if ev["type"] == EventType.PROGRESS and stage == gen.token_stage:
-                gen.tokens, gen.max_tokens = int(ev["done"]), int(ev["total"])
-            elif ev["type"] == EventType.STAGE_FINISHED and stage == gen.token_stage and ev.get("usage"):
-                gen.prompt_tokens = int(ev["usage"].get("prompt_tokens") or 0)
-            elif ev["type"] == EventType.SEGMENT and stage == gen.text_stage:
-                gen.segments += 1
-                text = ev.get("text")
-                if text:
+        """The answer's text as its segments come, what arrived at once joined (one SSE write);
+        raises OpenAiError if the job ends badly. A last stage that streamed no text is answered
+        with its `text` output once the job ended. `on_event` is awaited at every arrival (an audio
+        chat sends the speech made meanwhile)."""
+        async with aclosing(follow_batches(request, self.api.scheduler, job.id)) as batches:
+            async for batch in batches:
+                if on_event is not None:
+                    await on_event()
+                texts = [text for ev in batch if (text := _take(ev, gen))]
+                if texts:
+                    text = "".join(texts)
                     gen.pieces.append(text)
                     yield text
         record = _succeeded(self.api.scheduler, job.id)
