@@ -30,7 +30,7 @@ from omnid.supervisor.jobs.scheduler import Scheduler
 from omnid.supervisor.workers.stage_group import StageGroup
 from omnid.vocabulary import ErrorCode, EventType, JobState, StageRunState, WorkerState
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[3] / "fixtures"
 
 
 class FakeStage:
