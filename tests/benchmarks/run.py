@@ -53,7 +53,7 @@ class Bench:
 
 # The suite, in the order it runs. Streaming first: it is the priority.
 BENCHES: list[Bench] = [
-    Bench("streaming", "streaming", bench_streaming.bench_streaming,
+    Bench("windows", "streaming", bench_streaming.bench_streaming,
           ["streaming: submit -> 1st consumer segment, window 8", "streaming: submit -> job end, window 8"],
           (200, 90), ("engines",)),
     Bench("omni", "streaming", bench_omni.bench_omni, bench_omni.FIGURES, (900, 600), ()),
