@@ -146,6 +146,11 @@ class Engine(abc.ABC):
         """A `step` now would make progress; False while every request waits for streamed input."""
         return self.has_work()
 
+    def outputs_waiting(self) -> bool:
+        """An engine that computes on its own while the worker does other work (vLLM's core in a
+        process): its next step's outputs are there to take. Others: False (a step computes them)."""
+        return False
+
     def info(self) -> dict[str, Any]:
         """Facts for `GET /v1/stages` (model, dtype, ...)."""
         return {}

@@ -204,6 +204,19 @@ def engine_args(stage: StageConfig) -> dict[str, Any]:
     return args
 
 
+def chat_prompt(tokenizer: Any, model: object, messages: Any) -> dict[str, Any]:
+    """`messages` (a list of {"role", "content"}, or that list as JSON text) rendered with the
+    tokenizer's chat template, as token ids (the template writes its own special tokens)."""
+    if isinstance(messages, str):
+        messages = json.loads(messages)
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise ValueError("\"messages\" must be a list of {\"role\", \"content\"} objects")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer of {model} has no chat template: send a \"prompt\"")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return {"prompt_token_ids": list(tokenizer.encode(text, add_special_tokens=False))}
+
+
 DEFAULT_AUDIO_RATE = 16000      # when the processor does not say (Whisper-style encoders take 16 kHz)
 
 
@@ -257,9 +270,14 @@ class VllmEngine(Engine):
         if self._tapped:
             self.engine.collective_rpc("omnid_tap_install", args=(list(stage.hidden_layers),))
         self._closing = False
+        self._core_outputs = getattr(self.engine.engine_core, "outputs_queue", None) if self._own_core else None
         self._core_pids: list[int] = []
         if self._own_core:
             self._watch_core()
+        try:        # the chat template compiles now, not in the first chat's first token (~80 ms)
+            self._render(chat_prompt(self.engine.get_tokenizer(), stage.model, [{"role": "user", "content": "hi"}]))
+        except Exception:
+            pass    # (no chat template: chats are refused per job)
 
     def _watch_core(self) -> None:
         """A thread that waits on the engine core process; a core that dies while this worker lives
@@ -285,6 +303,11 @@ class VllmEngine(Engine):
             os._exit(EXIT_ENGINE_DIED)
 
         threading.Thread(target=watch, name="engine-core-watch", daemon=True).start()
+
+    def outputs_waiting(self) -> bool:
+        # vLLM's SyncMPClient: a thread of its own puts each step's outputs on this queue.
+        waiting = getattr(self._core_outputs, "qsize", None)
+        return bool(waiting and waiting() > 0)
 
     def close(self) -> None:
         self._closing = True
@@ -398,7 +421,7 @@ class VllmEngine(Engine):
             elif media or (messages is not None and self._processor is not None):
                 rendered = self._media_prompt(messages, text, media)
             elif messages is not None:
-                rendered = self._render(self._chat_prompt(messages))
+                rendered = self._render(chat_prompt(self.engine.get_tokenizer(), self.stage.model, messages))
             else:
                 rendered = self._render(text)
             sampling = self._SamplingParams(**params, output_kind=self._delta)
@@ -481,19 +504,6 @@ class VllmEngine(Engine):
         if media:
             prompt["multi_modal_data"] = media
         return self._render_chat(prompt)
-
-    def _chat_prompt(self, messages: Any) -> dict[str, Any]:
-        """`messages` (a list of {"role", "content"}, or that list as JSON text) rendered with the
-        tokenizer's chat template, as token ids (the template writes its own special tokens)."""
-        if isinstance(messages, str):
-            messages = json.loads(messages)
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise ValueError("\"messages\" must be a list of {\"role\", \"content\"} objects")
-        tokenizer = self.engine.get_tokenizer()
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"the tokenizer of {self.stage.model} has no chat template: send a \"prompt\"")
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return {"prompt_token_ids": list(tokenizer.encode(text, add_special_tokens=False))}
 
     def step(self) -> None:
         outputs = self.engine.step()

@@ -193,16 +193,21 @@ class StageWorker:
         while not self.shutting_down.is_set():
             handoff.handle_resends(on_wait=self._step, busy=engine.has_work)
             # 1. take input: block briefly only when the engine has nothing to do; take none while
-            #    a downstream has no room for a streamed job's first window (the stage's watermark)
+            #    a downstream has no room for a streamed job's first window (the stage's watermark).
+            #    An engine that steps on its own (vLLM's core in a process) is taken from while it
+            #    computes, up to the moment its next step's outputs are there: a wave of new jobs,
+            #    each rendered and tokenized here, never holds back the running ones' next tokens.
             while len(self.running) < self.stage.max_inflight and not self.shutting_down.is_set() \
                     and not handoff.backlog():
-                if not self._take_input():
+                if not self._take_input() or engine.outputs_waiting():
                     break
             # 2. abort what was cancelled, step the engine
             self._step()
-            # 3. emit outputs of the requests that completed
+            # 3. emit outputs of the requests that completed (the same: the rest after the next step)
             for job in [j for j, running in self.running.items() if running.request.done]:
                 self._complete(self.running.pop(job))     # (no local keeps the job's inputs alive)
+                if engine.outputs_waiting():
+                    break
             handoff.offer_windows()
             self.flush()
             handoff.prune()

@@ -267,6 +267,43 @@ def test_cancel_aborts_the_running_request_and_it_reports_stopped(harness: Calla
     assert not h.worker.running and not h.data.sent
 
 
+class SelfSteppingEngine(FakeEngine):
+    """Computes on its own, as vLLM's core in a process: while it has work, a step's outputs wait.
+    Its first `add` blocks until `gate` is set (so a second job is queued behind it)."""
+
+    def __init__(self) -> None:
+        super().__init__(hold=True)
+        self.calls: list[str] = []
+        self.gate = threading.Event()
+
+    def add(self, ctx: RequestContext) -> None:
+        self.calls.append(f"add {ctx.job}")
+        if len(self.calls) == 1:
+            self.gate.wait(5)
+        super().add(ctx)
+
+    def step(self) -> None:
+        self.calls.append("step")
+        super().step()
+
+    def outputs_waiting(self) -> bool:
+        return self.has_work()
+
+
+def test_new_jobs_wait_while_a_self_stepping_engine_has_outputs_for_the_running_ones(
+        harness: Callable[..., Harness]) -> None:
+    engine = SelfSteppingEngine()
+    h = harness("a", PLAIN, engine)
+    h.worker.admit(h.item("j1"))
+    wait_for(lambda: engine.calls, "j1's add")
+    h.worker.admit(h.item("j2"))                    # queued while j1 is being added
+    engine.gate.set()
+    wait_for(lambda: "add j2" in engine.calls, "j2's add")
+    # j1's outputs were taken (a step) before j2 was added: a wave of new jobs never holds back
+    # the running ones' tokens. (Without the check the two adds come back to back.)
+    assert "step" in engine.calls and engine.calls.index("step") < engine.calls.index("add j2"), engine.calls
+
+
 def test_a_cancelled_job_is_dropped_at_the_door(harness: Callable[..., Harness]) -> None:
     h = harness("a", PLAIN)
     h.control.put(P.Cancel("j1"))
