@@ -230,11 +230,13 @@ class VllmEngine(Engine):
         if not stage.devices:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         self._own_core = stage.engine_core == "process"
-        # The core's own process comes from `enable_multiprocessing` below; the variable stays 0
-        # (the worker's environment): on a CPU vLLM reads 1 as "and the model in a third process"
-        # (its mp executor, whose idle worker polls its queue at ~20 % of a core). With 0 the
-        # model runs in the core's process, as `vllm serve` runs one GPU.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # The core's own process comes from `enable_multiprocessing` below. VLLM_ENABLE_V1_
+        # MULTIPROCESSING stays as the worker's environment has it (0, unless the stage's `env`
+        # says 1): on a CPU, vLLM reads 1 as "and the model in a third process" (its mp executor,
+        # whose idle worker polls its queue at ~20 % of a core); with 0 the model runs in the
+        # core's process, as `vllm serve` runs one GPU.
+        if not self._own_core:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         warnings.filterwarnings("ignore", category=FutureWarning)
         from vllm import EngineArgs, LLMEngine, SamplingParams
         from vllm.sampling_params import RequestOutputKind
