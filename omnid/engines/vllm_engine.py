@@ -308,8 +308,7 @@ class VllmEngine(Engine):
 
     def outputs_waiting(self) -> bool:
         # vLLM's SyncMPClient: a thread of its own puts each step's outputs on this queue.
-        waiting = getattr(self._core_outputs, "qsize", None)
-        return bool(waiting and waiting() > 0)
+        return self._core_outputs is not None and self._core_outputs.qsize() > 0
 
     def close(self) -> None:
         self._closing = True
