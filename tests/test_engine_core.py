@@ -25,14 +25,14 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import MODELS, TERMINAL, RunningDaemon, module_daemon, short_tmpdir, wait_for, wait_gone
+from conftest import MODELS, TERMINAL, TINY_LLM_ARGS, RunningDaemon, module_daemon, short_tmpdir, wait_for, wait_gone
 
 LLM = MODELS / "llm"
 
 
 def llm_stage(engine_core: str, **extra: Any) -> dict[str, Any]:
     return {"engine": "vllm", "model": str(LLM), "devices": [], "max_inflight": 8, "engine_core": engine_core,
-            "args": {"max_model_len": 512, "dtype": "bfloat16", "seed": 0},
+            "args": {"max_model_len": 512, **TINY_LLM_ARGS},
             "defaults": {"max_tokens": 12, "ignore_eos": True, "temperature": 0.0},
             "outputs": ["token_ids", "hidden_states"], **extra}
 

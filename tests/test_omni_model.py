@@ -45,7 +45,7 @@ def omni_model() -> Any:
 def thinker_daemon() -> Iterator[RunningDaemon]:
     _built()
     stages = {"thinker": {"engine": "vllm", "model": str(OMNI / "thinker"), "devices": [],
-                          "args": {"max_model_len": 512, "dtype": "float32"},
+                          "args": {"max_model_len": 512, "dtype": "float32", "enforce_eager": True},
                           "defaults": {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}}}
     with module_daemon(short_tmpdir(), stages, {"think": {"stages": ["thinker"]}}) as rd:
         yield rd

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from conftest import MODELS, RunningDaemon, module_daemon, openai_on_socket, short_tmpdir, wait_for, wait_started
+from conftest import MODELS, TINY_LLM_ARGS, RunningDaemon, module_daemon, openai_on_socket, short_tmpdir, wait_for, wait_started
 
 pytestmark = pytest.mark.engines
 
@@ -36,14 +36,14 @@ def _models() -> None:
 
 STAGES: dict[str, Any] = {
     "thinker": {"engine": "vllm", "model": str(MODELS / "omni" / "thinker"), "devices": [], "max_inflight": 8,
-                "hidden_prompt": True, "args": {"max_model_len": 512, "dtype": "float32", "seed": 0},
+                "hidden_prompt": True, "args": {"max_model_len": 512, "dtype": "float32", "seed": 0, "enforce_eager": True},
                 "defaults": {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}},
     "talker": {"engine": "python", "function": "omnid.omni.stages:talker", "model": str(MODELS / "omni"),
                "max_inflight": 8, "defaults": {"codes_per_token": 4}},
     "code2wav": {"engine": "python", "function": "omnid.omni.stages:code2wav", "model": str(MODELS / "omni"),
                  "max_inflight": 8, "defaults": {"num_steps": 2}},
     "tts": {"engine": "vllm", "model": str(MODELS / "tts"), "devices": [], "max_inflight": 4,
-            "args": {"max_model_len": 512, "dtype": "bfloat16", "seed": 0},
+            "args": {"max_model_len": 512, **TINY_LLM_ARGS},
             "defaults": {"max_tokens": 60, "temperature": 0.9, "seed": 7, "ignore_eos": True}},
     "tts_code2wav": {"engine": "python", "function": "omnid.omni.stages:code2wav", "model": str(MODELS / "omni"),
                      "max_inflight": 4, "defaults": {"num_steps": 2, "code_offset": 1000}},

@@ -32,6 +32,7 @@ import dataclasses
 import io
 import itertools
 import json
+import logging
 import os
 import sys
 import warnings
@@ -183,9 +184,9 @@ def engine_args(stage: StageConfig) -> dict[str, Any]:
     `distributed_executor_backend` in `args` wins (`--check` refuses `uni` with parallelism).
     """
     args: dict[str, Any] = {"model": str(stage.model), "disable_log_stats": True}
-    if not stage.devices:
-        # CUDA graphs and torch.compile warm-up cost ~40 s on a CPU and buy nothing there.
-        args["enforce_eager"] = True
+    # vLLM's own default (as `vllm serve` runs): the model torch.compile'd, on a CPU too, where
+    # it makes a step 1.5-2x faster than eager for a first load of ~30 s (~10 s from the compile
+    # cache). `enforce_eager = true` in `args` skips it.
     limits = stage.media.vllm_limits()
     if limits:                          # (--check refuses limit_mm_per_prompt in args: media says it)
         args["limit_mm_per_prompt"] = limits
@@ -202,6 +203,55 @@ def engine_args(stage: StageConfig) -> dict[str, Any]:
     if stage.takes_embeds:
         args["enable_prompt_embeds"] = True
     return args
+
+
+COMPILE_ROOM = 256 << 20     # free bytes a torch.compile'd load wants where its caches go
+
+
+def compile_cache_dirs() -> list[str]:
+    """Where a torch.compile'd vLLM load writes: vLLM's compile cache (VLLM_CACHE_ROOT, by default
+    ~/.cache/vllm) and inductor's (TORCHINDUCTOR_CACHE_DIR, by default /tmp/torchinductor_USER)."""
+    import getpass
+    import tempfile
+    vllm_root = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm")
+    try:
+        user = getpass.getuser()
+    except Exception:
+        user = str(os.getuid())
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(),
+                                                                         f"torchinductor_{user}")
+    return [vllm_root, inductor]
+
+
+def free_bytes(path: str) -> int:
+    """Free bytes on the file system that holds `path` (or would: its nearest existing parent)."""
+    while path and not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    try:
+        st = os.statvfs(path or "/")
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def eager_if_no_room(args: dict[str, Any], stage_args: dict[str, Any]) -> str | None:
+    """A compiled load whose caches cannot be written fails (inductor: ENOSPC), so a stage that did
+    not choose runs eager when a cache's file system has under COMPILE_ROOM free. Returns why, for
+    the log, or None."""
+    if args.get("enforce_eager") or "enforce_eager" in stage_args:
+        return None
+    short = [(d, free_bytes(d)) for d in compile_cache_dirs()]
+    short = [(d, n) for d, n in short if n < COMPILE_ROOM]
+    if not short:
+        return None
+    args["enforce_eager"] = True
+    where = ", ".join(f"{d} ({n >> 20} MiB free)" for d, n in short)
+    return (f"the torch.compile caches have no room: {where}, under {COMPILE_ROOM >> 20} MiB; the model "
+            f"runs eager (slower steps). Free space there, or set enforce_eager in the stage's args")
 
 
 def chat_prompt(tokenizer: Any, model: object, messages: Any) -> dict[str, Any]:
@@ -247,8 +297,11 @@ class VllmEngine(Engine):
         self._SamplingParams = SamplingParams
         self._delta = RequestOutputKind.DELTA
         self.stage = stage
-        self.engine = LLMEngine.from_engine_args(EngineArgs(**engine_args(stage)),
-                                                 enable_multiprocessing=self._own_core)
+        args = engine_args(stage)
+        why = eager_if_no_room(args, stage.args)
+        if why:
+            logging.getLogger("omnid.engines.vllm").warning(why)
+        self.engine = LLMEngine.from_engine_args(EngineArgs(**args), enable_multiprocessing=self._own_core)
         self.default_max_tokens = int(stage.defaults.get("max_tokens", 16))
         self._ids = itertools.count()
         self._requests: dict[str, _Request] = {}

@@ -14,7 +14,7 @@ import statistics
 import time
 from typing import Any
 
-from _harness import MODELS, Ctx, Row, at_least, at_most, fmt, in_threads, kill_daemon, p50, raise_first
+from _harness import MODELS, TINY_LLM_ARGS, Ctx, Row, at_least, at_most, fmt, in_threads, kill_daemon, p50, raise_first
 from bench_tensors import _launch
 
 TOKENS = 24                         # 8 concurrent jobs' answers
@@ -27,14 +27,14 @@ def _config() -> tuple[dict[str, Any], dict[str, Any]]:
     omni = str(MODELS / "omni")
     stages: dict[str, Any] = {
         "thinker": {"engine": "vllm", "model": omni + "/thinker", "devices": [], "max_inflight": 8,
-                    "hidden_prompt": True, "args": {"max_model_len": 512, "dtype": "float32", "seed": 0},
+                    "hidden_prompt": True, "args": {"max_model_len": 512, "dtype": "float32", "seed": 0, "enforce_eager": True},
                     "defaults": {"max_tokens": TOKENS, "temperature": 0.0, "ignore_eos": True}},
         "talker": {"engine": "python", "function": "omnid.omni.stages:talker", "model": omni, "max_inflight": 8,
                    "defaults": {"codes_per_token": CODES_PER_TOKEN}},
         "code2wav": {"engine": "python", "function": "omnid.omni.stages:code2wav", "model": omni,
                      "max_inflight": 8, "defaults": {"num_steps": 4}},
         "tts": {"engine": "vllm", "model": str(MODELS / "tts"), "devices": [], "max_inflight": 4,
-                "args": {"max_model_len": 512, "dtype": "bfloat16", "seed": 0},
+                "args": {"max_model_len": 512, **TINY_LLM_ARGS},
                 "defaults": {"max_tokens": 100, "temperature": 0.9, "seed": 7, "ignore_eos": True}},
         "speak_codes": {"engine": "python", "function": "omnid.omni.stages:code2wav", "model": omni,
                         "max_inflight": 4, "defaults": {"num_steps": 4, "code_offset": 1000}},

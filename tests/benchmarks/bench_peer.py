@@ -6,7 +6,7 @@ and slows whatever runs beside it):
 
 - `vllm serve .models/llm --max-num-seqs C`;
 - omnid with one `chat` pipeline of one vLLM stage, `max_inflight = C` and `max_num_seqs = C`,
-  reached on `daemon.listen` with an API key (the client sends OPENAI_API_KEY as a Bearer key).
+  torch.compile'd as `vllm serve` compiles it (vLLM's default and omnid's), reached on `daemon.listen` with an API key (the client sends OPENAI_API_KEY as a Bearer key).
 
 The load: 64 prompts of the random dataset, 32 tokens in and 64 out, `--ignore-eos`, at most C
 requests at once, for C in 16 and 64. Rounds alternate the two servers (vLLM, omnid, vLLM, ...);
@@ -114,7 +114,9 @@ def _vllm_round(ctx: Ctx, concurrency: int, tag: str) -> dict[str, Any]:
 
 def _omnid_round(ctx: Ctx, concurrency: int, tag: str) -> dict[str, Any]:
     port = _free_port()
-    stage = tiny_llm(max_inflight=concurrency, queue_capacity=concurrency, args={"max_num_seqs": concurrency},
+    # compiled, as `vllm serve` runs it (the bench's other vLLM stages run eager, as their anchors do)
+    stage = tiny_llm(max_inflight=concurrency, queue_capacity=concurrency,
+                     args={"max_num_seqs": concurrency, "enforce_eager": False},
                      env={"VLLM_CPU_KVCACHE_SPACE": ENV["VLLM_CPU_KVCACHE_SPACE"]})
     d = start_daemon({"chat": stage}, {"chat": {"stages": ["chat"]}}, {"listen": [f"127.0.0.1:{port}"]})
     try:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from omnid import config as C
-from omnid.engines.vllm_engine import engine_args
+from omnid.engines.vllm_engine import COMPILE_ROOM, compile_cache_dirs, eager_if_no_room, engine_args, free_bytes
 
 
 def stage(args: dict[str, Any], devices: tuple[int, ...] = ()) -> C.StageConfig:
@@ -17,8 +18,9 @@ def stage(args: dict[str, Any], devices: tuple[int, ...] = ()) -> C.StageConfig:
 
 def test_one_process_by_default_and_mp_when_parallel() -> None:
     assert engine_args(stage({}))["distributed_executor_backend"] == "uni"
-    assert engine_args(stage({}))["enforce_eager"] is True                      # on the CPU
+    assert "enforce_eager" not in engine_args(stage({}))                        # vLLM's default: compiled
     assert "enforce_eager" not in engine_args(stage({}, devices=(0,)))
+    assert engine_args(stage({"enforce_eager": True}))["enforce_eager"] is True
     assert engine_args(stage({"tensor_parallel_size": 2}, (0, 1)))["distributed_executor_backend"] == "mp"
     assert engine_args(stage({"pipeline_parallel_size": 2}, (0, 1)))["distributed_executor_backend"] == "mp"
     assert engine_args(stage({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}, (0, 1)))[
@@ -70,3 +72,31 @@ def test_the_tap_and_prompt_embeds_only_when_asked() -> None:
                                      tensor_outputs=frozenset({"hidden_states"})))["enforce_eager"] is False
     fed = C.StageConfig(name="llm", engine="vllm", model=Path("/m"), takes_embeds=True)
     assert engine_args(fed)["enable_prompt_embeds"] is True
+
+
+def test_a_compiled_load_without_room_for_its_caches_runs_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    small = tmp_path / "small"
+    small.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs (needs root): {done.stderr.strip()}")
+    try:
+        roomy = tmp_path / "roomy"
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(roomy / "inductor"))     # (not there yet)
+        monkeypatch.setenv("VLLM_CACHE_ROOT", str(roomy / "vllm"))
+        assert compile_cache_dirs() == [str(roomy / "vllm"), str(roomy / "inductor")]
+        if free_bytes(str(roomy)) < COMPILE_ROOM:
+            pytest.skip("this disk has under COMPILE_ROOM free")
+        args: dict[str, Any] = {}
+        assert eager_if_no_room(args, {}) is None and "enforce_eager" not in args
+
+        monkeypatch.setenv("VLLM_CACHE_ROOT", str(small / "vllm"))
+        assert 0 < free_bytes(str(small / "vllm")) <= 4 << 20                   # its nearest existing parent
+        why = eager_if_no_room(args, {})
+        assert args["enforce_eager"] is True
+        assert why is not None and str(small / "vllm") in why and str(roomy) not in why
+
+        args = {"enforce_eager": False}                                           # the stage chose: it stands
+        assert eager_if_no_room(args, {"enforce_eager": False}) is None and args["enforce_eager"] is False
+    finally:
+        subprocess.run(["umount", str(small)], check=False)

@@ -1,0 +1,77 @@
+"""A vLLM stage on the CPU as vLLM runs it by default: the model torch.compile'd, its compile cache
+written where VLLM_CACHE_ROOT says; and one whose cache has no room, which runs eager and says why
+instead of failing to load (inductor raises ENOSPC). Real daemon, real engines, a real full tmpfs.
+
+(The rest of the suite sets enforce_eager: a compiled load costs ~30 s on 2 cores.)
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import MODELS, RunningDaemon, module_daemon, short_tmpdir
+
+LLM = MODELS / "llm"
+
+
+def compiled_stage(cache_root: Path) -> dict[str, Any]:
+    return {"engine": "vllm", "model": str(LLM), "devices": [], "max_inflight": 4,
+            "args": {"max_model_len": 256, "dtype": "bfloat16", "seed": 0},      # no enforce_eager
+            "env": {"VLLM_CACHE_ROOT": str(cache_root)},
+            "defaults": {"max_tokens": 8, "ignore_eos": True, "temperature": 0.0}}
+
+
+@pytest.fixture(scope="module")
+def d() -> Iterator[RunningDaemon]:
+    if not (LLM / ".omnid-tiny-ok").exists():
+        subprocess.run([sys.executable, "-m", "omnid.tinymodels", str(MODELS)], check=True)
+    top = short_tmpdir()
+    full = top / "full"
+    full.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(full)], capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs (needs root): {done.stderr.strip()}")
+    try:
+        subprocess.run(["dd", "if=/dev/zero", f"of={full / 'ballast'}", "bs=64k"], capture_output=True)  # until ENOSPC
+        stages = {"compiled": compiled_stage(top / "cache"), "nocache": compiled_stage(full / "vllm")}
+        pipelines = {name: {"stages": [name]} for name in stages}
+        (top / "d").mkdir()
+        with module_daemon(top / "d", stages, pipelines, ready_timeout=600) as rd:
+            rd.top = top          # type: ignore[attr-defined]
+            yield rd
+    finally:
+        subprocess.run(["umount", str(full)], check=False)
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def run_one(d: RunningDaemon, pipeline: str) -> dict[str, Any]:
+    doc = d.wait(d.submit(pipeline, {"prompt": "a compiled model"}))
+    assert doc["state"] == "succeeded", doc
+    return doc
+
+
+def test_a_cpu_stage_compiles_by_default_and_caches_the_graph(d: RunningDaemon) -> None:
+    for _ in range(2):
+        text, _ = d.client.output(run_one(d, "compiled")["id"], "text")
+        assert text
+    cache = d.top / "cache" / "torch_compile_cache"          # type: ignore[attr-defined]
+    assert cache.is_dir() and any(p.is_file() for p in cache.rglob("*")), "no compiled graph was cached"
+    assert "compile caches have no room" not in log_of(d, "compiled")
+
+
+def test_a_stage_whose_compile_cache_is_full_runs_eager_and_says_why(d: RunningDaemon) -> None:
+    run_one(d, "nocache")
+    said = log_of(d, "nocache")
+    assert "compile caches have no room" in said and str(d.top / "full" / "vllm") in said, said[-3000:]  # type: ignore[attr-defined]
+    assert not (d.top / "full" / "vllm" / "torch_compile_cache").exists()     # type: ignore[attr-defined]
+
+
+def log_of(d: RunningDaemon, stage: str) -> str:
+    return "\n".join(line for line in d.log().splitlines() if stage in line)
