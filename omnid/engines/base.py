@@ -146,6 +146,11 @@ class Engine(abc.ABC):
         """A `step` now would make progress; False while every request waits for streamed input."""
         return self.has_work()
 
+    def wake(self) -> None:
+        """Called from any thread when the worker has something new (a job, a window, a cancel):
+        a `step` blocked waiting on an engine that computes on its own returns at once, with or
+        without outputs. Others: nothing (their step computes, and is not waiting)."""
+
     def outputs_waiting(self) -> bool:
         """An engine that computes on its own while the worker does other work (vLLM's core in a
         process): its next step's outputs are there to take. Others: False (a step computes them)."""

@@ -54,6 +54,20 @@ from omnid.worker.outputs import Sink, WriteOutputs
 from omnid.worker.windows import InputStream
 
 
+class Wakeup(threading.Event):
+    """The busy loop's wake-up: an Event whose `set` (any thread) also wakes the engine, so that a
+    step blocked on an engine that computes on its own (vLLM's core in a process) returns, and a
+    cancel or a new job is served now, not after the step being computed."""
+
+    def __init__(self, also: Callable[[], None]) -> None:
+        super().__init__()
+        self._also = also
+
+    def set(self) -> None:
+        super().set()
+        self._also()
+
+
 class ControlChannel(Protocol):
     """The worker's end of its control channel: the supervisor's messages in, its events out.
 
@@ -88,7 +102,7 @@ class StageWorker:
         reporter = Reporter(conn, self._flush_live)
         self.send, self.post, self.flush = reporter.send, reporter.post, reporter.flush
         self.jobs = JobTable()                  # what the worker knows of each job (and its lock)
-        self.wakeup = threading.Event()      # a window, an input or a cancel arrived: the loop looks again
+        self.wakeup = Wakeup(self._wake_engine)  # a window, an input or a cancel arrived: the loop looks again
         self.shutting_down = threading.Event()
         self._reconfigured = threading.Condition()   # `config` replaced by a reload
         self.intake = Intake(self.stage.name, self.stage.queue_capacity, self.jobs, self.send, self.wakeup,
@@ -102,6 +116,9 @@ class StageWorker:
         self.engine: Engine = _NoEngine()          # until load_engine() returns
 
     # ------------------------------------------------------------------ plumbing
+
+    def _wake_engine(self) -> None:
+        self.engine.wake()      # a step that waits on a self-stepping engine's outputs returns now
 
     def _flush_live(self) -> None:
         for job in self.running.values():
@@ -163,6 +180,7 @@ class StageWorker:
 
     def on_shutdown(self, msg: P.Shutdown) -> None:
         self.shutting_down.set()
+        self.wakeup.set()               # a step waiting on the engine returns: the loop sees the shutdown
         if self.listener is not None:
             self.listener.close()       # senders now wait for the next worker at our address
 
@@ -246,6 +264,7 @@ class StageWorker:
         engine keeps serving (and aborting) its other requests meanwhile.
         """
         engine = self.engine
+        aborted = False
         for job, running in list(self.running.items()):
             ctx = running.request
             if not ctx.done and self.jobs.is_dead(job):
@@ -254,9 +273,10 @@ class StageWorker:
                 except Exception as e:
                     ctx.fail(f"abort failed: {type(e).__name__}: {e}")
                 ctx.stopped()
+                aborted = True
         self.handoff.offer_windows()
-        if not engine.has_work():
-            return
+        if aborted or not engine.has_work():
+            return      # (aborted: the loop frees their places and takes the next jobs before a step)
         try:
             engine.step()
             self.flush()

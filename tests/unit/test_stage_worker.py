@@ -304,6 +304,44 @@ def test_new_jobs_wait_while_a_self_stepping_engine_has_outputs_for_the_running_
     assert "step" in engine.calls and engine.calls.index("step") < engine.calls.index("add j2"), engine.calls
 
 
+class SlowCoreEngine(FakeEngine):
+    """Its step waits (up to `step_s`) for the next outputs of a core computing elsewhere, unless
+    `wake` is called, as VllmEngine's step waits on its core's output queue."""
+
+    def __init__(self, step_s: float) -> None:
+        super().__init__(hold=True)
+        self.step_s = step_s
+        self.woken = threading.Event()
+        self.steps = 0
+
+    def step(self) -> None:
+        self.steps += 1
+        self.woken.wait(self.step_s)
+        self.woken.clear()
+
+    def ready(self) -> bool:
+        return self.has_work()
+
+    def wake(self) -> None:
+        self.woken.set()
+
+
+def test_a_cancel_wakes_a_step_waiting_on_the_engine_and_the_next_job_starts_now(
+        harness: Callable[..., Harness]) -> None:
+    engine = SlowCoreEngine(step_s=30.0)
+    h = harness("a", PLAIN, engine)
+    for job in ("j1", "j2", "j3"):
+        h.worker.admit(h.item(job))                     # max_inflight 2: j3 is queued
+    wait_for(lambda: h.control.of(P.Started, "j2") and engine.steps, "j1 and j2 to start, a step to wait")
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    h.control.put(P.Cancel("j1"))
+    wait_for(lambda: h.control.of(P.Started, "j3"), "j3 to start")
+    # The step in flight gave way to the cancel: without the wake-up j3 would wait out its 30 s.
+    assert time.monotonic() - t0 < 5
+    assert engine.aborted == ["j1"] and [type(m) for m in h.ended("j1")] == [P.Stopped]
+
+
 def test_a_cancelled_job_is_dropped_at_the_door(harness: Callable[..., Harness]) -> None:
     h = harness("a", PLAIN)
     h.control.put(P.Cancel("j1"))

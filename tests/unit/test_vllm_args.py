@@ -100,3 +100,17 @@ def test_a_compiled_load_without_room_for_its_caches_runs_eager(tmp_path: Path, 
         assert eager_if_no_room(args, {"enforce_eager": False}) is None and args["enforce_eager"] is False
     finally:
         subprocess.run(["umount", str(small)], check=False)
+
+
+def test_a_cpu_stage_leaves_one_cpu_to_the_worker_and_the_supervisor(monkeypatch: pytest.MonkeyPatch) -> None:
+    from omnid.engines.vllm_engine import cpu_threads
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    cpu = stage({})
+    assert cpu_threads(cpu, engine_args(cpu), {}) == 3
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {5})
+    assert cpu_threads(cpu, engine_args(cpu), {}) == 1                          # never none
+    assert cpu_threads(cpu, engine_args(cpu), {"OMP_NUM_THREADS": "2"}) is None  # the stage's env says
+    gpu = stage({}, devices=(0,))
+    assert cpu_threads(gpu, engine_args(gpu), {}) is None
+    tp = stage({"tensor_parallel_size": 2})
+    assert cpu_threads(tp, engine_args(tp), {}) is None                          # vLLM's mp executor sets its own
