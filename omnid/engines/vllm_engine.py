@@ -37,7 +37,7 @@ import os
 import queue
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -239,7 +239,7 @@ def free_bytes(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def eager_if_no_room(args: dict[str, Any], stage_args: dict[str, Any]) -> str | None:
+def eager_if_no_room(args: dict[str, Any], stage_args: Mapping[str, Any]) -> str | None:
     """A compiled load whose caches cannot be written fails (inductor: ENOSPC), so a stage that did
     not choose runs eager when a cache's file system has under COMPILE_ROOM free. Returns why, for
     the log, or None."""
