@@ -8,7 +8,7 @@ and slows whatever runs beside it):
 - omnid with one `chat` pipeline of one vLLM stage, `max_inflight = C` and `max_num_seqs = C`,
   torch.compile'd as `vllm serve` compiles it (vLLM's default and omnid's), reached on `daemon.listen` with an API key (the client sends OPENAI_API_KEY as a Bearer key).
 
-The load: 64 prompts of the random dataset, 32 tokens in and 64 out, `--ignore-eos`, at most C
+The load: 64 prompts (128 at C = 64) of the random dataset, 32 tokens in and 64 out, `--ignore-eos`, at most C
 requests at once, for C in 16 and 64. Rounds alternate the two servers (vLLM, omnid, vLLM, ...);
 each row gives omnid's median, vLLM's median, and the median of the per-round ratios omnid/vLLM
 with their range. Three rounds (one with --quick). Rows: request throughput, TTFT p50 and p99,
@@ -31,17 +31,26 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from _harness import BENCH_DIR, MODELS, VLLM_ARGS, Ctx, Row, kill_daemon, start_daemon, tiny_llm
+from _harness import BENCH_DIR, MODELS, VLLM_ARGS, Ctx, Goal, Row, at_least, at_most, kill_daemon, start_daemon, tiny_llm
 
 CLI = BENCH_DIR / "_vllm_cli.py"
 CONCURRENCY = (16, 64)
-PROMPTS, INPUT_LEN, OUTPUT_LEN = 64, 32, 64
+INPUT_LEN, OUTPUT_LEN = 32, 64
+
+
+def prompts(concurrency: int) -> int:
+    """Chats per run: two waves at least (64 at concurrency 16, 128 at 64)."""
+    return max(64, 2 * concurrency)
+
 ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
 ROUND_S = 400           # what one round (two server starts, two client runs) may take on a busy machine
-# (row name, result key, unit, higher is better)
-METRICS = (("request throughput", "request_throughput", "req/s", True),
-           ("TTFT p50", "median_ttft_ms", "ms", False), ("TTFT p99", "p99_ttft_ms", "ms", False),
-           ("TPOT p50", "median_tpot_ms", "ms", False), ("ITL p99", "p99_itl_ms", "ms", False))
+# (row name, result key, unit, higher is better, the goal on omnid / vLLM)
+METRICS: tuple[tuple[str, str, str, bool, Goal | None], ...] = (
+    ("request throughput", "request_throughput", "req/s", True, at_least(1.0, ">= 1.0x")),
+    ("TTFT p50", "median_ttft_ms", "ms", False, at_most(1.0, "stays ahead")),
+    ("TTFT p99", "p99_ttft_ms", "ms", False, at_most(1.0, "<= 1.0x")),
+    ("TPOT p50", "median_tpot_ms", "ms", False, None),
+    ("ITL p99", "p99_itl_ms", "ms", False, at_most(1.2, "<= 1.2x")))
 
 
 def _free_port() -> int:
@@ -75,7 +84,7 @@ def _client(ctx: Ctx, port: int, concurrency: int, key: str | None, tag: str) ->
     cmd = [sys.executable, str(CLI), "bench", "serve", "--backend", "openai-chat",
            "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/chat/completions", "--model", "chat",
            "--tokenizer", str(MODELS / "llm"), "--dataset-name", "random", "--random-input-len", str(INPUT_LEN),
-           "--random-output-len", str(OUTPUT_LEN), "--num-prompts", str(PROMPTS), "--max-concurrency",
+           "--random-output-len", str(OUTPUT_LEN), "--num-prompts", str(prompts(concurrency)), "--max-concurrency",
            str(concurrency), "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out.parent),
            "--result-filename", out.name]
@@ -85,8 +94,8 @@ def _client(ctx: Ctx, port: int, concurrency: int, key: str | None, tag: str) ->
         raise RuntimeError(f"vllm bench serve ({tag}) exited {done.returncode}: "
                            f"{log.read_text(errors='replace')[-1500:]}")
     result: dict[str, Any] = json.loads(out.read_text())
-    if result.get("completed") != PROMPTS:
-        raise RuntimeError(f"{tag}: {result.get('completed')} of {PROMPTS} requests completed")
+    if result.get("completed") != prompts(concurrency):
+        raise RuntimeError(f"{tag}: {result.get('completed')} of {prompts(concurrency)} requests completed")
     return result
 
 
@@ -141,16 +150,17 @@ def bench_peer(ctx: Ctx) -> list[Row]:
             peer.append(_vllm_round(ctx, c, f"vllm-c{c}-r{r}"))
             ctx.log(f"concurrency {c}, round {r + 1}/{rounds}: omnid")
             ours.append(_omnid_round(ctx, c, f"omnid-c{c}-r{r}"))
-        for name, key, unit, higher in METRICS:
+        for name, key, unit, higher, goal in METRICS:
             ratios = [o[key] / p[key] for o, p in zip(ours, peer) if p.get(key)]
             rows.append(Row(
-                f"peer: {name}, concurrency {c} (64 chats, 32 in / 64 out)",
+                f"peer: {name}, concurrency {c} ({prompts(c)} chats, 32 in / 64 out)",
                 value=statistics.median(o[key] for o in ours), unit=unit,
                 anchor="vllm serve, same load", anchor_value=statistics.median(p[key] for p in peer),
                 anchor_unit=unit, ratio=statistics.median(ratios) if ratios else None, ratio_def="omnid / vLLM",
+                goal=goal,
                 note=(f"median of {len(ratios)} alternating round(s); ratio range {min(ratios):.2f}-{max(ratios):.2f}; "
                       f"{'higher' if higher else 'lower'} is better") if ratios else ""))
     return rows
 
 
-FIGURES = [f"peer: {name}, concurrency {c} (64 chats, 32 in / 64 out)" for c in CONCURRENCY for name, *_ in METRICS]
+FIGURES = [f"peer: {name}, concurrency {c} ({prompts(c)} chats, 32 in / 64 out)" for c in CONCURRENCY for name, *_ in METRICS]
