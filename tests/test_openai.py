@@ -167,6 +167,25 @@ def test_a_streamed_chat_that_hangs_up_cancels_its_job(client: Any, daemon: Runn
     assert job["state"] == "cancelled", job
 
 
+def test_a_streamed_chat_opens_with_its_first_token_not_before(client: Any, daemon: RunningDaemon) -> None:
+    # The role chunk goes out with the first text (as `vllm serve` sends it), so a client that
+    # times the first chunk times the first token. The `slow` stage sleeps 50 ms before its first
+    # segment: a role chunk sent at the POST would come before the supervisor had that segment.
+    import time
+    stream = client.chat.completions.create(model="slow", messages=CHAT, stream=True)
+    it = iter(stream)
+    first = next(it)
+    t_first = time.time()
+    second = next(it)
+    stream.close()
+    assert first.choices[0].delta.role == "assistant" and not first.choices[0].delta.content
+    assert second.choices[0].delta.content == "0 "
+    job_id = first.id.removeprefix("chatcmpl-")
+    wait_for(lambda: _job(daemon, job_id)["state"] != "running", 30, f"job {job_id} to end")
+    segment = next(e for e in daemon.events(job_id) if e["type"] == "segment")
+    assert float(segment["ts"]) <= t_first, (segment["ts"], t_first)
+
+
 def test_errors_are_openai_shaped(client: Any, daemon: RunningDaemon) -> None:
     before = len(daemon.client.jobs(limit=1000)["jobs"])
     with pytest.raises(openai.NotFoundError) as nf:

@@ -343,9 +343,9 @@ async def sse_response(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def sse_send(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
-    """One event: `data: JSON`."""
-    await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+async def sse_send(resp: web.StreamResponse, *objs: dict[str, Any]) -> None:
+    """Events, one `data: JSON` each, in one write."""
+    await resp.write(b"".join(b"data: " + json.dumps(obj).encode() + b"\n\n" for obj in objs))
 
 
 async def sse_done(resp: web.StreamResponse) -> None:

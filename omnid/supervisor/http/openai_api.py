@@ -292,17 +292,19 @@ class OpenAiApi:
             return {**head, "choices": [{"index": 0, "logprobs": None, "finish_reason": finish, "delta": delta}],
                     **({"usage": None} if include_usage else {})}
 
+        opening = _Opening(chunk({"role": "assistant", "content": None, "refusal": None}))
+
         async def pcm_out() -> None:
             data = reader.read()
             if data:
-                await sse_send(resp, chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode("ascii")}}))
+                await sse_send(resp, *opening.take(),
+                               chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode("ascii")}}))
 
         try:
-            await sse_send(resp, chunk({"role": "assistant", "content": None, "refusal": None}))
             await self._sse_answer(request, resp, job, gen, head if include_usage else None,
                                    lambda piece: chunk({"audio": {"id": audio_id, "transcript": piece}}),
                                    lambda: chunk({"audio": {"id": audio_id, "expires_at": expires}}, gen.finish_reason),
-                                   on_event=pcm_out)
+                                   on_event=pcm_out, opening=opening)
         except ConnectionError as e:
             log.debug("audio chat stream reader went away", job=job.id, error=str(e))
         finally:
@@ -312,19 +314,22 @@ class OpenAiApi:
     async def _sse_answer(self, request: web.Request, resp: web.StreamResponse, job: JobRecord, gen: _Generation,
                           usage_head: dict[str, Any] | None, piece: Callable[[str], dict[str, Any]],
                           last: Callable[[], dict[str, Any]],
-                          on_event: Callable[[], Awaitable[None]] | None = None) -> None:
+                          on_event: Callable[[], Awaitable[None]] | None = None,
+                          opening: _Opening | None = None) -> None:
         """A streamed answer's tail: a chunk per piece of text (`on_event` awaited at every event and
         once more at the end), the `last` chunk and the usage chunk (when `usage_head`), or the job's
-        error said in the stream as OpenAI's servers do; then `[DONE]`."""
+        error said in the stream as OpenAI's servers do; then `[DONE]`. `opening` (a chat's role
+        chunk) goes out with the first of them, in the same write."""
+        opening = opening or _Opening(None)
         try:
             async for text in self._deltas(request, job, gen, on_event=on_event):
-                await sse_send(resp, piece(text))
+                await sse_send(resp, *opening.take(), piece(text))
             if on_event is not None:
                 await on_event()                # the rest, once the job has ended
         except OpenAiError as e:
-            await sse_send(resp, _error_event(e))
+            await sse_send(resp, *opening.take(), _error_event(e))
         else:
-            await sse_send(resp, last())
+            await sse_send(resp, *opening.take(), last())
             if usage_head is not None:
                 await sse_send(resp, {**usage_head, "choices": [], "usage": _usage(gen)})
         await sse_done(resp)
@@ -390,13 +395,14 @@ class OpenAiApi:
                 choice["text"] = text or ""
             return {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
 
+        # A chat's role chunk goes with its first text, as `vllm serve` sends it: a client that
+        # times the first chunk (vLLM's benchmark, for one) times the first token, not the POST.
+        opening = _Opening(chunk(None, first=True) if chat else None)
         try:
-            if chat:
-                await sse_send(resp, chunk(None, first=True))
             if echo:
-                await sse_send(resp, chunk(echo))
+                await sse_send(resp, *opening.take(), chunk(echo))
             await self._sse_answer(request, resp, job, gen, head if include_usage else None, chunk,
-                                   lambda: chunk(None, gen.finish_reason))
+                                   lambda: chunk(None, gen.finish_reason), opening=opening)
         except ConnectionError as e:
             log.debug("chat stream reader went away", job=job.id, error=str(e))
         return resp
@@ -827,6 +833,18 @@ def _wav_bytes(data: bytes) -> bytes:
         return data
     n = len(data) - WAV_HEADER_BYTES
     return b"RIFF" + (n + 36).to_bytes(4, "little") + data[8:40] + n.to_bytes(4, "little") + data[WAV_HEADER_BYTES:]
+
+
+class _Opening:
+    """A stream's opening chunk (a chat's role chunk), held until the first chunk that follows it:
+    `take()` gives it once, in a list to splat into `sse_send`, then nothing."""
+
+    def __init__(self, chunk: dict[str, Any] | None) -> None:
+        self._chunk = chunk
+
+    def take(self) -> list[dict[str, Any]]:
+        chunk, self._chunk = self._chunk, None
+        return [chunk] if chunk is not None else []
 
 
 class _LiveAudio:
