@@ -7,6 +7,7 @@ instead of failing to load (inductor raises ENOSPC). Real daemon, real engines, 
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -64,6 +65,8 @@ def test_a_cpu_stage_compiles_by_default_and_caches_the_graph(d: RunningDaemon) 
     cache = d.top / "cache" / "torch_compile_cache"          # type: ignore[attr-defined]
     assert cache.is_dir() and any(p.is_file() for p in cache.rglob("*")), "no compiled graph was cached"
     assert "compile caches have no room" not in log_of(d, "compiled")
+    info = d.stages()["compiled"]["info"]
+    assert info["compiled"] is True and info["threads"] == max(1, len(os.sched_getaffinity(0)) - 1), info
 
 
 def test_a_stage_whose_compile_cache_is_full_runs_eager_and_says_why(d: RunningDaemon) -> None:
@@ -71,6 +74,7 @@ def test_a_stage_whose_compile_cache_is_full_runs_eager_and_says_why(d: RunningD
     said = log_of(d, "nocache")
     assert "compile caches have no room" in said and str(d.top / "full" / "vllm") in said, said[-3000:]  # type: ignore[attr-defined]
     assert not (d.top / "full" / "vllm" / "torch_compile_cache").exists()     # type: ignore[attr-defined]
+    assert d.stages()["nocache"]["info"]["compiled"] is False
 
 
 def log_of(d: RunningDaemon, stage: str) -> str:

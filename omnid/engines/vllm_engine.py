@@ -456,7 +456,11 @@ class VllmEngine(Engine):
         cfg = self.engine.model_config
         info: dict[str, Any] = {"model": str(self.stage.model), "dtype": str(getattr(cfg, "dtype", "")),
                                 "max_model_len": getattr(cfg, "max_model_len", None),
-                                "engine_core": {"where": self.stage.engine_core, "pids": self._core_pids}}
+                                "engine_core": {"where": self.stage.engine_core, "pids": self._core_pids},
+                                # torch.compile'd (vLLM's default), or eager (asked, or no room for its caches)
+                                "compiled": not getattr(cfg, "enforce_eager", True)}
+        if not self.stage.devices and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+            info["threads"] = int(os.environ["OMP_NUM_THREADS"])     # the model's OpenMP threads
         if self.stage.tensor_outputs or self.stage.takes_embeds:
             # what the pipelines ask of it: GET /v1/stages shows whether the tap is in
             info["tensors"] = {"gives": sorted(self.stage.tensor_outputs), "takes_embeds": self.stage.takes_embeds,
