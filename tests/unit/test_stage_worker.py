@@ -455,6 +455,9 @@ def test_forget_drops_the_windows_not_sent_yet(harness: Callable[..., Harness]) 
     h.control.put(P.Cancel("j1"))
     h.control.put(P.Forget("j1"))
     wait_for(lambda: len(h.worker.jobs) == 0, "j1 to be forgotten")
+    # The main thread drops the windows at its next offer. (Room only after that: an offer it had
+    # begun before the cancel may still be under way, and would find it.)
+    wait_for(lambda: "j1" not in h.worker.handoff._offering, "j1's unsent windows to be dropped")
     h.data.room = True
     h.worker.admit(h.item("j2"))            # taken at once: nothing of j1 holds the input back any more
     wait_for(lambda: h.control.of(P.Delivered, "j2"), "j2's windows")
