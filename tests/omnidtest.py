@@ -9,6 +9,7 @@ arguments from here too.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +162,20 @@ def build_tiny_models(*names: str) -> None:
     from omnid.tinymodels import is_built
     if not all(is_built(MODELS / name, name) for name in names):
         subprocess.run([sys.executable, "-m", "omnid.tinymodels", str(MODELS)], check=True)
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size_mb: int, mode: str | None = None) -> Iterator[Path]:
+    """A fresh `size_mb` MiB tmpfs mounted on the folder `path` (made here), unmounted at the end;
+    the test is skipped where it cannot be mounted (not root)."""
+    path.mkdir(parents=True, exist_ok=True)
+    opts = f"size={size_mb}m" + (f",mode={mode}" if mode else "")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True)
+    if done.returncode != 0:
+        import pytest
+        pytest.skip(f"cannot mount a tmpfs (needs root): {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ import pytest
 
 from omnictl.client import UnixHTTPConnection
 from conftest import FIXTURES, RunningDaemon, omnictl, short_tmpdir, wait_for
+from omnidtest import tmpfs
 
 DISK_MB = 24
 FLOORS = {"min_free_mb": 4, "min_free_inodes": 64, "ballast_mb": 2, "log_level": "info",
@@ -41,17 +41,8 @@ PIPELINES = {"blob": {"stages": ["blob"]}, "text": {"stages": ["drip"]}}
 def small_disk() -> Iterator[Path]:
     """A folder whose `state` is a fresh 24 MiB tmpfs (unmounted at the end)."""
     d = short_tmpdir()
-    state = d / "state"
-    state.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_MB}m,mode=0700", "tmpfs", str(state)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs for the state dir (needs root): {done.stderr.strip()}")
-    try:
+    with tmpfs(d / "state", DISK_MB, mode="0700"):
         yield d
-    finally:
-        if subprocess.run(["umount", str(state)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(state)], capture_output=True)
 
 
 def raw(d: RunningDaemon, method: str, path: str, body: Any = None) -> tuple[int, dict[str, str], Any]:

@@ -7,6 +7,7 @@ instead of failing to load (inductor raises ENOSPC). Real daemon, real engines, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 
 from conftest import MODELS, RunningDaemon, module_daemon, short_tmpdir
+from omnidtest import tmpfs
 
 LLM = MODELS / "llm"
 
@@ -34,12 +36,9 @@ def d() -> Iterator[RunningDaemon]:
     if not (LLM / ".omnid-tiny-ok").exists():
         subprocess.run([sys.executable, "-m", "omnid.tinymodels", str(MODELS)], check=True)
     top = short_tmpdir()
-    full = top / "full"
-    full.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(full)], capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs (needs root): {done.stderr.strip()}")
+    stack = contextlib.ExitStack()
     try:
+        full = stack.enter_context(tmpfs(top / "full", 4))
         subprocess.run(["dd", "if=/dev/zero", f"of={full / 'ballast'}", "bs=64k"], capture_output=True)  # until ENOSPC
         stages = {"compiled": compiled_stage(top / "cache"), "nocache": compiled_stage(full / "vllm")}
         pipelines = {name: {"stages": [name]} for name in stages}
@@ -48,7 +47,7 @@ def d() -> Iterator[RunningDaemon]:
             rd.top = top          # type: ignore[attr-defined]
             yield rd
     finally:
-        subprocess.run(["umount", str(full)], check=False)
+        stack.close()
         shutil.rmtree(top, ignore_errors=True)
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from omnid import config as C
+from omnidtest import tmpfs
 from omnid.engines.vllm_engine import COMPILE_ROOM, compile_cache_dirs, eager_if_no_room, engine_args, free_bytes
 
 
@@ -75,12 +75,7 @@ def test_the_tap_and_prompt_embeds_only_when_asked() -> None:
 
 
 def test_a_compiled_load_without_room_for_its_caches_runs_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    small = tmp_path / "small"
-    small.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs (needs root): {done.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "small", 4) as small:
         roomy = tmp_path / "roomy"
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(roomy / "inductor"))     # (not there yet)
         monkeypatch.setenv("VLLM_CACHE_ROOT", str(roomy / "vllm"))
@@ -98,8 +93,6 @@ def test_a_compiled_load_without_room_for_its_caches_runs_eager(tmp_path: Path, 
 
         args = {"enforce_eager": False}                                           # the stage chose: it stands
         assert eager_if_no_room(args, {"enforce_eager": False}) is None and args["enforce_eager"] is False
-    finally:
-        subprocess.run(["umount", str(small)], check=False)
 
 
 def test_a_cpu_stage_leaves_one_cpu_to_the_worker_and_the_supervisor(monkeypatch: pytest.MonkeyPatch) -> None:
