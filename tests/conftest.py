@@ -46,6 +46,12 @@ from omnictl.client import (TERMINAL_STATES, Client, ClientError, DaemonUnreacha
 from omnidtest import (EXAMPLES, FIXTURES, MODELS, ROOT, TINY_LLM_ARGS, build_tiny_models,  # noqa: F401
                        demo_stage, python_stage, stop_process, tiny_llm, tiny_sd, toml_dumps)
 
+# Every process this session starts (daemons, workers, engine cores, Ray's nodes, CLIs) inherits
+# this mark in its environment; at the session's end none may be left (`pytest_sessionfinish`).
+SESSION_MARK = "OMNID_TEST_SESSION"
+os.environ[SESSION_MARK] = f"{os.getpid()}-{time.time_ns()}"
+LEFTOVER_GRACE_S = 15.0
+
 ANY_EXIT = "any"         # `expect_exit=ANY_EXIT`: the test checks the daemon's exit status itself
 STOP_TIMEOUT_S = 30      # how long a daemon may take to exit after SIGTERM
 EVENT_IDLE_S = 5.0       # an event stream quiet this long is reopened (replayed) to look at the clock
@@ -502,3 +508,51 @@ def start_daemon() -> Iterator[Callable[..., RunningDaemon]]:
     for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
     assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------------------------------- nothing outlives the suite
+
+
+def session_processes() -> list[psutil.Process]:
+    """The live processes that carry this session's mark (but this one)."""
+    mark = os.environ[SESSION_MARK]
+    found = []
+    for p in psutil.process_iter():
+        if p.pid == os.getpid():
+            continue
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(SESSION_MARK) == mark:
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The suite cleans up after itself: what it started and left running is named, killed, and
+    fails the run."""
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    left = session_processes()
+    while left and time.monotonic() < deadline:     # (a teardown's SIGTERM still taking effect)
+        time.sleep(0.2)
+        left = session_processes()
+    if not left:
+        return
+    lines = []
+    for p in left:
+        try:
+            lines.append(f"  pid {p.pid}: {' '.join(p.cmdline())[:300]}")
+        except psutil.Error:
+            lines.append(f"  pid {p.pid}")
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    report = f"{len(left)} process(es) started by the suite outlived it (now killed):\n" + "\n".join(lines)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_sep("=", "left running", red=True)
+        reporter.write_line(report)
+    else:
+        print(report, file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

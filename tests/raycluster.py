@@ -25,6 +25,9 @@ RAY = str(Path(sys.executable).with_name("ray"))
 # raylet is refused. Everything that talks to the test cluster (its nodes, the daemons, a driver)
 # gets this.
 CLIENT_ENV = {"RAY_AUTH_MODE": "disabled"}
+# Every process of a cluster carries its temp dir under this name in its environment: some (Ray's
+# client server) do not name the temp dir in their command line.
+CLUSTER_MARK = "OMNID_RAY_CLUSTER"
 
 
 def _free_port() -> int:
@@ -47,7 +50,8 @@ class RayCluster:
             if p.pid in me:
                 continue
             try:
-                if any(str(self.temp_dir) in part for part in (p.info["cmdline"] or [])):
+                if any(str(self.temp_dir) in part for part in (p.info["cmdline"] or [])) \
+                        or p.environ().get(CLUSTER_MARK) == str(self.temp_dir):
                     found[p.pid] = p
                     for c in p.children(recursive=True):
                         found[c.pid] = c
@@ -104,7 +108,7 @@ def start_cluster(head_store: int = 300_000_000, node2_store: int = 200_000_000)
     temp_dir = Path(tempfile.mkdtemp(prefix="omnid-ray-", dir="/tmp"))
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "RAY_DISABLE_USAGE_STATS": "1", **CLIENT_ENV}
+           "RAY_DISABLE_USAGE_STATS": "1", CLUSTER_MARK: str(temp_dir), **CLIENT_ENV}
     cluster = RayCluster(f"127.0.0.1:{port}", temp_dir, env)
     common = ["--temp-dir", str(temp_dir), "--disable-usage-stats"]
     head = [RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",

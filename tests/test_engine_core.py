@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -110,6 +111,69 @@ def test_a_cancel_stops_the_work_in_the_core_process(d: RunningDaemon) -> None:
     assert time.monotonic() - t0 < 5.0
     nxt = wait_end(d, d.submit("proc", {"prompt": "next"}))
     assert nxt["state"] == "succeeded", nxt
+
+
+def watch_descriptors(worker: int, core: int) -> list[int]:
+    """The worker's descriptors that watch its core: pidfds, and pipe read ends whose other end the
+    core holds (multiprocessing's sentinel, which vLLM's own monitor polls)."""
+    def pipes(pid: int) -> dict[int, str]:
+        out = {}
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                out[int(fd)] = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                pass
+        return out
+    core_pipes = {target for target in pipes(core).values() if target.startswith("pipe:")}
+    found = []
+    for fd, target in pipes(worker).items():
+        if target == "anon_inode:[pidfd]":
+            found.append(fd)
+        elif target in core_pipes:
+            with open(f"/proc/{worker}/fdinfo/{fd}") as f:
+                flags = int(next(line for line in f if line.startswith("flags:")).split()[1], 8)
+            if flags & 0o3 == os.O_RDONLY:
+                found.append(fd)
+    return sorted(found)
+
+
+def close_in(pid: int, fds: list[int]) -> None:
+    """Close descriptors inside a live process (gdb), as a double close in its own code would."""
+    calls = [arg for fd in fds for arg in ("-ex", f"call (int)close({fd})")]
+    out = subprocess.run(["gdb", "-p", str(pid), "-batch", "-nx", *calls], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def burner(seconds: float) -> list[subprocess.Popen[bytes]]:
+    """A busy loop on every CPU: a loaded machine is not a dead core."""
+    code = f"import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass"
+    return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(os.cpu_count() or 2)]
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="needs gdb, to close a descriptor inside the worker")
+def test_a_wake_that_is_no_exit_never_ends_a_live_core_under_load(d: RunningDaemon) -> None:
+    (core,) = core_pids(d, "proc")
+    worker = d.stage_pid("proc")
+    restarts = d.stages()["proc"]["restarts"]
+    fds = watch_descriptors(worker, core)
+    assert fds, "found no descriptor that watches the core"
+    burners = burner(60)
+    try:
+        jobs = [d.submit("proc", {"prompt": f"short {i}"}, params={"proc": {"max_tokens": 4}}) for i in range(12)]
+        close_in(worker, fds)           # every watch wakes at once: POLLNVAL, then numbers reused
+        jobs += [d.submit("proc", {"prompt": f"after {i}"}, params={"proc": {"max_tokens": 4}}) for i in range(12)]
+        docs = [wait_end(d, job, timeout=120) for job in jobs]
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    assert [doc["state"] for doc in docs] == ["succeeded"] * len(jobs), [doc["error"] for doc in docs]
+    time.sleep(1.5)                     # past a watch's recheck
+    snap = d.stages()["proc"]
+    assert snap["pid"] == worker and snap["restarts"] == restarts, snap
+    assert core_pids(d, "proc") == [core] and psutil.pid_exists(core)
+    assert "woke, but" in d.log() or "woke with no child exited" in d.log()
 
 
 def test_a_core_killed_alone_restarts_its_stage_and_fails_its_job(d: RunningDaemon) -> None:

@@ -28,6 +28,7 @@ extractor); a bad one fails its job alone.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import io
 import itertools
@@ -43,6 +44,7 @@ from typing import Any
 
 from omnid import media as M
 from omnid.config import StageConfig
+from omnid.procwatch import ChildWatch, Exit
 from omnid.protocol import EXIT_ENGINE_DIED
 from omnid.params import VLLM_OMNID_PARAMS, check_param, merged, parallel_size
 from omnid.engines.capabilities import VLLM
@@ -86,6 +88,32 @@ def _own_engine_core_entry() -> None:
 
     os.environ["OMNID_ENGINE_PARENT"] = str(os.getpid())
     EngineCoreProc.run_engine_core = staticmethod(_run_engine_core)
+    try:
+        from vllm.v1.engine.utils import CoreEngineProcManager
+    except ImportError:
+        return
+    if hasattr(CoreEngineProcManager, "monitor_engine_liveness"):
+        CoreEngineProcManager.monitor_engine_liveness = _monitor_engine_liveness
+
+
+def _monitor_engine_liveness(self: Any) -> None:
+    """vLLM's own core monitor (its client's `MPClientEngineMonitor` thread), woken by an exit
+    status only. vLLM's waits on the cores' sentinels and takes any wake for a death, then stops
+    the cores itself: a wake that was no exit would kill a live core."""
+    import threading
+
+    ended = threading.Event()
+
+    def died(proc: Any, end: Exit) -> None:
+        if end.code != 0 and not self.manager_stopped.is_set():
+            self.failed_proc_name = proc.name
+        ended.set()
+
+    watch = ChildWatch(self.processes, died, name="vllm-core-liveness").start()
+    while not ended.wait(1.0) and not self.manager_stopped.is_set():
+        pass
+    watch.stop()
+    self.shutdown()
 
 
 class TensorInputError(ValueError):
@@ -352,6 +380,7 @@ class VllmEngine(Engine):
         self._core_outputs: queue.Queue[Any] | None = core_outputs if isinstance(core_outputs, queue.Queue) else None
         self._woken = False
         self._core_pids: list[int] = []
+        self._core_watch: ChildWatch | None = None
         if self._own_core:
             self._watch_core()
         try:        # the chat template compiles now, not in the first chat's first token (~80 ms)
@@ -360,29 +389,27 @@ class VllmEngine(Engine):
             pass    # (no chat template: chats are refused per job)
 
     def _watch_core(self) -> None:
-        """A thread that waits on the engine core process; a core that dies while this worker lives
-        (killed alone, or crashed) ends the worker, which the supervisor restarts."""
-        import threading
-        from multiprocessing.connection import wait
-
+        """A thread that waits on the engine core processes; a core that dies while this worker lives
+        (killed alone, or crashed) ends the worker, which the supervisor restarts. Dead means an exit
+        status from the kernel (`omnid.procwatch`): a wake without one is logged and waited out."""
         manager = getattr(getattr(self.engine.engine_core, "resources", None), "engine_manager", None)
         procs = list(getattr(manager, "processes", None) or [])
         self._core_pids = [p.pid for p in procs if p.pid is not None]
         if not procs:
             return
+        stage = self.stage.name
 
-        def watch() -> None:
-            wait([p.sentinel for p in procs])
-            if self._closing:
-                return
-            dead = next((p for p in procs if p.exitcode is not None), procs[0])
-            dead.join(timeout=1)
-            print(f"omnid: the vLLM engine core process (pid {dead.pid}) of stage {self.stage.name!r} died "
-                  f"(exit status {dead.exitcode}): the stage worker exits to be restarted", file=sys.stderr,
-                  flush=True)
+        def died(proc: Any, ended: Exit) -> None:
+            if self._closing or sys.is_finalizing():
+                return                  # a shutdown is not a death
+            print(f"omnid: the vLLM engine core process (pid {ended.pid}) of stage {stage!r} died "
+                  f"({ended.describe()}): the stage worker exits to be restarted", file=sys.stderr, flush=True)
             os._exit(EXIT_ENGINE_DIED)
 
-        threading.Thread(target=watch, name="engine-core-watch", daemon=True).start()
+        self._core_watch = ChildWatch(procs, died, name="engine-core-watch").start()
+        # At interpreter exit the watch stops before vLLM's own finalizer stops the core (atexit
+        # runs the latest registration first): a script that never calls `close` still exits 0.
+        atexit.register(self._core_watch.stop)
 
     def outputs_waiting(self) -> bool:
         # vLLM's SyncMPClient: a thread of its own puts each step's outputs on this queue.
@@ -411,6 +438,8 @@ class VllmEngine(Engine):
 
     def close(self) -> None:
         self._closing = True
+        if self._core_watch is not None:
+            self._core_watch.stop()
         if self._own_core:
             try:
                 self.engine.engine_core.shutdown()

@@ -54,6 +54,9 @@ from omnid.vocabulary import WorkerState
 log = structlog.get_logger("omnid.stage")
 
 POLL_S = 0.5
+# An actor Ray calls unavailable (its node unreachable for a moment, the actor restarting) is not dead:
+# it is polled on for this long before it is given up as gone. Ray says ActorDiedError when it is.
+UNAVAILABLE_GRACE_S = 30.0
 _DEAD_KEPT = 4096
 _connect_lock = threading.Lock()
 
@@ -227,12 +230,22 @@ class RayStageHandle(StageHandle):
     def _poll(self, actor: Any, inc: int, control: queue.Queue[object]) -> None:
         """The worker's messages, to the event loop; its death, once."""
         import ray
+        unavailable_since: float | None = None
         while self._current(inc):
             try:
                 messages = ray.get(actor.next_messages.remote(POLL_S))
-            except Exception as e:          # RayActorError (ActorDiedError ...): the worker is gone
+            except Exception as e:          # ActorDiedError, RayActorError ...: the worker is gone
+                now = time.monotonic()
+                if _transient(e) and (unavailable_since is None or now - unavailable_since < UNAVAILABLE_GRACE_S):
+                    if unavailable_since is None:
+                        unavailable_since = now
+                        log.warning("Ray says the stage's actor is unavailable for now; polling on",
+                                    stage=self.label, error=str(e)[:300])
+                    time.sleep(POLL_S)
+                    continue
                 self._call(self._actor_gone, inc, e)
                 return
+            unavailable_since = None
             if messages:
                 for msg in messages:
                     if isinstance(msg, P.Ready):
@@ -253,10 +266,14 @@ class RayStageHandle(StageHandle):
                     batch.append(control.get_nowait())
                 except queue.Empty:
                     break
-            try:
-                ray.get(actor.control.remote(batch))
-            except Exception:
-                return                      # dead: `_poll` reports it
+            while self._current(inc):
+                try:
+                    ray.get(actor.control.remote(batch))
+                    break
+                except Exception as e:
+                    if not _transient(e):
+                        return              # dead: `_poll` reports it
+                    time.sleep(POLL_S)      # unavailable for now: the same batch again, in order
 
     def _outbound(self, actor: Any, inc: int, lane: str, sender: Sender) -> None:
         """Carry out the actor's hand-offs, offers and file writes on this machine; answer each."""
@@ -469,3 +486,8 @@ def _actor_error(error: BaseException) -> str:
 
 def _printable(options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k not in ("runtime_env",) and v is not None}
+
+
+def _transient(error: BaseException) -> bool:
+    """A Ray error that says "not now", not "dead": its actor may answer again."""
+    return type(error).__name__ in ("ActorUnavailableError", "GetTimeoutError")

@@ -36,6 +36,7 @@ import structlog
 from omnid import protocol as P
 from omnid.config import Config, StageConfig
 from omnid.process_stats import ProcessSampler
+from omnid.procwatch import PidFd, exit_of
 from omnid.supervisor.workers import worker_process
 from omnid.supervisor.workers.control_pipe import ControlPipe
 from omnid.supervisor.live import Follower, Live
@@ -130,6 +131,9 @@ class StageHandle(Follower):
         self._stopping = False
         self._restart_task: asyncio.Task[None] | None = None
         self._restarting = asyncio.Lock()   # `restart` (asked for: reload, omnictl stage restart)
+        self._pidfd: PidFd | None = None     # this incarnation's pidfd, where the kernel has them
+        self._watched_fd: int | None = None # the descriptor whose wake means "look for its exit"
+        self._handled: BaseProcess | None = None    # the incarnation whose exit was handled
 
     def attach(self, listener: StageListener) -> None:
         """From now on, tell `listener` what the worker says and does."""
@@ -195,7 +199,7 @@ class StageHandle(Follower):
         self._sampler.reset()
         self.memory.spawned(proc.pid)
         self._pipe = ControlPipe(parent, self._on_message)
-        asyncio.get_running_loop().add_reader(proc.sentinel, self._on_sentinel)
+        self._watch(proc)
         log.info("stage worker spawned", stage=self.label, pid=proc.pid, devices=list(self.stage.devices),
                  restarts=self.restarts)
 
@@ -259,20 +263,52 @@ class StageHandle(Follower):
 
     # ------------------------------------------------------------------ death and restart
 
-    def _on_sentinel(self) -> None:
+    def _watch(self, proc: BaseProcess) -> None:
+        """Wake when the worker exits: its pidfd (readable exactly then), else its sentinel."""
+        self._pidfd = PidFd(proc.pid) if proc.pid is not None else None
+        fd = self._pidfd.fd if self._pidfd is not None and self._pidfd.fd is not None else proc.sentinel
+        self._watched_fd = fd
+        asyncio.get_running_loop().add_reader(fd, self._on_wake)
+
+    def _unwatch(self) -> None:
+        fd, self._watched_fd = self._watched_fd, None
+        if fd is not None:
+            asyncio.get_running_loop().remove_reader(fd)
+        if self._pidfd is not None:
+            self._pidfd.close()
+            self._pidfd = None
+
+    def _on_wake(self) -> None:
         proc = self.process
+        fd, self._watched_fd = self._watched_fd, None
+        if fd is not None:
+            asyncio.get_running_loop().remove_reader(fd)
         if proc is None:
             return
-        asyncio.get_running_loop().remove_reader(proc.sentinel)
         self._reap(proc, time.monotonic() + 5.0)
 
     def _reap(self, proc: BaseProcess, deadline: float) -> None:
         """The sentinel fires as the worker closes its fds; its exit status follows within
-        moments. Poll for it without blocking the event loop."""
-        proc.join(timeout=0)
-        if proc.exitcode is None and time.monotonic() < deadline:
-            asyncio.get_running_loop().call_later(0.005, self._reap, proc, deadline)
-            return
+        moments. Poll for it without blocking the event loop. Dead means an exit status: a wake
+        without one (a descriptor closed and reused) is logged and waited out."""
+        if proc is not self.process or self._handled is proc:
+            return                      # handled already (the heartbeat check found its exit)
+        if exit_of(proc) is None:
+            if time.monotonic() < deadline:
+                asyncio.get_running_loop().call_later(0.005, self._reap, proc, deadline)
+                return
+            log.warning("the stage worker's exit watch woke, but the worker has not exited; watching on",
+                        stage=self.label, pid=proc.pid)
+            if self._pidfd is not None:
+                self._pidfd.reopen()
+                fd = self._pidfd.fd
+            else:
+                fd = None
+            if fd is not None:
+                self._watched_fd = fd
+                asyncio.get_running_loop().add_reader(fd, self._on_wake)
+            return                      # (without a pidfd: `check_heartbeat` looks every second)
+        proc.join(timeout=0)            # multiprocessing reaps it and keeps its exit code
         self._on_exit_status(proc)
 
     def _close_log_pipe(self) -> None:
@@ -283,6 +319,8 @@ class StageHandle(Follower):
             log_pipe.close()
 
     def _on_exit_status(self, proc: BaseProcess) -> None:
+        self._handled = proc
+        self._unwatch()
         pipe, self._pipe = self._pipe, None
         if pipe is not None:
             pipe.drain()                # what it said before dying (LoadFailed, Failed ...)
@@ -428,6 +466,9 @@ class StageHandle(Follower):
         timeout = self.config.daemon.heartbeat_timeout_s
         if self.state.warm and self.alive and time.monotonic() - self.last_heartbeat > timeout:
             self.kill(f"hung: no heartbeat for {timeout:g} s")
+        proc = self.process
+        if proc is not None and self._handled is not proc and exit_of(proc) is not None:
+            self._on_exit_status(proc)      # an exit whose wake was lost (its descriptor closed under us)
         self.memory.tend()
 
     async def stop(self, grace: float) -> None:
