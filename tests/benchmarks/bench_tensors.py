@@ -83,7 +83,8 @@ def _tap_cost(ctx: Ctx, rounds: int) -> tuple[list[float], list[float]]:
                          capture_output=True, text=True, timeout=max(30.0, ctx.left()), cwd=str(ROOT))
     if out.returncode != 0:
         raise RuntimeError(f"_tap_step.py exited {out.returncode}: {out.stderr[-500:]}")
-    times = json.loads(out.stdout.strip().splitlines()[-1])
+    # (vLLM's own shutdown logs to stdout too, after the figures: the line that holds them)
+    times = json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith('{"on"')))
     return list(times["on"]), list(times["off"])
 
 
