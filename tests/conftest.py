@@ -510,6 +510,48 @@ def start_daemon() -> Iterator[Callable[..., RunningDaemon]]:
     assert not problems, "\n".join(problems)
 
 
+# ------------------------------------------------------------------------- descriptors under a watch
+
+
+def watch_descriptors(watcher: int, child: int) -> list[int]:
+    """The descriptors by which process `watcher` watches its child: pidfds, and pipe read ends
+    whose other end the child holds (multiprocessing's sentinel)."""
+    def fds(pid: int) -> dict[int, str]:
+        out = {}
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                out[int(fd)] = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                pass
+        return out
+    child_pipes = {target for target in fds(child).values() if target.startswith("pipe:")}
+    found = []
+    for fd, target in fds(watcher).items():
+        if target == "anon_inode:[pidfd]":
+            found.append(fd)
+        elif target in child_pipes:
+            with open(f"/proc/{watcher}/fdinfo/{fd}") as f:
+                flags = int(next(line for line in f if line.startswith("flags:")).split()[1], 8)
+            if flags & 0o3 == os.O_RDONLY:
+                found.append(fd)
+    return sorted(found)
+
+
+def close_in(pid: int, fds: list[int], keep_numbers: bool = False) -> None:
+    """Close descriptors inside a live process (gdb), as a double close in its own code would.
+    `keep_numbers`: put /dev/null in their place instead (the file goes, the number stays taken:
+    an event loop's own map of descriptors stays true)."""
+    if keep_numbers:
+        calls = ["-ex", "set $null = (int)open(\"/dev/null\", 0)"]
+        calls += [arg for fd in fds for arg in ("-ex", f"call (int)dup2($null, {fd})")]
+        calls += ["-ex", "call (int)close($null)"]
+    else:
+        calls = [arg for fd in fds for arg in ("-ex", f"call (int)close({fd})")]
+    out = subprocess.run(["gdb", "-p", str(pid), "-batch", "-nx", *calls], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 # ------------------------------------------------------------------------- nothing outlives the suite
 
 

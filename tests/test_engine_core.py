@@ -26,7 +26,8 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import MODELS, TERMINAL, TINY_LLM_ARGS, RunningDaemon, module_daemon, short_tmpdir, wait_for, wait_gone
+from conftest import (MODELS, TERMINAL, TINY_LLM_ARGS, RunningDaemon, close_in, module_daemon, short_tmpdir,
+                      wait_for, wait_gone, watch_descriptors)
 
 LLM = MODELS / "llm"
 
@@ -111,38 +112,6 @@ def test_a_cancel_stops_the_work_in_the_core_process(d: RunningDaemon) -> None:
     assert time.monotonic() - t0 < 5.0
     nxt = wait_end(d, d.submit("proc", {"prompt": "next"}))
     assert nxt["state"] == "succeeded", nxt
-
-
-def watch_descriptors(worker: int, core: int) -> list[int]:
-    """The worker's descriptors that watch its core: pidfds, and pipe read ends whose other end the
-    core holds (multiprocessing's sentinel, which vLLM's own monitor polls)."""
-    def pipes(pid: int) -> dict[int, str]:
-        out = {}
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                out[int(fd)] = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                pass
-        return out
-    core_pipes = {target for target in pipes(core).values() if target.startswith("pipe:")}
-    found = []
-    for fd, target in pipes(worker).items():
-        if target == "anon_inode:[pidfd]":
-            found.append(fd)
-        elif target in core_pipes:
-            with open(f"/proc/{worker}/fdinfo/{fd}") as f:
-                flags = int(next(line for line in f if line.startswith("flags:")).split()[1], 8)
-            if flags & 0o3 == os.O_RDONLY:
-                found.append(fd)
-    return sorted(found)
-
-
-def close_in(pid: int, fds: list[int]) -> None:
-    """Close descriptors inside a live process (gdb), as a double close in its own code would."""
-    calls = [arg for fd in fds for arg in ("-ex", f"call (int)close({fd})")]
-    out = subprocess.run(["gdb", "-p", str(pid), "-batch", "-nx", *calls], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0, out.stderr[-2000:]
 
 
 def burner(seconds: float) -> list[subprocess.Popen[bytes]]:

@@ -14,11 +14,13 @@ import threading
 import time
 from collections.abc import Callable
 
+import shutil
+
 import psutil
 import pytest
 
 from omnictl.client import ApiError
-from conftest import RunningDaemon, py_stage, sleeper, wait_for, wait_gone, wait_started
+from conftest import RunningDaemon, close_in, py_stage, sleeper, wait_for, wait_gone, wait_started, watch_descriptors
 
 
 
@@ -97,6 +99,27 @@ def test_sigkill_upstream_blocked_on_watermark_loses_nothing(start_daemon: Calla
 
 
 # ------------------------------------------------------------------ a stage that keeps crashing
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="needs gdb, to take a descriptor from the supervisor")
+def test_a_worker_whose_exit_watch_was_taken_is_neither_dead_nor_forgotten(
+        start_daemon: Callable[..., RunningDaemon]) -> None:
+    # Every descriptor by which the supervisor watches the worker is taken from under its event
+    # loop (the file gone, the number kept): no wake will come. The worker is not taken for dead,
+    # and when it really dies, the supervisor still sees it and restarts it.
+    d = start_daemon({"s": sleeper(0.05)}, {"p": {"stages": ["s"]}})
+    pid = d.stage_pid("s")
+    fds = watch_descriptors(d.proc.pid, pid)
+    assert fds, "found no descriptor that watches the worker"
+    close_in(d.proc.pid, fds, keep_numbers=True)
+    assert [d.wait(d.submit("p", {"text": f"j{k}"}))["state"] for k in range(5)] == ["succeeded"] * 5
+    snap = d.stages()["s"]
+    assert snap["pid"] == pid and snap["restarts"] == 0, snap
+    os.kill(pid, signal.SIGKILL)
+    snap = wait_for(lambda: (s := d.stages()["s"])["pid"] not in (None, pid) and s["state"] == "ready" and s,
+                    30, "the dead worker to be seen and restarted")
+    assert snap["restarts"] == 1, snap
+    assert d.wait(d.submit("p", {"text": "after"}))["state"] == "succeeded"
 
 
 def test_crash_looping_stage_fails_for_good(start_daemon: Callable[..., RunningDaemon]) -> None:
