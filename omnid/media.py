@@ -135,6 +135,29 @@ def image_info(data: bytes | bytearray) -> ImageInfo:
     raise MediaError(f"not an image (expected {IMAGE_FORMATS}; {_what(head)})")
 
 
+def check_whole(info: ImageInfo, data: bytes | bytearray) -> None:
+    """An encoded image that was cut short (a PNG without its IEND, a JPEG without its end marker):
+    MediaError at the door, not a decoder's failure in the stage. Reads chunk lengths only."""
+    if info.format == "PNG":
+        _png_whole(data)
+    elif info.format == "JPEG" and b"\xff\xd9" not in bytes(data[-4096:]):
+        raise MediaError(f"a truncated JPEG ({len(data)} bytes, without its end-of-image marker)")
+
+
+def _png_whole(data: bytes | bytearray) -> None:
+    i, n = 8, len(data)
+    while i + 8 <= n:
+        (length,) = struct.unpack(">I", bytes(data[i:i + 4]))
+        kind = bytes(data[i + 4:i + 8])
+        end = i + 12 + length
+        if end > n:
+            raise MediaError(f"a truncated PNG ({n} bytes: its {kind.decode('latin-1')!r} chunk needs {end})")
+        if kind == b"IEND":
+            return
+        i = end
+    raise MediaError(f"a truncated PNG ({n} bytes, without its IEND chunk)")
+
+
 def _sized(fmt: str, width: int, height: int) -> ImageInfo:
     if width <= 0 or height <= 0:
         raise MediaError(f"a {fmt} image of {width}x{height} pixels")
@@ -345,7 +368,9 @@ def _check_item(kind: str, item: Any, limits: MediaLimits) -> dict[str, Any]:
         for i, frame in enumerate(frames):
             if isinstance(frame, (bytes, bytearray)):
                 try:
-                    _check_pixels(image_info(frame), limits)
+                    info = image_info(frame)
+                    _check_pixels(info, limits)
+                    check_whole(info, frame)
                 except MediaError as e:
                     raise MediaError(f"frame {i + 1}: {e}") from None
         return {"frames": len(frames), "size": size}
@@ -356,6 +381,7 @@ def _check_item(kind: str, item: Any, limits: MediaLimits) -> dict[str, Any]:
     if kind == "image":
         info = image_info(item)
         _check_pixels(info, limits)
+        check_whole(info, item)
         return {"format": info.format, "width": info.width, "height": info.height}
     wav = wav_info(item)
     if wav.seconds > limits.max_audio_s:

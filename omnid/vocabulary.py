@@ -148,6 +148,7 @@ class ErrorCode(StrEnum):
     INVALID_PARAM = "invalid_param"
     INVALID_MEDIA = "invalid_media"             # not an image / WAV, over a limit, more items than allowed
     MEDIA_NOT_ACCEPTED = "media_not_accepted"   # a media input for a stage whose model takes none
+    PROMPT_TOO_LONG = "prompt_too_long"         # a text prompt over a first stage's max_model_len, in tokens
     UNKNOWN_PIPELINE = "unknown_pipeline"
     UNKNOWN_JOB = "unknown_job"
     AMBIGUOUS_JOB = "ambiguous_job"
@@ -172,6 +173,8 @@ class ErrorCode(StrEnum):
     INTERNAL_ERROR = "internal_error"
     # why a job ended badly (also STAGE_FAILED: a stage given up for good refuses new jobs with it)
     STAGE_FAILED = "stage_failed"
+    INPUT_REJECTED = "input_rejected"   # the stage's engine refused the job's input (the caller's fault, not
+                                        # the stage's: a 400 on the OpenAI paths)
     WORKER_DIED = "worker_died"
     EDGE_FAILED = "edge_failed"
     OUTPUT_FAILED = "output_failed"

@@ -299,6 +299,10 @@ def test_bad_media_is_refused_at_the_door_naming_the_input(daemon: RunningDaemon
         ("chat", {"prompt": "hi", "image": b64file(png())}, "media_not_accepted",
          "input 'image': pipeline 'chat' starts with stage 'expand', whose model takes no image input"),
         ("describe", {"audio": b64file(wav())}, "media_not_accepted", "takes no audio input (the media it takes: image)"),
+        ("describe", {"image": b64file(png("red", (128, 128))[:300], "cut.png")}, "invalid_media",
+         "input 'image' (cut.png): a truncated PNG (300 bytes"),
+        ("describe", {"image": b64file(png("red", (128, 128))[:-12], "no-end.png")}, "invalid_media",
+         "without its IEND chunk"),
     ]
     for pipeline, inputs, code, words in cases:
         e = refused(daemon, pipeline, inputs)
@@ -307,11 +311,14 @@ def test_bad_media_is_refused_at_the_door_naming_the_input(daemon: RunningDaemon
 
 
 def test_a_model_side_failure_fails_that_job_alone(daemon: RunningDaemon) -> None:
-    """What only the model can tell: an image whose header is fine but whose pixels are not (the
-    door reads headers only), and a clip whose tokens do not fit the model's max_model_len."""
+    """What only the model can tell: an image whose file is whole but whose pixels are not (the
+    door reads headers and chunk lengths only), and a clip whose tokens do not fit the model's
+    max_model_len. Each fails as the request's fault (`input_rejected`), not the stage's."""
     pids = {name: daemon.stage_pid(name) for name in ("describe", "listen")}
     good = png("red", (128, 128))
-    broken = good[:40] + bytes(len(good) - 40)
+    at = good.index(b"IDAT")                            # its pixel data zeroed, every chunk length kept
+    (length,) = struct.unpack(">I", good[at - 4:at])
+    broken = good[:at + 4] + bytes(length) + good[at + 4 + length:]
     jobs = {"broken": daemon.submit("describe", {"image": b64file(broken, "broken.png")}),
             "good": daemon.submit("describe", {"image": b64file(good)}),
             "long": daemon.submit("listen", {"audio": b64file(wav(300, 20.0, 8000))}),
@@ -320,6 +327,7 @@ def test_a_model_side_failure_fails_that_job_alone(daemon: RunningDaemon) -> Non
     assert docs["broken"]["state"] == "failed"
     assert "input 'image': the image cannot be decoded" in docs["broken"]["error"]["message"]
     assert docs["broken"]["error"]["stage"] == "describe"
+    assert docs["broken"]["error"]["code"] == docs["long"]["error"]["code"] == "input_rejected"
     assert docs["long"]["state"] == "failed"
     assert "longer than the maximum model length" in docs["long"]["error"]["message"]
     assert docs["good"]["state"] == docs["short"]["state"] == "succeeded"

@@ -213,3 +213,44 @@ def test_errors_are_openai_shaped(client: Any, daemon: RunningDaemon) -> None:
     job = daemon.client.submit("chat", {"messages": '[{"role": "user", "content": "hi"}]'},
                                {"expand": {"max_tokens": 3}})
     assert daemon.wait(job["id"], timeout=60)["state"] == "succeeded"
+
+
+def test_input_the_model_cannot_take_is_a_400_at_the_door_or_from_the_model(client: Any,
+                                                                             daemon: RunningDaemon) -> None:
+    from tokenizers import Tokenizer
+
+    from omnictl.client import ApiError
+
+    before = len(daemon.client.jobs(limit=1000)["jobs"])
+    long = " ".join(f"word{i}" for i in range(3000))
+    # A chat over max_model_len (256 here): a 400 that names the input, before any job is made.
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="chat", messages=[{"role": "user", "content": long}])
+    assert bad.value.code == "prompt_too_long" and bad.value.param == "messages", bad.value.body
+    assert "at most 256 (max_model_len)" in bad.value.message
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="chat", prompt=long)
+    assert bad.value.code == "prompt_too_long" and bad.value.param == "prompt"
+    # POST /v1/jobs likewise: a 400, not a 201 and then a failed job; a 20 MB prompt is counted on
+    # a prefix, and its answer is small.
+    for prompt in (long, "x " * 10_000_000):
+        with pytest.raises(ApiError) as e:
+            daemon.client.submit("chat", {"prompt": prompt})
+        assert e.value.status == 400 and e.value.code == "prompt_too_long", e.value
+        assert len(e.value.message) < 500
+    assert len(daemon.client.jobs(limit=1000)["jobs"]) == before
+    # A prompt that fits is taken, whatever its length in characters.
+    fits = daemon.client.submit("chat", {"prompt": " ".join(["sea"] * 200)}, {"expand": {"max_tokens": 2}})
+    assert daemon.wait(fits["id"], timeout=60)["state"] == "succeeded"
+    # One the door lets by, as its text alone fits, but the chat template's own tokens push over
+    # the window: the model refuses it, and that is the request's fault, a 400 too.
+    tok = Tokenizer.from_file(str(MODELS / "llm" / "tokenizer.json"))
+    ids = tok.encode(long, add_special_tokens=False).ids[:256]
+    content = tok.decode(ids)
+    assert len(tok.encode(content, add_special_tokens=False).ids) <= 256
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="chat", messages=[{"role": "user", "content": content}])
+    assert bad.value.code == "input_rejected", bad.value.body
+    job = daemon.client.jobs(limit=1)["jobs"][0]
+    assert job["state"] == "failed" and job["error"]["code"] == "input_rejected", job
+

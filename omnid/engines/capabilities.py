@@ -37,6 +37,8 @@ class Capabilities:
     whole_input: str = ""                   # why it may not (said by `--check`)
     text_prompt: bool = False               # as a first stage, needs a text input "prompt" (else 400)
     chat: bool = False                      # a chat (`messages`, JSON text) stands in for the prompt
+    context_window: bool = False            # its text prompt must fit the model's max_model_len (measured
+                                            # at the door with the model's tokenizer)
     media: bool = False                     # takes media inputs (image, audio, video) within its `media` limits
     tensors: bool = False                   # gives tensors (token ids, hidden states) and takes them as a prompt
     # -- its outputs
@@ -68,7 +70,7 @@ TENSOR_PROMPTS = ("prompt_token_ids", "prompt_embeds")
 VLLM = Capabilities(
     name="vllm", engine_class="omnid.engines.vllm_engine:VllmEngine", model_marker="config.json", parallel=True,
     whole_input="it needs its whole prompt before it can start generating",
-    text_prompt=True, chat=True, media=True, tensors=True, answer="text",
+    text_prompt=True, chat=True, context_window=True, media=True, tensors=True, answer="text",
     outputs=({**_TEXT_OUTPUT, "description": "the generated text (streamed as text segments)"},),
     gives=("text", *TENSOR_OUTPUTS), params=VLLM_PARAMS, rules=VLLM_RULES, values_rule=token_bounds_problem,
     sampling=True, engine_core=True,

@@ -46,6 +46,7 @@ from omnid import media as M
 from omnid.config import StageConfig
 from omnid.procwatch import ChildWatch, Exit
 from omnid.protocol import EXIT_ENGINE_DIED
+from omnid.vocabulary import ErrorCode
 from omnid.params import VLLM_OMNID_PARAMS, check_param, merged, parallel_size
 from omnid.engines.capabilities import VLLM
 from omnid.engines.base import Engine, RequestContext
@@ -114,6 +115,16 @@ def _monitor_engine_liveness(self: Any) -> None:
         pass
     watch.stop()
     self.shutdown()
+
+
+REJECTED = str(ErrorCode.INPUT_REJECTED)
+
+
+def _rejected(e: BaseException) -> str | None:
+    """`input_rejected` when vLLM refused the request for what it holds (a ValueError or TypeError:
+    a prompt longer than the model, media its processor cannot take, a bad sampling value); None
+    (the stage's failure) for anything else, a dead engine above all."""
+    return REJECTED if isinstance(e, (ValueError, TypeError)) and "Dead" not in type(e).__name__ else None
 
 
 class TensorInputError(ValueError):
@@ -523,25 +534,25 @@ class VllmEngine(Engine):
             tensor_prompt = self._tensor_prompt(ctx.inputs)
             media = self._media(ctx.inputs)
         except (M.MediaError, TensorInputError) as e:
-            ctx.fail(str(e))
+            ctx.fail(str(e), REJECTED)
             return
         except Exception as e:          # a decoder's own failure: this job's input, not the engine
-            ctx.fail(f"an input cannot be read: {type(e).__name__}: {e}")
+            ctx.fail(f"an input cannot be read: {type(e).__name__}: {e}", REJECTED)
             return
         if tensor_prompt is not None and media:
-            ctx.fail("media inputs go with a text prompt or messages, not with prompt_token_ids or prompt_embeds")
+            ctx.fail("media inputs go with a text prompt or messages, not with prompt_token_ids or prompt_embeds", REJECTED)
             return
         if messages is not None or tensor_prompt is not None or (prompt is None and media):
             prompt = ""                 # a chat (rendered with the chat template), tensors, or media alone
         if not isinstance(prompt, str):
             ctx.fail(f"a vllm stage needs a text input \"prompt\" (or \"messages\", \"prompt_token_ids\", "
-                     f"\"prompt_embeds\", or media); got {sorted(ctx.inputs) or 'no inputs'}")
+                     f"\"prompt_embeds\", or media); got {sorted(ctx.inputs) or 'no inputs'}", REJECTED)
             return
         params = merged(self.stage.defaults, ctx.params)
         # The door checked the job's values and --check the defaults; this guards what reaches vLLM.
         for key, value in params.items():
             if (why := check_param("vllm", key, value)) is not None:
-                ctx.fail(f"{key} {why}, not {value!r}")
+                ctx.fail(f"{key} {why}, not {value!r}", REJECTED)
                 return
         own = {key: params.pop(key) for key in VLLM_OMNID_PARAMS if key in params}
         include_prompt = bool(own.get("include_prompt", False))
@@ -560,7 +571,7 @@ class VllmEngine(Engine):
             sampling = self._SamplingParams(**params, output_kind=self._delta)
             request_id = f"{ctx.job}-{next(self._ids)}"
         except Exception as e:          # bad parameter values, media its processor cannot take
-            ctx.fail(str(e) if isinstance(e, M.MediaError) else f"{type(e).__name__}: {e}")
+            ctx.fail(str(e) if isinstance(e, M.MediaError) else f"{type(e).__name__}: {e}", _rejected(e))
             return
         tapped = self._tapped and "hidden_states" in ctx.wants
         if tapped:
@@ -571,7 +582,7 @@ class VllmEngine(Engine):
         except Exception as e:          # a prompt longer than the model, media vLLM's processing refuses
             if tapped:
                 self._forget.append(request_id)
-            ctx.fail(str(e) if isinstance(e, M.MediaError) else f"{type(e).__name__}: {e}")
+            ctx.fail(str(e) if isinstance(e, M.MediaError) else f"{type(e).__name__}: {e}", _rejected(e))
             return
         prefix = prompt if include_prompt else ""
         given = next(iter(tensor_prompt.values())) if tensor_prompt is not None else ()

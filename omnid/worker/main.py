@@ -369,7 +369,8 @@ class StageWorker:
             self.post(P.Stopped(job=ctx.job))
             return
         if ctx.outcome is Outcome.FAILED:
-            self.post(P.Failed(job=ctx.job, error=clip(ctx.error or "failed")))
+            self.post(P.Failed(job=ctx.job, error=clip(ctx.error or "failed"),
+                               code=ctx.error_code or str(ErrorCode.STAGE_FAILED)))
             return
         elapsed = (ctx.ended or time.monotonic()) - ctx.started
         edges = pipeline.outgoing(self.stage.name)

@@ -86,6 +86,21 @@ def test_truncated_headers_are_refused() -> None:
         M.image_info(b"\xff\xd8\xff\xe0\x00\x10JFIF")
 
 
+def test_an_image_cut_short_is_refused_at_the_door_and_a_whole_one_is_not() -> None:
+    limits = M.MediaLimits(image=1)
+    for fmt in ("PNG", "JPEG"):
+        whole = png(64, 48, fmt=fmt)
+        assert M.check_media("image", whole, limits)[0]["format"] == fmt
+        for cut in (len(whole) // 2, len(whole) - 2):
+            with pytest.raises(M.MediaError, match=f"a truncated {fmt}"):
+                M.check_media("image", whole[:cut], limits)
+            assert M.image_info(whole[:cut]).format == fmt          # (its header alone is fine)
+        with pytest.raises(OSError):        # what a decoder in the stage would find, reading the pixels
+            Image.open(io.BytesIO(whole[:len(whole) // 2])).load()
+    # a JPEG with bytes after its end marker (some cameras add them) is whole
+    assert M.check_media("image", png(8, 8, fmt="JPEG") + b"\x00" * 100, limits)
+
+
 # ------------------------------------------------------------------ the door's checks
 
 

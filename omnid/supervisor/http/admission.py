@@ -26,6 +26,7 @@ from omnid.engines.capabilities import capabilities
 from omnid.params import job_param_problem, merged, plain_value, values_problem
 from omnid.store import JobStore
 from omnid.supervisor.errors import Refused
+from omnid.supervisor.http import prompt_length
 from omnid.vocabulary import ErrorCode, JobState
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
@@ -136,6 +137,30 @@ def check_inputs(config: Config, found: dict[str, Any], summary: dict[str, Any],
         if caps.text_prompt and not isinstance(found.get("prompt"), str):
             raise Refused(400, ErrorCode.MISSING_INPUT, f"pipeline {pipeline.name!r} starts with {stage.engine} stage "
                           f"{src!r}, which needs a text input \"prompt\"")
+    _check_lengths(config, found, pipeline)
+
+
+def _check_lengths(config: Config, found: dict[str, Any], pipeline: PipelineConfig) -> None:
+    """A text prompt (or a chat's text) that cannot fit a first stage's context window: 400, the
+    input named, before a job is made of it (`prompt_length`)."""
+    prompt, messages = found.get("prompt"), found.get("messages")
+    for src in pipeline.sources:
+        stage = config.stages[src]
+        caps = capabilities(stage.engine)
+        if not caps.context_window or any(found.get(k) is not None for k in TENSOR_PROMPTS):
+            continue
+        if caps.chat and isinstance(messages, str):
+            try:
+                text, name = prompt_length.chat_text(json.loads(messages)), "messages"
+            except ValueError:
+                continue            # (the stage says what is wrong with it)
+        elif isinstance(prompt, str):
+            text, name = prompt, "prompt"
+        else:
+            continue
+        why = prompt_length.too_long(stage, text)
+        if why is not None:
+            raise Refused(400, ErrorCode.PROMPT_TOO_LONG, f"input {name!r} is too long: {why}", input=name)
 
 
 def _check_media(stage: StageConfig, pipeline: PipelineConfig, found: dict[str, Any],

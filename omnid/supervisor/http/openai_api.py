@@ -121,7 +121,9 @@ async def openai_errors(request: web.Request,
     except OpenAiError as e:
         return e.response()
     except Refused as e:
-        return OpenAiError(e.status, e.message, code=str(e.code)).response()
+        param = e.extra.get("input")
+        return OpenAiError(e.status, e.message, param=param if isinstance(param, str) else None,
+                           code=str(e.code)).response()
     except web.HTTPRequestEntityTooLarge:
         return OpenAiError(413, "the request body is too large (daemon.max_request_bytes)", code="too_large").response()
     except web.HTTPNotFound:
@@ -679,6 +681,9 @@ def _succeeded(scheduler: Scheduler, job_id: str) -> JobRecord:
                           retry=False)
     if record.state is not JobState.SUCCEEDED:
         err = record.error or {}
+        if err.get("code") == ErrorCode.INPUT_REJECTED:     # the request's fault, found by the engine
+            raise OpenAiError(400, f"the model refused the request: {err.get('message') or 'no reason given'}",
+                              code=str(ErrorCode.INPUT_REJECTED), retry=False)
         raise OpenAiError(504 if record.state is JobState.TIMED_OUT else 500,
                           f"job {job_id} {record.state}: {err.get('message') or 'no reason given'}",
                           code=str(err.get("code") or record.state), retry=False)
