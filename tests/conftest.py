@@ -555,16 +555,24 @@ def close_in(pid: int, fds: list[int], keep_numbers: bool = False) -> None:
 # ------------------------------------------------------------------------- nothing outlives the suite
 
 
+# multiprocessing's helpers of this process itself (a test that used shared memory or spawn here):
+# each reads a pipe this process holds and ends when it exits, after the session's end.
+_OWN_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
 def session_processes() -> list[psutil.Process]:
-    """The live processes that carry this session's mark (but this one)."""
+    """The live processes that carry this session's mark (but this one and its own helpers)."""
     mark = os.environ[SESSION_MARK]
     found = []
     for p in psutil.process_iter():
         if p.pid == os.getpid():
             continue
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(SESSION_MARK) == mark:
-                found.append(p)
+            if p.status() == psutil.STATUS_ZOMBIE or p.environ().get(SESSION_MARK) != mark:
+                continue
+            if p.ppid() == os.getpid() and any(h in " ".join(p.cmdline()) for h in _OWN_HELPERS):
+                continue
+            found.append(p)
         except psutil.Error:
             continue
     return found

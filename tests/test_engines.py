@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from omnictl.client import ApiError
-from conftest import (RunningDaemon, build_tiny_models, demo_stage, module_daemon, short_tmpdir, sleeper, tiny_llm,
-                      tiny_sd)
+from conftest import (MODELS, RunningDaemon, build_tiny_models, demo_stage, module_daemon, short_tmpdir, sleeper,
+                      tiny_llm, tiny_sd)
 
 pytestmark = pytest.mark.engines
 
@@ -118,11 +118,21 @@ def test_job_params_override_stage_defaults(engines: RunningDaemon) -> None:
 
 
 def test_engine_errors_fail_only_that_job(engines: RunningDaemon) -> None:
-    # past the door's checks, refused by the engine itself: a prompt longer than the model
-    # (vLLM) and conflicting call arguments (diffusers: prompt and prompt_embeds)
-    too_long = engines.wait(engines.submit("llm", {"prompt": "word " * 700}))
+    # A prompt whose own tokens are more than the model takes is refused at the door (400) ...
+    with pytest.raises(ApiError) as door:
+        engines.submit("llm", {"prompt": "word " * 700})
+    assert door.value.status == 400 and door.value.code == "prompt_too_long", door.value
+    # ... past the door's checks, refused by the engine itself: a prompt that fits by its own 512
+    # tokens, but not with the BOS token vLLM adds (vLLM), and conflicting call arguments
+    # (diffusers: prompt and prompt_embeds)
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(MODELS / "llm" / "tokenizer.json"))
+    fits_alone = tok.decode(tok.encode("word " * 700, add_special_tokens=False).ids[:512])
+    assert len(tok.encode(fits_alone, add_special_tokens=False).ids) == 512
+    too_long = engines.wait(engines.submit("llm", {"prompt": fits_alone}))
     assert too_long["state"] == "failed" and too_long["error"]["stage"] == "expand"
-    assert "VLLMValidationError" in too_long["error"]["message"] or "long" in too_long["error"]["message"]
+    assert too_long["error"]["code"] == "input_rejected", too_long["error"]
+    assert "maximum context length is 512 tokens" in too_long["error"]["message"]
     conflict = engines.wait(engines.submit("draw", {"prompt": "x", "prompt_embeds": "nonsense"}))
     assert conflict["state"] == "failed" and conflict["error"]["stage"] == "draw"
     good = engines.wait(engines.submit("t2i", {"prompt": "x"}))

@@ -240,7 +240,7 @@ def test_input_the_model_cannot_take_is_a_400_at_the_door_or_from_the_model(clie
         assert len(e.value.message) < 500
     assert len(daemon.client.jobs(limit=1000)["jobs"]) == before
     # A prompt that fits is taken, whatever its length in characters.
-    fits = daemon.client.submit("chat", {"prompt": " ".join(["sea"] * 200)}, {"expand": {"max_tokens": 2}})
+    fits = daemon.client.submit("chat", {"prompt": " ".join(["sea"] * 120)}, {"expand": {"max_tokens": 2}})
     assert daemon.wait(fits["id"], timeout=60)["state"] == "succeeded"
     # One the door lets by, as its text alone fits, but the chat template's own tokens push over
     # the window: the model refuses it, and that is the request's fault, a 400 too.

@@ -121,10 +121,14 @@ REJECTED = str(ErrorCode.INPUT_REJECTED)
 
 
 def _rejected(e: BaseException) -> str | None:
-    """`input_rejected` when vLLM refused the request for what it holds (a ValueError or TypeError:
-    a prompt longer than the model, media its processor cannot take, a bad sampling value); None
-    (the stage's failure) for anything else, a dead engine above all."""
-    return REJECTED if isinstance(e, (ValueError, TypeError)) and "Dead" not in type(e).__name__ else None
+    """`input_rejected` when vLLM refused the request for what it holds (a ValueError or TypeError,
+    or vLLM's own VLLMClientError, which newer vLLMs raise and which is neither: a prompt longer
+    than the model, media its processor cannot take, a bad sampling value); None (the stage's
+    failure) for anything else, a dead engine above all."""
+    if "Dead" in type(e).__name__:
+        return None
+    client_error = any(c.__name__ == "VLLMClientError" for c in type(e).__mro__)   # (vllm.exceptions, 0.3x)
+    return REJECTED if client_error or isinstance(e, (ValueError, TypeError)) else None
 
 
 class TensorInputError(ValueError):

@@ -50,6 +50,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_PARAM: 400,
     ErrorCode.INVALID_MEDIA: 400,
     ErrorCode.MEDIA_NOT_ACCEPTED: 400,
+    ErrorCode.PROMPT_TOO_LONG: 400,         # a prompt over a first vLLM stage's max_model_len
     ErrorCode.UNKNOWN_PIPELINE: 400,
     ErrorCode.AMBIGUOUS_JOB: 400,
     ErrorCode.NOT_YOURS: 403,
