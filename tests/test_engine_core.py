@@ -45,7 +45,8 @@ def d() -> Iterator[RunningDaemon]:
         subprocess.run([sys.executable, "-m", "omnid.tinymodels", str(MODELS)], check=True)
     stages = {"inline": llm_stage("inline"), "proc": llm_stage("process")}
     pipelines = {"inline": {"stages": ["inline"]}, "proc": {"stages": ["proc"]}}
-    with module_daemon(short_tmpdir(), stages, pipelines, {"cancel_grace_s": 5.0}) as rd:
+    # (a worker stopped under gdb sends no heartbeat: the false-wake test's gdb call is not a hang)
+    with module_daemon(short_tmpdir(), stages, pipelines, {"cancel_grace_s": 5.0, "heartbeat_timeout_s": 90.0}) as rd:
         yield rd
 
 
