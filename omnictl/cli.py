@@ -87,8 +87,9 @@ class OmnictlGroup(click.Group):
             # The daemon answered, but not with the API (a bug on one side); it did not do the work.
             _fail(str(exc), ExitCode.REFUSED)
         except KeyboardInterrupt:
-            click.echo("", err=True)
-            raise click.exceptions.Exit(int(ExitCode.INTERRUPTED)) from None
+            # A verb that leaves a job running says so itself (submit --wait, watch); the rest
+            # changed nothing that goes on without them.
+            _fail("interrupted", ExitCode.INTERRUPTED)
         except BrokenPipeError:
             raise  # stdout went away (`| head`); click's main exits quietly
         except OSError as exc:
@@ -412,8 +413,12 @@ def status(settings: Settings, job_id: str | None, state: str | None, pipeline: 
 def _for_each_job(
     settings: Settings, job_ids: tuple[str, ...], action: Callable[[str], dict[str, Any]], describe: Callable[[str, dict[str, Any]], str]
 ) -> None:
-    """Apply ``action`` to every job, reporting each; a refusal does not stop the others."""
+    """Apply ``action`` to every job, reporting each; a refusal does not stop the others.
+
+    With --json: one job's answer is its document; several jobs' are one JSON array, in the order
+    given, a refused one as ``{"id", "error": {"code", "message"}}`` (and on stderr as ever)."""
     refused = False
+    documents: list[Any] = []
     for job_id in job_ids:
         try:
             document = action(job_id)
@@ -421,12 +426,15 @@ def _for_each_job(
             refused = True
             prefix = f"{job_id}: " if len(job_ids) > 1 else ""
             click.echo(f"omnictl: {prefix}{exc.message} ({exc.code})", err=True)
+            documents.append({"id": job_id, "error": {"code": exc.code, "message": exc.message}})
             continue
-        # One document per line, so a list of jobs stays one JSON document per job.
-        if settings.json:
-            _print_json_line(document)
-        else:
+        documents.append(document)
+        if not settings.json:
             click.echo(describe(job_id, document))
+    if settings.json and len(job_ids) > 1:
+        _print_json(documents)
+    elif settings.json and not refused:
+        _print_json(documents[0])
     if refused:
         raise click.exceptions.Exit(int(ExitCode.REFUSED))
 
@@ -447,7 +455,10 @@ def rm(settings: Settings, job_ids: tuple[str, ...]) -> None:
 def watch(settings: Settings, job_id: str) -> None:
     """Follow a job's events until it ends; exit 1 unless it succeeded."""
     client = settings.client()
-    final = _follow(settings, client, job_id, sys.stdout)
+    try:
+        final = _follow(settings, client, job_id, sys.stdout)
+    except KeyboardInterrupt:
+        _fail(f"stopped watching; job {job_id} keeps running (`omnictl cancel {job_id}` stops it)", ExitCode.INTERRUPTED)
     if not settings.json:
         click.echo(render.final_state_line(final))
     raise click.exceptions.Exit(int(ExitCode.OK if final.get("state") == JobState.SUCCEEDED else ExitCode.JOB_FAILED))

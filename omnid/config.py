@@ -1116,7 +1116,10 @@ def _parse_pipeline(c: _Checker, name: str, raw: Any, known_stages: Mapping[str,
         _check_media_edges(c, f"{path}.stages", edges, parsed)
     else:
         seen: set[tuple[str, str]] = set()
+        named: set[str] = set()         # the stages each edge names, those refused too
         for i, raw_edge in enumerate(edges_raw):
+            if isinstance(raw_edge, dict):
+                named |= {v for k in ("from", "to") if isinstance(v := raw_edge.get(k), str)}
             edge = _parse_edge(c, raw_edge, f"{path}.edges[{i}]", tuple(members),
                                {k: parsed.get(k, v) for k, v in known_stages.items()})
             if edge is None:
@@ -1138,7 +1141,8 @@ def _parse_pipeline(c: _Checker, name: str, raw: Any, known_stages: Mapping[str,
         if cycle:
             c.add(f"{path}.edges", f"the edges form a cycle: {' -> '.join(cycle)}")
         elif members and len(members) > 1:
-            linked = {e.src for e in edges} | {e.dst for e in edges}
+            # (a stage an edge names, refused for another reason, is said once: by that edge)
+            linked = {e.src for e in edges} | {e.dst for e in edges} | named
             for s in members:
                 if s not in linked:
                     c.add(f"{path}.edges", f"stage {s!r} is in the pipeline but on no edge")

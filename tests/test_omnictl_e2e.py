@@ -217,6 +217,8 @@ def test_failed_cancelled_and_timed_out_jobs_exit_1(start_daemon: Callable[..., 
         _, err = watcher.communicate(timeout=10)
         assert watcher.returncode == 130, err
         assert "Traceback" not in err, err
+        # said as submit --wait says it: the job goes on, and how to stop it
+        assert err == f"omnictl: stopped watching; job {job} keeps running (`omnictl cancel {job}` stops it)\n", err
         assert d.client.job(job)["state"] == JobState.RUNNING
 
         # While it runs, the daemon refuses to forget it, and result refuses to write it.
@@ -237,6 +239,11 @@ def test_failed_cancelled_and_timed_out_jobs_exit_1(start_daemon: Callable[..., 
     assert d.client.job(job)["state"] == JobState.CANCELLED
     r = omnictl(d, "cancel", job, "--json")                       # idempotent
     assert r.returncode == 0 and json.loads(r.stdout)["state"] == JobState.CANCELLED, r
+    # Several ids with --json: one document, an array in their order, a refused one with its error.
+    r = omnictl(d, "--json", "cancel", job, "nosuchjob")
+    both = json.loads(r.stdout)
+    assert r.returncode == 4 and [x.get("state") for x in both] == [JobState.CANCELLED, None], r
+    assert both[1] == {"id": "nosuchjob", "error": {"code": ErrorCode.UNKNOWN_JOB, "message": both[1]["error"]["message"]}}
     assert omnictl(d, "rm", job).returncode == 0
 
     # A job over its --timeout.

@@ -562,6 +562,19 @@ def test_cancel_many_reports_each(daemon: FakeDaemon) -> None:
     assert daemon.answered == [ErrorCode.NOT_YOURS, ErrorCode.UNKNOWN_JOB]
 
 
+def test_json_with_several_ids_is_one_document(daemon: FakeDaemon) -> None:
+    daemon.json("POST", f"/v1/jobs/{JOB_ID}/cancel", make_job(JobState.CANCELLED))
+    daemon.error("POST", "/v1/jobs/other/cancel", ErrorCode.NOT_YOURS, "job other belongs to another user")
+    result = run_cli(daemon, "--json", "cancel", JOB_ID, "other")
+    assert result.exit_code == 4
+    docs = json.loads(result.stdout)                # one document: json.load reads it whole
+    assert [d["id"] for d in docs] == [JOB_ID, "other"] and docs[0]["state"] == JobState.CANCELLED
+    assert docs[1]["error"] == {"code": ErrorCode.NOT_YOURS, "message": "job other belongs to another user"}
+    assert result.stderr == "omnictl: other: job other belongs to another user (not_yours)\n"
+    result = run_cli(daemon, "--json", "cancel", JOB_ID)
+    assert json.loads(result.stdout)["state"] == JobState.CANCELLED       # one id: its document
+
+
 def test_rm(daemon: FakeDaemon) -> None:
     daemon.json("DELETE", f"/v1/jobs/{JOB_ID}", {"deleted": JOB_ID})
     result = run_cli(daemon, "rm", JOB_ID)

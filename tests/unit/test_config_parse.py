@@ -161,6 +161,12 @@ def test_an_empty_edge_list_is_not_a_chain(tmp_path: Path) -> None:
     assert sorted(found["pipelines.p.edges"]) == [f"stage {s!r} is in the pipeline but on no edge" for s in "abc"]
 
 
+def test_an_edge_to_a_missing_stage_is_said_once(tmp_path: Path) -> None:
+    # a -> "d" (no such stage), b -> c: the edge's error, and no claim that a is on no edge
+    found = problems(minimal(edges=[edge("a", "d"), edge("b", "c")]), tmp_path)
+    assert found == {"pipelines.p.edges[0].to": ["unknown stage 'd'"]}, found
+
+
 # ------------------------------------------------------------------------- graph problems
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import difflib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -128,16 +129,38 @@ def check_inputs(config: Config, found: dict[str, Any], summary: dict[str, Any],
         stage = config.stages[src]
         caps = capabilities(stage.engine)
         has_media = caps.media and _check_media(stage, pipeline, found, summary)
-        if caps.text_prompt and isinstance(found.get("prompt"), bytes):
+        prompt = found.get("prompt")
+        if caps.text_prompt and isinstance(prompt, bytes):
             raise Refused(400, ErrorCode.INVALID_INPUT, f"input \"prompt\" of {stage.engine} stage {src!r} must be "
-                          "text, not a file (use --prompt or --input prompt=...)")
+                          "text, not a file (use --prompt or --input prompt=...)", input="prompt")
+        if caps.text_prompt and prompt is not None and not isinstance(prompt, str):
+            raise Refused(400, ErrorCode.INVALID_INPUT, f"input \"prompt\" of {stage.engine} stage {src!r} must be "
+                          f"text, not {_kind_of(prompt)} ({text_summary(json.dumps(prompt))[:60]})", input="prompt")
         if (caps.chat and isinstance(found.get("messages"), str)) or has_media \
                 or (caps.tensors and any(found.get(k) is not None for k in TENSOR_PROMPTS)):
             continue                # a chat (JSON text), media (the stage renders its chat template), tensors
-        if caps.text_prompt and not isinstance(found.get("prompt"), str):
+        if caps.text_prompt and not isinstance(prompt, str):
             raise Refused(400, ErrorCode.MISSING_INPUT, f"pipeline {pipeline.name!r} starts with {stage.engine} stage "
-                          f"{src!r}, which needs a text input \"prompt\"")
+                          f"{src!r}, which needs a text input \"prompt\"{_what_was_given(found)}", input="prompt")
     _check_lengths(config, found, pipeline)
+
+
+def _kind_of(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return "a list" if isinstance(value, list) else "null" if value is None else type(value).__name__
+
+
+def _what_was_given(found: dict[str, Any]) -> str:
+    """What a job without its `prompt` gave instead: its inputs' names, a near miss named."""
+    if not found:
+        return "; the job has no inputs"
+    names = sorted(found)
+    near = difflib.get_close_matches("prompt", names, n=1, cutoff=0.6)
+    hint = f" (did you mean \"prompt\" for {near[0]!r}?)" if near else ""
+    return f"; the job's inputs are {', '.join(repr(n) for n in names)}{hint}"
 
 
 def _check_lengths(config: Config, found: dict[str, Any], pipeline: PipelineConfig) -> None:
