@@ -30,8 +30,10 @@ debug record costs time in an engine's hot loop even when dropped by a handler).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, MutableMapping
@@ -138,6 +140,41 @@ class _LoggerFactory(structlog.stdlib.LoggerFactory):
 
 
 _handler: logging.Handler | None = None
+_wrap_foreign: tuple[bool, bool] = (False, False)     # (wrap lines that are no JSON, with journald's prefix)
+_ERRORISH = re.compile(rb"(?i)\b(error|traceback|exception|fatal)\b")
+_WARNISH = re.compile(rb"(?i)\bwarn(ing)?\b")
+
+
+def json_log() -> bool:
+    """Whether this process's log is JSON lines (`configure` chose `json`)."""
+    return _wrap_foreign[0]
+
+
+def foreign_lines(whole: bytes, stage: str) -> bytes:
+    """A stage worker's output lines (each ending in a newline) as the daemon's stderr gets them.
+
+    On a `json` log, a line that is not a JSON object already (a tqdm bar, a C library's warning,
+    a `print`, a traceback's lines) is wrapped as one: `{"timestamp", "level", "event": "stderr",
+    "process", "stage", "line"}`, so that the stream stays JSON lines for the tools that read it.
+    `level`: error for a line that speaks of an error, traceback or exception, warning for a
+    warning, else info. A carriage-return progress bar keeps its last state. On a console log
+    (a terminal), lines pass unchanged."""
+    wrap, journald = _wrap_foreign
+    if not wrap:
+        return whole
+    out = []
+    for line in whole[:-1].split(b"\n"):
+        body = line[3:] if line[:1] == b"<" and line[2:3] == b">" else line     # (a journald prefix)
+        if body[:1] == b"{" and body.rstrip()[-1:] == b"}":
+            out.append(line)
+            continue
+        text = line.rsplit(b"\r", 1)[-1] if b"\r" in line.rstrip(b"\r") else line.rstrip(b"\r")
+        level = "error" if _ERRORISH.search(text) else "warning" if _WARNISH.search(text) else "info"
+        record = json.dumps({"timestamp": utc_timestamp(), "level": level, "event": "stderr",
+                             "process": f"stage:{stage}", "stage": stage,
+                             "line": text.decode("utf-8", "replace")}, ensure_ascii=False)
+        out.append((f"<{_PRIORITY[level]}>" if journald else "").encode() + record.encode())
+    return b"\n".join(out) + b"\n"
 
 
 def configure(level: str = "info", fmt: str = "auto", process: str = "supervisor",
@@ -147,10 +184,11 @@ def configure(level: str = "info", fmt: str = "auto", process: str = "supervisor
     `stage`: a worker's stage name, added to every record as `stage`. `stream`: stderr unless
     a test says otherwise.
     """
-    global _handler
+    global _handler, _wrap_foreign
     stream = stream or sys.stderr
     lvl = _LEVELS.get(level, logging.INFO)
     chosen, journald = resolve_format(fmt, stream)
+    _wrap_foreign = (chosen == "json", journald)
     colors = chosen == "console" and not journald and _isatty(stream)
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,

@@ -15,9 +15,15 @@ TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 
 STAGE_MODULE = '''
 import logging
+import os
+import sys
 import warnings
 
 def run(inputs, params, ctx):
+    print("a plain print", inputs.get("text"), flush=True)
+    sys.stderr.write("steps:  50%|#####     | 5/10\\rsteps: 100%|##########| 10/10\\n")
+    sys.stderr.flush()
+    os.write(2, b"libfoo: warning: a C library writes to fd 2 itself\\n")
     logging.getLogger("diffusers").warning("diffusers says %s", inputs.get("text"))
     logging.getLogger("diffusers").info("diffusers info is below the library floor")
     warnings.warn("an old argument", FutureWarning)
@@ -62,6 +68,13 @@ def test_every_line_is_json_with_stage_records_and_audit(start_daemon, tmp_path:
     assert lib[0]["stage"] == "lib" and lib[0]["logger"] == "diffusers" and lib[0]["level"] == "warning"
     assert lib[0]["process"] == "stage:lib"
     assert not any("below the library floor" in e for e in events)
+    # what the stage wrote past logging, each line wrapped as a record of its stage
+    raw = {doc["line"]: doc for doc in docs if doc["event"] == "stderr"}
+    assert set(raw) == {"a plain print marker-41", "steps: 100%|##########| 10/10",
+                        "libfoo: warning: a C library writes to fd 2 itself"}, raw
+    assert all(doc["stage"] == "lib" and doc["process"] == "stage:lib" for doc in raw.values())
+    assert raw["libfoo: warning: a C library writes to fd 2 itself"]["level"] == "warning"
+    assert raw["a plain print marker-41"]["level"] == "info"
     warned = [doc for doc in docs if doc.get("logger") == "py.warnings"]
     assert warned and "FutureWarning: an old argument" in warned[0]["event"] and warned[0]["stage"] == "lib"
     audit = [(doc["action"], doc["job"], doc["pipeline"], doc["uid"]) for doc in docs if doc["event"] == "audit"]

@@ -38,7 +38,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from omnid import __version__, paths, systemd
+from omnid import __version__, logs, paths, systemd
 from omnid import protocol as P
 from omnid.config import Config, is_loopback
 from omnid.keys import KeyFileError, KeyStore, key_path
@@ -194,7 +194,8 @@ class Daemon:
             return 0
         except StartupError as e:
             log.error("cannot start", error=str(e))
-            print(f"omnid: {e}", flush=True, file=sys.stderr)
+            if not logs.json_log():         # (a JSON log stays JSON lines: the record says it)
+                print(f"omnid: {e}", flush=True, file=sys.stderr)
             return 1
         finally:
             await self._shutdown()                                  # 5

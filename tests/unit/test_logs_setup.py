@@ -145,3 +145,31 @@ def test_library_stream_handlers_are_adopted() -> None:
     finally:
         lib.removeHandler(keep)
         keep.close()
+
+
+def test_foreign_lines_are_wrapped_on_a_json_log_only(tmp_path) -> None:
+    import io
+    import json as _json
+
+    from omnid import logs as L
+    out = io.StringIO()
+    L.configure("info", "json", stream=out)
+    lines = L.foreign_lines(b'{"event": "x"}\nTraceback (most recent call last):\n<4>{"event": "y"}\n', "gen")
+    first, second, third = lines.decode().splitlines()
+    assert first == '{"event": "x"}' and third == '<4>{"event": "y"}'         # records pass unchanged
+    doc = _json.loads(second)
+    assert (doc["event"], doc["stage"], doc["level"], doc["line"]) == ("stderr", "gen", "error",
+                                                                       "Traceback (most recent call last):")
+    L.configure("info", "console", stream=out)
+    assert L.foreign_lines(b"raw\n", "gen") == b"raw\n"
+    L.configure("info", "json", stream=out)
+    import os
+    st = os.fstat(2)
+    os.environ["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
+    try:
+        import sys
+        L.configure("info", "json", stream=sys.stderr)
+        assert L.foreign_lines(b"warning: low\n", "gen").startswith(b'<4>{"timestamp"')
+    finally:
+        del os.environ["JOURNAL_STREAM"]
+        L.configure("info", "json", stream=out)

@@ -190,7 +190,8 @@ class StageHandle(Follower):
         self._close_log_pipe()             # the last incarnation's, if its EOF has not come yet
         daemon = self.config.daemon
         self._log_pipe = PipeReader(log_read, log_file(stage_log_path(daemon.state_dir, self.name, self.replica),
-                                                       daemon.log_file_max_bytes, daemon.log_file_keep))
+                                                       daemon.log_file_max_bytes, daemon.log_file_keep),
+                                    stage=self.name)
         self._log_pipe.start(asyncio.get_running_loop())
         self.process = proc
         self.started_at = time.time()

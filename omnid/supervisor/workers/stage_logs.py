@@ -14,7 +14,9 @@ supervisor read the line, so lines that are not structured logs (a `print`, a C 
 warning, a traceback) are timestamped too; fixed-width ISO times sort as strings, which is how
 `?since=` filters. What is stored is the line as written, less a journald priority prefix `<N>`
 and terminal colour codes; what is forwarded to the daemon's stderr is the line unchanged, so
-journald (or whoever reads the daemon's stderr) still gets one stream with every record.
+journald (or whoever reads the daemon's stderr) still gets one stream with every record; on a
+JSON log, a line that is no JSON record is forwarded wrapped in one (`omnid.logs.foreign_lines`:
+`{"event": "stderr", "stage", "line"}`), so that stream stays JSON lines.
 
 How the lines get here (fd passing): before spawning a worker, `StageHandle._spawn` makes an OS
 pipe (`multiprocessing` `Pipe(duplex=False)`: an `os.pipe()` pair wrapped in `Connection`s) and
@@ -60,7 +62,7 @@ from pathlib import Path
 from typing import IO
 
 from omnid import paths
-from omnid.logs import utc_timestamp
+from omnid.logs import foreign_lines, utc_timestamp
 
 DAEMON_LOG = "omnid.log"
 STAGES_DIR = "stages"
@@ -219,8 +221,9 @@ class PipeReader:
     (the daemon's stderr). Stops at EOF, or at `close()` (after `drain()`).
     """
 
-    def __init__(self, conn: Connection, file: LogFile, forward_fd: int | None = 2) -> None:
+    def __init__(self, conn: Connection, file: LogFile, forward_fd: int | None = 2, stage: str = "") -> None:
         self.conn = conn
+        self.stage = stage
         self.fd = conn.fileno()
         self.file = file
         self.forward_fd = forward_fd
@@ -276,7 +279,7 @@ class PipeReader:
         lines = whole[:-1].split(b"\n")
         self.file.write(lines)
         if self.forward_fd is not None:
-            write_all(self.forward_fd, whole)
+            write_all(self.forward_fd, foreign_lines(whole, self.stage))    # (a JSON log stays JSON lines)
 
     def _flush_partial(self) -> None:
         if self._partial:
