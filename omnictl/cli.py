@@ -606,11 +606,27 @@ def pipelines(settings: Settings, name: str | None) -> None:
         click.echo(render.pipelines_text(document.get("pipelines") or []))
 
 
-@command()
-def health(settings: Settings) -> None:
+@command(
+    click.option("--wait", "wait", is_flag=True, help="Wait until every stage takes jobs (or --timeout)."),
+    click.option("--timeout", type=click.FloatRange(min=0), default=600.0, show_default=True, metavar="SECONDS",
+                 help="With --wait: how long to wait."),
+)
+def health(settings: Settings, wait: bool, timeout: float) -> None:
     """Exit 0 when every stage takes jobs (ready, degraded: some replicas down, or sleeping: it wakes
-    for its next job), else 1 and name the stages that do not."""
-    ok, body = settings.client().ready()
+    for its next job), else 1 and name the stages that do not. --wait: until they do; a daemon
+    still starting (its socket not there yet) is waited for too."""
+    client = settings.client()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            ok, body = client.ready()
+        except DaemonUnreachable:
+            if not wait or time.monotonic() >= deadline:
+                raise
+        else:
+            if ok or not wait or time.monotonic() >= deadline:
+                break
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
     if settings.json:
         _print_json(body)
     else:

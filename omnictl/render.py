@@ -433,8 +433,9 @@ def ready_text(ok: bool, body: JSON) -> str:
     pairs = _stage_states(body.get("stages"))
     width = max((len(name) for name, _ in pairs), default=0)
     down = body.get("replicas_down") if isinstance(body.get("replicas_down"), dict) else {}
+    lazy = set(body.get("lazy") or ()) if isinstance(body.get("lazy"), list) else set()
     for name, state in pairs:
-        lines.append(f"  {name.ljust(width)}  {state}")
+        lines.append(f"  {name.ljust(width)}  {state}" + ("  (lazy: loads on its first job)" if name in lazy else ""))
         replicas = down.get(name) if isinstance(down, dict) else None
         if isinstance(replicas, dict) and replicas:
             lines.append(f"  {''.ljust(width)}  down: " + ", ".join(f"{r} ({s})" for r, s in replicas.items()))

@@ -145,6 +145,8 @@ class StageConfig:
     replicas: int = 1
     replica_devices: tuple[tuple[int, ...], ...] = ()
     idle_unload_s: float | None = None      # no work this long: the workers stop (sleeping) until a job comes
+    lazy: bool = False                      # python: its function's `load` hook is not called at start (the
+                                            # function loads what it needs on its first job)
     max_rss_mb: int | None = None           # a leak guard: a worker over this RSS is restarted between jobs
     # vllm stages: where vLLM's engine core (scheduler and forward) runs: "inline", in the worker's own
     # thread between omnid's work, or "process", a child process of the worker that steps while the
@@ -478,7 +480,7 @@ def _check_listen_keys(c: _Checker, daemon: DaemonConfig) -> None:
 _STAGE_KEYS = ("engine", "model", "function", "python_path", "devices", "exclusive",
                "max_inflight", "queue_capacity", "shm_pool_mb", "args", "defaults", "env", "batch_function",
                "replicas", "idle_unload_s", "media", "placement", "ray", "max_rss_mb",
-               "engine_core", "outputs", "hidden_layers", "hidden_prompt", "prompt_embeds", "cache")
+               "engine_core", "outputs", "hidden_layers", "hidden_prompt", "prompt_embeds", "cache", "lazy")
 _TENSOR_KEYS = ("outputs", "hidden_layers", "hidden_prompt", "prompt_embeds")
 PLACEMENTS = ("local", "ray")
 MAX_REPLICAS = 64
@@ -752,6 +754,9 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
     ray = _parse_ray_needs(c, s, path)
     outputs, hidden_layers, hidden_prompt, prompt_embeds = _parse_tensors(c, s, path, engine, model, args)
     cache = _parse_cache(c, s.get("cache"), path, engine, model)
+    lazy = bool(c.get(s, "lazy", path, bool, False))
+    if lazy and caps is not None and not caps.takes_function:
+        c.add(f"{path}.lazy", f"only python stages load lazily; a {engine} stage loads its model at start")
     if engine is None:
         return None
     return StageConfig(
@@ -763,7 +768,7 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
         idle_unload_s=float(idle_unload_s) if idle_unload_s is not None else None,
         max_rss_mb=int(max_rss_mb) if max_rss_mb is not None else None, engine_core=engine_core,
         placement=placement, ray=ray, outputs=outputs, hidden_layers=hidden_layers,
-        hidden_prompt=hidden_prompt, prompt_embeds=prompt_embeds, cache=cache,
+        hidden_prompt=hidden_prompt, prompt_embeds=prompt_embeds, cache=cache, lazy=lazy,
     )
 
 

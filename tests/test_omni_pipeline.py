@@ -11,6 +11,7 @@ the talker failing its job alone.
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import subprocess
@@ -84,6 +85,18 @@ def _audible(pcm: Any, min_s: float) -> None:
     assert len(pcm) >= 24000 * min_s, len(pcm) / 24000
     rms = float(np.sqrt((pcm ** 2).mean()))
     assert 0.02 < rms < 0.9, rms
+
+
+def test_the_talker_and_code2wav_load_their_weights_before_they_say_ready(omni: RunningDaemon) -> None:
+    """Ready means loaded: the omni python stages read their weights as they start (their
+    functions' `load` hooks), not on the first job, which so speaks as early as the next."""
+    stages = {s["name"]: s for s in omni.client.stages()["stages"]}
+    for name, part, hook in (("talker", "talker", "talker"), ("code2wav", "token2wav", "code2wav")):
+        assert stages[name]["info"]["loaded"] == [f"omnid.omni.stages:{hook}.load"], stages[name]["info"]
+        records = [json.loads(line.split(" ", 1)[1]) for line in omni.client.logs(name)
+                   if '"omni part loaded"' in line]
+        assert [r["part"] for r in records] == [part], records
+        assert records[0]["load_s"] > 0
 
 
 def test_eight_concurrent_omni_jobs_each_speak_their_own_answer(omni: RunningDaemon) -> None:

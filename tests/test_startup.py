@@ -214,3 +214,58 @@ def test_kill_9_of_the_supervisor_leaves_no_worker(start_daemon) -> None:
                                         {"p": {"stages": ["a", "b"]}}, dir=d.dir)
     doc = again.client.job(busy)
     assert doc["state"] == "failed", doc
+
+
+LOADING_MODULE = '''
+import os
+import time
+
+STATE = {}
+
+def run(inputs, params, ctx):
+    return {"loaded_at": STATE.get("at"), "pid": os.getpid()}
+
+def load(ctx):
+    time.sleep(1.5)                     # weights, read as the stage starts
+    STATE["at"] = time.time()
+    STATE["model"] = ctx.model
+
+run.load = load
+'''
+
+
+def test_ready_means_loaded_unless_a_stage_says_lazy(start_daemon, tmp_path: Path) -> None:
+    """A python function's `load` hook runs as its stage starts, before the stage is ready (and
+    `omnictl health --wait` waits for it, the daemon's socket not there yet included); a stage
+    with `lazy = true` skips it and says so in /v1/ready, `omnictl health` and /v1/stages."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    write_module(tmp_path, "loadingstage", LOADING_MODULE)
+    fn = {"engine": "python", "function": "loadingstage:run", "python_path": [str(tmp_path)]}
+    t0 = time.time()
+    d: RunningDaemon = start_daemon({"eager": fn, "idle": {**fn, "lazy": True}},
+                                    {"eager": {"stages": ["eager"]}, "idle": {"stages": ["idle"]}}, wait=False)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    waited = subprocess.run([sys.executable, "-m", "omnictl", "--socket", str(d.socket), "health", "--wait",
+                             "--timeout", "60"], capture_output=True, text=True, timeout=90, env=env, cwd=ROOT)
+    assert waited.returncode == 0, waited
+    assert waited.stdout.splitlines()[0] == "ready"
+    assert "idle   ready  (lazy: loads on its first job)" in waited.stdout, waited.stdout
+    ready_body = d.client.ready()[1]
+    assert ready_body["lazy"] == ["idle"], ready_body
+    stages = {s["name"]: s for s in d.client.stages()["stages"]}
+    assert stages["eager"]["lazy"] is False and stages["idle"]["lazy"] is True
+    assert stages["eager"]["info"]["loaded"] == ["loadingstage:run.load"], stages["eager"]["info"]
+    assert stages["idle"]["info"]["loaded"] == []
+    # the eager stage had loaded before it said ready; its first job finds it loaded
+    eager = d.submit("eager")
+    assert d.wait(eager, timeout=30)["state"] == "succeeded"
+    loaded_at = json.loads(d.client.output(eager, "loaded_at")[0])
+    assert t0 + 1.5 <= loaded_at <= stages["eager"]["ready_at"], (t0, loaded_at, stages["eager"]["ready_at"])
+    # the lazy one's function was given no load call
+    idle = d.submit("idle")
+    assert d.wait(idle, timeout=30)["state"] == "succeeded"
+    assert json.loads(d.client.output(idle, "loaded_at")[0]) is None

@@ -18,6 +18,12 @@ A generator's final outputs are its segments merged in order: `str` and
 `bytes` values of the same name are concatenated, any other value is replaced
 by the latest one.
 
+Ready means loaded: a function (or batch function) may carry a `load` attribute, a callable
+that the engine calls once as the stage starts, before the stage says it is ready, with a
+`LoadContext` (`stage`, `model`, `devices`): what it loads (weights, say) is the function's to
+keep. A stage with `lazy = true` skips that call (its function loads on its first job), and says
+so in `omnictl stages` and `/v1/ready`.
+
 A stage may also name a `batch_function`, called once for several requests:
 `fn(inputs: list[dict], params: list[dict], ctxs: list[RequestContext]) ->
 list[dict | Exception]`, one result per request, in order. `add` only queues a
@@ -50,6 +56,14 @@ from omnid.params import merged
 from omnid.worker.windows import InputStream
 from omnid.engines.capabilities import PYTHON
 from omnid.engines.base import Cancelled, Engine, RequestContext
+
+
+@dataclass(frozen=True)
+class LoadContext:
+    """What a function's `load` hook is given as its stage starts."""
+    stage: str
+    model: str | None
+    devices: tuple[int, ...]
 
 
 def import_ref(ref: str, python_path: tuple[str, ...] = ()) -> Callable[..., Any]:
@@ -109,6 +123,7 @@ class PythonEngine(Engine):
                                 "return a list of results, one per request")
         if self.fn is None and self.batch_fn is None:
             raise ValueError(f"python stage {stage.name!r} names neither a function nor a batch_function")
+        self.loaded = [] if stage.lazy else self._load_hooks()
         self.max_batch = max(1, stage.max_inflight)
         # Requests go to the batch function unless `function` is there too and max_inflight = 1.
         self.batching = self.batch_fn is not None and (self.fn is None or self.max_batch > 1)
@@ -116,9 +131,24 @@ class PythonEngine(Engine):
         # job -> (its context, the user's generator, the outputs merged so far)
         self._gens: dict[str, tuple[RequestContext, Generator[Any, Any, Any], dict[str, Any]]] = {}
 
+    def _load_hooks(self) -> list[str]:
+        """Call each function's `load` hook (once per hook); the names of those called."""
+        ctx = LoadContext(stage=self.stage.name, model=str(self.stage.model) if self.stage.model else None,
+                          devices=self.stage.devices)
+        called: list[str] = []
+        seen: set[int] = set()
+        for ref, fn in ((self.stage.function, self.fn), (self.stage.batch_function, self.batch_fn)):
+            hook = getattr(fn, "load", None)
+            if fn is None or not callable(hook) or id(hook) in seen:
+                continue
+            seen.add(id(hook))
+            hook(ctx)
+            called.append(f"{ref}.load")
+        return called
+
     def info(self) -> dict[str, Any]:
         return {"function": self.stage.function, "batch_function": self.stage.batch_function,
-                "batching": self.batching}
+                "batching": self.batching, "loaded": self.loaded, "lazy": self.stage.lazy}
 
     def add(self, ctx: RequestContext) -> None:
         params = merged(self.stage.defaults, ctx.params)

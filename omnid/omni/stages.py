@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import struct
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -187,3 +188,19 @@ def code2wav(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> Iterat
         header = b""
     if header:
         yield {"audio": header}                 # no codes at all: an empty WAV
+
+
+# Ready means loaded: each stage's weights are read as it starts (PythonEngine calls `load`),
+# not on its first job; `lazy = true` on the stage leaves that to the first job.
+def _loader(kind: str) -> Any:
+    def load(ctx: Any) -> None:
+        import structlog
+        t0 = time.perf_counter()
+        _cached(kind, _model_dir(ctx))
+        structlog.get_logger("omnid.omni").info("omni part loaded", part=kind, stage=ctx.stage,
+                                                 load_s=round(time.perf_counter() - t0, 3))
+    return load
+
+
+talker.load = _loader("talker")            # type: ignore[attr-defined]
+code2wav.load = _loader("token2wav")       # type: ignore[attr-defined]

@@ -257,7 +257,8 @@ def test_a_generator_batch_function_is_refused_at_load() -> None:
 
 def test_info_names_both() -> None:
     info = PythonEngine(stage(function="batchstages:single")).info()
-    assert info == {"function": "batchstages:single", "batch_function": "batchstages:upper", "batching": True}
+    assert info == {"function": "batchstages:single", "batch_function": "batchstages:upper", "batching": True,
+                    "loaded": [], "lazy": False}
 
 
 # ------------------------------------------------------------------------- the config parser

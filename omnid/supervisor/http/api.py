@@ -429,7 +429,9 @@ class Api:
                            if not h.takes_jobs or (self.info.starting and not h.state.warm))
         down = {name: {h.label: str(h.state) for h in g.down()} for name, g in self.stages.items() if g.down()}
         body: dict[str, Any] = {"ready": not not_ready and not self.info.draining, "stages": states,
-                                "not_ready": not_ready, "replicas_down": down}
+                                "not_ready": not_ready, "replicas_down": down,
+                                "lazy": sorted(n for n in self.stages if n in self.config.stages
+                                               and self.config.stages[n].lazy)}
         if self.info.draining:
             body["draining"] = True
         self._ready_disk(body)

@@ -202,7 +202,7 @@ def schemas(config: Config) -> dict[str, Any]:
         "queue_capacity": _INT, "max_inflight": _INT, "running": {"type": "array", "items": _STR},
         "jobs_done": _INT, "restarts": _INT, "rss_bytes": _nullable(_INT), "cpu_percent": _nullable(_NUM),
         "gpu_memory_bytes": _nullable(_INT), "uptime_s": _nullable(_NUM), "load_s": _nullable(_NUM),
-        "last_error": _nullable(_STR), "model": _nullable(_STR), "function": _nullable(_STR),
+        "last_error": _nullable(_STR), "model": _nullable(_STR), "function": _nullable(_STR), "lazy": _BOOL,
         "placement": _enum(("local", "ray", "mixed")), "node": _nullable(_STR),
         "ray": {"type": ["object", "null"]},     # a Ray-placed worker: node_id, node_ip, node_name, host, actor_id
     }
@@ -243,6 +243,9 @@ def schemas(config: Config) -> dict[str, Any]:
                        ["status", "pid", "uptime_s", "version", "live_jobs"]),
         "Ready": _obj({"ready": _BOOL, "stages": {"type": "object", "additionalProperties": _enum(WorkerState)},
                        "not_ready": {"type": "array", "items": _STR}, "draining": _BOOL,
+                       "lazy": {"type": "array", "items": _STR,
+                                "description": "python stages with `lazy = true`: ready before their function "
+                                               "has loaded what it needs (it does so on its first job)"},
                        "reasons": {"type": "array", "items": {"enum": [str(ErrorCode.DISK_FULL)]},
                                    "description": "why not ready besides the stages: disk_full"},
                        "disk": _obj({"full": _BOOL, "reason": {"type": ["string", "null"]}, "free_mb": _INT,

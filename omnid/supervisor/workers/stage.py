@@ -517,7 +517,7 @@ class StageHandle(Follower):
             "load_s": round(self.load_s, 3) if self.load_s is not None else None,
             "spawned_at": self.started_at, "ready_at": self.ready_at, "tracked_jobs": self.tracked_jobs,
             "last_error": self.last_error, "model": str(self.stage.model) if self.stage.model else None,
-            "function": self.stage.function, "info": self.info,
+            "function": self.stage.function, "lazy": self.stage.lazy, "info": self.info,
             "shm": {"capacity_bytes": self.stats.shm_capacity, "used_bytes": self.stats.shm_used,
                     "slots": self.stats.shm_slots},
             **self.where(),
