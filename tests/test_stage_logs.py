@@ -82,9 +82,12 @@ def test_stdout_stderr_and_logging_reach_omnictl_logs(daemon: RunningDaemon) -> 
     docs = [json.loads(line) for line in omnictl(d, "logs", "s", "--json").stdout.splitlines()]
     assert {"ts": docs[-1]["ts"], "line": docs[-1]["line"]} == docs[-1] and \
         any(doc["line"] == "stdout says marker-17" for doc in docs)
-    # Still one stream on the daemon's stderr: the lines forwarded unchanged.
-    text = d.log()
-    assert "\nstdout says marker-17\n" in text and "\nstderr says marker-17\n" in text
+    # Still one stream on the daemon's stderr (JSON lines): the plain lines forwarded, each wrapped
+    # as a record of its stage.
+    records = [json.loads(line) for line in d.log().splitlines() if line.startswith("{")]
+    wrapped = {r["line"]: r for r in records if r.get("event") == "stderr"}
+    assert {"stdout says marker-17", "stderr says marker-17"} <= set(wrapped), d.log()
+    assert wrapped["stdout says marker-17"]["stage"] == "s"
     # Private files: logs/ and logs/stages/ 0700, the file 0600.
     logs = d.state_dir / "logs"
     for folder in (logs, logs / "stages"):
