@@ -231,6 +231,15 @@ class StageRun:
                    replica=doc.get("replica"))
 
 
+JOB_LINKS = ("self", "events", "cancel", "outputs")
+
+
+def job_links(job_id: str) -> dict[str, str]:
+    """The paths of a job, as a 201 names them (`outputs`: the prefix of `/outputs/{name}`)."""
+    base = f"/v1/jobs/{job_id}"
+    return {"self": base, "events": f"{base}/events", "cancel": f"{base}/cancel", "outputs": f"{base}/outputs"}
+
+
 @dataclass
 class JobRecord:
     """A job as the API shows it and the store keeps it (`to_doc` is the API's JSON object)."""

@@ -126,6 +126,29 @@ def test_bad_job_submissions_are_refused(daemon: RunningDaemon) -> None:
     still_serving(d)
 
 
+def test_a_201_is_small_whatever_the_job_was_given(start_daemon: Callable[..., RunningDaemon]) -> None:
+    """A 20 MB prompt and a list of a million numbers (the default 64 MiB body limit takes both) are
+    taken, and neither comes back: the 201 and the job document carry a summary, and the 201 the
+    job's paths."""
+    d = start_daemon({"s": py_stage("count", defaults={"n": 1, "delay": 0})}, {"p": {"stages": ["s"]}})
+    body = json.dumps({"pipeline": "p", "inputs": {"prompt": "x " * 10_000_000, "values": list(range(1_000_000))}})
+    status, _, doc = request(d, "POST", "/v1/jobs", body)
+    assert status == 201, str(doc)[:500]
+    assert len(json.dumps(doc)) < 4096, len(json.dumps(doc))
+    job = doc["id"]
+    assert doc["state"] in ("queued", "running", "succeeded")
+    assert doc["links"] == {"self": f"/v1/jobs/{job}", "events": f"/v1/jobs/{job}/events",
+                            "cancel": f"/v1/jobs/{job}/cancel", "outputs": f"/v1/jobs/{job}/outputs"}
+    assert doc["inputs"]["prompt"].endswith("... (20000000 characters)")
+    assert doc["inputs"]["values"] == "[a list of 1000000 values, 6888891 bytes of JSON]"
+    assert d.wait(job, timeout=60)["state"] == "succeeded"
+    status, _, doc = request(d, "GET", f"/v1/jobs/{job}")
+    assert status == 200 and len(json.dumps(doc)) < 4096, doc
+    # A short list is shown whole.
+    status, _, doc = request(d, "POST", "/v1/jobs", json.dumps({"pipeline": "p", "inputs": {"values": [1, 2, 3]}}))
+    assert status == 201 and doc["inputs"]["values"] == [1, 2, 3]
+
+
 def test_bad_routes_methods_and_queries(daemon: RunningDaemon) -> None:
     d = daemon
     assert_error(request(d, "GET", "/v2/jobs"), 404, "not_found", "/v2/jobs")

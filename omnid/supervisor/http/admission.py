@@ -107,7 +107,8 @@ def inputs(config: Config, raw: Any, pipeline: PipelineConfig) -> tuple[dict[str
             found[key] = [data for data, _ in decoded]
             summary[key] = [doc for _, doc in decoded]
         elif isinstance(value, list) and plain_value(value):
-            found[key] = summary[key] = value
+            found[key] = value
+            summary[key] = list_summary(value)
         else:
             raise Refused(400, ErrorCode.INVALID_INPUT, f"input {key!r} must be a string, number, boolean, list of "
                           "those, a file {\"b64\": ..., \"filename\": ...} or a list of files, or audio samples "
@@ -119,6 +120,13 @@ def inputs(config: Config, raw: Any, pipeline: PipelineConfig) -> tuple[dict[str
 def text_summary(value: str) -> str:
     """A text input as the job document shows it: long ones cut (listings stay small)."""
     return value if len(value) <= SUMMARY_CHARS else value[:SUMMARY_CHARS] + f"... ({len(value)} characters)"
+
+
+def list_summary(value: list[Any]) -> list[Any] | str:
+    """A list input as the job document shows it: whole while its JSON is short, else its length and
+    size (the document, the 201 and every listing stay small whatever a job was given)."""
+    size = len(json.dumps(value, separators=(",", ":")))
+    return value if size <= SUMMARY_CHARS else f"[a list of {len(value)} values, {size} bytes of JSON]"
 
 
 def check_inputs(config: Config, found: dict[str, Any], summary: dict[str, Any], pipeline: PipelineConfig) -> None:

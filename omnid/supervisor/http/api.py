@@ -50,7 +50,8 @@ from omnid.supervisor.http.openapi import describe_pipeline, openapi_document
 from omnid.supervisor.jobs.scheduler import Scheduler
 from omnid.supervisor.workers.stage_group import StageGroup
 from omnid.supervisor.live import Live
-from omnid.vocabulary import TERMINAL_JOB_STATES, DaemonState, ErrorCode, JobRecord, JobState, WorkerState
+from omnid.vocabulary import (TERMINAL_JOB_STATES, DaemonState, ErrorCode, JobRecord, JobState, WorkerState,
+                              job_links)
 
 log = structlog.get_logger("omnid.api")
 
@@ -209,7 +210,8 @@ class Api:
         job = self.take(request, sub, "the daemon is stopping: it finishes the jobs it is running and keeps the "
                         "queued ones for its next start; submit again once it is back")
         log.info("audit", action="submit", uid=request["uid"], job=job.id, pipeline=sub.pipeline.name)
-        return web.json_response(job.to_doc(), status=201, headers={"Location": f"/v1/jobs/{job.id}"})
+        return web.json_response({**job.to_doc(), "links": job_links(job.id)}, status=201,
+                                 headers={"Location": f"/v1/jobs/{job.id}"})
 
     def take(self, request: web.Request, sub: Submission, draining: str) -> JobRecord:
         """A submission that passed admission, made a job of the caller's (every submit path's last

@@ -23,7 +23,7 @@ from omnid.engines.capabilities import CAPABILITIES, capabilities, engines_that
 from omnid.media import IMAGE_FORMATS, MEDIA_KINDS
 from omnid.params import PLAIN_VALUE_SCHEMA, describe_stage_params, param_schema, stage_params_schema
 from omnid.supervisor.workers.stage_logs import SINCE_PATTERN
-from omnid.vocabulary import ErrorCode, EventType, JobState, StageRunState, WorkerState
+from omnid.vocabulary import JOB_LINKS, ErrorCode, EventType, JobState, StageRunState, WorkerState
 
 # A first stage whose engine needs a text input "prompt" (`Capabilities.text_prompt`: the API refuses
 # a job without it, 400 missing_input) is described; a python stage's function reads whatever inputs it
@@ -219,6 +219,8 @@ def schemas(config: Config) -> dict[str, Any]:
                       ["error"], extra=False),
         "JobRequest": _job_request(config),
         "Job": _obj(job_keys, job_keys, extra=False),
+        "NewJob": _obj({**job_keys, "links": _obj({k: _STR for k in JOB_LINKS}, list(JOB_LINKS), extra=False)},
+                       [*job_keys, "links"], extra=False),
         "JobList": _obj({"jobs": {"type": "array", "items": _ref("Job")}}, ["jobs"], extra=False),
         "StageRun": stage_run,
         "Output": output,
@@ -296,7 +298,8 @@ _LOG_STREAM = {"x-omnid-stream": "with follow=1 or follow=true: chunked text/pla
 # documented from their handler (see `openapi_document`).
 OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/v1/jobs"): _op(
-        "Submit a job", {"201": {**_json(_ref("Job"), "the job, queued (it is in the database)"),
+        "Submit a job", {"201": {**_json(_ref("NewJob"), "the job, queued (it is in the database), with its "
+                                                           "paths; its inputs as a short summary"),
                                  "headers": {"Location": {"schema": _STR, "description": "/v1/jobs/{id}"}}}},
         requestBody={"required": True, "content": {"application/json": {"schema": _ref("JobRequest")}}}),
     ("GET", "/v1/jobs"): _op(
