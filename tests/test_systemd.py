@@ -381,3 +381,53 @@ def test_socket_activation(workdir: Path, reap) -> None:
     assert proc.wait(30) == 0, log.read_text()
     assert act.is_socket(), "the activation socket belongs to systemd: omnid must leave it"
     assert not configured.exists()
+
+
+# ------------------------------------------------------------------------- make install
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None or shutil.which("unshare") is None,
+                    reason="systemd-analyze or unshare is not installed")
+def test_make_install_into_a_destdir_gives_units_that_verify(tmp_path: Path) -> None:
+    """`make install DESTDIR=...` (the control plane alone: INSTALL_EXTRAS=) stages a tree that works
+    once it is at /: seen from a private mount namespace where the staged /opt/omnid and /usr/local
+    stand at their places, `omnid` runs, and `systemd-analyze verify` of the installed units passes
+    (it insists that ExecStart's binary exists and is executable). The staged sysusers and tmpfiles
+    files are where systemd-sysusers and systemd-tmpfiles look (--root applies them)."""
+    dest = tmp_path / "dest"
+    made = subprocess.run(["make", "-s", "install", f"DESTDIR={dest}", "INSTALL_EXTRAS=", f"PYTHON={sys.executable}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
+    local = dest / "usr/local"
+    assert os.readlink(local / "bin/omnid") == "/opt/omnid/venv/bin/omnid"
+    assert os.readlink(local / "bin/omnictl") == "/opt/omnid/venv/bin/omnictl"
+    unit = unit_settings(local / "lib/systemd/system/omnid.service")
+    assert unit["ExecStart"][0].startswith("/usr/local/bin/omnid ")
+    assert unit["Documentation"] == ["file:///usr/local/share/doc/omnid/README.md"]
+    assert (local / "share/doc/omnid/README.md").is_file() and (dest / "etc/omnid/omnid.toml").is_file()
+    # the venv names the folder it will be in, not the staging one
+    assert (dest / "opt/omnid/venv/bin/omnid").read_text().splitlines()[0] == "#!/opt/omnid/venv/bin/python"
+    assert str(dest) not in (dest / "opt/omnid/venv/pyvenv.cfg").read_text()
+    script = (f"mount -t tmpfs tmpfs /opt && mkdir /opt/omnid && mount --bind {dest}/opt/omnid /opt/omnid && "
+              f"mount --bind {local} /usr/local && /usr/local/bin/omnid --help >/dev/null && "
+              "/usr/local/bin/omnictl --help >/dev/null && "
+              "systemd-analyze verify --man=no /usr/local/lib/systemd/system/omnid.socket "
+              "/usr/local/lib/systemd/system/omnid.service")
+    seen = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                          capture_output=True, text=True, timeout=120)
+    assert seen.returncode == 0 and seen.stdout + seen.stderr == "", seen.stdout + seen.stderr
+    # sysusers and tmpfiles find the staged files by themselves
+    applied = subprocess.run(["systemd-sysusers", f"--root={dest}"], capture_output=True, text=True, timeout=60)
+    assert applied.returncode == 0 and "omnid:" in (dest / "etc/passwd").read_text(), applied.stderr
+    applied = subprocess.run(["systemd-tmpfiles", f"--root={dest}", "--create"], capture_output=True, text=True,
+                             timeout=60)
+    assert (dest / "var/lib/omnid").is_dir() and (dest / "run/lock/omnid").is_dir(), applied.stderr
+    # a second install keeps the admin's config; uninstall takes the rest away
+    (dest / "etc/omnid/omnid.toml").write_text("# mine\n")
+    again = subprocess.run(["make", "-s", "install", f"DESTDIR={dest}", "INSTALL_EXTRAS=", f"PYTHON={sys.executable}"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and (dest / "etc/omnid/omnid.toml").read_text() == "# mine\n", again.stderr[-2000:]
+    gone = subprocess.run(["make", "-s", "uninstall", f"DESTDIR={dest}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert gone.returncode == 0 and not (dest / "opt/omnid").exists() and not (local / "bin/omnid").exists()
+    assert (dest / "etc/omnid/omnid.toml").exists()
