@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from conftest import (MODELS, RunningDaemon, build_tiny_models, chat_draw_speak, module_daemon, openai_on_socket, py_stage,
+from conftest import (MODELS, RunningDaemon, omnictl, build_tiny_models, chat_draw_speak, module_daemon, openai_on_socket, py_stage,
                       short_tmpdir, wait_for)
 
 openai = pytest.importorskip("openai")
@@ -238,6 +238,13 @@ def test_input_the_model_cannot_take_is_a_400_at_the_door_or_from_the_model(clie
             daemon.client.submit("chat", {"prompt": prompt})
         assert e.value.status == 400 and e.value.code == "prompt_too_long", e.value
         assert len(e.value.message) < 500
+    # A prompt of the wrong type is said to be that, and a misspelt one is named, through omnictl too.
+    with pytest.raises(ApiError) as e:
+        daemon.client.submit("chat", {"prompt": 42})
+    assert e.value.code == "invalid_input" and "must be text, not a number" in e.value.message, e.value
+    typo = omnictl(daemon, "submit", "chat", "--input", "promt=fox")
+    assert typo.returncode == 4 and "missing_input" in typo.stderr, typo
+    assert "(did you mean \"prompt\" for 'promt'?)" in typo.stderr, typo.stderr
     assert len(daemon.client.jobs(limit=1000)["jobs"]) == before
     # A prompt that fits is taken, whatever its length in characters.
     fits = daemon.client.submit("chat", {"prompt": " ".join(["sea"] * 120)}, {"expand": {"max_tokens": 2}})
