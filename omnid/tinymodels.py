@@ -83,7 +83,8 @@ from pathlib import Path
 from typing import Any
 
 MARKER_NAME = ".omnid-tiny-ok"
-FORMAT_VERSION = 2          # 2: the LLM's tokenizer has a chat template (LLM_CHAT_TEMPLATE)
+FORMAT_VERSION = 3          # 2: the LLM's tokenizer has a chat template (LLM_CHAT_TEMPLATE); 3: a multimodal
+                            # model's tokenizer takes as many tokens as its LM (the ALM's 30 s clip: 750)
 SEED = 1234
 
 LLM_DTYPE = "bfloat16"
@@ -581,10 +582,13 @@ VLM_CHAT_TEMPLATE = (
 )
 
 
-def _mm_tokenizer(extra: list[str]) -> Any:
-    """The tiny LLM's tokenizer plus the placeholder tokens a multimodal model needs."""
+def _mm_tokenizer(extra: list[str], max_length: int = LLM_MAX_POSITIONS) -> Any:
+    """The tiny LLM's tokenizer plus the placeholder tokens a multimodal model needs, taking up to
+    `max_length` tokens, its LM's context (a processor truncates there: vLLM's warm-up feeds the
+    longest media a model takes, and its placeholders must all fit)."""
     tokenizer = _train_llm_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": extra})
+    tokenizer.model_max_length = max_length
     return tokenizer
 
 
@@ -631,7 +635,7 @@ def build_vlm(model_dir: Path) -> Path:
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
         _seed_all(SEED)
-        tokenizer = _mm_tokenizer(["<image>"])
+        tokenizer = _mm_tokenizer(["<image>"], VLM_MAX_POSITIONS)
         config = LlavaConfig(
             text_config=_mm_text_config(LlamaConfig, tokenizer, head_dim=LLM_HEAD_DIM,
                                         max_position_embeddings=VLM_MAX_POSITIONS),
@@ -665,7 +669,8 @@ def build_alm(model_dir: Path) -> Path:
             Qwen2AudioProcessor, Qwen2Config, WhisperFeatureExtractor
 
         _seed_all(SEED)
-        tokenizer = _mm_tokenizer(["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>", "<|im_start|>", "<|im_end|>"])
+        tokenizer = _mm_tokenizer(["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>", "<|im_start|>", "<|im_end|>"],
+                                  ALM_MAX_POSITIONS)
         config = Qwen2AudioConfig(
             text_config=_mm_text_config(Qwen2Config, tokenizer, max_position_embeddings=ALM_MAX_POSITIONS),
             # vLLM's schema wants 3000 mel frames (30 s): max_source_positions 1500, chunk_length 30

@@ -65,12 +65,30 @@ def write_module(d: Path, name: str, body: str) -> Path:
 # ------------------------------------------------------------------------- a stage that cannot load
 
 
-@pytest.mark.parametrize("kind", ["raises at import", "missing attribute"])
+# As vLLM's engine core fails: a child process prints the real exception (chained), and the
+# worker raises one that only points at it.
+CHILD_FAILS = '''import subprocess, sys
+subprocess.run([sys.executable, "-c", """
+try:
+    raise ValueError("the real reason: 750 tokens where 512 fit")
+except ValueError as e:
+    raise RuntimeError("a wrapper of the real reason") from e
+"""])
+raise RuntimeError("initialization failed. See root cause above.")
+'''
+
+
+@pytest.mark.parametrize("kind", ["raises at import", "missing attribute", "root cause in a child"])
 def test_stage_dying_while_loading_stops_the_daemon(kind: str, start_daemon, tmp_path: Path) -> None:
     if kind == "raises at import":
         write_module(tmp_path, "boom_at_import", 'raise RuntimeError("kaboom while importing")\n')
         broken = {"engine": "python", "function": "boom_at_import:run", "python_path": [str(tmp_path)]}
         detail = "RuntimeError: kaboom while importing"
+    elif kind == "root cause in a child":
+        write_module(tmp_path, "child_fails", CHILD_FAILS)
+        broken = {"engine": "python", "function": "child_fails:run", "python_path": [str(tmp_path)]}
+        detail = ("RuntimeError: initialization failed. See root cause above. "
+                  "(root cause: ValueError: the real reason: 750 tokens where 512 fit)")
     else:
         broken = py_stage("no_such_function")
         detail = "no attribute 'no_such_function'"

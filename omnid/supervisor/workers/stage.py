@@ -88,6 +88,16 @@ def error_summary(error: str, limit: int = 600) -> str:
     return text if len(text) <= limit else text[:limit] + " [...]"
 
 
+def with_root_cause(error: str, root: str | None) -> str:
+    """A load error as one line, with the root cause the worker's output named when the error
+    itself does not (vLLM's "Engine core initialization failed. See root cause above": the cause
+    was printed by its core process)."""
+    summary = error_summary(error)
+    if root is None or root in error or root.split(": ", 1)[-1] in error:
+        return summary
+    return f"{summary} (root cause: {root})"
+
+
 class StageHandle(Follower):
     """One stage worker process and its life cycle. Its `config` is the workers' config in force
     (`Live.worker`; one a reload lets go keeps its own: `Follower`)."""
@@ -128,6 +138,7 @@ class StageHandle(Follower):
         self._attempt_over = asyncio.Event()  # the start attempt ended: READY, death, failure or stop
         self._became_ready = False          # this incarnation sent READY
         self._load_error: str | None = None
+        self._root_cause: str | None = None     # the last traceback's first exception line, from its output
         self._stopping = False
         self._restart_task: asyncio.Task[None] | None = None
         self._restarting = asyncio.Lock()   # `restart` (asked for: reload, omnictl stage restart)
@@ -186,6 +197,7 @@ class StageHandle(Follower):
         self._attempt_over.clear()
         self._became_ready = False
         self._load_error = None
+        self._root_cause = None
         proc, parent, log_read = worker.start()     # its stdout/stderr: stored and forwarded (stage_logs.py)
         self._close_log_pipe()             # the last incarnation's, if its EOF has not come yet
         daemon = self.config.daemon
@@ -318,6 +330,7 @@ class StageHandle(Follower):
         if log_pipe is not None:
             log_pipe.drain()
             log_pipe.close()
+            self._root_cause = log_pipe.causes.root_cause()
 
     def _on_exit_status(self, proc: BaseProcess) -> None:
         self._handled = proc
@@ -338,7 +351,7 @@ class StageHandle(Follower):
         """The worker is gone (exit status `code`, None when unknown): a planned stop, or a death
         the listener hears of, followed by a restart (or the stage's failure)."""
         if self._load_error:
-            reason += f": {error_summary(self._load_error)}"
+            reason += f": {with_root_cause(self._load_error, self._root_cause)}"
         if not self._stopping:          # a planned stop (shutdown, sleep) is no error
             self.last_error = reason
         self.running = ()

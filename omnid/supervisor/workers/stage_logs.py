@@ -71,6 +71,7 @@ MAX_LINE = 64 * 1024             # a longer line (no newline in sight) is stored
 PIPE_SIZE = 1 << 20              # the pipe's kernel buffer (F_SETPIPE_SZ): room for a burst while we write
 READ_BATCH = 256 * 1024          # bytes of lines a reader hands to the API at a time
 MAX_TAIL = 100_000               # `?tail=` at most
+CAUSE_CHARS = 300                # an exception line kept as a load failure's root cause, at most
 TS_LEN = len("2026-11-30T03:47:22.123Z")
 _PRIORITY = re.compile(rb"^<[0-7]>")
 _ANSI = re.compile(rb"\x1b\[[0-9;]*[A-Za-z]")
@@ -213,6 +214,39 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
+_EXCEPTION_LINE = re.compile(rb"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)(?:: .*)?$")
+_CHAINED = (b"The above exception was the direct cause of the following exception:",
+            b"During handling of the above exception, another exception occurred:")
+
+
+class ExceptionLines:
+    """The last traceback a process printed, as its chain of exception lines ("ValueError: ..."),
+    first (the root cause) to last: what a load failure names when the exception the worker saw
+    only points at it ("Engine core initialization failed. See root cause above": vLLM's core
+    process printed the real one). Fed each line a worker writes, in order."""
+
+    def __init__(self) -> None:
+        self.chain: list[str] = []
+        self._chained = False           # the next traceback continues the chain
+
+    def read(self, lines: Iterable[bytes]) -> None:
+        for line in lines:
+            body = line.rstrip(b"\r")
+            if body.startswith(b"Traceback (most recent call last):"):
+                if not self._chained:
+                    self.chain = []
+                self._chained = False
+            elif body in _CHAINED:
+                self._chained = True
+            elif _EXCEPTION_LINE.match(body):
+                self.chain.append(body.decode("utf-8", "replace")[:CAUSE_CHARS])
+                del self.chain[:-8]
+
+    def root_cause(self) -> str | None:
+        """The first exception line of the last chain printed, or None."""
+        return self.chain[0] if self.chain else None
+
+
 class PipeReader:
     """The supervisor's end of one worker incarnation's stdout/stderr pipe (event-loop thread).
 
@@ -222,6 +256,7 @@ class PipeReader:
     """
 
     def __init__(self, conn: Connection, file: LogFile, forward_fd: int | None = 2, stage: str = "") -> None:
+        self.causes = ExceptionLines()
         self.conn = conn
         self.stage = stage
         self.fd = conn.fileno()
@@ -278,6 +313,7 @@ class PipeReader:
         """`whole`: complete lines, each ending in a newline."""
         lines = whole[:-1].split(b"\n")
         self.file.write(lines)
+        self.causes.read(lines)
         if self.forward_fd is not None:
             write_all(self.forward_fd, foreign_lines(whole, self.stage))    # (a JSON log stays JSON lines)
 
