@@ -140,6 +140,9 @@ class StageConfig:
     # python stages: `package.module:function` called once for up to max_inflight queued requests,
     # fn(inputs: list[dict], params: list[dict], ctxs: list[RequestContext]) -> list[dict | Exception]
     batch_function: str | None = None
+    # python stages: `package.module:Class` whose instance steps many jobs' sessions together
+    # (`open` a session per job, `step` them all as one batch): omnid.engines.python_sessions
+    sessions: str | None = None
     # Capacity: `replicas` workers of this stage, each with its own device set (`replica_devices`,
     # from `devices = [[0], [1]]`; empty: every replica gets `devices`). `devices` is their union.
     replicas: int = 1
@@ -478,7 +481,7 @@ def _check_listen_keys(c: _Checker, daemon: DaemonConfig) -> None:
 
 
 _STAGE_KEYS = ("engine", "model", "function", "python_path", "devices", "exclusive",
-               "max_inflight", "queue_capacity", "shm_pool_mb", "args", "defaults", "env", "batch_function",
+               "max_inflight", "queue_capacity", "shm_pool_mb", "args", "defaults", "env", "batch_function", "sessions",
                "replicas", "idle_unload_s", "media", "placement", "ray", "max_rss_mb",
                "engine_core", "outputs", "hidden_layers", "hidden_prompt", "prompt_embeds", "cache", "lazy")
 _TENSOR_KEYS = ("outputs", "hidden_layers", "hidden_prompt", "prompt_embeds")
@@ -691,6 +694,7 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
     model_raw = c.get(s, "model", path, str)
     function = c.get(s, "function", path, str)
     batch_function = c.get(s, "batch_function", path, str)
+    sessions = c.get(s, "sessions", path, str)
     caps = capabilities(engine) if engine is not None else None
     if caps is not None and caps.model_marker is not None:
         if model_raw is None:
@@ -706,9 +710,16 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
             c.add(f"{path}.function", f"only python stages take a function, not {engine!r}")
         if batch_function is not None:
             c.add(f"{path}.batch_function", f"only python stages take a batch_function, not {engine!r}")
+        if sessions is not None:
+            c.add(f"{path}.sessions", f"only python stages take sessions, not {engine!r}")
     elif caps is not None and caps.takes_function:
-        if function is None and batch_function is None:     # either one, or both
-            c.add(f"{path}.function", f"is required for engine {engine!r}")
+        if sessions is not None and (function is not None or batch_function is not None):
+            c.add(f"{path}.sessions", "a stage that steps sessions takes no function nor batch_function: "
+                                      "its class's open and step serve every job")
+        elif function is None and batch_function is None and sessions is None:     # one of them
+            c.add(f"{path}.function", f"is required for engine {engine!r} (or a batch_function, or sessions)")
+        if sessions is not None:
+            _check_callable_ref(c, sessions, f"{path}.sessions", python_path)
         if function is not None:
             _check_callable_ref(c, function, f"{path}.function", python_path)
         if batch_function is not None:
@@ -764,7 +775,7 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
         devices=tuple(devices), exclusive=exclusive, max_inflight=max_inflight,
         queue_capacity=queue_capacity, shm_pool_mb=shm_pool_mb,
         args=dict(args), defaults=dict(defaults), env={k: str(v) for k, v in env.items()},
-        batch_function=batch_function, media=media, replicas=replicas, replica_devices=replica_devices,
+        batch_function=batch_function, sessions=sessions, media=media, replicas=replicas, replica_devices=replica_devices,
         idle_unload_s=float(idle_unload_s) if idle_unload_s is not None else None,
         max_rss_mb=int(max_rss_mb) if max_rss_mb is not None else None, engine_core=engine_core,
         placement=placement, ray=ray, outputs=outputs, hidden_layers=hidden_layers,

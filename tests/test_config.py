@@ -175,7 +175,7 @@ CASES: dict[str, tuple[Mutation, list[tuple[str, str]]]] = {
     "timeout not a number": (_set("pipelines.chain.timeout_s", "10s"),
                              [("pipelines.chain.timeout_s", "must be an integer or a number, not a string")]),
     "python stage without function": (_delete("stages.post.function"),
-                                      [("stages.post.function", "is required for engine 'python'")]),
+                                      [("stages.post.function", "is required for engine 'python' (or a batch_function, or sessions)")]),
     "bad function ref": (_set("stages.post.function", "teststages.echo"),
                          [("stages.post.function", 'must be "package.module:function"')]),
     "unimportable module": (_set("stages.post.function", "no_such_module_omnid_t:run"),

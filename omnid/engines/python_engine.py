@@ -39,6 +39,9 @@ during the call ends `stopped`, whatever its slot holds. Which requests batch:
   one), `function` only for requests with a streamed input (see below).
 A request with a streamed input (`window = N`) never batches: it goes to
 `function`, and fails when the stage has none.
+
+Or a stage names `sessions`, a class whose instance steps every live job's session together, one
+batched call per step, jobs joining and leaving between steps: `omnid.engines.python_sessions`.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from omnid.params import merged
 from omnid.worker.windows import InputStream
 from omnid.engines.capabilities import PYTHON
 from omnid.engines.base import Cancelled, Engine, RequestContext
+from omnid.engines.python_sessions import SessionRunner
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,11 @@ class PythonEngine(Engine):
     def __init__(self, stage: StageConfig) -> None:
         self.stage = stage
         python_path = tuple(str(p) for p in stage.python_path)
+        self.sessions: SessionRunner | None = None
+        if stage.sessions:
+            cls = import_ref(stage.sessions, python_path)
+            ctx = self._load_context()
+            self.sessions = SessionRunner(lambda: cls(ctx), stage.sessions, merge_segment, user_error, stage.lazy)
         self.fn: Callable[..., Any] | None = import_ref(stage.function, python_path) if stage.function else None
         self.batch_fn: Callable[..., Any] | None = None
         if stage.batch_function:
@@ -121,9 +130,11 @@ class PythonEngine(Engine):
             if inspect.isgeneratorfunction(self.batch_fn):
                 raise TypeError(f"batch_function {stage.batch_function} is a generator function: it must "
                                 "return a list of results, one per request")
-        if self.fn is None and self.batch_fn is None:
-            raise ValueError(f"python stage {stage.name!r} names neither a function nor a batch_function")
+        if self.fn is None and self.batch_fn is None and self.sessions is None:
+            raise ValueError(f"python stage {stage.name!r} names no function, batch_function nor sessions")
         self.loaded = [] if stage.lazy else self._load_hooks()
+        if self.sessions is not None and not stage.lazy:
+            self.loaded.append(f"{stage.sessions}()")
         self.max_batch = max(1, stage.max_inflight)
         # Requests go to the batch function unless `function` is there too and max_inflight = 1.
         self.batching = self.batch_fn is not None and (self.fn is None or self.max_batch > 1)
@@ -131,10 +142,13 @@ class PythonEngine(Engine):
         # job -> (its context, the user's generator, the outputs merged so far)
         self._gens: dict[str, tuple[RequestContext, Generator[Any, Any, Any], dict[str, Any]]] = {}
 
+    def _load_context(self) -> LoadContext:
+        return LoadContext(stage=self.stage.name, model=str(self.stage.model) if self.stage.model else None,
+                           devices=self.stage.devices)
+
     def _load_hooks(self) -> list[str]:
         """Call each function's `load` hook (once per hook); the names of those called."""
-        ctx = LoadContext(stage=self.stage.name, model=str(self.stage.model) if self.stage.model else None,
-                          devices=self.stage.devices)
+        ctx = self._load_context()
         called: list[str] = []
         seen: set[int] = set()
         for ref, fn in ((self.stage.function, self.fn), (self.stage.batch_function, self.batch_fn)):
@@ -147,12 +161,21 @@ class PythonEngine(Engine):
         return called
 
     def info(self) -> dict[str, Any]:
-        return {"function": self.stage.function, "batch_function": self.stage.batch_function,
-                "batching": self.batching, "loaded": self.loaded, "lazy": self.stage.lazy}
+        info: dict[str, Any] = {"function": self.stage.function, "batch_function": self.stage.batch_function,
+                                "batching": self.batching, "loaded": self.loaded, "lazy": self.stage.lazy}
+        if self.sessions is not None:
+            info["sessions"] = {"class": self.stage.sessions, "live": len(self.sessions)}
+        return info
 
     def add(self, ctx: RequestContext) -> None:
         params = merged(self.stage.defaults, ctx.params)
         ctx.model = str(self.stage.model) if self.stage.model is not None else None
+        if self.sessions is not None:
+            if ctx.cancelled():
+                ctx.stopped()
+            else:
+                self.sessions.open(ctx, params)
+            return
         streamed = any(isinstance(v, InputStream) for v in ctx.inputs.values())
         if self.batching and not streamed:
             if ctx.cancelled():
@@ -182,6 +205,8 @@ class PythonEngine(Engine):
             ctx.finish(result)
 
     def step(self) -> None:
+        if self.sessions is not None:
+            self.sessions.step()
         if self._queue:
             self._run_batch()
         for job in list(self._gens):
@@ -247,6 +272,8 @@ class PythonEngine(Engine):
                 ctx.finish(result)              # not a dict: finish fails it, saying so
 
     def abort(self, job: str) -> None:
+        if self.sessions is not None:
+            self.sessions.abort(job)
         for queued in [q for q in self._queue if q.ctx.job == job]:
             self._queue.remove(queued)
             queued.ctx.stopped()
@@ -260,10 +287,11 @@ class PythonEngine(Engine):
             ctx.stopped()
 
     def has_work(self) -> bool:
-        return bool(self._queue) or bool(self._gens)
+        return bool(self._queue) or bool(self._gens) or (self.sessions is not None and self.sessions.has_work())
 
     def ready(self) -> bool:
-        return bool(self._queue) or any(_inputs_ready(ctx) for ctx, _, _ in self._gens.values())
+        return bool(self._queue) or any(_inputs_ready(ctx) for ctx, _, _ in self._gens.values()) \
+            or (self.sessions is not None and self.sessions.ready())
 
 
 def _end_all(ctxs: list[RequestContext], error: str) -> None:

@@ -420,7 +420,7 @@ def test_python_stage_function(tmp_path: Path) -> None:
                        "ok": py()},
             "pipelines": {"p": {"stages": ["ok"]}}}
     found = problems(data, tmp_path)
-    assert found["stages.nofn.function"] == ["is required for engine 'python'"]
+    assert found["stages.nofn.function"] == ["is required for engine 'python' (or a batch_function, or sessions)"]
     assert found["stages.form.function"] == ["must be \"package.module:function\", not 'teststages:sleep:too:many'"]
     assert found["stages.missing.function"] == \
         ["module 'no_such_module_omnid_u' cannot be found (searched python_path and sys.path)"]

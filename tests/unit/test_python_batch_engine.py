@@ -301,6 +301,6 @@ def test_config_batch_function_problems(tmp_path: Path) -> None:
     assert found["stages.a.batch_function"] == ["module 'nosuchmodule_xyz' cannot be found "
                                                 "(searched python_path and sys.path)"]
     assert found["stages.b.batch_function"] == ["must be \"package.module:function\", not 'not a ref'"]
-    assert found["stages.c.function"] == ["is required for engine 'python'"]
+    assert found["stages.c.function"] == ["is required for engine 'python' (or a batch_function, or sessions)"]
     assert found["stages.d.batch_function"] == ["only python stages take a batch_function, not 'vllm'"]
     assert "stages.e.batch_function" in found

@@ -1,0 +1,183 @@
+"""Python stages that step many jobs together: a stage's `sessions = "package.module:Class"`.
+
+Runs in a stage worker's main thread, driven by `PythonEngine` (add, step, abort); blocks only in
+the user's own `open` and `step`.
+
+An autoregressive model that is not vLLM (a TTS talker, a vocoder decoding blocks) runs best as
+vLLM runs an LLM: every live request advanced by one batched forward per step, requests joining and
+leaving between steps (continuous batching). The class gives that to any python stage:
+
+    class Sessions:
+        def __init__(self, load: LoadContext) -> None: ...   # once, as the stage starts (its weights)
+        def open(self, inputs: dict, params: dict, ctx) -> Any: ...   # a job's session
+        def step(self, sessions: list[Any]) -> list[Any]: ...         # advance each once, one batch
+        def close(self, session: Any) -> None: ...           # optional: the session is over, free its slot
+        def ready(self, session: Any) -> bool: ...           # optional: it can be stepped now
+
+- `open` is called as the job enters the stage (its prefill, say); an exception fails that job.
+  `params` are the stage's `defaults` merged with the job's.
+- `step` gets every live session that is ready, in the order they opened, and returns one result per
+  session, in the same order: `None` (nothing this step), a dict (a segment: the job's outputs are
+  its segments merged, as a generator's), `Done()` or `Done(last_segment)` (the session is over), or
+  an `Exception` instance (that job fails, the others go on). A `step` that raises fails every
+  session it was given.
+- `ready` (default): the session's streamed inputs (`window = N` edges) have a window or their end
+  to read, or it has none; a session whose downstream has no room (backpressure) is never stepped.
+  A class whose sessions keep work of their own between windows says so with its own `ready`.
+- `max_inflight` bounds the live sessions. A cancel takes effect at the next step boundary: the
+  session is closed and never stepped again, and the others' results are untouched.
+- `lazy = true`: the class is made on the first job instead of at start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from omnid.engines.base import Cancelled, RequestContext
+from omnid.worker.windows import InputStream
+
+
+@dataclass(frozen=True)
+class Done:
+    """A session's result that ends it; `last`: its last segment, if it has one."""
+
+    last: dict[str, Any] | None = None
+
+
+@dataclass
+class _Live:
+    """One job's open session and the outputs merged so far."""
+
+    ctx: RequestContext
+    session: Any
+    outputs: dict[str, Any] = field(default_factory=dict)
+
+
+def streams_ready(ctx: RequestContext) -> bool:
+    """Any of the job's streamed inputs has something to read (or it has none)."""
+    streams = [v for v in ctx.inputs.values() if isinstance(v, InputStream)]
+    return not streams or any(v.ready() for v in streams)
+
+
+class SessionRunner:
+    """The live sessions of one stage and the calls into its class (`PythonEngine` owns one)."""
+
+    def __init__(self, factory: Callable[[], Any], name: str, merge: Callable[[dict[str, Any], dict[str, Any]], None],
+                 describe: Callable[[BaseException], str], lazy: bool) -> None:
+        self._factory = factory
+        self._impl: Any = None if lazy else factory()
+        self.name = name
+        self._merge = merge
+        self._describe = describe
+        self._live: dict[str, _Live] = {}         # job -> its session, in the order they opened
+
+    @property
+    def impl(self) -> Any:
+        if self._impl is None:
+            self._impl = self._factory()
+        return self._impl
+
+    def open(self, ctx: RequestContext, params: dict[str, Any]) -> None:
+        try:
+            session = self.impl.open(ctx.inputs, params, ctx)
+        except Cancelled:
+            ctx.stopped()
+            return
+        except Exception as e:
+            ctx.fail(self._describe(e))
+            return
+        if ctx.cancelled():
+            self._close(session)
+            ctx.stopped()
+            return
+        self._live[ctx.job] = _Live(ctx, session)
+
+    def _ready(self, live: _Live) -> bool:
+        if live.ctx.held():
+            return False
+        check = getattr(self.impl, "ready", None)
+        return bool(check(live.session)) if check is not None else streams_ready(live.ctx)
+
+    def step(self) -> None:
+        """One step: the cancelled sessions closed, the ready ones advanced together."""
+        for job, live in list(self._live.items()):
+            if live.ctx.cancelled():
+                self._end(job).ctx.stopped()
+        batch = [live for live in self._live.values() if self._ready(live)]
+        if not batch:
+            return
+        try:
+            results = self.impl.step([live.session for live in batch])
+        except Exception as e:                  # Cancelled included: it ends only the cancelled ones
+            for live in batch:
+                self._end(live.ctx.job)
+                if live.ctx.cancelled():
+                    live.ctx.stopped()
+                else:
+                    live.ctx.fail(self._describe(e))
+            return
+        if not isinstance(results, (list, tuple)) or len(results) != len(batch):
+            got = f"{len(results)} results" if isinstance(results, (list, tuple)) else type(results).__name__
+            for live in batch:
+                self._end(live.ctx.job).ctx.fail(f"sessions {self.name}.step returned {got} for {len(batch)} "
+                                                 "sessions; it must return one result per session, in order")
+            return
+        for live, result in zip(batch, results):
+            self._take(live, result)
+
+    def _take(self, live: _Live, result: Any) -> None:
+        ctx = live.ctx
+        if ctx.cancelled():
+            self._end(ctx.job).ctx.stopped()
+        elif result is None:
+            return
+        elif isinstance(result, Done):
+            if result.last is not None and not self._segment(live, result.last):
+                return
+            self._end(ctx.job)
+            ctx.segment({}, is_last=True)
+            ctx.finish(live.outputs)
+        elif isinstance(result, BaseException):
+            self._end(ctx.job).ctx.fail(self._describe(result))
+        else:
+            self._segment(live, result)
+
+    def _segment(self, live: _Live, seg: Any) -> bool:
+        if not isinstance(seg, dict):
+            self._end(live.ctx.job).ctx.fail(f"sessions {self.name}.step gave {type(seg).__name__} for a session, "
+                                             "not a dict of named outputs, None, Done or an Exception")
+            return False
+        self._merge(live.outputs, seg)
+        live.ctx.segment(seg)
+        if live.ctx.done:                       # the segment failed it (a stream could not take it)
+            self._end(live.ctx.job)
+            return False
+        return True
+
+    def _end(self, job: str) -> _Live:
+        live = self._live.pop(job)
+        self._close(live.session)
+        return live
+
+    def _close(self, session: Any) -> None:
+        close = getattr(self.impl, "close", None)
+        if close is not None:
+            try:
+                close(session)
+            except Exception:
+                pass                            # (its job has its outcome already)
+
+    def abort(self, job: str) -> None:
+        if job in self._live:
+            self._end(job).ctx.stopped()
+
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    def ready(self) -> bool:
+        return any(self._ready(live) for live in self._live.values())
+
+    def __len__(self) -> int:
+        return len(self._live)

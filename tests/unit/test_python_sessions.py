@@ -1,0 +1,145 @@
+"""`PythonEngine` with `sessions` (omnid.engines.python_sessions), in-process: real RequestContexts
+and real window streams, no worker, no daemon. Driven as the worker drives it: `add`, then `step`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from conftest import FIXTURES
+from omnid import config as C
+from omnid.config import StageConfig
+from omnid.engines.base import Outcome, RequestContext
+from omnid.engines.python_engine import PythonEngine
+from omnid.worker.windows import EdgeStream, InputStream
+
+
+def stage(max_inflight: int = 8, lazy: bool = False, defaults: dict[str, Any] | None = None) -> StageConfig:
+    return StageConfig(name="t", engine="python", sessions="sessionstages:Counter", python_path=(FIXTURES,),
+                       max_inflight=max_inflight, defaults=defaults or {}, lazy=lazy)
+
+
+class Job:
+    def __init__(self, name: str, params: dict[str, Any] | None = None, inputs: dict[str, Any] | None = None) -> None:
+        self.cancel = False
+        self.segments: list[dict[str, Any]] = []
+        self.ctx = RequestContext(job=name, stage="t", inputs=inputs or {}, params=params or {},
+                                  _is_cancelled=lambda: self.cancel,
+                                  _on_segment=lambda outputs, is_last: self.segments.append(outputs) or None)
+
+
+def drive(engine: PythonEngine, limit: int = 100) -> int:
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        assert steps < limit
+    return steps
+
+
+def test_sessions_step_together_join_and_leave_between_steps() -> None:
+    engine = PythonEngine(stage())
+    impl = engine.sessions.impl             # type: ignore[union-attr]
+    a, b = Job("a", {"n": 3}), Job("b", {"n": 1})
+    engine.add(a.ctx)
+    engine.add(b.ctx)
+    engine.step()                           # a and b in one call; b is done after it
+    c = Job("c", {"n": 2})
+    engine.add(c.ctx)                       # joins between steps
+    drive(engine)
+    assert impl.steps == [["a", "b"], ["a", "c"], ["a", "c"]]
+    for job, text in ((a, "0 1 2 "), (b, "0 "), (c, "0 1 ")):
+        assert job.ctx.outcome is Outcome.FINISHED and job.ctx.outputs["text"] == text, job.ctx
+    assert [s.get("batch") for s in a.segments] == [2, 2, 2, None]     # (the last: the end marker {})
+    assert sorted(impl.closed) == ["a", "b", "c"]                       # every slot freed
+    assert engine.info()["sessions"] == {"class": "sessionstages:Counter", "live": 0}
+
+
+def test_one_sessions_exception_fails_its_job_alone() -> None:
+    engine = PythonEngine(stage())
+    ok, bad = Job("ok", {"n": 3}), Job("bad", {"n": 3, "fail_at": 1})
+    engine.add(ok.ctx)
+    engine.add(bad.ctx)
+    drive(engine)
+    assert ok.ctx.outcome is Outcome.FINISHED and ok.ctx.outputs["text"] == "0 1 2 "
+    assert bad.ctx.outcome is Outcome.FAILED and "ValueError: bad failed at 1" in (bad.ctx.error or "")
+    assert engine.sessions.impl.closed[0] == "bad"           # type: ignore[union-attr]
+
+
+def test_a_step_that_raises_fails_the_sessions_it_was_given_and_an_open_that_raises_its_job() -> None:
+    engine = PythonEngine(stage())
+    x, y = Job("x", {"n": 3, "raise_at": 1}), Job("y", {"open_fails": True})
+    engine.add(x.ctx)
+    engine.add(y.ctx)
+    assert y.ctx.outcome is Outcome.FAILED and "cannot open y" in (y.ctx.error or "")
+    z = Job("z", {"n": 5})
+    engine.add(z.ctx)
+    drive(engine)
+    assert x.ctx.outcome is Outcome.FAILED and "the whole step failed" in (x.ctx.error or "")
+    assert z.ctx.outcome is Outcome.FAILED                  # it was in that step too
+    after = Job("after", {"n": 1})
+    engine.add(after.ctx)
+    drive(engine)
+    assert after.ctx.outcome is Outcome.FINISHED            # the next step runs
+
+
+def test_a_cancel_takes_effect_at_the_next_step_and_the_others_are_unchanged() -> None:
+    engine = PythonEngine(stage())
+    impl = engine.sessions.impl             # type: ignore[union-attr]
+    keep, drop = Job("keep", {"n": 4}), Job("drop", {"n": 4})
+    engine.add(keep.ctx)
+    engine.add(drop.ctx)
+    engine.step()
+    drop.cancel = True
+    drive(engine)
+    assert drop.ctx.outcome is Outcome.STOPPED and "drop" in impl.closed
+    assert all("drop" not in step for step in impl.steps[1:])
+    assert keep.ctx.outcome is Outcome.FINISHED and keep.ctx.outputs["text"] == "0 1 2 3 "
+    engine.add(gone := Job("gone", {"n": 2}).ctx)
+    engine.abort("gone")                    # the worker's abort: closed at once
+    assert gone.outcome is Outcome.STOPPED and impl.closed[-1] == "gone" and not engine.has_work()
+
+
+def test_a_session_waiting_for_its_stream_is_not_stepped() -> None:
+    engine = PythonEngine(stage())
+    impl = engine.sessions.impl             # type: ignore[union-attr]
+    stream = EdgeStream(["wait"], 4, is_cancelled=lambda: False)
+    fed, free = Job("fed", {"n": 9}, {"wait": InputStream(stream, "wait")}), Job("free", {"n": 2})
+    engine.add(fed.ctx)
+    engine.add(free.ctx)
+    engine.step()
+    assert impl.steps == [["free"]] and engine.ready()       # free runs on; fed has no window yet
+    stream.put(0, {"wait": "w0"}, last=False)
+    engine.step()
+    assert impl.steps[-1] == ["fed", "free"]
+    stream.put(1, {}, last=True)
+    drive(engine)
+    assert fed.ctx.outcome is Outcome.FINISHED and fed.ctx.outputs["text"] == "0 "
+
+
+def test_lazy_makes_the_class_on_the_first_job_and_loaded_says_when_it_was_made() -> None:
+    from sessionstages import Counter
+    before = Counter.made
+    eager = PythonEngine(stage())
+    assert Counter.made == before + 1 and eager.loaded == ["sessionstages:Counter()"]
+    lazy = PythonEngine(stage(lazy=True))
+    assert Counter.made == before + 1 and lazy.loaded == []
+    lazy.add(Job("j", {"n": 1}).ctx)
+    assert Counter.made == before + 2
+
+
+def test_check_refuses_sessions_beside_a_function_and_on_other_engines(tmp_path: Any) -> None:
+    (tmp_path / "llm").mkdir()
+    (tmp_path / "llm" / "config.json").write_text("{}")
+    data = {"stages": {"both": {"engine": "python", "sessions": "json:JSONDecoder", "function": "json:dumps"},
+                       "v": {"engine": "vllm", "model": str(tmp_path / "llm"), "sessions": "json:JSONDecoder"},
+                       "alone": {"engine": "python", "sessions": "json:JSONDecoder"}},
+            "pipelines": {"p": {"stages": ["alone"]}}}
+    with pytest.raises(C.ConfigError) as e:
+        C.parse(data, base=tmp_path)
+    found = {p.path: p.message for p in e.value.problems}
+    assert "takes no function nor batch_function" in found["stages.both.sessions"]
+    assert found["stages.v.sessions"] == "only python stages take sessions, not 'vllm'"
+    assert "stages.alone.sessions" not in found and "stages.alone.function" not in found
