@@ -62,6 +62,7 @@ class TalkerSession:
             ])
             rows[-1] += self._codec(talker.codec_bos_token)
             rows[-2] += self._codec(talker.codec_pad_token)
+            self.prefill_rows = rows                # (its input rows, before the talker's projection)
             self._eos_row = self._text(torch.tensor([talker.text_eos_token], device=self.device))[0]
             self._pad_row = self._text(torch.tensor([talker.text_pad_token], device=self.device))[0]
             text_ids = torch.cat([prompt_ids, bos, first])[None]
@@ -115,27 +116,53 @@ class TalkerSession:
 
     def step(self) -> int | None:
         """The next codec token, or None when it needs the next thinker vector first, or when done
-        (an end code, or max_codes). The end code itself is not returned."""
-        torch = self._torch
+        (an end code, or max_codes). The end code itself is not returned. One session alone: its
+        forward through transformers' own model and cache (`TalkerBatch` steps many at once)."""
         if self.done:
             return None
         if self.codes:
-            if self._replies:
-                reply = self._replies.popleft()
-            elif self.text_ended:
-                reply = self._pad_row
-            else:
+            step = self.next_input()
+            if step is None:
                 return None
+            row, position = step
+            torch = self._torch
             with torch.no_grad():
-                row = self._codec(self.codes[-1]) + reply
-                position = (torch.tensor([[self._length]], device=self.device) + self._delta).expand(3, 1, 1)
-                self._length += 1
                 out = self.talker.model(inputs_embeds=self.talker.thinker_to_talker_proj(row[None, None]),
-                                        position_ids=position, past_key_values=self._cache,
+                                        position_ids=torch.tensor([[[position]]], device=self.device).expand(3, 1, 1),
+                                        past_key_values=self._cache,
                                         attention_mask=torch.ones(1, self._length, device=self.device),
                                         use_cache=True)
                 self._cache = out.past_key_values
                 self._logits = self.talker.codec_head(out.last_hidden_state[:, -1]).float()
+        return self.pick()
+
+    def wants_forward(self) -> bool:
+        """Whether its next code needs a forward (every code but the first, which the prefill gave)."""
+        return bool(self.codes)
+
+    def next_input(self) -> tuple[Any, int] | None:
+        """The next decode step's input row (the talker's input width, before its projection) and
+        its position, taking the next thinker vector; None when that vector is not here yet."""
+        if self._replies:
+            reply = self._replies.popleft()
+        elif self.text_ended:
+            reply = self._pad_row
+        else:
+            return None
+        with self._torch.no_grad():
+            row = self._codec(self.codes[-1]) + reply
+        position = int(self._length + self._delta.reshape(-1)[0])
+        self._length += 1
+        return row, position
+
+    def take_logits(self, logits: Any) -> None:
+        """The decode step's logits for this session (V,), from a batched forward."""
+        self._logits = logits.reshape(1, -1)
+
+    def pick(self) -> int | None:
+        """The code the last logits give (the logits processors as generate applies them), or None
+        when it is an end code or max_codes is reached (then the session is done)."""
+        torch = self._torch
         with torch.no_grad():
             code = int(self._process(self.history, self._logits).argmax(dim=-1))
         self.history = torch.cat([self.history, torch.tensor([[code]], device=self.device)], dim=1)
@@ -144,3 +171,8 @@ class TalkerSession:
             return None
         self.codes.append(code)
         return code
+
+    @property
+    def cache(self) -> Any:
+        """The prefill's KV cache (transformers' DynamicCache): what `TalkerBatch.admit` copies."""
+        return self._cache
