@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from omnid import keys as keys_module
 from omnid.keys import KeyStore, key_path
 
 
@@ -22,7 +21,7 @@ def test_every_key_is_compared_whichever_matches(tmp_path: Path, monkeypatch: py
         compared.append(a)
         return real(a, b)
 
-    monkeypatch.setattr(keys_module.hmac, "compare_digest", counting)
+    monkeypatch.setattr("omnid.keys.hmac.compare_digest", counting)
     for key, secret in made:                      # the first, the middle ones and the last
         compared.clear()
         assert store.match(secret) == key

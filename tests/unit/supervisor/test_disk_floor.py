@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from omnid.supervisor import resources
 from omnid.supervisor.resources import MB, DiskWatch
 
 
@@ -27,7 +26,7 @@ class Disk:
 @pytest.fixture
 def disk(monkeypatch: pytest.MonkeyPatch) -> Disk:
     d = Disk(0)
-    monkeypatch.setattr(resources.os, "statvfs", d)
+    monkeypatch.setattr("omnid.supervisor.resources.os.statvfs", d)
     return d
 
 

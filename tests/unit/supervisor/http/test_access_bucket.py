@@ -10,7 +10,6 @@ from typing import Any, cast
 import pytest
 
 from omnid.keys import ApiKey, KeyStore, key_path
-from omnid.supervisor.http import access as access_module
 from omnid.supervisor.http.access import Access
 
 
@@ -25,7 +24,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     c = Clock()
-    monkeypatch.setattr(access_module.time, "monotonic", c)
+    monkeypatch.setattr("omnid.supervisor.http.access.time.monotonic", c)
     return c
 
 
