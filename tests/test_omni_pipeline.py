@@ -39,7 +39,7 @@ STAGES: dict[str, Any] = {
     "thinker": {"engine": "vllm", "model": str(MODELS / "omni" / "thinker"), "devices": [], "max_inflight": 8,
                 "hidden_prompt": True, "args": {"max_model_len": 512, "dtype": "float32", "seed": 0, "enforce_eager": True},
                 "defaults": {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}},
-    "talker": {"engine": "python", "function": "omnid.omni.stages:talker", "model": str(MODELS / "omni"),
+    "talker": {"engine": "python", "sessions": "omnid.omni.stages:Talker", "model": str(MODELS / "omni"),
                "max_inflight": 8, "defaults": {"codes_per_token": 4}},
     "code2wav": {"engine": "python", "function": "omnid.omni.stages:code2wav", "model": str(MODELS / "omni"),
                  "max_inflight": 8, "defaults": {"num_steps": 2}},
@@ -91,8 +91,8 @@ def test_the_talker_and_code2wav_load_their_weights_before_they_say_ready(omni: 
     """Ready means loaded: the omni python stages read their weights as they start (their
     functions' `load` hooks), not on the first job, which so speaks as early as the next."""
     stages = {s["name"]: s for s in omni.client.stages()["stages"]}
-    for name, part, hook in (("talker", "talker", "talker"), ("code2wav", "token2wav", "code2wav")):
-        assert stages[name]["info"]["loaded"] == [f"omnid.omni.stages:{hook}.load"], stages[name]["info"]
+    for name, part, loaded in (("talker", "talker", "Talker()"), ("code2wav", "token2wav", "code2wav.load")):
+        assert stages[name]["info"]["loaded"] == [f"omnid.omni.stages:{loaded}"], stages[name]["info"]
         records = [json.loads(line.split(" ", 1)[1]) for line in omni.client.logs(name)
                    if '"omni part loaded"' in line]
         assert [r["part"] for r in records] == [part], records

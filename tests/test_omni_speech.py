@@ -322,3 +322,43 @@ def test_the_stage_functions_turn_thinker_outputs_into_a_wav(model: Any, tok: An
     import numpy as np
     pcm = np.frombuffer(frames, dtype="<i2").astype(np.float32) / 32767
     assert 0.02 < float(np.sqrt((pcm ** 2).mean())) < 0.9
+
+
+def test_the_talker_sessions_class_gives_each_job_its_codes_in_one_batch(model: Any, tok: Any) -> None:
+    """`sessions = "omnid.omni.stages:Talker"` as the engine drives it: three jobs opened at once,
+    stepped together (one forward a step for all), each gets generate's codes; closing frees the slots."""
+    import torch
+
+    from omnid.engines.python_sessions import Done
+    from omnid.omni.stages import Talker
+
+    class Load:
+        stage, model, devices = "talker", str(OMNI), ()
+
+    stage = Talker(Load())
+    jobs, expected = [], []
+    for prompt in ["the cat sat on the mat", "hello there", "A small boat moved slowly across the harbor"]:
+        ids = torch.tensor([tok(prompt).input_ids])
+        text, codes = _reference(model, ids, 8)
+        n = ids.shape[1]
+        inputs = {"prompt_ids": ids[0], "ids": text[0, n:], "states": _rows(model, text[:, :-1])}
+        jobs.append(stage.open(inputs, {"max_codes": CODES}, _Ctx("talker", str(OMNI))))
+        expected.append(codes)
+    got: list[list[int]] = [[] for _ in jobs]
+    live = list(range(len(jobs)))
+    widest = 0
+    for _ in range(500):
+        ready = [i for i in live if stage.ready(jobs[i])]
+        if not ready:
+            break
+        widest = max(widest, len(ready))
+        for i, result in zip(ready, stage.step([jobs[i] for i in ready])):
+            assert not isinstance(result, Exception), result
+            segment = result.last if isinstance(result, Done) else result
+            if segment is not None:
+                got[i] += segment["codes"].tolist()
+            if isinstance(result, Done):
+                stage.close(jobs[i])
+                live.remove(i)
+    assert not live and widest == 3 and stage.batch.free == 8
+    assert got == expected

@@ -144,6 +144,182 @@ def talker(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> Iterator
     yield from codes_now()
 
 
+class _Feed:
+    """One input of a session: a streamed input's windows, or a whole input as one window; read
+    without blocking (`ready` first)."""
+
+    def __init__(self, value: Any) -> None:
+        self._stream = value if hasattr(value, "ready") and hasattr(value, "__next__") else None
+        self._whole: list[Any] = [] if self._stream is not None else [value]
+        self.ended = False
+
+    def ready(self) -> bool:
+        return not self.ended and (self._stream.ready() if self._stream is not None else True)
+
+    def take(self) -> tuple[bool, Any]:
+        """(True, the next window) or (False, None) at its end; call only when `ready`."""
+        if self._stream is not None:
+            value = next(self._stream, _END)
+        else:
+            value = self._whole.pop() if self._whole else _END
+        if value is _END:
+            self.ended = True
+            return False, None
+        return True, value
+
+
+_END = object()
+
+
+class _TalkerJob:
+    """One job in the talker stage: its thinker inputs as they come, then its TalkerSession."""
+
+    def __init__(self, inputs: dict[str, Any], params: dict[str, Any], speaker: dict[str, Any]) -> None:
+        self.prompt_in, self.ids_in, self.states_in = (_Feed(inputs[k]) for k in ("prompt_ids", "ids", "states"))
+        self.speaker = speaker
+        self.max_codes = int(params.get("max_codes", DEFAULT_MAX_CODES))
+        self.per_token = params.get("codes_per_token")
+        self.penalty = float(params.get("repetition_penalty", DEFAULT_REPETITION_PENALTY))
+        self.prompt: list[int] | None = None
+        self.ids: list[int] = []
+        self.rows: Any = None
+        self.fed = 0                            # generated tokens fed to the session (the first at prefill)
+        self.session: TalkerSession | None = None
+        self.slot: int | None = None
+
+    def absorb(self) -> None:
+        """Take every window that is here (never blocks)."""
+        import torch
+
+        if self.prompt is None and self.prompt_in.ready():
+            ok, value = self.prompt_in.take()
+            if ok:
+                self.prompt = _flat(value)
+        while self.ids_in.ready():
+            ok, window = self.ids_in.take()
+            if not ok:
+                break
+            self.ids.extend(_flat(window))
+            ok, rows = self.states_in.take() if self.states_in.ready() else (False, None)
+            if ok:
+                rows = torch.as_tensor(rows)
+                self.rows = rows if self.rows is None else torch.cat([self.rows, rows])
+
+    @property
+    def text_over(self) -> bool:
+        return self.ids_in.ended
+
+    def can_step(self) -> bool:
+        if self.ids_in.ready() or self.prompt_in.ready():
+            return True
+        if self.session is None or self.session.done:
+            return self.text_over           # (to start on what came, or fail; to say it is done)
+        return self.session.ready() or (self.text_over and not self.session.text_ended)
+
+
+class Talker:
+    """The talker stage as sessions (`sessions = "omnid.omni.stages:Talker"`): every live job's
+    next code from one batched forward per step (`TalkerBatch`), the codes each as its session
+    alone would give. Inputs and parameters as `talker`'s."""
+
+    def __init__(self, load: Any) -> None:
+        from omnid.omni.talker_batch import TalkerBatch
+
+        self.stage = load.stage
+        _loader("talker")(load)                 # (logs "omni part loaded", as the load hooks do)
+        (self.model, self.embedding), self.speakers = _cached("talker", _model_dir(load))
+        self.batch = TalkerBatch(self.model, slots=8)
+
+    def open(self, inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> _TalkerJob:
+        for key in ("prompt_ids", "ids", "states"):
+            if key not in inputs:
+                raise ValueError(f"the talker needs input {key!r} (map prompt_ids = \"prompt_token_ids\", "
+                                 "ids = \"token_ids\", states = \"hidden_states\" on its edge from the thinker)")
+        return _TalkerJob(inputs, params, _speaker(self.speakers, params))
+
+    def ready(self, job: _TalkerJob) -> bool:
+        return job.can_step()
+
+    def step(self, jobs: list[_TalkerJob]) -> list[Any]:
+        import torch
+
+        from omnid.engines.python_sessions import Done
+
+        results: list[Any] = [None] * len(jobs)
+        decode: list[tuple[int, _TalkerJob, Any, int]] = []
+        for i, job in enumerate(jobs):
+            try:
+                job.absorb()
+                self._start(job)
+            except Exception as e:              # (that job alone)
+                results[i] = e
+                continue
+            s = job.session
+            if s is None:
+                if job.text_over:
+                    results[i] = ValueError(
+                        f"the thinker gave {len(job.ids)} tokens and {0 if job.rows is None else job.rows.shape[0]} "
+                        f"hidden rows for a prompt of {len(job.prompt or [])} tokens: the talker needs the prompt's "
+                        "rows (hidden_prompt = true) and at least one generated token")
+                continue
+            self._feed(job)
+            if s.done:                          # (it reads its windows to their end, then ends)
+                results[i] = Done() if job.text_over else None
+            elif not s.wants_forward():
+                results[i] = self._code(job, s.pick())
+            elif (step := s.next_input()) is not None:
+                decode.append((i, job, step[0], step[1]))
+        if decode:
+            logits = self.batch.decode([int(job.slot or 0) for _, job, _, _ in decode],
+                                       torch.stack([row for _, _, row, _ in decode]), [p for _, _, _, p in decode])
+            for (i, job, _, _), row in zip(decode, logits):
+                assert job.session is not None
+                job.session.take_logits(row)
+                results[i] = self._code(job, job.session.pick())
+        return results
+
+    def _start(self, job: _TalkerJob) -> None:
+        """The prefill, once the prompt's rows and the first generated token's are here."""
+        if job.session is not None or job.prompt is None or not job.ids or job.rows is None:
+            return
+        n = len(job.prompt)
+        if job.rows.shape[0] < n + 1:
+            return
+        if self.batch.free == 0:
+            raise RuntimeError("the talker has no free slot (max_inflight is over 8?)")
+        job.session = TalkerSession(self.model, self.embedding, job.speaker, job.prompt, job.rows[:n], job.ids[0],
+                                    job.rows[n], max_codes=job.max_codes, repetition_penalty=job.penalty)
+        job.slot = self.batch.admit(job.session.cache)
+        job.fed = 1
+
+    def _feed(self, job: _TalkerJob) -> None:
+        s = job.session
+        assert s is not None and job.prompt is not None
+        n = len(job.prompt)
+        while job.fed < len(job.ids) and n + job.fed < job.rows.shape[0]:
+            s.feed(job.ids[job.fed], job.rows[n + job.fed])
+            job.fed += 1
+        if job.text_over and not s.text_ended:
+            s.end_text()
+            if job.per_token is not None:
+                s.max_codes = min(s.max_codes, max(1, int(float(job.per_token) * len(job.ids))))
+
+    def _code(self, job: _TalkerJob, code: int | None) -> Any:
+        import torch
+
+        from omnid.engines.python_sessions import Done
+
+        if code is None:
+            return Done() if job.session is not None and job.session.done and job.text_over else None
+        return {"codes": torch.tensor([code], dtype=torch.int64)}
+
+    def close(self, job: _TalkerJob) -> None:
+        if job.slot is not None:
+            self.batch.release(job.slot)
+            job.slot = None
+        job.session = None
+
+
 def wav_header(rate: int = SAMPLE_RATE) -> bytes:
     """A 16-bit mono WAV header whose sizes say "to the end of the file" (a stream's length is not
     known when it starts): the header and every PCM chunk after it, concatenated, are the WAV."""

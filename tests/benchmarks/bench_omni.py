@@ -29,7 +29,7 @@ def _config() -> tuple[dict[str, Any], dict[str, Any]]:
         "thinker": {"engine": "vllm", "model": omni + "/thinker", "devices": [], "max_inflight": 8,
                     "hidden_prompt": True, "args": {"max_model_len": 512, "dtype": "float32", "seed": 0, "enforce_eager": True},
                     "defaults": {"max_tokens": TOKENS, "temperature": 0.0, "ignore_eos": True}},
-        "talker": {"engine": "python", "function": "omnid.omni.stages:talker", "model": omni, "max_inflight": 8,
+        "talker": {"engine": "python", "sessions": "omnid.omni.stages:Talker", "model": omni, "max_inflight": 8,
                    "defaults": {"codes_per_token": CODES_PER_TOKEN}},
         "code2wav": {"engine": "python", "function": "omnid.omni.stages:code2wav", "model": omni,
                      "max_inflight": 8, "defaults": {"num_steps": 4}},
