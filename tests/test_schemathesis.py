@@ -42,10 +42,11 @@ def test_schemathesis_finds_nothing(start_daemon: Callable[..., RunningDaemon], 
                      {"listen": [f"127.0.0.1:{port}"]})
     key = add_key(d, "fuzz", "--uid", "0")
     cli = shutil.which("schemathesis", path=str(Path(sys.executable).parent)) or "schemathesis"
-    env = {**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks",
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks", "OMNID_FUZZ_BASE": f"http://127.0.0.1:{port}",
+           "OMNID_FUZZ_KEY": key,
            "PYTHONPATH": os.pathsep.join([str(FIXTURES), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([cli, "run", f"http://127.0.0.1:{port}/v1/openapi.json", "-H", f"Authorization: Bearer {key}",
-                           "--max-examples", str(EXAMPLES), "--seed", "1", "--workers", "2", "--request-timeout", "20",
+                           "--max-examples", str(EXAMPLES), "--seed", "1", "--workers", "1", "--request-timeout", "20",
                            "--exclude-path-regex", LEFT_OUT, "--no-color"],
                           capture_output=True, text=True, timeout=840, cwd=str(tmp_path), env=env)
     out = done.stdout + done.stderr
