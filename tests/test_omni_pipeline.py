@@ -41,12 +41,12 @@ STAGES: dict[str, Any] = {
                 "defaults": {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}},
     "talker": {"engine": "python", "sessions": "omnid.omni.stages:Talker", "model": str(MODELS / "omni"),
                "max_inflight": 8, "defaults": {"codes_per_token": 4}},
-    "code2wav": {"engine": "python", "function": "omnid.omni.stages:code2wav", "model": str(MODELS / "omni"),
+    "code2wav": {"engine": "python", "sessions": "omnid.omni.stages:Code2Wav", "model": str(MODELS / "omni"),
                  "max_inflight": 8, "defaults": {"num_steps": 2}},
     "tts": {"engine": "vllm", "model": str(MODELS / "tts"), "devices": [], "max_inflight": 4,
             "args": {"max_model_len": 512, **TINY_LLM_ARGS},
             "defaults": {"max_tokens": 60, "temperature": 0.9, "seed": 7, "ignore_eos": True}},
-    "tts_code2wav": {"engine": "python", "function": "omnid.omni.stages:code2wav", "model": str(MODELS / "omni"),
+    "tts_code2wav": {"engine": "python", "sessions": "omnid.omni.stages:Code2Wav", "model": str(MODELS / "omni"),
                      "max_inflight": 4, "defaults": {"num_steps": 2, "code_offset": 1000}},
 }
 PIPELINES: dict[str, Any] = {
@@ -91,7 +91,7 @@ def test_the_talker_and_code2wav_load_their_weights_before_they_say_ready(omni: 
     """Ready means loaded: the omni python stages read their weights as they start (their
     functions' `load` hooks), not on the first job, which so speaks as early as the next."""
     stages = {s["name"]: s for s in omni.client.stages()["stages"]}
-    for name, part, loaded in (("talker", "talker", "Talker()"), ("code2wav", "token2wav", "code2wav.load")):
+    for name, part, loaded in (("talker", "talker", "Talker()"), ("code2wav", "token2wav", "Code2Wav()")):
         assert stages[name]["info"]["loaded"] == [f"omnid.omni.stages:{loaded}"], stages[name]["info"]
         records = [json.loads(line.split(" ", 1)[1]) for line in omni.client.logs(name)
                    if '"omni part loaded"' in line]

@@ -362,3 +362,57 @@ def test_the_talker_sessions_class_gives_each_job_its_codes_in_one_batch(model: 
                 live.remove(i)
     assert not live and widest == 3 and stage.batch.free == 8
     assert got == expected
+
+
+def _snr(got: Any, want: Any) -> float:
+    import torch
+
+    noise = (got - want).pow(2).mean()
+    return float(10 * torch.log10(want.pow(2).mean() / noise)) if float(noise) > 0 else 200.0
+
+
+def test_code2wav_sessions_decode_many_jobs_in_one_batch_as_each_alone(model: Any) -> None:
+    """`sessions = "omnid.omni.stages:Code2Wav"`: three jobs with their own codes and speakers' seeds,
+    stepped together (their DiT windows in one ODE, their vocoder inputs in one call when they
+    match): each one's audio is its decoder's alone (within 60 dB), and a WAV."""
+    import io
+    import wave
+
+    import numpy as np
+    import torch
+
+    from omnid.engines.python_sessions import Done
+    from omnid.omni.code2wav import StreamingCode2Wav
+    from omnid.omni.stages import Code2Wav
+
+    class Load:
+        stage, model, devices = "code2wav", str(OMNI), ()
+
+    stage = Code2Wav(Load())
+    lengths = [60, 96, 30]
+    codes = [torch.randint(0, 8192, (n,), generator=torch.Generator().manual_seed(k)).tolist()
+             for k, n in enumerate(lengths)]
+    jobs = [stage.open({"codes": torch.tensor(c)}, {"num_steps": 2, "seed": k}, _Ctx("code2wav", str(OMNI)))
+            for k, c in enumerate(codes)]
+    audio = [b"" for _ in jobs]
+    live, widest = list(range(len(jobs))), 0
+    for _ in range(200):
+        ready = [i for i in live if stage.ready(jobs[i])]
+        if not ready:
+            break
+        widest = max(widest, len(ready))
+        for i, result in zip(ready, stage.step([jobs[i] for i in ready])):
+            assert not isinstance(result, Exception), result
+            segment = result.last if isinstance(result, Done) else result
+            if segment is not None:
+                audio[i] += segment["audio"]
+            if isinstance(result, Done):
+                live.remove(i)
+    assert not live and widest == 3
+    for k, (c, wav) in enumerate(zip(codes, audio)):
+        with wave.open(io.BytesIO(wav)) as w:
+            pcm = np.frombuffer(w.readframes(10 ** 7), dtype="<i2").astype(np.float32) / 32767
+        alone = StreamingCode2Wav(model.token2wav, model.speaker_map["Chelsie"], num_steps=2, seed=k)
+        want = torch.cat(alone.push(c) + alone.finish())
+        assert pcm.shape == (len(c) * 480,)
+        assert _snr(torch.from_numpy(pcm), (want.clamp(-1, 1) * 32767).round() / 32767) > 60

@@ -20,10 +20,23 @@ samples of the block alone are kept.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 SAMPLES_PER_FRAME = 240         # BigVGAN's upsampling (5*3*2*2*2*2)
 SAMPLE_RATE = 24000
+
+
+@dataclass(frozen=True)
+class Window:
+    """One decode of a job's stream: blocks [first, last) made final, decoded in the window of
+    blocks [start, end) (`codes` its codes)."""
+
+    start: int
+    first: int
+    last: int
+    end: int
+    codes: list[int]
 
 
 class StreamingCode2Wav:
@@ -73,30 +86,13 @@ class StreamingCode2Wav:
 
     def _mel_of(self, first_block: int, codes: list[int]) -> Any:
         """The DiT's mel (1, mel_dim, frames) for `codes`, starting at block `first_block`."""
-        torch = self._torch
-        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
+        return mels([(self, first_block, codes)])[0]
 
-        code = torch.tensor([codes], dtype=torch.long, device=self.device)
-        frames = self._frames(len(codes))
-        cond = self.cond.unsqueeze(1).repeat(1, frames, 1)
-
-        def velocity(t: Any, x: Any) -> Any:
-            if self.guidance_scale < 1e-5:
-                return self.dit(hidden_states=x, speaker_embedding=cond, condition_vector=self.ref_mel,
-                                quantized_code=code, time_step=t, drop_audio_conditioning=False, drop_code=False,
-                                apply_cfg=False)
-            out = self.dit(hidden_states=x, quantized_code=code, speaker_embedding=cond,
-                           condition_vector=self.ref_mel, time_step=t, apply_cfg=True)
-            guided, null = torch.chunk(out, 2, dim=0)
-            return guided + (guided - null) * self.guidance_scale
-
-        t = torch.linspace(0, 1, self.num_steps, device=self.device, dtype=self.dtype)
-        if self.sway is not None:
-            t = t + self.sway * (torch.cos(torch.pi / 2 * t) - 1 + t)
-        with torch.no_grad():
-            x = RungeKutta4ODESolver(function=velocity, initial_value=self._noise_for(first_block, frames)) \
-                .integrate(t)[-1]
-        return x.permute(0, 2, 1)
+    def ode_key(self, codes: int) -> tuple[Any, ...]:
+        """What decodes of several jobs must share to run as one batch: the frame count, the ODE and
+        guidance settings, and the reference mel's shape (the rows of a batch never mix)."""
+        return (self._frames(codes), self.num_steps, self.guidance_scale, self.sway, tuple(self.ref_mel.shape),
+                id(self.dit))
 
     def _vocode(self, mel: Any) -> Any:
         with self._torch.no_grad():
@@ -120,34 +116,43 @@ class StreamingCode2Wav:
 
     def _drain(self) -> list[Any]:
         out = []
-        while True:
-            have = self._available_blocks()
-            first = self._done_blocks
-            if first >= have:
-                break
-            last = min(first + self.chunk_blocks, have)
-            if not self.finished and last + self.lookahead_blocks > have:
-                break
-            out.append(self._decode(first, last, min(have, last + self.lookahead_blocks)))
-            self._done_blocks = last
+        while (window := self.next_window()) is not None:
+            vocoder_in, keep = self.take_mel(window, self._mel_of(window.start, window.codes))
+            out.append(self.cut(self._vocode(vocoder_in), keep))
         return out
 
-    def _decode(self, first: int, last: int, window_end: int) -> Any:
-        """Decode blocks [first, last) in the window [first - context, window_end); return their PCM."""
-        torch = self._torch
+    def next_window(self) -> Window | None:
+        """The next decode whose codes are all here (with its look-ahead), or None."""
+        have = self._available_blocks()
+        first = self._done_blocks
+        if first >= have:
+            return None
+        last = min(first + self.chunk_blocks, have)
+        if not self.finished and last + self.lookahead_blocks > have:
+            return None
+        end = min(have, last + self.lookahead_blocks)
         start = max(0, first - self.context_blocks)
         codes_per_block = self.block // self.repeats
-        window_codes = self.codes[start * codes_per_block:window_end * codes_per_block]
-        mel = self._mel_of(start, window_codes)
-        lo = (first - start) * self.block
-        hi = min(mel.shape[2], (last - start) * self.block)
+        return Window(start, first, last, end, self.codes[start * codes_per_block:end * codes_per_block])
+
+    def take_mel(self, window: Window, mel: Any) -> tuple[Any, tuple[int, int]]:
+        """The window's mel (1, mel_dim, frames) decoded: its blocks made final; returns the
+        vocoder's input (the final blocks with `overlap` frames of mel on both sides) and which of
+        its samples are the blocks' (`cut`)."""
+        torch = self._torch
+        lo = (window.first - window.start) * self.block
+        hi = min(mel.shape[2], (window.last - window.start) * self.block)
         chunk = mel[:, :, lo:hi]
         left = self._mel[:, :, max(0, self._mel.shape[2] - self.overlap):]
         right = mel[:, :, hi:hi + self.overlap]
         self._mel = torch.cat([self._mel, chunk], dim=2)
-        pcm = self._vocode(torch.cat([left, chunk, right], dim=2))
-        a = left.shape[2] * SAMPLES_PER_FRAME
-        return pcm[a:a + chunk.shape[2] * SAMPLES_PER_FRAME]
+        self._done_blocks = window.last
+        return torch.cat([left, chunk, right], dim=2), (left.shape[2] * SAMPLES_PER_FRAME,
+                                                        chunk.shape[2] * SAMPLES_PER_FRAME)
+
+    @staticmethod
+    def cut(pcm: Any, keep: tuple[int, int]) -> Any:
+        return pcm[keep[0]:keep[0] + keep[1]]
 
     # -- the reference -----------------------------------------------------------------------------
 
@@ -155,3 +160,45 @@ class StreamingCode2Wav:
         """The whole sequence at once, from the same per-block noise: what the seams are measured
         against (and, with the same noise, what transformers' token2wav computes)."""
         return self._vocode(self._mel_of(0, [int(c) for c in codes]))
+
+
+def mels(decodes: list[tuple[StreamingCode2Wav, int, list[int]]]) -> list[Any]:
+    """The DiT's mel (1, mel_dim, frames) of each (decoder, first block, codes), as one batched ODE
+    for decodes with the same `ode_key` (the caller groups them): one forward a solver step for all.
+    Each row starts from its own job's noise, with its own speaker and codes."""
+    import torch
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
+
+    lead = decodes[0][0]
+    assert all(d.ode_key(len(c)) == lead.ode_key(len(decodes[0][2])) for d, _, c in decodes)
+    frames = lead._frames(len(decodes[0][2]))
+    code = torch.tensor([c for _, _, c in decodes], dtype=torch.long, device=lead.device)
+    cond = torch.cat([d.cond.unsqueeze(1).repeat(1, frames, 1) for d, _, _ in decodes])
+    ref_mel = torch.cat([d.ref_mel for d, _, _ in decodes])
+    noise = torch.cat([d._noise_for(first, frames) for d, first, _ in decodes])
+    dit = lead.dit
+
+    def velocity(t: Any, x: Any) -> Any:
+        if lead.guidance_scale < 1e-5:
+            return dit(hidden_states=x, speaker_embedding=cond, condition_vector=ref_mel, quantized_code=code,
+                       time_step=t, drop_audio_conditioning=False, drop_code=False, apply_cfg=False)
+        out = dit(hidden_states=x, quantized_code=code, speaker_embedding=cond, condition_vector=ref_mel,
+                  time_step=t, apply_cfg=True)
+        guided, null = torch.chunk(out, 2, dim=0)
+        return guided + (guided - null) * lead.guidance_scale
+
+    t = torch.linspace(0, 1, lead.num_steps, device=lead.device, dtype=lead.dtype)
+    if lead.sway is not None:
+        t = t + lead.sway * (torch.cos(torch.pi / 2 * t) - 1 + t)
+    with torch.no_grad():
+        x = RungeKutta4ODESolver(function=velocity, initial_value=noise).integrate(t)[-1]
+    return [row[None].permute(0, 2, 1) for row in x]
+
+
+def vocode(decoders: list[StreamingCode2Wav], inputs: list[Any]) -> list[Any]:
+    """BigVGAN on several mels (1, mel_dim, frames) of the same length, as one batch: 1-D float32 PCM each."""
+    import torch
+
+    with torch.no_grad():
+        out = decoders[0].vocoder(torch.cat(inputs))       # (it squeezes: a batch of one is 1-D)
+    return [row.float() for row in out.reshape(len(inputs), -1)]

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from omnid.omni.code2wav import SAMPLE_RATE, StreamingCode2Wav
+from omnid.omni.code2wav import SAMPLE_RATE, StreamingCode2Wav, Window, mels, vocode
 from omnid.omni.talker import DEFAULT_MAX_CODES, DEFAULT_REPETITION_PENALTY, TalkerSession
 
 DEFAULT_SPEAKER = "Chelsie"
@@ -380,3 +380,91 @@ def _loader(kind: str) -> Any:
 
 talker.load = _loader("talker")            # type: ignore[attr-defined]
 code2wav.load = _loader("token2wav")       # type: ignore[attr-defined]
+
+
+class _Code2WavJob:
+    """One job in the code2wav stage: its codes as they come, its decoder, its WAV header owed."""
+
+    def __init__(self, codes: Any, decoder: StreamingCode2Wav, offset: int, n_codes: int) -> None:
+        self.codes_in = _Feed(codes)
+        self.decoder = decoder
+        self.offset = offset
+        self.n_codes = n_codes
+        self.header = wav_header()
+        self.window: Window | None = None
+
+    def absorb(self) -> None:
+        while self.codes_in.ready():
+            ok, window = self.codes_in.take()
+            if not ok:
+                self.decoder.finished = True
+                break
+            codes = [c - self.offset for c in _flat(window)]
+            bad = [c + self.offset for c in codes if not 0 <= c < self.n_codes]
+            if bad:
+                raise ValueError(f"codes {bad[:5]} are not codec codes: with code_offset {self.offset} they must "
+                                 f"be in [{self.offset}, {self.offset + self.n_codes})")
+            self.decoder.codes.extend(codes)
+
+    def can_step(self) -> bool:
+        return self.codes_in.ready() or self.codes_in.ended or self.decoder.next_window() is not None
+
+    def chunk(self, pcm: Any) -> dict[str, Any]:
+        audio, self.header = self.header + pcm16(pcm), b""
+        return {"audio": audio}
+
+
+class Code2Wav:
+    """The code2wav stage as sessions (`sessions = "omnid.omni.stages:Code2Wav"`): each step, every
+    live job with a block ready decodes it, the jobs whose windows match (`ode_key`) in one batched
+    DiT ODE, and their vocoder inputs of one length in one BigVGAN call; each job's audio is what its
+    decoder alone gives (within float rounding). Inputs and parameters as `code2wav`'s."""
+
+    def __init__(self, load: Any) -> None:
+        _loader("token2wav")(load)              # (logs "omni part loaded", as the load hooks do)
+        self.model, self.speakers = _cached("token2wav", _model_dir(load))
+        self.n_codes = int(self.model.code2wav_dit_model.config.num_embeds)
+
+    def open(self, inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> _Code2WavJob:
+        if "codes" not in inputs:
+            raise ValueError("code2wav needs input 'codes' (the talker's codec tokens)")
+        decoder = StreamingCode2Wav(
+            self.model, _speaker(self.speakers, params), num_steps=int(params.get("num_steps", 10)),
+            guidance_scale=float(params.get("guidance_scale", 0.5)), chunk_blocks=int(params.get("chunk_blocks", 1)),
+            context_blocks=int(params.get("context_blocks", 2)),
+            lookahead_blocks=int(params.get("lookahead_blocks", 1)), seed=int(params.get("seed", 0)))
+        return _Code2WavJob(inputs["codes"], decoder, int(params.get("code_offset", 0)), self.n_codes)
+
+    def ready(self, job: _Code2WavJob) -> bool:
+        return job.can_step()
+
+    def step(self, jobs: list[_Code2WavJob]) -> list[Any]:
+        from omnid.engines.python_sessions import Done
+
+        results: list[Any] = [None] * len(jobs)
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for i, job in enumerate(jobs):
+            try:
+                job.absorb()
+            except Exception as e:
+                results[i] = e
+                continue
+            job.window = job.decoder.next_window()
+            if job.window is not None:
+                groups.setdefault(job.decoder.ode_key(len(job.window.codes)), []).append(i)
+            elif job.decoder.finished:
+                results[i] = Done({"audio": job.header} if job.header else None)   # (no codes: an empty WAV)
+        vocoder_in: dict[int, list[tuple[int, Any, tuple[int, int]]]] = {}
+        for members in groups.values():
+            decoded = mels([(jobs[i].decoder, jobs[i].window.start, jobs[i].window.codes)  # type: ignore[union-attr]
+                            for i in members])
+            for i, mel in zip(members, decoded):
+                job = jobs[i]
+                assert job.window is not None
+                mel_in, keep = job.decoder.take_mel(job.window, mel)
+                vocoder_in.setdefault(mel_in.shape[2], []).append((i, mel_in, keep))
+        for batch in vocoder_in.values():
+            pcms = vocode([jobs[i].decoder for i, _, _ in batch], [mel for _, mel, _ in batch])
+            for (i, _, keep), pcm in zip(batch, pcms):
+                results[i] = jobs[i].chunk(StreamingCode2Wav.cut(pcm, keep))
+        return results

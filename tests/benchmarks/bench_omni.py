@@ -31,12 +31,12 @@ def _config() -> tuple[dict[str, Any], dict[str, Any]]:
                     "defaults": {"max_tokens": TOKENS, "temperature": 0.0, "ignore_eos": True}},
         "talker": {"engine": "python", "sessions": "omnid.omni.stages:Talker", "model": omni, "max_inflight": 8,
                    "defaults": {"codes_per_token": CODES_PER_TOKEN}},
-        "code2wav": {"engine": "python", "function": "omnid.omni.stages:code2wav", "model": omni,
+        "code2wav": {"engine": "python", "sessions": "omnid.omni.stages:Code2Wav", "model": omni,
                      "max_inflight": 8, "defaults": {"num_steps": 4}},
         "tts": {"engine": "vllm", "model": str(MODELS / "tts"), "devices": [], "max_inflight": 4,
                 "args": {"max_model_len": 512, **TINY_LLM_ARGS},
                 "defaults": {"max_tokens": 100, "temperature": 0.9, "seed": 7, "ignore_eos": True}},
-        "speak_codes": {"engine": "python", "function": "omnid.omni.stages:code2wav", "model": omni,
+        "speak_codes": {"engine": "python", "sessions": "omnid.omni.stages:Code2Wav", "model": omni,
                         "max_inflight": 4, "defaults": {"num_steps": 4, "code_offset": 1000}},
     }
     tensors = {"prompt_ids": "prompt_token_ids", "ids": "token_ids", "states": "hidden_states"}
