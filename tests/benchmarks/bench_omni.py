@@ -85,12 +85,18 @@ def bench_omni(ctx: Ctx) -> list[Row]:
             tts.append(_run(d, "tts", f"hello there {i}"))
             tts25.append(_run(d, "tts25", f"hello there {i}"))
             short.append(_run(d, "omni", f"good evening {i}"))
-        ctx.log("8 concurrent omni jobs")
-        results = in_threads(8, lambda i: _run(d, "omni", f"the prompt number {i}"), timeout=max(60.0, ctx.left()))
-        raise_first(results)
-        many: list[dict[str, Any]] = results  # type: ignore[assignment]
+        waves: dict[int, tuple[float, list[dict[str, Any]]]] = {}
+        for c in (1, 4, 8):
+            ctx.log(f"{c} concurrent omni jobs")
+            t0 = time.monotonic()
+            results = in_threads(c, lambda i: _run(d, "omni", f"the prompt number {i}"), timeout=max(60.0, ctx.left()))
+            raise_first(results)
+            waves[c] = (time.monotonic() - t0, results)         # type: ignore[assignment]
+        many: list[dict[str, Any]] = waves[8][1]
     finally:
         kill_daemon(d)
+    speed = {c: sum(r["audio_s"] for r in runs) / wall for c, (wall, runs) in waves.items()}
+    step1, step8 = _talker_step_times()
     s1 = p50([r["ttfp"] for r in streamed])
     w1 = p50([r["ttfp"] for r in whole])
     s8 = p50([r["ttfp"] for r in many])
@@ -112,12 +118,44 @@ def bench_omni(ctx: Ctx) -> list[Row]:
         Row("omni: real-time factor, 1 job", rtf, "x", "", None, "", rtf, "job time / audio time",
             at_most(1.0, "< 1", on="value"),
             "share of the job's time: " + ", ".join(f"{s} {v:.0%}" for s, v in share.items())),
+        Row("omni: audio seconds per wall second, 8 concurrent jobs", speed[8], "audio s/s", "1 job", speed[1],
+            "audio s/s", speed[8] / speed[1], "8 / 1", at_least(4.0, ">= 4x"),
+            f"4 jobs: {speed[4]:.2f} audio s/s ({speed[4] / speed[1]:.2f}x); each wave's audio over its wall time"),
+        Row("talker: one decode step, 8 sessions batched", step8 * 1e3, "ms", "1 session", step1 * 1e3, "ms",
+            step8 / step1, "8 / 1", at_most(2.0, "<= 2x"), "TalkerBatch.decode in this process, the tiny talker, "
+            "median of 50 steps"),
         Row("tts: submit -> 1st audio packet, ramp [4, 8, 16, 25]", t4, "s", "a fixed window of 25", t25, "s",
             t4 / t25, "ramp / 25", None, f"median of {rounds}; code2wav needs a DiT block and its look-ahead "
             "(24 codes) before its first packet either way"),
     ]
 
 
+def _talker_step_times() -> tuple[float, float]:
+    """The tiny talker's batched decode step, in this process: (1 session, 8 sessions), medians."""
+    import torch
+
+    from omnid.omni import loading
+    from omnid.omni.talker_batch import TalkerBatch
+
+    talker, _ = loading.load_talker(MODELS / "omni")
+    torch.set_num_threads(1)
+    width = talker.thinker_to_talker_proj.in_features
+    out = []
+    for n in (1, 8):
+        batch = TalkerBatch(talker, slots=8, capacity=512)
+        for s in range(n):
+            batch.lengths[batch._free.pop()] = 40 + s                  # (a prompt's worth of cache each)
+        slots = list(range(n))
+        times = []
+        for _ in range(60):
+            t0 = time.perf_counter()
+            batch.decode(slots, torch.randn(n, width), [batch.lengths[s] for s in slots])
+            times.append(time.perf_counter() - t0)
+        out.append(statistics.median(times[10:]))
+    return out[0], out[1]
+
+
 FIGURES = ["omni: submit -> 1st audio packet, streamed, 1 job", "omni: 1st audio packet, 8 concurrent jobs",
            "omni: underruns, 8 concurrent streams", "omni: real-time factor, 1 job",
+           "omni: audio seconds per wall second, 8 concurrent jobs", "talker: one decode step, 8 sessions batched",
            "tts: submit -> 1st audio packet, ramp [4, 8, 16, 25]"]
