@@ -408,7 +408,7 @@ def test_media_answers_match_the_openapi_document(daemon: RunningDaemon) -> None
     for request in requests:
         check("JobRequest", request)
         job = daemon.client.submit(request["pipeline"], request["inputs"])
-        check("Job", job)
+        check("NewJob", job)                   # (the 201: the job and its links)
         check("Job", daemon.wait(job["id"]))
     check("PipelineDescription", daemon.client.pipeline("describe"))
     with pytest.raises(ApiError) as e:
