@@ -329,7 +329,6 @@ def test_the_talker_sessions_class_gives_each_job_its_codes_in_one_batch(model: 
     stepped together (one forward a step for all), each gets generate's codes; closing frees the slots."""
     import torch
 
-    from omnid.engines.python_sessions import Done
     from omnid.omni.stages import Talker
 
     class Load:
@@ -344,9 +343,18 @@ def test_the_talker_sessions_class_gives_each_job_its_codes_in_one_batch(model: 
         inputs = {"prompt_ids": ids[0], "ids": text[0, n:], "states": _rows(model, text[:, :-1])}
         jobs.append(stage.open(inputs, {"max_codes": CODES}, _Ctx("talker", str(OMNI))))
         expected.append(codes)
-    got: list[list[int]] = [[] for _ in jobs]
-    live = list(range(len(jobs)))
-    widest = 0
+    segments, widest = _drive(stage, jobs)
+    assert widest == 3 and stage.batch.free == 8
+    assert [[c for seg in segs for c in seg["codes"].tolist()] for segs in segments] == expected
+
+
+def _drive(stage: Any, jobs: list[Any]) -> tuple[list[list[dict[str, Any]]], int]:
+    """Step a sessions class as the engine does, every ready session together, until all are done
+    (closing each); each job's segments, and the most sessions one step took."""
+    from omnid.engines.python_sessions import Done
+
+    segments: list[list[dict[str, Any]]] = [[] for _ in jobs]
+    live, widest = list(range(len(jobs))), 0
     for _ in range(500):
         ready = [i for i in live if stage.ready(jobs[i])]
         if not ready:
@@ -356,12 +364,12 @@ def test_the_talker_sessions_class_gives_each_job_its_codes_in_one_batch(model: 
             assert not isinstance(result, Exception), result
             segment = result.last if isinstance(result, Done) else result
             if segment is not None:
-                got[i] += segment["codes"].tolist()
+                segments[i].append(segment)
             if isinstance(result, Done):
-                stage.close(jobs[i])
+                getattr(stage, "close", lambda job: None)(jobs[i])
                 live.remove(i)
-    assert not live and widest == 3 and stage.batch.free == 8
-    assert got == expected
+    assert not live, f"{len(live)} sessions never ended"
+    return segments, widest
 
 
 def _snr(got: Any, want: Any) -> float:
@@ -381,7 +389,6 @@ def test_code2wav_sessions_decode_many_jobs_in_one_batch_as_each_alone(model: An
     import numpy as np
     import torch
 
-    from omnid.engines.python_sessions import Done
     from omnid.omni.code2wav import StreamingCode2Wav
     from omnid.omni.stages import Code2Wav
 
@@ -394,21 +401,9 @@ def test_code2wav_sessions_decode_many_jobs_in_one_batch_as_each_alone(model: An
              for k, n in enumerate(lengths)]
     jobs = [stage.open({"codes": torch.tensor(c)}, {"num_steps": 2, "seed": k}, _Ctx("code2wav", str(OMNI)))
             for k, c in enumerate(codes)]
-    audio = [b"" for _ in jobs]
-    live, widest = list(range(len(jobs))), 0
-    for _ in range(200):
-        ready = [i for i in live if stage.ready(jobs[i])]
-        if not ready:
-            break
-        widest = max(widest, len(ready))
-        for i, result in zip(ready, stage.step([jobs[i] for i in ready])):
-            assert not isinstance(result, Exception), result
-            segment = result.last if isinstance(result, Done) else result
-            if segment is not None:
-                audio[i] += segment["audio"]
-            if isinstance(result, Done):
-                live.remove(i)
-    assert not live and widest == 3
+    segments, widest = _drive(stage, jobs)
+    audio = [b"".join(seg["audio"] for seg in segs) for segs in segments]
+    assert widest == 3
     for k, (c, wav) in enumerate(zip(codes, audio)):
         with wave.open(io.BytesIO(wav)) as w:
             pcm = np.frombuffer(w.readframes(10 ** 7), dtype="<i2").astype(np.float32) / 32767

@@ -59,7 +59,7 @@ from omnid.params import merged
 from omnid.worker.windows import InputStream
 from omnid.engines.capabilities import PYTHON
 from omnid.engines.base import Cancelled, Engine, RequestContext
-from omnid.engines.python_sessions import SessionRunner
+from omnid.engines.python_sessions import SessionRunner, streams_ready
 
 
 @dataclass(frozen=True)
@@ -312,5 +312,4 @@ def _inputs_ready(ctx: RequestContext) -> bool:
     output that only the first window carries (a vllm stage's `prompt_token_ids`) leaves its
     stream empty until the end; waiting for all would wait for the end, and fill the others'
     queues meanwhile (a stall)."""
-    streams = [v for v in ctx.inputs.values() if isinstance(v, InputStream)]
-    return not ctx.held() and (not streams or any(v.ready() for v in streams))
+    return not ctx.held() and streams_ready(ctx)

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from omnid.engines.python_sessions import Done
 from omnid.omni.code2wav import SAMPLE_RATE, StreamingCode2Wav, Window, mels, vocode
 from omnid.omni.talker import DEFAULT_MAX_CODES, DEFAULT_REPETITION_PENALTY, TalkerSession
 
@@ -79,13 +80,23 @@ def _flat(value: Any) -> list[int]:
     return [int(t) for t in torch.as_tensor(value).reshape(-1).tolist()]
 
 
-def talker(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> Iterator[dict[str, Any] | None]:
-    import torch
-
+def _check_talker_inputs(inputs: dict[str, Any]) -> None:
     for key in ("prompt_ids", "ids", "states"):
         if key not in inputs:
             raise ValueError(f"the talker needs input {key!r} (map prompt_ids = \"prompt_token_ids\", "
                              "ids = \"token_ids\", states = \"hidden_states\" on its edge from the thinker)")
+
+
+def _bound_codes(session: TalkerSession, per_token: Any, n_text: int) -> None:
+    """The text has ended: `codes_per_token` (if given) bounds the session's codes by its length."""
+    if per_token is not None:
+        session.max_codes = min(session.max_codes, max(1, int(float(per_token) * n_text)))
+
+
+def talker(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> Iterator[dict[str, Any] | None]:
+    import torch
+
+    _check_talker_inputs(inputs)
     (model, embedding), speakers = _cached("talker", _model_dir(ctx))
     speaker = _speaker(speakers, params)
     max_codes = int(params.get("max_codes", DEFAULT_MAX_CODES))
@@ -139,8 +150,7 @@ def talker(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> Iterator
                          f"{len(prompt)} tokens: the talker needs the prompt's rows (hidden_prompt = true) "
                          "and at least one generated token")
     session.end_text()
-    if per_token is not None:
-        session.max_codes = min(session.max_codes, max(1, int(float(per_token) * len(ids))))
+    _bound_codes(session, per_token, len(ids))
     yield from codes_now()
 
 
@@ -231,10 +241,7 @@ class Talker:
         self.batch = TalkerBatch(self.model, slots=8)
 
     def open(self, inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> _TalkerJob:
-        for key in ("prompt_ids", "ids", "states"):
-            if key not in inputs:
-                raise ValueError(f"the talker needs input {key!r} (map prompt_ids = \"prompt_token_ids\", "
-                                 "ids = \"token_ids\", states = \"hidden_states\" on its edge from the thinker)")
+        _check_talker_inputs(inputs)
         return _TalkerJob(inputs, params, _speaker(self.speakers, params))
 
     def ready(self, job: _TalkerJob) -> bool:
@@ -242,8 +249,6 @@ class Talker:
 
     def step(self, jobs: list[_TalkerJob]) -> list[Any]:
         import torch
-
-        from omnid.engines.python_sessions import Done
 
         results: list[Any] = [None] * len(jobs)
         decode: list[tuple[int, _TalkerJob, Any, int]] = []
@@ -301,13 +306,10 @@ class Talker:
             job.fed += 1
         if job.text_over and not s.text_ended:
             s.end_text()
-            if job.per_token is not None:
-                s.max_codes = min(s.max_codes, max(1, int(float(job.per_token) * len(job.ids))))
+            _bound_codes(s, job.per_token, len(job.ids))
 
     def _code(self, job: _TalkerJob, code: int | None) -> Any:
         import torch
-
-        from omnid.engines.python_sessions import Done
 
         if code is None:
             return Done() if job.session is not None and job.session.done and job.text_over else None
@@ -335,25 +337,35 @@ def pcm16(samples: Any) -> bytes:
     return bytes((torch.as_tensor(samples).float().clamp(-1, 1) * 32767).round().to(torch.int16).numpy().tobytes())
 
 
-def code2wav(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> Iterator[dict[str, Any] | None]:
+def _decoder(model: Any, speakers: dict[str, Any], inputs: dict[str, Any], params: dict[str, Any]) -> StreamingCode2Wav:
+    """A job's code2wav decoder, from its parameters."""
     if "codes" not in inputs:
         raise ValueError("code2wav needs input 'codes' (the talker's codec tokens)")
-    model, speakers = _cached("token2wav", _model_dir(ctx))
-    decoder = StreamingCode2Wav(
+    return StreamingCode2Wav(
         model, _speaker(speakers, params), num_steps=int(params.get("num_steps", 10)),
         guidance_scale=float(params.get("guidance_scale", 0.5)), chunk_blocks=int(params.get("chunk_blocks", 1)),
         context_blocks=int(params.get("context_blocks", 2)), lookahead_blocks=int(params.get("lookahead_blocks", 1)),
         seed=int(params.get("seed", 0)))
+
+
+def _codec_codes(window: Any, offset: int, n_codes: int) -> list[int]:
+    """A window of codes as the codec's own ids (`code_offset` taken off); ValueError for any that is none."""
+    codes = [c - offset for c in _flat(window)]
+    bad = [c + offset for c in codes if not 0 <= c < n_codes]
+    if bad:
+        raise ValueError(f"codes {bad[:5]} are not codec codes: with code_offset {offset} they must be in "
+                         f"[{offset}, {offset + n_codes})")
+    return codes
+
+
+def code2wav(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> Iterator[dict[str, Any] | None]:
+    model, speakers = _cached("token2wav", _model_dir(ctx))
+    decoder = _decoder(model, speakers, inputs, params)
     offset = int(params.get("code_offset", 0))
     n_codes = int(model.code2wav_dit_model.config.num_embeds)
     header = wav_header()
     for window in _windows(inputs["codes"]):
-        codes = [c - offset for c in _flat(window)]
-        bad = [c + offset for c in codes if not 0 <= c < n_codes]
-        if bad:
-            raise ValueError(f"codes {bad[:5]} are not codec codes: with code_offset {offset} they must be in "
-                             f"[{offset}, {offset + n_codes})")
-        chunks = decoder.push(codes)
+        chunks = decoder.push(_codec_codes(window, offset, n_codes))
         if not chunks:
             yield None                          # not a whole block yet: back with the next window
         for pcm in chunks:
@@ -399,12 +411,7 @@ class _Code2WavJob:
             if not ok:
                 self.decoder.finished = True
                 break
-            codes = [c - self.offset for c in _flat(window)]
-            bad = [c + self.offset for c in codes if not 0 <= c < self.n_codes]
-            if bad:
-                raise ValueError(f"codes {bad[:5]} are not codec codes: with code_offset {self.offset} they must "
-                                 f"be in [{self.offset}, {self.offset + self.n_codes})")
-            self.decoder.codes.extend(codes)
+            self.decoder.codes.extend(_codec_codes(window, self.offset, self.n_codes))
 
     def can_step(self) -> bool:
         return self.codes_in.ready() or self.codes_in.ended or self.decoder.next_window() is not None
@@ -426,21 +433,13 @@ class Code2Wav:
         self.n_codes = int(self.model.code2wav_dit_model.config.num_embeds)
 
     def open(self, inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> _Code2WavJob:
-        if "codes" not in inputs:
-            raise ValueError("code2wav needs input 'codes' (the talker's codec tokens)")
-        decoder = StreamingCode2Wav(
-            self.model, _speaker(self.speakers, params), num_steps=int(params.get("num_steps", 10)),
-            guidance_scale=float(params.get("guidance_scale", 0.5)), chunk_blocks=int(params.get("chunk_blocks", 1)),
-            context_blocks=int(params.get("context_blocks", 2)),
-            lookahead_blocks=int(params.get("lookahead_blocks", 1)), seed=int(params.get("seed", 0)))
+        decoder = _decoder(self.model, self.speakers, inputs, params)
         return _Code2WavJob(inputs["codes"], decoder, int(params.get("code_offset", 0)), self.n_codes)
 
     def ready(self, job: _Code2WavJob) -> bool:
         return job.can_step()
 
     def step(self, jobs: list[_Code2WavJob]) -> list[Any]:
-        from omnid.engines.python_sessions import Done
-
         results: list[Any] = [None] * len(jobs)
         groups: dict[tuple[Any, ...], list[int]] = {}
         for i, job in enumerate(jobs):
