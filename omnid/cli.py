@@ -39,6 +39,10 @@ def main(config_path: Path | None, check: bool) -> None:
         for name, pipeline in config.pipelines.items():
             click.echo(f"  {name}: " + ", ".join(f"{e.src} -> {e.dst}" for e in pipeline.edges) if pipeline.edges
                        else f"  {name}: {pipeline.stages[0]}")
+        vllm_stages = [name for name, st in config.stages.items() if st.engine == "vllm"]
+        if vllm_stages:
+            from omnid.engines import vllm_compat     # (reads package metadata; imports no vLLM)
+            click.echo(f"{vllm_compat.describe()} (stages {', '.join(vllm_stages)})")
         sys.exit(0)
     from omnid import logs
     from omnid.supervisor.daemon import run

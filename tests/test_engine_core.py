@@ -29,6 +29,8 @@ import pytest
 from conftest import (MODELS, TERMINAL, TINY_LLM_ARGS, RunningDaemon, close_in, module_daemon, short_tmpdir,
                       wait_for, wait_gone, watch_descriptors)
 
+pytestmark = pytest.mark.vllm
+
 LLM = MODELS / "llm"
 
 

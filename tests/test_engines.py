@@ -20,7 +20,7 @@ from omnictl.client import ApiError
 from conftest import (MODELS, RunningDaemon, build_tiny_models, demo_stage, module_daemon, short_tmpdir, sleeper,
                       tiny_llm, tiny_sd)
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.vllm]
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -20,6 +20,8 @@ import pytest
 from omnid.supervisor.http.openai_api import DISCONNECT_POLL_S
 from conftest import MODELS, RunningDaemon, module_daemon, python_stage, short_tmpdir, tiny_llm, wait_for
 
+pytestmark = pytest.mark.vllm
+
 SLACK_S = 1.0          # a shared, loaded machine: scheduling, the cancel's own round trip
 
 

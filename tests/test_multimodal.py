@@ -33,7 +33,7 @@ from conftest import (MODELS, ROOT, RunningDaemon, build_tiny_models, demo_stage
                       python_stage, short_tmpdir, tiny_llm, tiny_sd)
 from omnictl.client import ApiError, file_input
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.vllm]
 
 PIXELS = 256 * 256              # the describe stage's media.max_pixels
 AUDIO_S = 25                    # the listen stage's media.max_audio_s

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import MODELS, RunningDaemon, module_daemon, short_tmpdir
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.vllm]
 
 OMNI = MODELS / "omni"
 PROMPTS = ["the cat sat on the mat", "A small boat moved slowly across the harbor while", "hi"]

@@ -25,7 +25,7 @@ import pytest
 
 from conftest import MODELS, TINY_LLM_ARGS, RunningDaemon, module_daemon, openai_on_socket, short_tmpdir, wait_for, wait_started
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.vllm]
 
 TERMINAL = ("succeeded", "failed", "cancelled", "timed_out")
 

@@ -21,7 +21,7 @@ from conftest import (MODELS, RunningDaemon, omnictl, build_tiny_models, chat_dr
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.vllm]
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CHAT = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Tell me about the sea."}]

@@ -162,6 +162,7 @@ def llm_segments(events: list[dict[str, Any]]) -> list[str]:
     return [e.get("text") or "" for e in segs]
 
 
+@pytest.mark.vllm
 def test_vllm_tokens_stream_into_python_stage(llm: RunningDaemon) -> None:
     job = llm.submit("both", {"prompt": "a lighthouse at dusk"}, params={"gen": {"max_tokens": 128}})
     doc = wait_end(llm, job, timeout=60)
@@ -183,6 +184,7 @@ def test_vllm_tokens_stream_into_python_stage(llm: RunningDaemon) -> None:
     tracked_idle(llm, "gen", "down", "keep")
 
 
+@pytest.mark.vllm
 def test_eight_vllm_streams_at_once_never_cross(llm: RunningDaemon) -> None:
     jobs = [llm.submit("s", {"prompt": f"job{i} tells a story"}) for i in range(8)]
     docs = [wait_end(llm, j, timeout=60) for j in jobs]

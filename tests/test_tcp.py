@@ -123,6 +123,7 @@ def client(daemon: RunningDaemon, keys: dict[str, str]) -> Iterator[Any]:
     c.close()
 
 
+@pytest.mark.vllm
 def test_keys_are_stored_hashed_in_a_private_file(daemon: RunningDaemon, keys: dict[str, str]) -> None:
     path = key_path(daemon.state_dir)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
@@ -140,6 +141,7 @@ def test_keys_are_stored_hashed_in_a_private_file(daemon: RunningDaemon, keys: d
     assert bad.returncode == 4
 
 
+@pytest.mark.vllm
 def test_the_openai_package_through_a_key(client: Any, daemon: RunningDaemon) -> None:
     models = {m.id for m in client.models.list()}
     assert models == {"chat", "t2i", "speak", "echo"}
@@ -185,6 +187,7 @@ def test_the_openai_package_through_a_key(client: Any, daemon: RunningDaemon) ->
     assert {"chat", "t2i", "speak"} <= owned
 
 
+@pytest.mark.vllm
 def test_no_key_a_wrong_key_and_a_removed_key_get_401(daemon: RunningDaemon, keys: dict[str, str]) -> None:
     base = daemon.base            # type: ignore[attr-defined]
     error_ok = openai_schema("ErrorResponse")
@@ -215,6 +218,7 @@ def test_no_key_a_wrong_key_and_a_removed_key_get_401(daemon: RunningDaemon, key
         assert r.status_code == 403 and r.json()["error"]["code"] == "socket_only"
 
 
+@pytest.mark.vllm
 def test_a_keys_jobs_are_its_uids(daemon: RunningDaemon, keys: dict[str, str]) -> None:
     base = daemon.base            # type: ignore[attr-defined]
     with tcp(base, keys["alice"]) as alice, tcp(base, keys["bob"]) as bob:
@@ -245,6 +249,7 @@ def _jobs_seen_as(uid: int, daemon: RunningDaemon) -> list[str]:
     return ids
 
 
+@pytest.mark.vllm
 def test_audit_lines_name_the_key_and_never_log_it(daemon: RunningDaemon, keys: dict[str, str]) -> None:
     with tcp(daemon.base, keys["bob"]) as h:       # type: ignore[attr-defined]
         r = h.post("/v1/jobs", json={"pipeline": "echo", "inputs": {"prompt": "audited"}})
@@ -258,6 +263,7 @@ def test_audit_lines_name_the_key_and_never_log_it(daemon: RunningDaemon, keys: 
     assert all(k not in log for k in keys.values())
 
 
+@pytest.mark.vllm
 def test_sampling_parameters_are_checked_at_the_door(daemon: RunningDaemon, client: Any) -> None:
     before = len(daemon.client.jobs(limit=1000)["jobs"])
     for field, value in (("temperature", 5), ("top_p", 0), ("presence_penalty", 3), ("stop", [""])):

@@ -1,6 +1,8 @@
 """A vLLM stage on the CPU as vLLM runs it by default: the model torch.compile'd, its compile cache
-written where VLLM_CACHE_ROOT says; and one whose cache has no room, which runs eager and says why
-instead of failing to load (inductor raises ENOSPC). Real daemon, real engines, a real full tmpfs.
+written where VLLM_CACHE_ROOT says; one whose cache has no room, which runs eager and says why
+instead of failing to load (inductor raises ENOSPC); and every other tiny vLLM model (the vision- and
+audio-language models, the omni thinker, the codec LM) on vLLM's defaults, as a user's first stage
+would be: no `args` at all, compiled. Real daemon, real engines, a real full tmpfs.
 
 (The rest of the suite sets enforce_eager: a compiled load costs ~30 s on 2 cores.)
 """
@@ -19,13 +21,16 @@ from typing import Any
 import pytest
 
 from conftest import MODELS, RunningDaemon, module_daemon, short_tmpdir
+from omnid.engines import vllm_compat
 from omnidtest import tmpfs
 
 LLM = MODELS / "llm"
+# every other tiny model vLLM loads: stage name -> model folder
+DEFAULTS = {"vlm": MODELS / "vlm", "alm": MODELS / "alm", "thinker": MODELS / "omni" / "thinker", "tts": MODELS / "tts"}
 
 # Compiling the graph at start takes ~70 s on 2 quiet cores, and past the suite's 300 s per test on
 # loaded ones (seen under a 2-process burner): the module's setup has the 600 s its daemon waits.
-pytestmark = pytest.mark.timeout(720)
+pytestmark = [pytest.mark.timeout(720), pytest.mark.vllm]
 
 
 def compiled_stage(cache_root: Path) -> dict[str, Any]:
@@ -44,7 +49,10 @@ def d() -> Iterator[RunningDaemon]:
     try:
         full = stack.enter_context(tmpfs(top / "full", 4))
         subprocess.run(["dd", "if=/dev/zero", f"of={full / 'ballast'}", "bs=64k"], capture_output=True)  # until ENOSPC
-        stages = {"compiled": compiled_stage(top / "cache"), "nocache": compiled_stage(full / "vllm")}
+        stages = {"compiled": compiled_stage(top / "cache"), "nocache": compiled_stage(full / "vllm"),
+                  # nothing but the model (and where its compile cache goes): vLLM's own defaults
+                  **{name: {"engine": "vllm", "model": str(model), "env": {"VLLM_CACHE_ROOT": str(top / "cache")}}
+                     for name, model in DEFAULTS.items()}}
         pipelines = {name: {"stages": [name]} for name in stages}
         (top / "d").mkdir()
         with module_daemon(top / "d", stages, pipelines, ready_timeout=600) as rd:
@@ -78,6 +86,22 @@ def test_a_stage_whose_compile_cache_is_full_runs_eager_and_says_why(d: RunningD
     assert "compile caches have no room" in said and str(d.top / "full" / "vllm") in said, said[-3000:]  # type: ignore[attr-defined]
     assert not (d.top / "full" / "vllm" / "torch_compile_cache").exists()     # type: ignore[attr-defined]
     assert d.stages()["nocache"]["info"]["compiled"] is False
+
+
+def test_every_tiny_model_loads_compiled_on_vllms_defaults(d: RunningDaemon) -> None:
+    """The daemon came up, so each stage loaded: each says it is compiled, runs the vLLM it names,
+    and answers a prompt with tokens (greedy here: `temperature` is the only thing a job sets)."""
+    installed = vllm_compat.installed()
+    assert installed is not None
+    stages = d.stages()
+    for name in DEFAULTS:
+        info = stages[name]["info"]
+        assert info["compiled"] is True, (name, info)
+        assert info["vllm"].split("+")[0] == installed[1].split("+")[0], (name, info, installed)
+        assert info["max_model_len"] >= 512, (name, info)        # the model's own length
+        doc = d.wait(d.submit(name, {"prompt": "hello there"}, params={f"{name}.max_tokens": 4}))
+        assert doc["state"] == "succeeded", (name, doc)
+        assert d.client.output(doc["id"], "text")[0], name
 
 
 def log_of(d: RunningDaemon, stage: str) -> str:

@@ -29,6 +29,8 @@ import conftest
 from conftest import (MODELS, RunningDaemon, build_tiny_models, check_config, module_daemon, python_stage,
                       short_tmpdir, tiny_llm, wait_for)
 
+pytestmark = pytest.mark.vllm
+
 LLM = MODELS / "llm"
 SCHEDULE = [4, 8, 16, 25]
 

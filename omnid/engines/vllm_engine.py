@@ -29,7 +29,6 @@ extractor); a bad one fails its job alone.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import io
 import itertools
 import json
@@ -48,6 +47,7 @@ from omnid.procwatch import ChildWatch, Exit
 from omnid.protocol import EXIT_ENGINE_DIED
 from omnid.vocabulary import ErrorCode
 from omnid.params import VLLM_OMNID_PARAMS, check_param, merged, parallel_size
+from omnid.engines import vllm_compat
 from omnid.engines.capabilities import VLLM
 from omnid.engines.base import Engine, RequestContext
 from omnid.engines.vllm_tap import TAP_CLASS, TAP_ERROR, unpack
@@ -89,12 +89,7 @@ def _own_engine_core_entry() -> None:
 
     os.environ["OMNID_ENGINE_PARENT"] = str(os.getpid())
     EngineCoreProc.run_engine_core = staticmethod(_run_engine_core)
-    try:
-        from vllm.v1.engine.utils import CoreEngineProcManager
-    except ImportError:
-        return
-    if hasattr(CoreEngineProcManager, "monitor_engine_liveness"):
-        CoreEngineProcManager.monitor_engine_liveness = _monitor_engine_liveness
+    vllm_compat.core_liveness_hook(_monitor_engine_liveness)
 
 
 def _monitor_engine_liveness(self: Any) -> None:
@@ -127,8 +122,7 @@ def _rejected(e: BaseException) -> str | None:
     failure) for anything else, a dead engine above all."""
     if "Dead" in type(e).__name__:
         return None
-    client_error = any(c.__name__ == "VLLMClientError" for c in type(e).__mro__)   # (vllm.exceptions, 0.3x)
-    return REJECTED if client_error or isinstance(e, (ValueError, TypeError)) else None
+    return REJECTED if vllm_compat.is_client_error(e) or isinstance(e, (ValueError, TypeError)) else None
 
 
 class TensorInputError(ValueError):
@@ -361,6 +355,7 @@ class VllmEngine(Engine):
             _own_engine_core_entry()
 
         self._SamplingParams = SamplingParams
+        self._version = vllm_compat.running_version()
         self._delta = RequestOutputKind.DELTA
         self.stage = stage
         why = eager_if_no_room(args, stage.args)
@@ -376,9 +371,9 @@ class VllmEngine(Engine):
         self._audio_rate = DEFAULT_AUDIO_RATE
         if self.media.kinds:
             self._processor = self._load_processor()
-        self._render = self._renderer()
+        self._render = vllm_compat.renderer(self.engine)
         # A chat template writes its own special tokens: a rendered chat is tokenized without them.
-        self._render_chat = self._renderer(chat=True)
+        self._render_chat = vllm_compat.renderer(self.engine, chat=True)
         # Tensors: the hidden-state tap (installed only when something asks for hidden states).
         self._tapped = "hidden_states" in stage.tensor_outputs
         self._watching: set[str] = set()            # internal ids the tap keeps rows of
@@ -407,8 +402,7 @@ class VllmEngine(Engine):
         """A thread that waits on the engine core processes; a core that dies while this worker lives
         (killed alone, or crashed) ends the worker, which the supervisor restarts. Dead means an exit
         status from the kernel (`omnid.procwatch`): a wake without one is logged and waited out."""
-        manager = getattr(getattr(self.engine.engine_core, "resources", None), "engine_manager", None)
-        procs = list(getattr(manager, "processes", None) or [])
+        procs = vllm_compat.core_processes(self.engine)
         self._core_pids = [p.pid for p in procs if p.pid is not None]
         if not procs:
             return
@@ -461,24 +455,6 @@ class VllmEngine(Engine):
             except Exception:
                 pass
 
-    def _renderer(self, chat: bool = False) -> Callable[[Any], Any]:
-        """vLLM >= 0.30 wants rendered prompts; older ones take a plain string (or prompt dict)."""
-        try:
-            from vllm.renderers.inputs.preprocess import parse_model_prompt
-            renderer = self.engine.renderer
-            tok_params = renderer.default_cmpl_tok_params
-            if chat:
-                tok_params = dataclasses.replace(renderer.default_chat_tok_params, add_special_tokens=False)
-
-            def render(prompt: Any) -> Any:
-                (rendered,) = renderer.render_cmpl([parse_model_prompt(self.engine.model_config, prompt)],
-                                                   tok_params)
-                return rendered
-            render("warm-up")
-            return render
-        except Exception:
-            return lambda prompt: prompt
-
     def _load_processor(self) -> Any:
         """The model's processor (its chat template writes the media placeholders), and the audio
         rate its feature extractor wants."""
@@ -498,7 +474,8 @@ class VllmEngine(Engine):
 
     def info(self) -> dict[str, Any]:
         cfg = self.engine.model_config
-        info: dict[str, Any] = {"model": str(self.stage.model), "dtype": str(getattr(cfg, "dtype", "")),
+        info: dict[str, Any] = {"model": str(self.stage.model), "vllm": self._version,
+                                "dtype": str(getattr(cfg, "dtype", "")),
                                 "max_model_len": getattr(cfg, "max_model_len", None),
                                 "engine_core": {"where": self.stage.engine_core, "pids": self._core_pids},
                                 # torch.compile'd (vLLM's default), or eager (asked, or no room for its caches)

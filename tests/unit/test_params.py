@@ -134,7 +134,8 @@ def test_plain_values(value: Any) -> None:
 
 
 @pytest.mark.parametrize("value", [NAN, INF, -INF, [NAN], ["a", None], [["a"]], [[]], {"a": 1}, [{"a": 1}],
-                                   ("a",), b"x", {"a"}, object()], ids=repr)
+                                   ("a",), b"x", {"a"}, object()],
+                         ids=lambda v: "object()" if type(v) is object else repr(v))
 def test_values_that_are_not_plain(value: Any) -> None:
     assert plain_value(value) is False
 

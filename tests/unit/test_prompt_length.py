@@ -14,6 +14,8 @@ from conftest import MODELS, build_tiny_models
 from omnid.config import StageConfig
 from omnid.supervisor.http import prompt_length as PL
 
+pytestmark = pytest.mark.vllm
+
 tokenizers = pytest.importorskip("tokenizers")
 
 

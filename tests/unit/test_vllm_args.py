@@ -11,6 +11,8 @@ from omnid import config as C
 from omnidtest import tmpfs
 from omnid.engines.vllm_engine import COMPILE_ROOM, compile_cache_dirs, eager_if_no_room, engine_args, free_bytes
 
+pytestmark = pytest.mark.vllm
+
 
 def stage(args: dict[str, Any], devices: tuple[int, ...] = ()) -> C.StageConfig:
     return C.StageConfig(name="llm", engine="vllm", model=Path("/m"), devices=devices, args=args)

@@ -7,7 +7,11 @@ import threading
 import time
 from typing import Any
 
+import pytest
+
 from omnid.engines.vllm_engine import VllmEngine
+
+pytestmark = pytest.mark.vllm
 
 
 def engine_on(q: queue.Queue[Any]) -> VllmEngine:

@@ -16,12 +16,15 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
 from omnid.config import StageConfig
 from omnid.engines.base import RequestContext
 from omnid.engines.vllm_engine import VllmEngine
 from omnid.engines.vllm_tap import HiddenStateTap
+
+pytestmark = pytest.mark.vllm
 
 HIDDEN = 8
 VOCAB = 32

@@ -7,6 +7,8 @@ import pytest
 
 from omnid.engines.vllm_engine import _rejected
 
+pytestmark = pytest.mark.vllm
+
 exceptions = pytest.importorskip("vllm.exceptions")
 
 

