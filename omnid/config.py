@@ -26,10 +26,10 @@ from typing import Any
 from omnid import paths
 from omnid.keys import KeyFileError, key_path, read_keys
 from omnid.media import MEDIA_KINDS, NO_MEDIA, MediaLimits, detect_kinds
-from omnid.engines.capabilities import CAPABILITIES, capabilities, engines_that
+from omnid.engines.capabilities import CAPABILITIES, capabilities, check_param, engines_that, stage_accepts
 from omnid.engines.capabilities import TENSOR_OUTPUTS as TENSOR_OUTPUTS     # (declared with the engines;
 from omnid.engines.capabilities import TENSOR_PROMPTS as TENSOR_PROMPTS     # named here as before)
-from omnid.params import check_param, parallel_size, stage_accepts
+from omnid.params import parallel_size
 
 ENGINES = tuple(CAPABILITIES)       # the names `engine = "..."` takes; what each can do: engines/capabilities.py
 FULL_WINDOW = -1

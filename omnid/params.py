@@ -1,9 +1,12 @@
-"""Per-job engine parameters: which names each engine takes, and the rules for their values.
+"""Per-job engine parameters, as plain tables: which names each engine takes, and the rules for
+their values.
 
-The one place these rules live. `omnid --check` uses them on a stage's `defaults`, the socket API
-on a job's `params` (a 400 at the door rather than a failed job), and the engines on the merged
-values they run with. Standard library only: imported by the supervisor, `--check` and the stage
-workers; nothing here blocks.
+The one place these rules live. Each engine's declaration (`omnid.engines.capabilities`) names its
+tables, and the per-engine lookups over them (`check_param`, `job_param_problem`, ...) are there:
+this module knows no engine. `omnid --check` uses them on a stage's `defaults`, the socket API on a
+job's `params` (a 400 at the door rather than a failed job), and the engines on the merged values
+they run with. Standard library only: imported by the supervisor, `--check` and the stage workers;
+nothing here blocks.
 """
 
 from __future__ import annotations
@@ -131,29 +134,6 @@ def token_bounds_problem(stage: str, values: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _caps(engine: str) -> Any:
-    """The engine's declaration; None for a name no engine has (the config parser says so)."""
-    from omnid.engines.capabilities import CAPABILITIES      # (it imports this module: read at call time)
-
-    return CAPABILITIES.get(engine)
-
-
-def check_param(engine: str, key: str, value: Any) -> str | None:
-    """Why `value` is not valid for a known parameter of `engine`, or None."""
-    caps = _caps(engine)
-    rule = caps.rules.get(key) if caps is not None else None
-    return rule(value) if rule is not None else None
-
-
-def stage_accepts(engine: str, defaults: Mapping[str, Any]) -> frozenset[str] | None:
-    """Parameter names a job may set on a stage of `engine` with these `defaults`; None means any."""
-    caps = _caps(engine)
-    if caps is None:
-        raise KeyError(engine)
-    known = caps.params
-    return None if known is None else frozenset(known) | frozenset(defaults)
-
-
 def plain_value(value: Any) -> bool:
     """A JSON scalar (finite numbers only) or a flat list of non-null scalars."""
     if isinstance(value, (str, bool, int)) or value is None:
@@ -165,28 +145,6 @@ def plain_value(value: Any) -> bool:
     return False
 
 
-def job_param_problem(stage: str, engine: str, defaults: Mapping[str, Any], key: str, value: Any) -> str | None:
-    """Why a job may not set `key = value` on `stage` (a sentence for a 400), or None."""
-    accepted = stage_accepts(engine, defaults)
-    if accepted is not None and key not in accepted:
-        return f"stage {stage!r} has no parameter {key!r}; known: {', '.join(sorted(accepted))}"
-    if not plain_value(value):
-        return f"params.{stage}.{key} must be a string, number, boolean, or a list of those"
-    why = check_param(engine, key, value)
-    if why is not None:
-        return f"params.{stage}.{key} {why}, not {value!r}"
-    return None
-
-
-def values_problem(stage: str, engine: str, values: Mapping[str, Any]) -> str | None:
-    """Why the values a job would run with (its stage's defaults and its params, merged) do not
-    go together, or None: the rules between parameters the engine declares (vLLM: `min_tokens` <=
-    `max_tokens`)."""
-    caps = _caps(engine)
-    between = caps.values_rule if caps is not None else None
-    return between(stage, values) if between is not None else None
-
-
 def merged(defaults: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
     """The values a job runs with: the stage's defaults, overridden by the job's params."""
     out = dict(defaults)
@@ -195,8 +153,9 @@ def merged(defaults: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, 
 
 
 # ------------------------------------------------------------------ self-description
-# What `GET /v1/pipelines/{name}` and `GET /v1/openapi.json` say a stage accepts: derived from the
-# rules above, so the description and the check cannot disagree.
+# What `GET /v1/pipelines/{name}` and `GET /v1/openapi.json` say a stage accepts is derived from the
+# rules above (`omnid.engines.capabilities.describe_stage_params`), so the description and the check
+# cannot disagree.
 
 # `plain_value` as JSON Schema: what any parameter (and a python stage's) may hold.
 _SCALAR_SCHEMA: dict[str, Any] = {"type": ["string", "number", "integer", "boolean"]}
@@ -205,37 +164,6 @@ PLAIN_VALUE_SCHEMA: dict[str, Any] = {
               {"type": "array", "items": _SCALAR_SCHEMA}],
 }
 ANY_PARAMS = "any (the function reads what it wants)"
-
-
-def param_schema(engine: str, key: str) -> dict[str, Any]:
-    """JSON Schema of one parameter's value: its rule's, else (a name only a stage's defaults
-    add, or any name on a python stage) any plain value."""
-    caps = _caps(engine)
-    rule = caps.rules.get(key) if caps is not None else None
-    return dict(rule.schema) if rule is not None else dict(PLAIN_VALUE_SCHEMA)
-
-
-def describe_stage_params(engine: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """What a job may set on a stage of `engine` with these `defaults`, readably:
-    `{"accepts": "listed" | ANY_PARAMS, "params": {name: schema + "default"?}}`."""
-    accepted = stage_accepts(engine, defaults)
-    names = sorted(defaults) if accepted is None else sorted(accepted)
-    params: dict[str, Any] = {}
-    for name in names:
-        doc = param_schema(engine, name) if accepted is not None else {}
-        if name in defaults:
-            doc["default"] = defaults[name]
-        params[name] = doc
-    return {"accepts": "listed" if accepted is not None else ANY_PARAMS, "params": params}
-
-
-def stage_params_schema(engine: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """JSON Schema of a job's `params.STAGE` object, as `job_param_problem` checks it."""
-    described = describe_stage_params(engine, defaults)
-    if described["accepts"] != "listed":
-        return {"type": "object", "additionalProperties": PLAIN_VALUE_SCHEMA, "description": ANY_PARAMS,
-                "properties": {name: {**PLAIN_VALUE_SCHEMA, **doc} for name, doc in described["params"].items()}}
-    return {"type": "object", "additionalProperties": False, "properties": described["params"]}
 
 
 def parallel_size(args: Mapping[str, Any]) -> int:

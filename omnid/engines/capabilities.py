@@ -1,6 +1,6 @@
 """What each engine can do, declared without loading it: the one registry of engines.
 
-Standard library only (and `omnid.params`): the supervisor, the API, the OpenAPI document and
+Standard library only (and `omnid.params`' tables, which know no engine): the supervisor, the API, the OpenAPI document and
 `omnid --check` ask these declarations instead of comparing engine names, and none of them imports
 an engine module (those run in stage workers). Each engine class points to its declaration
 (`Engine.capabilities`); `load_engine` finds the class from `engine_class`.
@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnid.params import DIFFUSERS_PARAMS, DIFFUSERS_RULES, VLLM_PARAMS, VLLM_RULES, Rule, token_bounds_problem
+from omnid.params import (ANY_PARAMS, DIFFUSERS_PARAMS, DIFFUSERS_RULES, PLAIN_VALUE_SCHEMA, VLLM_PARAMS, VLLM_RULES, Rule,
+                          plain_value, token_bounds_problem)
 
 _TEXT_OUTPUT: dict[str, Any] = {"name": "text", "kind": "text", "file": "text.txt",
                                 "content_type": "text/plain; charset=utf-8"}
@@ -104,3 +105,81 @@ def capabilities(engine: str) -> Capabilities:
 def engines_that(can: Callable[[Capabilities], bool]) -> tuple[str, ...]:
     """The names of the engines whose declaration passes `can`, in the registry's order."""
     return tuple(name for name, caps in CAPABILITIES.items() if can(caps))
+
+
+# ------------------------------------------------------------------ a stage's params, by its engine
+# The per-engine lookups over `omnid.params`' tables: what a job may set, whether a value is valid, and
+# how `GET /v1/pipelines/{name}` and the OpenAPI document describe it.
+
+def _caps(engine: str) -> Capabilities | None:
+    """The engine's declaration; None for a name no engine has (the config parser says so)."""
+    return CAPABILITIES.get(engine)
+
+
+def check_param(engine: str, key: str, value: Any) -> str | None:
+    """Why `value` is not valid for a known parameter of `engine`, or None."""
+    caps = _caps(engine)
+    rule = caps.rules.get(key) if caps is not None else None
+    return rule(value) if rule is not None else None
+
+
+def stage_accepts(engine: str, defaults: Mapping[str, Any]) -> frozenset[str] | None:
+    """Parameter names a job may set on a stage of `engine` with these `defaults`; None means any."""
+    caps = _caps(engine)
+    if caps is None:
+        raise KeyError(engine)
+    known = caps.params
+    return None if known is None else frozenset(known) | frozenset(defaults)
+
+
+def job_param_problem(stage: str, engine: str, defaults: Mapping[str, Any], key: str, value: Any) -> str | None:
+    """Why a job may not set `key = value` on `stage` (a sentence for a 400), or None."""
+    accepted = stage_accepts(engine, defaults)
+    if accepted is not None and key not in accepted:
+        return f"stage {stage!r} has no parameter {key!r}; known: {', '.join(sorted(accepted))}"
+    if not plain_value(value):
+        return f"params.{stage}.{key} must be a string, number, boolean, or a list of those"
+    why = check_param(engine, key, value)
+    if why is not None:
+        return f"params.{stage}.{key} {why}, not {value!r}"
+    return None
+
+
+def values_problem(stage: str, engine: str, values: Mapping[str, Any]) -> str | None:
+    """Why the values a job would run with (its stage's defaults and its params, merged) do not
+    go together, or None: the rules between parameters the engine declares (vLLM: `min_tokens` <=
+    `max_tokens`)."""
+    caps = _caps(engine)
+    between = caps.values_rule if caps is not None else None
+    return between(stage, values) if between is not None else None
+
+
+def param_schema(engine: str, key: str) -> dict[str, Any]:
+    """JSON Schema of one parameter's value: its rule's, else (a name only a stage's defaults
+    add, or any name on a python stage) any plain value."""
+    caps = _caps(engine)
+    rule = caps.rules.get(key) if caps is not None else None
+    return dict(rule.schema) if rule is not None else dict(PLAIN_VALUE_SCHEMA)
+
+
+def describe_stage_params(engine: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """What a job may set on a stage of `engine` with these `defaults`, readably:
+    `{"accepts": "listed" | ANY_PARAMS, "params": {name: schema + "default"?}}`."""
+    accepted = stage_accepts(engine, defaults)
+    names = sorted(defaults) if accepted is None else sorted(accepted)
+    params: dict[str, Any] = {}
+    for name in names:
+        doc = param_schema(engine, name) if accepted is not None else {}
+        if name in defaults:
+            doc["default"] = defaults[name]
+        params[name] = doc
+    return {"accepts": "listed" if accepted is not None else ANY_PARAMS, "params": params}
+
+
+def stage_params_schema(engine: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """JSON Schema of a job's `params.STAGE` object, as `job_param_problem` checks it."""
+    described = describe_stage_params(engine, defaults)
+    if described["accepts"] != "listed":
+        return {"type": "object", "additionalProperties": PLAIN_VALUE_SCHEMA, "description": ANY_PARAMS,
+                "properties": {name: {**PLAIN_VALUE_SCHEMA, **doc} for name, doc in described["params"].items()}}
+    return {"type": "object", "additionalProperties": False, "properties": described["params"]}

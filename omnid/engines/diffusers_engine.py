@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnid.config import StageConfig
-from omnid.engines.capabilities import DIFFUSERS
+from omnid.engines.capabilities import DIFFUSERS, check_param
 from omnid.engines.base import Cancelled, Engine, RequestContext
-from omnid.params import check_param, merged
+from omnid.params import merged
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
            "bfloat16": "bfloat16", "bf16": "bfloat16"}

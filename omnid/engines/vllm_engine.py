@@ -46,9 +46,9 @@ from omnid.config import StageConfig
 from omnid.procwatch import ChildWatch, Exit
 from omnid.protocol import EXIT_ENGINE_DIED
 from omnid.vocabulary import ErrorCode
-from omnid.params import VLLM_OMNID_PARAMS, check_param, merged, parallel_size
+from omnid.params import VLLM_OMNID_PARAMS, merged, parallel_size
 from omnid.engines import vllm_compat
-from omnid.engines.capabilities import VLLM
+from omnid.engines.capabilities import VLLM, check_param
 from omnid.engines.base import Engine, RequestContext
 from omnid.engines.vllm_tap import TAP_CLASS, TAP_ERROR, unpack
 

@@ -1,4 +1,4 @@
-"""`omnid.params`: per-job engine parameters, the names each engine takes and the rules for values."""
+"""`omnid.params` (the tables: names and value rules) and the per-engine lookups over them (`omnid.engines.capabilities`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from omnid import params as M
-from omnid.params import check_param, job_param_problem, merged, plain_value, stage_accepts
+from omnid.engines.capabilities import check_param, job_param_problem, stage_accepts
+from omnid.params import merged, plain_value
 
 NAN, INF = float("nan"), float("inf")
 

@@ -20,7 +20,8 @@ from omnictl.client import parse_prometheus
 from omnictl.render import pipeline_detail, ready_text
 from omnid.config import Config, DaemonConfig, EdgeConfig, PipelineConfig, StageConfig
 from omnid.engines.capabilities import CAPABILITIES
-from omnid.params import ANY_PARAMS, PLAIN_VALUE_SCHEMA, describe_stage_params, stage_params_schema
+from omnid.engines.capabilities import describe_stage_params, stage_params_schema
+from omnid.params import ANY_PARAMS, PLAIN_VALUE_SCHEMA
 from omnid.supervisor.http.openapi import OPERATIONS, describe_pipeline, openapi_document, routes
 
 SAMPLES: list[Any] = [-3, -2, -1, 0, 1, 2, 7, 8, 16, 17, 1000, 1001, 4096, 4104, 2**63 - 1, 2**63,

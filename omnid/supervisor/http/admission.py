@@ -3,8 +3,8 @@
 
 Checking a submission: its pipeline resolved (once per request), its inputs decoded and checked
 for the pipeline's first stages (a text prompt where the engine needs one, media within the
-stage's limits), its params checked by `omnid.params`' rules, its timeout; each refusal a
-`Refused` that names what is wrong. What an engine needs and gives is read from its declaration
+stage's limits), its params checked by their engine's rules (`omnid.params`), its timeout; each
+refusal a `Refused` that names what is wrong. What an engine needs and gives is read from its declaration
 (`omnid.engines.capabilities`), never from its name. The pipeline facts the OpenAI paths ask
 (which stage answers in text, which samples, which takes media) are here too.
 
@@ -23,8 +23,8 @@ from typing import Any
 
 from omnid import media
 from omnid.config import TENSOR_PROMPTS, Config, PipelineConfig, StageConfig
-from omnid.engines.capabilities import capabilities
-from omnid.params import job_param_problem, merged, plain_value, values_problem
+from omnid.engines.capabilities import capabilities, job_param_problem, values_problem
+from omnid.params import merged, plain_value
 from omnid.store import JobStore
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.http import prompt_length

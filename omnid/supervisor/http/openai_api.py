@@ -46,7 +46,8 @@ from aiohttp import web
 
 from omnid import media as M
 from omnid.config import Config, PipelineConfig
-from omnid.params import job_param_problem, merged, values_problem
+from omnid.engines.capabilities import job_param_problem, values_problem
+from omnid.params import merged
 from omnid.supervisor.http import admission
 from omnid.supervisor.http.admission import Submission
 from omnid.supervisor.http.api import retry_after

@@ -19,9 +19,10 @@ from typing import Any
 from aiohttp import web
 
 from omnid.config import Config, PipelineConfig, StageConfig
-from omnid.engines.capabilities import CAPABILITIES, capabilities, engines_that
+from omnid.engines.capabilities import (CAPABILITIES, capabilities, describe_stage_params, engines_that, param_schema,
+                                        stage_params_schema)
 from omnid.media import IMAGE_FORMATS, MEDIA_KINDS
-from omnid.params import PLAIN_VALUE_SCHEMA, describe_stage_params, param_schema, stage_params_schema
+from omnid.params import PLAIN_VALUE_SCHEMA
 from omnid.supervisor.workers.stage_logs import SINCE_PATTERN
 from omnid.vocabulary import JOB_LINKS, ErrorCode, EventType, JobState, StageRunState, WorkerState
 
