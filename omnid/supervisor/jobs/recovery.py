@@ -18,28 +18,16 @@ Everything is per replica: a job is only the business of the replica that serves
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 from omnid import protocol as P
-from omnid.store import JobStore
+from omnid.supervisor.jobs.control import JobControl
 from omnid.supervisor.jobs.live_job import LiveJob
 from omnid.vocabulary import ErrorCode, EventType, JobState, StageRunState, WorkerState
 
 if TYPE_CHECKING:
     from omnid.supervisor.jobs.dispatch import Dispatch
     from omnid.supervisor.workers.stage import StageHandle
-    from omnid.supervisor.workers.stage_group import StageGroup
-
-
-class JobControl(Protocol):
-    """What recovery needs of the scheduler."""
-
-    live: dict[str, LiveJob]
-    stages: Mapping[str, StageGroup]
-    store: JobStore
-
-    def finish(self, job: LiveJob, state: JobState, error: dict[str, Any] | None = None) -> None: ...
 
 
 class Recovery:

@@ -12,29 +12,29 @@ up): the time the daemon was down is not theirs.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
 import structlog
 
 from omnid.config import PipelineConfig
 from omnid.store import Unfinished
+from omnid.supervisor.jobs.control import JobControl
+from omnid.supervisor.jobs.dispatch import Dispatch
 from omnid.supervisor.jobs.live_job import LiveJob
 from omnid.vocabulary import ErrorCode, EventType, JobState, StageRun
-
-if TYPE_CHECKING:
-    from omnid.supervisor.jobs.scheduler import Scheduler
 
 log = structlog.get_logger("omnid.scheduler")
 
 
-def take_back(jobs: Scheduler, unfinished: list[Unfinished]) -> list[LiveJob]:
-    """The unfinished jobs, oldest first, live again (or failed); returns those taken back, whose
-    timers wait for the stages."""
+def take_back(jobs: JobControl, dispatch: Dispatch, pipelines: Mapping[str, PipelineConfig],
+              unfinished: list[Unfinished]) -> list[LiveJob]:
+    """The unfinished jobs, oldest first, live again in `jobs` (or failed), on the `pipelines` in force;
+    `dispatch` routes and feeds them. Returns those taken back, whose timers wait for the stages."""
     now = time.time()
     restored: list[LiveJob] = []
     for old in unfinished:
         record = old.record
-        pipeline = jobs.config.pipelines.get(record.pipeline)
+        pipeline = pipelines.get(record.pipeline)
         was_running = record.state is JobState.RUNNING
         job = LiveJob(record, pipeline or PipelineConfig(record.pipeline, tuple(record.stages), ()),
                       old.inputs or {}, jobs.store, old.events)
@@ -52,7 +52,7 @@ def take_back(jobs: Scheduler, unfinished: list[Unfinished]) -> list[LiveJob]:
             jobs.finish(job, JobState.FAILED, {"code": str(ErrorCode.DAEMON_RESTARTED), "message": problem})
             continue
         record.stages = {s: StageRun() for s in pipeline.stages}
-        jobs.dispatch.route(job)
+        dispatch.route(job)
         if was_running:
             job.attempts += 1
             jobs.store.keep_inputs(job.id, job.inputs, job.attempts)
@@ -62,7 +62,7 @@ def take_back(jobs: Scheduler, unfinished: list[Unfinished]) -> list[LiveJob]:
         jobs.store.save(record)
         restored.append(job)
     for src in sorted({s for job in restored for s in job.pipeline.sources}):
-        jobs.dispatch.feed([job for job in restored if src in job.pipeline.sources], src)
+        dispatch.feed([job for job in restored if src in job.pipeline.sources], src)
     if restored:
         log.info("jobs taken back after a restart", queued=sum(j.record.state is JobState.QUEUED for j in restored),
                  rerun=sum(j.record.state is JobState.RUNNING for j in restored), took_s=round(time.time() - now, 3))

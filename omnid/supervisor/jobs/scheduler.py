@@ -11,7 +11,8 @@ deadline, cancellation (with a grace period after which a worker that ignores it
 restarted), and cleaning every worker's per-job state (`Forget`) once a job is over. What happens
 when a worker dies is `Recovery`'s (recovery.py); which replica serves a job, and the feeding of its
 own inputs, `Dispatch`'s (dispatch.py); idle stages' sleep and wake, `SleepTender`'s (stage_sleep.py);
-the jobs a previous daemon left, `take_back`'s (restore.py). The config in force is `Live`'s (live.py).
+the jobs a previous daemon left, `take_back`'s (restore.py). Those parts know the scheduler only by
+what they declare of it (control.py). The config in force is `Live`'s (live.py).
 
 To add a worker message: define it in `omnid.protocol`, write `on_<message>` here, and list it in
 `_HANDLERS`. To add a job state: `omnid.vocabulary.JobState`.
@@ -67,8 +68,8 @@ class Scheduler:
         self.stopping: dict[tuple[str, str], asyncio.TimerHandle] = {}   # (worker address, job) -> grace kill
         self.dispatch = Dispatch(self.in_force, self.live, stages, data_socket)
         self.recovery = Recovery(self, self.dispatch)
-        self.sleeper = SleepTender(self)
         self.loop = asyncio.get_running_loop()
+        self.sleeper = SleepTender(self, self.recovery.worker_slept)
         for group in stages.values():
             group.attach(self)
 
@@ -144,7 +145,7 @@ class Scheduler:
 
     def restore(self, unfinished: list[Unfinished]) -> None:
         """Take back the jobs a previous daemon accepted and did not finish (restore.py)."""
-        self._unarmed.extend(take_back(self, unfinished))   # their timers start once the stages are up
+        self._unarmed.extend(take_back(self, self.dispatch, self.config.pipelines, unfinished))   # their timers start once the stages are up
 
     def arm_restored(self) -> None:
         """The stages are up: restored jobs' timeouts start now (loading models is not their time)."""

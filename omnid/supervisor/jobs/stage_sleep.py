@@ -1,31 +1,33 @@
 """Sleeping stages, as the scheduler tends them: which stages have work, which have been idle for
 their `idle_unload_s` (they go to sleep), and the jobs that need a sleeping stage (they wake it).
 
-Runs in the supervisor's event-loop thread, as the scheduler's part (scheduler.py): `tend` once a
-second (the daemon's main loop), `wake_for` on every admitted job. The sleep and the wake themselves
-are the stage's (`StageGroup.sleep`, `StageGroup.wake`).
+Runs in the supervisor's event-loop thread, as the scheduler's part (scheduler.py; what it needs of
+it: `control.SleepControl`): `tend` once a second (the daemon's main loop), `wake_for` on every
+admitted job. The sleep and the wake themselves are the stage's (`StageGroup.sleep`, `StageGroup.wake`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from omnid import protocol as P
+from omnid.supervisor.jobs.control import SleepControl
 from omnid.supervisor.jobs.live_job import LiveJob
+from omnid.supervisor.workers.stage import StageHandle
 from omnid.supervisor.workers.stage_group import StageGroup
 from omnid.vocabulary import ErrorCode, EventType, JobState
 
-if TYPE_CHECKING:
-    from omnid.supervisor.jobs.scheduler import Scheduler
-
 
 class SleepTender:
-    """Puts idle stages to sleep and wakes them for the jobs that need them."""
+    """Puts idle stages to sleep and wakes them for the jobs that need them. `jobs`: the scheduler
+    (control.py says what of it); `worker_slept`: hears of each worker that a sleep stopped (the jobs
+    that slipped into it go again: `Recovery.worker_slept`)."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self._jobs = scheduler
+    def __init__(self, jobs: SleepControl, worker_slept: Callable[[StageHandle], None]) -> None:
+        self._jobs = jobs
+        self._worker_slept = worker_slept
         self._sleeps: set[asyncio.Task[None]] = set()
 
     def has_work(self, stage: str) -> bool:
@@ -94,7 +96,7 @@ class SleepTender:
         if not slept:                       # a job came first: it stays awake
             return
         for h in group.replicas:            # a job that slipped in while the workers stopped goes again
-            self._jobs.recovery.worker_slept(h)
+            self._worker_slept(h)
         if group.sleeping and self.has_work(group.name):
             group.wake_soon()
 

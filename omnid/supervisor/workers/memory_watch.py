@@ -1,4 +1,4 @@
-"""One stage worker's memory, as its handle (stage.py) watches it: its RSS once a second, held
+"""One stage worker's memory, as its handle (stage.py, known here as `Watched`) watches it: its RSS once a second, held
 against the stage's `max_rss_mb` (a worker over it is restarted between jobs), and, when the worker
 is SIGKILLed by someone other than the supervisor, what its death may mean (the OOM killer).
 
@@ -9,24 +9,53 @@ Runs in the supervisor's event-loop thread, with the handle's heartbeat check; n
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import structlog
 
+from omnid import protocol as P
+from omnid.config import StageConfig
 from omnid.process_stats import rss_bytes
 from omnid.supervisor import resources
 from omnid.vocabulary import WorkerState
 
-if TYPE_CHECKING:
-    from omnid.supervisor.workers.stage import StageHandle
-
 log = structlog.get_logger("omnid.stage")
+
+
+class Watched(Protocol):
+    """What the watch reads of its handle (`StageHandle`, stage.py), and the one thing it asks of it:
+    a restart between jobs."""
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def state(self) -> WorkerState: ...
+
+    @property
+    def running(self) -> tuple[str, ...]: ...
+
+    @property
+    def stats(self) -> P.QueueStats: ...
+
+    @property
+    def stage(self) -> StageConfig: ...
+
+    def where(self) -> dict[str, Any]: ...
+
+    async def restart(self, reason: str, idle_timeout: float) -> None: ...
 
 
 class MemoryWatch:
     """A handle's watch of its worker's memory (one per handle, across the worker's incarnations)."""
 
-    def __init__(self, handle: StageHandle) -> None:
+    def __init__(self, handle: Watched) -> None:
         self._handle = handle
         self._oom: resources.OomWatch | None = None     # the cgroup's OOM count when the worker started
         self.we_killed = False                          # the supervisor SIGKILLed it (not the kernel)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
@@ -25,7 +25,7 @@ MIB = 1 << 20
 
 @dataclass
 class Handle:
-    """What MemoryWatch reads of a StageHandle."""
+    """What MemoryWatch reads of a StageHandle (`memory_watch.Watched`)."""
 
     stage: StageConfig = field(default_factory=lambda: StageConfig(name="leaky", engine="python", max_rss_mb=100))
     pid: int | None = 4242
@@ -75,7 +75,7 @@ async def looks(watch: MemoryWatch, n: int = 3) -> None:
 def test_a_worker_over_the_bound_is_restarted_after_its_job_not_during_it(rss: list[int]) -> None:
     async def run() -> None:
         h = Handle()
-        watch = MemoryWatch(cast(Any, h))
+        watch = MemoryWatch(h)
         await looks(watch)
         assert h.restarts == []                         # under the bound
         h.job_started("j1")
@@ -105,12 +105,46 @@ def test_each_sign_of_a_job_in_the_worker_holds_the_restart(rss: list[int], stat
                                                             running: tuple[str, ...], depth: int) -> None:
     async def run() -> None:
         h = Handle(state=state, running=running, stats=QueueStats(depth=depth))
-        watch = MemoryWatch(cast(Any, h))
+        watch = MemoryWatch(h)
         rss[0] = 500 * MIB
         await looks(watch)
         assert h.restarts == [] and watch.rss_restarts == 0
         h.state, h.running, h.stats = WorkerState.READY, (), QueueStats()
         await looks(watch)
         assert len(h.restarts) == 1 and watch.rss_restarts == 1
+
+    asyncio.run(run())
+
+
+def test_a_worker_placed_elsewhere_is_never_read_nor_restarted(rss: list[int]) -> None:
+    """A Ray actor's pid may be another node's: its /proc here is not its RSS."""
+    class Remote(Handle):
+        def where(self) -> dict[str, Any]:
+            return {"placement": "ray", "node": "n2"}
+
+    async def run() -> None:
+        h = Remote()
+        watch = MemoryWatch(h)
+        rss[0] = 500 * MIB
+        await looks(watch)
+        assert h.restarts == [] and watch.last_rss is None
+
+    asyncio.run(run())
+
+
+def test_the_last_rss_is_kept_for_the_report_of_a_kill(rss: list[int]) -> None:
+    """What a SIGKILL nobody here sent may mean names the worker's last RSS (its own look, in a
+    heartbeat, when the watch could not read it); a new worker starts with none."""
+    async def run() -> None:
+        h = Handle()
+        watch = MemoryWatch(h)
+        watch.spawned(h.pid)
+        rss[0] = 80 * MIB
+        await looks(watch, 1)
+        assert watch.oom_note(4242).startswith(" (last RSS 80 MiB)")
+        watch.heard(90 * MIB)
+        assert watch.oom_note(4242).startswith(" (last RSS 90 MiB)")
+        watch.spawned(4243)
+        assert watch.last_rss is None and not watch.we_killed
 
     asyncio.run(run())
