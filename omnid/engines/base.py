@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from omnid.engines.capabilities import Capabilities
 
@@ -122,6 +122,44 @@ class RequestContext:
     @property
     def done(self) -> bool:
         return self.outcome is not None
+
+
+class WindowSource(Protocol):
+    """Where an `InputStream` reads its windows: one job's streaming edge, filled by the worker
+    (`omnid.worker.windows.EdgeStream`)."""
+
+    next_index: int             # the index of the next window expected
+
+    def take(self, key: str) -> tuple[bool, Any]:
+        """The next value for `key`: (True, value), or (False, None) after the last window; blocks
+        until one arrives, raises `Cancelled` when the job is cancelled meanwhile."""
+
+    def ready(self, key: str) -> bool:
+        """`take(key)` would not block."""
+
+
+class InputStream:
+    """What a stage's function gets for an input fed by a streaming edge: an iterator of window values."""
+
+    def __init__(self, stream: WindowSource, key: str) -> None:
+        self._stream = stream
+        self.key = key
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        ok, value = self._stream.take(self.key)
+        if not ok:
+            raise StopIteration
+        return value
+
+    def ready(self) -> bool:
+        """The next `next()` would not block (a window is here, the stream ended, or the job was cancelled)."""
+        return self._stream.ready(self.key)
+
+    def __repr__(self) -> str:
+        return f"<InputStream {self.key!r}: window {self._stream.next_index} next>"
 
 
 class Engine(abc.ABC):

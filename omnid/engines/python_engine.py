@@ -8,7 +8,7 @@ cancel between segments stops it at once. A function that ignores a cancel is
 the supervisor's business: past the grace period it restarts the worker.
 
 An input fed by a streaming edge (`window = N`) is an iterable of window values
-(`omnid.worker.windows.InputStream`). With `max_inflight > 1` several jobs'
+(`omnid.engines.base.InputStream`). With `max_inflight > 1` several jobs'
 generators are advanced in turn, each only when one of its streams has a window
 (or its end) to read, so one job waiting for its stream never holds up the
 others. A generator may yield None: "nothing to give yet" (no segment); it is
@@ -56,9 +56,8 @@ from typing import Any
 
 from omnid.config import StageConfig
 from omnid.params import merged
-from omnid.worker.windows import InputStream
 from omnid.engines.capabilities import PYTHON
-from omnid.engines.base import Cancelled, Engine, RequestContext
+from omnid.engines.base import Cancelled, Engine, InputStream, RequestContext
 from omnid.engines.python_sessions import SessionRunner, streams_ready
 
 

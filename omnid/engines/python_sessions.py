@@ -35,8 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnid.engines.base import Cancelled, RequestContext
-from omnid.worker.windows import InputStream
+from omnid.engines.base import Cancelled, InputStream, RequestContext
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ def _run_engine_core(*args: Any, **kwargs: Any) -> None:
     """The engine core process's entry point (vLLM's `EngineCoreProc.run_engine_core`, which vLLM
     starts by spawn on a CPU): first asks the kernel for a SIGKILL when the stage worker dies, even
     by SIGKILL, so no core outlives its stage."""
-    from omnid.worker.bootstrap import die_with_parent
+    from omnid.prctl import die_with_parent
 
     die_with_parent(int(os.environ["OMNID_ENGINE_PARENT"]))     # (set by the worker before vLLM starts us)
     from vllm.v1.engine.core import EngineCoreProc

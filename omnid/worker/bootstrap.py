@@ -1,4 +1,5 @@
-"""A stage worker process's first moments: its name, its parent, its output, its environment.
+"""A stage worker process's first moments: its output, its environment (its name and its tie to its
+parent are asked of the kernel by `omnid.prctl`).
 
 Used by both kinds of worker, before the engine (or anything heavy) is imported: a local worker
 (`omnid.worker.main.worker_main`, a spawned child of the supervisor) and a Ray-placed one
@@ -8,38 +9,12 @@ worker, and does not block; `clip` is used by any thread.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import sys
 from multiprocessing.connection import Connection
 
 from omnid import protocol as P
 from omnid.engines.capabilities import capabilities
-
-_PR_SET_PDEATHSIG = 1
-_PR_SET_NAME = 15
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to SIGKILL us when our parent dies (even by SIGKILL): a worker's supervisor, an
-    engine core's worker."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent_pid:   # the parent died before prctl took effect
-        os._exit(P.EXIT_ORPHANED)
-
-
-def set_process_name(name: str) -> None:
-    """The name `ps -o comm`, `top` and `pgrep omnid` show (15 bytes at most)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 def setup_environment(spec: P.WorkerSpec) -> None:

@@ -42,16 +42,16 @@ from omnid import cuda_ipc
 from omnid import protocol as P
 from omnid.config import PipelineConfig
 from omnid.dataplane import Listener, Sender, WorkItem
-from omnid.engines.base import Engine, Outcome, RequestContext
+from omnid.engines.base import Engine, InputStream, Outcome, RequestContext
 from omnid.process_stats import rss_bytes
 from omnid.shm import ShmPool
 from omnid.vocabulary import ErrorCode
-from omnid.worker.bootstrap import capture_output, clip, die_with_parent, set_process_name, setup_environment
+from omnid.prctl import die_with_parent, set_process_name
+from omnid.worker.bootstrap import capture_output, clip, setup_environment
 from omnid.worker.handoff import DataTransport, Handoff
 from omnid.worker.intake import Intake
 from omnid.worker.jobs import JobTable, WorkerJob
 from omnid.worker.outputs import Sink, WriteOutputs
-from omnid.worker.windows import InputStream
 
 
 class Wakeup(threading.Event):

@@ -332,7 +332,8 @@ class StageActor:
                 "actor_id": ctx.get_actor_id(), "gpus": [str(g) for g in _gpu_ids()]}
 
     def _main(self) -> None:
-        from omnid.worker.bootstrap import clip, set_process_name, setup_environment
+        from omnid.prctl import set_process_name
+        from omnid.worker.bootstrap import clip, setup_environment
         from omnid.worker.main import StageWorker
         spec = self.spec
         label = P.replica_label(spec.stage, spec.replica)

@@ -3,7 +3,7 @@ upstream's segments, and streams fed by them.
 
 Runs in a stage worker. `WindowBuilder` is used by the main thread only (segments come from the
 engine, inside `step`). `EdgeStream` is filled by the data plane's connection threads (`put`) and
-read by the main thread (the stage's function iterating its `InputStream`); its condition variable
+read by the main thread (the stage's function iterating its `InputStream`, omnid.engines.base); its condition variable
 is the only thing that blocks, and a cancel wakes it.
 
 - A window is N consecutive segments of one job (with a schedule, the k-th window holds its k-th
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from omnid.engines.base import Cancelled
@@ -104,7 +104,8 @@ class WindowBuilder:
 
 
 class EdgeStream:
-    """One job's windows from one streaming edge, as they arrive; read by the stage's `InputStream`s.
+    """One job's windows from one streaming edge, as they arrive; read by the stage's `InputStream`s
+    (`omnid.engines.base`: it is their `WindowSource`).
 
     `capacity` bounds the windows waiting to be read (the per-job backpressure of a stream):
     past it, `put` answers None and the upstream offers the window again later.
@@ -168,27 +169,3 @@ class EdgeStream:
     def pending(self) -> int:
         with self._cv:
             return max((len(q) for q in self._queues.values()), default=0)
-
-
-class InputStream:
-    """What a stage's function gets for an input fed by a streaming edge: an iterator of window values."""
-
-    def __init__(self, stream: EdgeStream, key: str) -> None:
-        self._stream = stream
-        self.key = key
-
-    def __iter__(self) -> Iterator[Any]:
-        return self
-
-    def __next__(self) -> Any:
-        ok, value = self._stream.take(self.key)
-        if not ok:
-            raise StopIteration
-        return value
-
-    def ready(self) -> bool:
-        """The next `next()` would not block (a window is here, the stream ended, or the job was cancelled)."""
-        return self._stream.ready(self.key)
-
-    def __repr__(self) -> str:
-        return f"<InputStream {self.key!r}: window {self._stream.next_index} next>"

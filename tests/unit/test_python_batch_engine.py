@@ -16,9 +16,9 @@ import pytest
 from conftest import FIXTURES
 from omnid import config as C
 from omnid.config import StageConfig
-from omnid.engines.base import Cancelled, RequestContext
+from omnid.engines.base import Cancelled, InputStream, RequestContext
 from omnid.engines.python_engine import PythonEngine
-from omnid.worker.windows import EdgeStream, InputStream
+from omnid.worker.windows import EdgeStream
 
 
 def stage(max_inflight: int = 8, function: str | None = None, batch_function: str | None = "batchstages:upper",

@@ -11,9 +11,9 @@ import pytest
 from conftest import FIXTURES
 from omnid import config as C
 from omnid.config import StageConfig
-from omnid.engines.base import Outcome, RequestContext
+from omnid.engines.base import InputStream, Outcome, RequestContext
 from omnid.engines.python_engine import PythonEngine
-from omnid.worker.windows import EdgeStream, InputStream
+from omnid.worker.windows import EdgeStream
 
 
 def stage(max_inflight: int = 8, lazy: bool = False, defaults: dict[str, Any] | None = None) -> StageConfig:

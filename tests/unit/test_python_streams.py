@@ -12,9 +12,9 @@ from typing import Any
 
 from conftest import FIXTURES
 from omnid.config import StageConfig
-from omnid.engines.base import RequestContext
+from omnid.engines.base import InputStream, RequestContext
 from omnid.engines.python_engine import PythonEngine
-from omnid.worker.windows import EdgeStream, InputStream
+from omnid.worker.windows import EdgeStream
 
 
 def _engine(fn: Any) -> PythonEngine:

@@ -24,11 +24,10 @@ import pytest
 from omnid import protocol as P
 from omnid.config import parse
 from omnid.dataplane import WorkItem
-from omnid.engines.base import Engine, Outcome, RequestContext
+from omnid.engines.base import Engine, InputStream, Outcome, RequestContext
 from omnid.vocabulary import ErrorCode
 from omnid.worker.jobs import ENDED_JOBS_KEPT, JobTable
 from omnid.worker.main import StageWorker
-from omnid.worker.windows import InputStream
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 

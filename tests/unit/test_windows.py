@@ -1,5 +1,5 @@
 """`omnid.worker.windows`: windows of an upstream's segments (`stitch`, `WindowBuilder`) and the
-streams a downstream reads them from (`EdgeStream`, `InputStream`), in-process.
+streams a downstream reads them from (`EdgeStream`, and `omnid.engines.base.InputStream` over it), in-process.
 
 The module is used as `W.<name>` throughout, so a modified copy can stand in for it
 (`sys.modules["omnid.worker.windows"]`) when checking that these tests catch a change.
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from omnid.engines.base import Cancelled
+from omnid.engines.base import Cancelled, InputStream
 from omnid.worker import windows as W
 
 PROMPT_S = 0.25      # "at once": far below this (a cancel wakes the waiter; a polled one within 50 ms)
@@ -154,7 +154,7 @@ def stream(keys: tuple[str, ...] = ("x",), capacity: int = 8,
 class Reader(threading.Thread):
     """Iterates an InputStream in its own thread; records what it got, how it ended and when."""
 
-    def __init__(self, inp: W.InputStream) -> None:
+    def __init__(self, inp: InputStream) -> None:
         super().__init__(daemon=True)
         self.inp = inp
         self.got: list[Any] = []
@@ -175,7 +175,7 @@ def test_iteration_yields_each_window_and_ends_after_the_last() -> None:
     assert s.put(0, {"x": "a"}, last=False) is True
     assert s.put(1, {"x": "b"}, last=False) is True
     assert s.put(2, {"x": "c"}, last=True) is True
-    assert list(W.InputStream(s, "x")) == ["a", "b", "c"]
+    assert list(InputStream(s, "x")) == ["a", "b", "c"]
     assert s.ended and s.next_index == 3
 
 
@@ -183,12 +183,12 @@ def test_iteration_ends_on_an_empty_last_window() -> None:
     s = stream()
     s.put(0, {"x": "a"}, last=False)
     s.put(1, {}, last=True)
-    assert list(W.InputStream(s, "x")) == ["a"]
+    assert list(InputStream(s, "x")) == ["a"]
 
 
 def test_iteration_blocks_until_windows_come_from_another_thread() -> None:
     s = stream()
-    inp = W.InputStream(s, "x")
+    inp = InputStream(s, "x")
     reader = Reader(inp)
     reader.start()
     time.sleep(0.1)
@@ -208,13 +208,13 @@ def test_each_input_gets_its_own_values() -> None:
     s = stream(keys=("a", "b"))
     s.put(0, {"a": 1, "b": "x"}, last=False)
     s.put(1, {"a": 2}, last=True)                 # a window without "b": nothing for b
-    assert list(W.InputStream(s, "b")) == ["x"]
-    assert list(W.InputStream(s, "a")) == [1, 2]
+    assert list(InputStream(s, "b")) == ["x"]
+    assert list(InputStream(s, "a")) == [1, 2]
 
 
 def test_cancel_from_another_thread_raises_cancelled_at_once() -> None:
     s = stream()
-    reader = Reader(W.InputStream(s, "x"))
+    reader = Reader(InputStream(s, "x"))
     reader.start()
     time.sleep(0.1)
     assert reader.is_alive()
@@ -228,7 +228,7 @@ def test_cancel_from_another_thread_raises_cancelled_at_once() -> None:
 def test_is_cancelled_turning_true_raises_cancelled_promptly() -> None:
     flag = threading.Event()
     s = stream(is_cancelled=flag.is_set)
-    reader = Reader(W.InputStream(s, "x"))
+    reader = Reader(InputStream(s, "x"))
     reader.start()
     time.sleep(0.1)
     assert reader.is_alive()
@@ -244,11 +244,11 @@ def test_a_cancelled_stream_raises_even_with_windows_waiting() -> None:
     s.put(0, {"x": "a"}, last=False)
     s.cancel()
     with pytest.raises(Cancelled):
-        next(W.InputStream(s, "x"))
+        next(InputStream(s, "x"))
     s = stream(is_cancelled=lambda: True)
     s.put(0, {"x": "a"}, last=True)
     with pytest.raises(Cancelled):
-        next(W.InputStream(s, "x"))
+        next(InputStream(s, "x"))
 
 
 def test_put_answers_none_when_full_and_takes_it_once_there_is_room() -> None:
@@ -257,7 +257,7 @@ def test_put_answers_none_when_full_and_takes_it_once_there_is_room() -> None:
     assert s.put(1, {"x": 1}, last=False) is True
     assert s.put(2, {"x": 2}, last=False) is None          # full: offered again later
     assert s.next_index == 2 and s.pending() == 2
-    inp = W.InputStream(s, "x")
+    inp = InputStream(s, "x")
     assert next(inp) == 0
     assert s.put(2, {"x": 2}, last=False) is True
     assert s.put(3, {"x": 3}, last=True) is None            # full again, even for the last window
@@ -280,7 +280,7 @@ def test_a_resent_window_is_taken_once() -> None:
     assert s.put(1, {"x": "b"}, last=True) is True
     assert s.put(1, {"x": "b"}, last=True) is True
     assert s.put(0, {"x": "a"}, last=False) is True
-    assert list(W.InputStream(s, "x")) == ["a", "b"]
+    assert list(InputStream(s, "x")) == ["a", "b"]
 
 
 def test_out_of_order_and_after_the_end_are_refused() -> None:
@@ -289,13 +289,13 @@ def test_out_of_order_and_after_the_end_are_refused() -> None:
     assert s.next_index == 0 and s.pending() == 0
     assert s.put(0, {"x": "a"}, last=True) is True
     assert s.put(1, {"x": "b"}, last=False) is None         # after the last window: nothing more
-    assert list(W.InputStream(s, "x")) == ["a"]
+    assert list(InputStream(s, "x")) == ["a"]
 
 
 def test_ready_says_whether_next_would_block() -> None:
     flag = threading.Event()
     s = stream(is_cancelled=flag.is_set)
-    inp = W.InputStream(s, "x")
+    inp = InputStream(s, "x")
     assert not inp.ready()
     s.put(0, {"x": "a"}, last=False)
     assert inp.ready()
@@ -308,22 +308,22 @@ def test_ready_says_whether_next_would_block() -> None:
 
     s = stream()
     s.cancel()
-    assert W.InputStream(s, "x").ready()
+    assert InputStream(s, "x").ready()
     s = stream(is_cancelled=flag.is_set)
-    assert not W.InputStream(s, "x").ready()
+    assert not InputStream(s, "x").ready()
     flag.set()
-    assert W.InputStream(s, "x").ready()
+    assert InputStream(s, "x").ready()
 
 
 def test_ready_is_per_input() -> None:
     s = stream(keys=("a", "b"))
     s.put(0, {"a": 1}, last=False)
-    assert W.InputStream(s, "a").ready() and not W.InputStream(s, "b").ready()
+    assert InputStream(s, "a").ready() and not InputStream(s, "b").ready()
 
 
 def test_input_stream_is_its_own_iterator_and_says_where_it_is() -> None:
     s = stream()
-    inp = W.InputStream(s, "x")
+    inp = InputStream(s, "x")
     assert iter(inp) is inp and inp.key == "x"
     s.put(0, {"x": 1}, last=False)
     assert repr(inp) == "<InputStream 'x': window 1 next>"
@@ -335,7 +335,7 @@ def _median_wake_s(wake: Any, trials: int = 9) -> float:
     delays = []
     for i in range(trials):
         s = stream()
-        reader = Reader(W.InputStream(s, "x"))
+        reader = Reader(InputStream(s, "x"))
         reader.start()
         time.sleep(0.02 + 0.007 * i)              # catch the reader's re-check at different phases
         woken_at = time.monotonic()
