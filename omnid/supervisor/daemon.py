@@ -43,7 +43,7 @@ from omnid import protocol as P
 from omnid.config import Config, is_loopback
 from omnid.keys import KeyFileError, KeyStore, key_path
 from omnid.locks import DeviceBusy, DeviceLeases, DeviceLocks
-from omnid.metrics import Metrics
+from omnid.supervisor.metrics import Metrics
 from omnid.retention import Retention
 from omnid.store import JobStore, StateDirBusy
 from omnid.supervisor import resources

@@ -37,7 +37,7 @@ import structlog
 from aiohttp import web
 
 from omnid.config import Config
-from omnid.metrics import Metrics
+from omnid.supervisor.metrics import Metrics
 from omnid.store import JobStore, StoreWriteFailed
 from omnid.supervisor.http import admission
 from omnid.supervisor.workers import stage_logs

@@ -32,7 +32,7 @@ import structlog
 
 from omnid import protocol as P
 from omnid.config import Config
-from omnid.metrics import Metrics
+from omnid.supervisor.metrics import Metrics
 from omnid.store import JobStore, StoreWriteFailed, Unfinished
 from omnid.supervisor.jobs.dispatch import Dispatch
 from omnid.supervisor.errors import STORAGE_RETRY_AFTER_S, Refused
