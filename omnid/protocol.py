@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:                   # (an annotation only: config imports the engines, which import this)
-    from omnid.config import Config
+from omnid.config_types import Config
 
 # A worker that cannot load its engine exits with this code, so the supervisor
 # knows a restart would fail the same way (gunicorn's WORKER_BOOT_ERROR).

@@ -11,7 +11,7 @@ from omnid.engines.base import Cancelled, Engine, RequestContext
 from omnid.engines.capabilities import CAPABILITIES
 
 if TYPE_CHECKING:
-    from omnid.config import StageConfig
+    from omnid.config_types import StageConfig
 
 __all__ = ["Cancelled", "Engine", "RequestContext", "load_engine"]
 

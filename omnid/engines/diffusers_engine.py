@@ -44,7 +44,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnid.config import StageConfig
+from omnid.config_types import StageConfig
 from omnid.engines.capabilities import DIFFUSERS, check_param
 from omnid.engines.base import Cancelled, Engine, RequestContext
 from omnid.params import merged

@@ -54,7 +54,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
-from omnid.config import StageConfig
+from omnid.config_types import StageConfig
 from omnid.params import merged
 from omnid.engines.capabilities import PYTHON
 from omnid.engines.base import Cancelled, Engine, InputStream, RequestContext

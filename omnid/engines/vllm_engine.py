@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnid import media as M
-from omnid.config import StageConfig
+from omnid.config_types import StageConfig
 from omnid.procwatch import ChildWatch, Exit
 from omnid.protocol import EXIT_ENGINE_DIED
 from omnid.vocabulary import ErrorCode
