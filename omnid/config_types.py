@@ -195,6 +195,10 @@ class PipelineConfig:
     # `outputs = { thinker = ["text"] }`: outputs of stages that are not last kept as the job's too,
     # by name (an omni pipeline's text, while its last stage gives the audio).
     keep: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # The key the workers know this definition by, when a reload changed the pipeline (`name~N`); set
+    # on the definitions in force by the reload's switch, so that a job's resolved pipeline carries it.
+    # "": its name. Not part of the definition: two pipelines that differ only in it are equal.
+    key: str = field(default="", compare=False)
 
     def incoming(self, stage: str) -> tuple[EdgeConfig, ...]:
         return tuple(e for e in self.edges if e.dst == stage)

@@ -161,8 +161,9 @@ class Reloader:
         results = await asyncio.gather(*(self._apply(self.stages[n], old, new) for n in changed))
         restarted = [n for n, replaced in zip(changed, results) if replaced]
         resized = [n for n in changed if new.stages[n].replicas != old.stages[n].replicas]
-        # 3. The switch: new jobs run on the new pipelines.
-        self.live.switch(new, keys)
+        # 3. The switch: new jobs run on the new pipelines, each definition carrying its key.
+        self.live.switch(dataclasses.replace(new, pipelines={name: dataclasses.replace(p, key=keys[name])
+                                                             for name, p in new.pipelines.items()}), keys)
         # 4. Removed stages finish what they have, then stop.
         for name in removed:
             self._retiring[name] = self.stages[name]

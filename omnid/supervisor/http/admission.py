@@ -1,7 +1,8 @@
 """Admission: whether a submission may become a job, and why not. One door for every front end
 (`POST /v1/jobs`, the OpenAI-compatible paths, and the TCP listener behind its keys).
 
-Checking a submission: its pipeline resolved (once per request), its inputs decoded and checked
+Checking a submission: its pipeline resolved (the job's one look-up of it by name in the supervisor:
+the `Submission` it becomes carries it to the scheduler), its inputs decoded and checked
 for the pipeline's first stages (a text prompt where the engine needs one, media within the
 stage's limits), its params checked by their engine's rules (`omnid.params`), its timeout; each
 refusal a `Refused` that names what is wrong. What an engine needs and gives is read from its declaration
@@ -18,7 +19,6 @@ import base64
 import binascii
 import difflib
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from omnid import media
@@ -28,6 +28,7 @@ from omnid.params import merged, plain_value
 from omnid.store import JobStore
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.http import prompt_length
+from omnid.supervisor.jobs.submission import Submission
 from omnid.vocabulary import ErrorCode, JobState
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
@@ -35,19 +36,9 @@ SUMMARY_CHARS = 1000          # how much of a long text input the job document s
 JOB_KEYS = frozenset({"pipeline", "inputs", "params", "timeout_s"})
 
 
-@dataclass(frozen=True)
-class Submission:
-    """A submission that passed admission: what the scheduler is given."""
-
-    pipeline: PipelineConfig
-    inputs: dict[str, Any]
-    params: dict[str, dict[str, Any]]
-    summary: dict[str, Any]               # the inputs as the job document shows them
-    timeout_s: float | None = None
-
-
-def job_submission(config: Config, body: Any) -> Submission:
-    """`POST /v1/jobs`'s body, checked: {"pipeline", "inputs", "params", "timeout_s"}."""
+def job_submission(config: Config, body: Any, owner_uid: int) -> Submission:
+    """`POST /v1/jobs`'s body, checked: {"pipeline", "inputs", "params", "timeout_s"}; the job
+    would be `owner_uid`'s."""
     if not isinstance(body, dict):
         raise Refused(400, ErrorCode.INVALID_REQUEST, "the request body must be a JSON object")
     unknown = set(body) - JOB_KEYS
@@ -68,7 +59,7 @@ def job_submission(config: Config, body: Any) -> Submission:
             raise Refused(400, ErrorCode.INVALID_REQUEST, f"\"timeout_s\" must be a number of seconds in "
                           f"(0, {MAX_TIMEOUT_S:.0f}], not {timeout!r}")
         timeout = float(timeout)
-    return Submission(pipeline, found, params, summary, timeout)
+    return Submission(pipeline, found, params, summary, owner_uid, timeout)
 
 
 def find_pipeline(config: Config, name: str, in_path: bool = False) -> PipelineConfig:

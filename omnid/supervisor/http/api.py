@@ -41,7 +41,7 @@ from omnid.supervisor.metrics import Metrics
 from omnid.store import JobStore, StoreWriteFailed
 from omnid.supervisor.http import admission
 from omnid.supervisor.workers import stage_logs
-from omnid.supervisor.http.admission import Submission
+from omnid.supervisor.jobs.submission import Submission
 from omnid.supervisor.errors import STORAGE_RETRY_AFTER_S, Refused
 from omnid.supervisor.http.http_common import (MAX_BYTES_KEY, flag, follow_batches, json_body, output_file, send_log,
                                           stream_output)
@@ -206,14 +206,14 @@ class Api:
     # ------------------------------------------------------------------ jobs
 
     async def submit(self, request: web.Request) -> web.Response:
-        sub = admission.job_submission(self.config, await json_body(request))
-        job = self.take(request, sub, "the daemon is stopping: it finishes the jobs it is running and keeps the "
+        sub = admission.job_submission(self.config, await json_body(request), request["uid"])
+        job = self.take(sub, "the daemon is stopping: it finishes the jobs it is running and keeps the "
                         "queued ones for its next start; submit again once it is back")
         log.info("audit", action="submit", uid=request["uid"], job=job.id, pipeline=sub.pipeline.name)
         return web.json_response({**job.to_doc(), "links": job_links(job.id)}, status=201,
                                  headers={"Location": f"/v1/jobs/{job.id}"})
 
-    def take(self, request: web.Request, sub: Submission, draining: str) -> JobRecord:
+    def take(self, sub: Submission, draining: str) -> JobRecord:
         """A submission that passed admission, made a job of the caller's (every submit path's last
         step): 503 while the daemon stops (`draining`: why, as the path says it), 507 while the disk is
         short, the scheduler's own refusals. The job is in the database when this returns."""
@@ -222,8 +222,7 @@ class Api:
         if self.info.draining:
             raise Refused(503, ErrorCode.DRAINING, draining)
         self.check_disk()
-        job = self.scheduler.submit(request["uid"], sub.pipeline.name, sub.inputs, sub.params, sub.timeout_s,
-                                    sub.summary)
+        job = self.scheduler.submit(sub)
         self.store.flush()              # a 201 means the job is in the database
         return job
 

@@ -49,7 +49,7 @@ from omnid.config import Config, PipelineConfig
 from omnid.engines.capabilities import job_param_problem, values_problem
 from omnid.params import merged
 from omnid.supervisor.http import admission
-from omnid.supervisor.http.admission import Submission
+from omnid.supervisor.jobs.submission import Submission
 from omnid.supervisor.http.api import retry_after
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.http.http_common import DISCONNECT_POLL_S as DISCONNECT_POLL_S    # (re-exported)
@@ -580,7 +580,7 @@ class OpenAiApi:
     def _submit(self, request: web.Request, p: PipelineConfig, inputs: dict[str, Any],
                 params: dict[str, dict[str, Any]], summary: dict[str, Any]) -> JobRecord:
         """An ordinary job of the caller's (what `POST /v1/jobs` does after its checks)."""
-        job = self.api.take(request, Submission(p, inputs, params, summary),
+        job = self.api.take(Submission(p, inputs, params, summary, request["uid"]),
                             "the daemon is stopping; try again once it is back")
         request[_JOB_KEY] = job.id
         log.info("audit", action="submit", uid=request["uid"], job=job.id, pipeline=p.name, via=request.path)

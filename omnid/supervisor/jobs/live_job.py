@@ -82,8 +82,8 @@ class LiveJob:
         self.timer: asyncio.TimerHandle | None = None
         self.delivered: set[tuple[str, str]] = set()    # (src, dst) hand-offs the downstream admitted
         self.attempts = 0                       # retries used (pipeline `retries`)
-        self.key = pipeline.name                # the definition's key the workers know it by (`name~N`
-                                                # after a reload changed the pipeline)
+        self.key = pipeline.key or pipeline.name    # the definition's key the workers know it by (`name~N`
+                                                    # after a reload changed the pipeline)
         self.streamed = False                   # a window of it reached a downstream stage
         self.first_output_segment: float | None = None  # when a last stage's first segment came
         # Its audio, as a player would hear it (a last stage's WAV segments): when the first came, how

@@ -43,6 +43,7 @@ from omnid.supervisor.jobs.restore import take_back
 from omnid.supervisor.workers.stage import StageHandle
 from omnid.supervisor.workers.stage_group import StageGroup
 from omnid.supervisor.jobs.stage_sleep import SleepTender
+from omnid.supervisor.jobs.submission import Submission
 from omnid.vocabulary import ErrorCode, EventType, JobRecord, JobState, StageRun, StageRunState, WorkerState
 
 log = structlog.get_logger("omnid.scheduler")
@@ -88,10 +89,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
 
-    def submit(self, owner_uid: int, pipeline_name: str, inputs: dict[str, Any],
-               params: dict[str, dict[str, Any]], timeout_s: float | None,
-               input_summary: dict[str, Any]) -> JobRecord:
-        pipeline = self.config.pipelines[pipeline_name]
+    def submit(self, sub: Submission) -> JobRecord:
+        """Make a job of an admitted request, on the pipeline admission resolved (`Submission`);
+        refused while a stage of it has failed for good, or its pipeline's queue is full."""
+        pipeline, pipeline_name = sub.pipeline, sub.pipeline.name
         for name in pipeline.stages:
             h = self.stages[name]
             if h.state is WorkerState.FAILED:
@@ -104,16 +105,15 @@ class Scheduler:
         if queued >= limit:
             raise Refused(429, ErrorCode.QUEUE_FULL, f"pipeline {pipeline_name!r} already has {queued} queued "
                           f"jobs (max_queued_jobs = {limit}); try again later", queued=queued)
-        timeout = timeout_s or pipeline.timeout_s or self.config.daemon.default_timeout_s
-        record = JobRecord(id=new_job_id(), pipeline=pipeline_name, owner_uid=owner_uid, created_at=time.time(),
-                           timeout_s=timeout, inputs=input_summary, params=params,
+        timeout = sub.timeout_s or pipeline.timeout_s or self.config.daemon.default_timeout_s
+        record = JobRecord(id=new_job_id(), pipeline=pipeline_name, owner_uid=sub.owner_uid, created_at=time.time(),
+                           timeout_s=timeout, inputs=sub.summary, params=sub.params,
                            stages={s: StageRun() for s in pipeline.stages})
-        job = LiveJob(record, pipeline, inputs, self.store)
-        job.key = self.in_force.keys[pipeline_name]
+        job = LiveJob(record, pipeline, sub.inputs, self.store)     # (its key: the pipeline's own)
         self.dispatch.route(job)
         self.live[job.id] = job
         self.store.save(record)
-        self.store.keep_inputs(job.id, inputs)
+        self.store.keep_inputs(job.id, sub.inputs)
         job.events.emit(EventType.STATE, state=str(JobState.QUEUED))
         try:
             self.store.commit()         # accepted once it is on disk: a 201 promises it (a full disk: not)

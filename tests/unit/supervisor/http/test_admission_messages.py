@@ -24,7 +24,7 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> Config:
 
 def refused(config: Config, inputs: object) -> Refused:
     with pytest.raises(Refused) as e:
-        job_submission(config, {"pipeline": "chat", "inputs": inputs})
+        job_submission(config, {"pipeline": "chat", "inputs": inputs}, 1000)
     return e.value
 
 

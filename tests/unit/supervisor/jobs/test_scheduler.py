@@ -10,6 +10,7 @@ data-plane `Listener` that records what it admits.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import queue
 import shutil
@@ -27,6 +28,7 @@ from omnid.store import JobStore
 from omnid.supervisor.jobs import scheduler as scheduler_module
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.jobs.scheduler import Scheduler
+from omnid.supervisor.jobs.submission import Submission
 from omnid.supervisor.workers.stage_group import StageGroup
 from omnid.vocabulary import ErrorCode, EventType, JobState, StageRunState, WorkerState
 
@@ -121,7 +123,8 @@ class Harness:
                uid: int = 1000) -> str:
         inputs = inputs or {"text": "hi"}
         summary = {k: {"size": len(v)} if isinstance(v, bytes) else v for k, v in inputs.items()}
-        return self.sched.submit(uid, pipeline, inputs, {}, timeout_s, summary).id
+        sub = Submission(self.config.pipelines[pipeline], inputs, {}, summary, uid, timeout_s)
+        return self.sched.submit(sub).id
 
     def events(self, job: str) -> list[dict[str, Any]]:
         return self.store.events(job)
@@ -164,6 +167,20 @@ def test_submit_records_the_job_and_feeds_the_first_stage(tmp_path: Path) -> Non
         stored = h.store.get(job)
         assert stored is not None and stored.to_doc() == record.to_doc()
         assert [e["type"] for e in h.events(job)] == ["state"]
+    run(tmp_path, CHAIN, test)
+
+
+def test_the_scheduler_runs_the_pipeline_its_submission_carries(tmp_path: Path) -> None:
+    """Admission resolved the pipeline: the scheduler takes that definition (and the key the workers
+    know it by, which a reload put on it) and does not look the name up again, even when the config
+    in force now names another definition so (a reload's switch between the two)."""
+    async def test(h: Harness) -> None:
+        resolved = dataclasses.replace(h.config.pipelines["p"], stages=("a",), edges=(), key="p~2")
+        job = h.sched.submit(Submission(resolved, {"text": "x"}, {}, {"text": "x"}, owner_uid=7, timeout_s=9.0))
+        assert list(job.stages) == ["a"] and job.owner_uid == 7 and job.timeout_s == 9.0
+        assert h.sched.live[job.id].pipeline is resolved
+        stage, item = await asyncio.to_thread(h.next_fed)
+        assert stage == "a" and item.pipeline == "p~2"
     run(tmp_path, CHAIN, test)
 
 
