@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from omnid.config_types import Config
+from omnid.vocabulary import ErrorCode
 
 # A worker that cannot load its engine exits with this code, so the supervisor
 # knows a restart would fail the same way (gunicorn's WORKER_BOOT_ERROR).
@@ -229,7 +230,7 @@ class Failed:
 
     job: str
     error: str
-    code: str = "stage_failed"
+    code: ErrorCode = ErrorCode.STAGE_FAILED
 
 
 @dataclass(frozen=True)

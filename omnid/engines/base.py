@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Protocol
 from omnid.engines.capabilities import Capabilities
 
 from omnid import protocol as P
+from omnid.vocabulary import ErrorCode
 
 
 class Cancelled(Exception):
@@ -61,7 +62,7 @@ class RequestContext:
     outcome: Outcome | None = None
     outputs: dict[str, Any] | None = None
     error: str | None = None
-    error_code: str | None = None       # the failure's `ErrorCode` when not the stage's (a rejected input)
+    error_code: ErrorCode | None = None     # the failure's code when not the stage's (a rejected input)
     segments: int = 0
     ended: float | None = None          # when the engine completed it (hand-off time not included)
     usage: dict[str, int] | None = None     # what an engine counts: {"prompt_tokens": N, "completion_tokens": M}
@@ -109,7 +110,7 @@ class RequestContext:
             self.outcome, self.outputs = Outcome.FINISHED, outputs
             self.ended = time.monotonic()
 
-    def fail(self, error: str, code: str | None = None) -> None:
+    def fail(self, error: str, code: ErrorCode | None = None) -> None:
         """The request failed: `error` says why; `code` (an `ErrorCode`) when it is not the stage's
         failure, e.g. `input_rejected` for an input the engine refused."""
         if self.outcome is None:

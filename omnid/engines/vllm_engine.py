@@ -112,10 +112,10 @@ def _monitor_engine_liveness(self: Any) -> None:
     self.shutdown()
 
 
-REJECTED = str(ErrorCode.INPUT_REJECTED)
+REJECTED = ErrorCode.INPUT_REJECTED
 
 
-def _rejected(e: BaseException) -> str | None:
+def _rejected(e: BaseException) -> ErrorCode | None:
     """`input_rejected` when vLLM refused the request for what it holds (a ValueError or TypeError,
     or vLLM's own VLLMClientError, which newer vLLMs raise and which is neither: a prompt longer
     than the model, media its processor cannot take, a bad sampling value); None (the stage's

@@ -96,13 +96,13 @@ class Handoff:
                 window = builder.finish(ctx.outputs or {})
                 error = self.queue_window(job, item, edge, *window, last=True) if window is not None else None
                 if error is not None:
-                    self.post(P.Failed(job=ctx.job, error=clip(error), code=str(ErrorCode.EDGE_FAILED)))
+                    self.post(P.Failed(job=ctx.job, error=clip(error), code=ErrorCode.EDGE_FAILED))
                     return None
                 continue
             try:
                 inputs = apply_edge(edge, self.stage, ctx.outputs or {})
             except EdgeError as e:
-                self.post(P.Failed(job=ctx.job, error=clip(str(e)), code=str(ErrorCode.EDGE_FAILED)))
+                self.post(P.Failed(job=ctx.job, error=clip(str(e)), code=ErrorCode.EDGE_FAILED))
                 return None
             handoffs.append((edge.dst, WorkItem(job=ctx.job, pipeline=item.pipeline, src=self.stage,
                                                 inputs=inputs, params=item.params, routes=item.routes)))
@@ -132,7 +132,7 @@ class Handoff:
         except Exception as e:              # an output that cannot be sent (not picklable): this job alone
             self.post(P.Failed(job=item.job, error=clip(f"handing its outputs to stage {dst!r} failed: "
                                                        f"{type(e).__name__}: {e}"),
-                               code=str(ErrorCode.EDGE_FAILED)))
+                               code=ErrorCode.EDGE_FAILED))
             return
         if ok:
             self.triggers += 1
@@ -216,7 +216,7 @@ class Handoff:
                         line.clear()
                         self.post(P.Failed(job=job.id, error=clip(f"streaming to stage {dst!r} failed: "
                                                                   f"{type(e).__name__}: {e}"),
-                                           code=str(ErrorCode.EDGE_FAILED)))
+                                           code=ErrorCode.EDGE_FAILED))
                         break
                     if answer is None:
                         break                   # no room (or restarting): later

@@ -24,7 +24,8 @@ class Intake:
     """The input queue, its counts, and the admission of each item into it.
 
     `send` tells the supervisor at once (`Admitted`); `wakeup` wakes the busy loop; `pipeline` finds
-    a job's pipeline (it may wait for a reload)."""
+    a job's pipeline by its key (it may wait for a reload), for a streamed job's first window, which
+    keeps it on its `WorkerJob`."""
 
     def __init__(self, stage: str, capacity: int, jobs: JobTable, send: Callable[[object], None],
                  wakeup: threading.Event, shutting_down: threading.Event,
@@ -88,7 +89,9 @@ class Intake:
         if self.shutting_down.is_set():
             raise Closing()
         index = item.window or 0
-        keys = self.stream_keys(item) if index == 0 else []     # (may wait for a reload: not under the lock)
+        # The job's pipeline, resolved once, with its first window (may wait for a reload: not under the lock)
+        pipeline = self.pipeline(item.pipeline) if index == 0 else None
+        keys = self.stream_keys(item, pipeline) if pipeline is not None else []
         with self.jobs.lock:
             if self.jobs.is_dead(item.job):
                 self.dropped += 1
@@ -106,6 +109,7 @@ class Intake:
                 except queue.Full:
                     return None
                 job = self.jobs.entry(item.job)
+                job.pipeline = job.pipeline or pipeline
                 job.streams[item.src] = stream
                 job.received.add(item.src)
                 first = True
@@ -121,9 +125,10 @@ class Intake:
         self.wakeup.set()
         return True
 
-    def stream_keys(self, item: WorkItem) -> list[str]:
-        """The inputs a streaming edge feeds: its `map`'s names, else what the first window holds."""
-        for edge in self.pipeline(item.pipeline).incoming(self.stage):
+    def stream_keys(self, item: WorkItem, pipeline: PipelineConfig) -> list[str]:
+        """The inputs a streaming edge of `pipeline` feeds: its `map`'s names, else what the first
+        window (`item`) holds."""
+        for edge in pipeline.incoming(self.stage):
             if edge.src == item.src and edge.map is not None:
                 return list(edge.map)
         return list(item.inputs)

@@ -22,6 +22,7 @@ import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from omnid.config_types import PipelineConfig
 from omnid.dataplane import WorkItem
 from omnid.engines.base import RequestContext
 from omnid.worker.outputs import StreamWriter
@@ -36,6 +37,9 @@ class WorkerJob:
 
     id: str
     # ---- table lock (data-conn threads, control thread, main thread)
+    # Its pipeline, resolved once by the key its items carry, when its first part is admitted (a
+    # streamed window) or assembled; never changed after (a lone read may skip the lock).
+    pipeline: PipelineConfig | None = None
     parts: list[WorkItem] = field(default_factory=list)         # fan-in parts waiting for the rest
     received: set[str | None] = field(default_factory=set)      # the sources whose part was taken
     outbox: dict[str, WorkItem] = field(default_factory=dict)   # dst -> what we handed it (for a Resend)

@@ -297,14 +297,18 @@ class StageWorker:
                         pass
 
     def _assemble(self, item: WorkItem) -> WorkerJob | None:
-        """Gather a job's parts (one per incoming edge); the job, with its request, once all are here."""
-        pipeline = self._pipeline(item.pipeline)
+        """Gather a job's parts (one per incoming edge); the job, with its request, once all are here.
+        The job's pipeline is resolved by its key once, by its first part, and kept on its `WorkerJob`."""
+        known = self.jobs.get(item.job)     # (a lone read: a job's pipeline, once set, never changes)
+        pipeline = known.pipeline if known is not None and known.pipeline is not None \
+            else self._pipeline(item.pipeline)      # (may wait for a reload: not under the lock)
         expected = max(1, len(pipeline.incoming(self.stage.name)))
         with self.jobs.lock:                # checked under the lock: a Forget cannot slip in between
             if self.jobs.is_dead(item.job):
                 self.intake.dropped += 1
                 return None
             entry = self.jobs.entry(item.job)
+            pipeline = entry.pipeline = entry.pipeline or pipeline
             parts = [p for p in entry.parts if p.src != item.src] + [item]
             if len(parts) < expected:
                 entry.parts = parts
@@ -319,7 +323,7 @@ class StageWorker:
                 stream = found.streams.get(item.src) if found is not None else None
             if stream is None:              # forgotten meanwhile
                 return None
-            inputs = {key: InputStream(stream, key) for key in self.intake.stream_keys(item)}
+            inputs = {key: InputStream(stream, key) for key in stream.keys}
         entry.item = item
         job = item.job
         streaming = [e for e in pipeline.outgoing(self.stage.name) if e.window > 0]
@@ -355,7 +359,8 @@ class StageWorker:
                 self.engine.abort(ctx.job)      # a request that failed mid-way leaves the engine too
             except Exception:
                 pass
-        pipeline = self._pipeline(item.pipeline)
+        pipeline = job.pipeline
+        assert pipeline is not None         # (set by `_assemble`)
         try:
             self._report(job, ctx, item, pipeline)
         finally:
@@ -370,7 +375,7 @@ class StageWorker:
             return
         if ctx.outcome is Outcome.FAILED:
             self.post(P.Failed(job=ctx.job, error=clip(ctx.error or "failed"),
-                               code=ctx.error_code or str(ErrorCode.STAGE_FAILED)))
+                               code=ctx.error_code or ErrorCode.STAGE_FAILED))
             return
         elapsed = (ctx.ended or time.monotonic()) - ctx.started
         edges = pipeline.outgoing(self.stage.name)
@@ -379,7 +384,7 @@ class StageWorker:
                 events = self.sink.write(ctx.job, pipeline, ctx.outputs or {})
             except Exception as e:
                 self.post(P.Failed(job=ctx.job, error=clip(f"writing outputs failed: {type(e).__name__}: {e}"),
-                                   code=str(ErrorCode.OUTPUT_FAILED)))
+                                   code=ErrorCode.OUTPUT_FAILED))
                 return
             for ev in events:
                 self.post(ev)

@@ -113,6 +113,7 @@ class EdgeStream:
 
     def __init__(self, keys: list[str], capacity: int, is_cancelled: Callable[[], bool]) -> None:
         self._cv = threading.Condition()
+        self.keys = tuple(keys)     # the inputs it feeds, one `InputStream` each
         self._queues: dict[str, deque[Any]] = {k: deque() for k in keys}
         self._capacity = max(1, capacity)
         self._is_cancelled = is_cancelled

@@ -18,6 +18,7 @@ import pytest
 
 from omnid import protocol as P
 from omnid.config import Config, DaemonConfig, EdgeConfig, PipelineConfig, StageConfig
+from omnid.vocabulary import ErrorCode
 
 PIPE_BUF = 4096
 JOB = "0123456789ab"        # a job id: secrets.token_hex(6)
@@ -59,7 +60,7 @@ def examples() -> dict[type, Any]:
                            size=123456),
         P.Finished: P.Finished(job=JOB, elapsed_s=1.5),
         P.Delivered: P.Delivered(job=JOB, dst="draw"),
-        P.Failed: P.Failed(job=JOB, error="ValueError: no", code="edge_failed"),
+        P.Failed: P.Failed(job=JOB, error="ValueError: no", code=ErrorCode.EDGE_FAILED),
         P.ResendMissing: P.ResendMissing(job=JOB, dst="draw"),
         P.Stopped: P.Stopped(job=JOB),
         P.Batch: P.Batch(messages=(P.Started(job=JOB), P.Segment(job=JOB, index=0, is_last=False, text="a"))),
@@ -148,3 +149,10 @@ def test_protocol_imports_nothing_heavy() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, cwd="/")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_a_failure_carries_its_error_code_not_a_string() -> None:
+    """`Failed.code` is an `ErrorCode` from the worker's `ctx.fail` to the scheduler (the JSON is made there)."""
+    back = pickle.loads(pickle.dumps(P.Failed(job=JOB, error="no")))
+    assert back.code is ErrorCode.STAGE_FAILED
+    assert pickle.loads(pickle.dumps(examples()[P.Failed])).code is ErrorCode.EDGE_FAILED

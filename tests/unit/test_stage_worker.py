@@ -484,6 +484,31 @@ def test_a_streamed_input_is_read_window_by_window(harness: Callable[..., Harnes
     assert (h.jobs_dir / "j1" / output.file).read_text() == "x y z"
 
 
+def test_a_job_s_pipeline_is_resolved_once_in_the_worker(harness: Callable[..., Harness],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """By its first part (a fan-in's other parts, a stream's later windows and the job's end read the
+    one its `WorkerJob` keeps)."""
+    looked_up: list[str] = []
+    resolve = StageWorker._pipeline
+
+    def counting(self: StageWorker, key: str) -> Any:
+        looked_up.append(key)
+        return resolve(self, key)
+    monkeypatch.setattr(StageWorker, "_pipeline", counting)
+    fan_in = {"p": {"stages": ["a", "b", "c"], "edges": [{"from": "a", "to": "c"}, {"from": "b", "to": "c"}]}}
+    h = harness("c", fan_in, stages=("a", "b", "c"))
+    assert h.worker.admit(h.item("j1", src="a", left="l")) and h.worker.admit(h.item("j1", src="b", right="r"))
+    wait_for(lambda: h.control.of(P.Finished, "j1"), "j1 to finish")
+    assert looked_up == ["p"]
+    looked_up.clear()
+    s = harness("b", WINDOWED)
+    for i, text in enumerate("xyz"):
+        assert s.worker.admit(WorkItem(job="j2", pipeline="p", src="a", inputs={"text": text}, window=i,
+                                       last=i == 2)) is True
+    wait_for(lambda: s.control.of(P.Finished, "j2"), "j2 to finish")
+    assert looked_up == ["p"]
+
+
 # ------------------------------------------------------------------------------ the pieces
 
 

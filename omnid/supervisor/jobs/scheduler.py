@@ -288,8 +288,8 @@ class Scheduler:
 
     def on_failed_job(self, job: LiveJob, stage: str, msg: P.Failed) -> None:
         job.stage(stage).set_state(StageRunState.FAILED, time.time())
-        job.events.emit(EventType.ERROR, stage=stage, code=msg.code, message=msg.error)
-        self.finish(job, JobState.FAILED, {"code": msg.code, "message": f"stage {stage!r}: {msg.error}",
+        job.events.emit(EventType.ERROR, stage=stage, code=str(msg.code), message=msg.error)
+        self.finish(job, JobState.FAILED, {"code": str(msg.code), "message": f"stage {stage!r}: {msg.error}",
                                            "stage": stage})
 
     def on_stopped(self, job: LiveJob, stage: str, msg: P.Stopped) -> None:

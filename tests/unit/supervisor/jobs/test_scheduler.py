@@ -222,7 +222,7 @@ def test_a_stage_failure_fails_the_job_and_cancels_the_rest(tmp_path: Path) -> N
     async def test(h: Harness) -> None:
         job = h.submit()
         h.say("a", P.Started(job))
-        h.say("a", P.Failed(job, "boom", code="stage_failed"))
+        h.say("a", P.Failed(job, "boom", code=ErrorCode.STAGE_FAILED))
         record = h.sched.job(job)
         assert record is not None and record.state is JobState.FAILED
         assert record.error == {"code": "stage_failed", "message": "stage 'a': boom", "stage": "a"}
