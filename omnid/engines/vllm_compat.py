@@ -15,12 +15,15 @@ release in between works as the closer one does):
   omnid replaces where it is there (`core_liveness_hook`);
 - where the client keeps its engine core processes (`core_processes`).
 
+The dead engine (`EngineDeadError`, `is_engine_dead`) is one class in every supported release.
+
 `installed()` reads the version from the package's metadata without importing vLLM, so the
 supervisor and `omnid --check` can say it; a stage worker reports `vllm.__version__` in its info.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from importlib import metadata
 from typing import Any
@@ -101,6 +104,15 @@ def renderer(engine: Any, chat: bool = False) -> Callable[[Any], Any]:
         return rendered
     render("warm-up")
     return render
+
+
+def is_engine_dead(e: BaseException) -> bool:
+    """vLLM's dead engine (`vllm.v1.engine.exceptions.EngineDeadError`, in every supported release),
+    matched by its class. Only a stage whose engine imported vLLM can raise it: elsewhere vLLM is not
+    loaded, and this imports nothing."""
+    module = sys.modules.get("vllm.v1.engine.exceptions")
+    dead = getattr(module, "EngineDeadError", None)
+    return isinstance(dead, type) and isinstance(e, dead)
 
 
 def is_client_error(e: BaseException) -> bool:

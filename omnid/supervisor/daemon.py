@@ -108,7 +108,9 @@ def open_listening_socket(path: Path, mode: int, group: str | None,
 
 
 class Daemon:
-    """The supervisor. `run()` is its five steps (see the module docstring), each one method."""
+    """The supervisor. `run()` is its five steps (see the module docstring), numbered there: 1 is
+    `_take_locks` and `_build`, 2 `_serve`, 3 `_start_stages` (then `READY=1`), 4 `_main_loop` and
+    `_drain` (SIGTERM drains), 5 `_shutdown`."""
 
     def __init__(self, config: Config) -> None:
         self.live = Live(config)        # the config in force, which every part reads (a reload changes it)

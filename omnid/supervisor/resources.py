@@ -183,14 +183,6 @@ class DiskWatch:
         return state
 
 
-def disk_errno(e: BaseException) -> bool:
-    """Is this error the disk being full (ENOSPC, EDQUOT, or sqlite's SQLITE_FULL)?"""
-    if isinstance(e, OSError):
-        return e.errno in (errno.ENOSPC, errno.EDQUOT)
-    code = getattr(e, "sqlite_errorcode", None)
-    return code is not None and (code & 0xFF) == 13 or "disk is full" in str(e)
-
-
 # ------------------------------------------------------------------ file descriptors
 
 

@@ -5,10 +5,11 @@ spawn method (non-daemonic: engines may start children of their own).
 
 Threads in this process:
 - main: loads the engine, then runs `StageWorker.run`, the busy loop
-  (1. take input, 2. step the engine, 3. emit outputs). It blocks in the
-  engine, on the input queue (briefly) and on a downstream stage's watermark.
-- control: reads the supervisor's control pipe (cancel, forget, resend,
-  shutdown); exits the process when the supervisor is gone.
+  (1. take input, 2. step the engine, 3. emit outputs, 4. sleep while every request waits for its
+  next window). It blocks in the engine, on the input queue (briefly) and on a downstream stage's
+  watermark.
+- control: reads the supervisor's control pipe (cancel, forget, resend, reroute, shutdown,
+  reconfigure: one handler each); exits the process when the supervisor is gone.
 - heartbeat: sends a heartbeat every interval, whatever the engine does, so
   the supervisor can tell a hung worker from a busy one.
 - data-accept / data-conn: the stage's data-plane listener (`dataplane.Listener`).
@@ -42,6 +43,7 @@ from omnid import cuda_ipc
 from omnid import protocol as P
 from omnid.config import PipelineConfig
 from omnid.dataplane import Listener, Sender, WorkItem
+from omnid.engines import vllm_compat
 from omnid.engines.base import Engine, InputStream, Outcome, RequestContext
 from omnid.process_stats import rss_bytes
 from omnid.shm import ShmPool
@@ -86,7 +88,7 @@ class ControlChannel(Protocol):
 class StageWorker:
     """The busy loop of one stage, and the control handlers that change what it knows of its jobs.
 
-    Its two channels are pluggable (a Ray-placed worker runs this same class inside an actor):
+    Its three channels are pluggable (a Ray-placed worker runs this same class inside an actor):
     `conn` (control), `transport` (a factory of data senders) and `write_sink` (a last stage's
     outputs into the job's folder); `live_sink` says whether a last stage streams its segments to
     files as it runs (only where the job's folder is on this machine)."""
@@ -282,7 +284,7 @@ class StageWorker:
             self.flush()
         except Exception as e:
             self.flush()
-            if type(e).__name__ == "EngineDeadError":
+            if vllm_compat.is_engine_dead(e):
                 raise                           # sticky: this worker exits and is restarted
             # A request the engine could not serve (a bad parameter value, say): fail what was
             # in flight, and keep the engine for the next jobs.

@@ -51,3 +51,25 @@ def test_nothing_else_asks_which_vllm_it_runs() -> None:
     found = [str(p.relative_to(ROOT)) for p in (ROOT / "omnid").rglob("*.py")
              if p.name != "vllm_compat.py" and asks.search(p.read_text())]
     assert found == []
+
+
+def test_a_dead_engine_is_known_by_its_class_and_only_where_vllm_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    class EngineDeadError(Exception):
+        pass
+
+    class Sticky(EngineDeadError):
+        pass
+
+    class Lookalike(Exception):
+        pass
+    Lookalike.__name__ = "EngineDeadError"
+    monkeypatch.delitem(sys.modules, "vllm.v1.engine.exceptions", raising=False)
+    assert not vllm_compat.is_engine_dead(EngineDeadError("x"))      # vLLM not loaded: nothing is
+    fake = types.ModuleType("vllm.v1.engine.exceptions")
+    fake.EngineDeadError = EngineDeadError      # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm.v1.engine.exceptions", fake)
+    assert vllm_compat.is_engine_dead(EngineDeadError("x")) and vllm_compat.is_engine_dead(Sticky("y"))
+    assert not vllm_compat.is_engine_dead(Lookalike("z")) and not vllm_compat.is_engine_dead(ValueError())
