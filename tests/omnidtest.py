@@ -136,13 +136,18 @@ TINY_LLM_ARGS: dict[str, Any] = {"dtype": "bfloat16", "seed": 0, "enforce_eager"
 
 
 def tiny_llm(defaults: dict[str, Any] | None = None, *, max_model_len: int = 512, args: dict[str, Any] | None = None,
-             model: Path | str | None = None, **extra: Any) -> dict[str, Any]:
+             model: Path | str | None = None, engine_core: str = "inline", **extra: Any) -> dict[str, Any]:
     """A vLLM stage on the tiny Llama (MODELS/llm, or `model`: the tiny VLM, ALM, ...) on the CPU.
 
     `defaults`: the stage's per-job defaults (max_tokens, temperature, ...); `args`: vLLM engine
     arguments beside max_model_len, dtype and seed; `extra`: the stage's other keys (max_inflight, ...).
+    `engine_core`: "inline" unless the test is about the engine core's own process (omnid's default,
+    "process", which test_engine_core, test_engines, test_vllm_tensors, test_vllm_compile and the omni
+    tests run): a core in a process of its own imports torch and vLLM a second time, about 10 CPU
+    seconds of each stage's start, a third of it.
     """
     stage: dict[str, Any] = {"engine": "vllm", "model": str(model or MODELS / "llm"), "devices": [],
+                             "engine_core": engine_core,
                              "args": {"max_model_len": max_model_len, **TINY_LLM_ARGS, **(args or {})}}
     if defaults is not None:
         stage["defaults"] = dict(defaults)

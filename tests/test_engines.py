@@ -30,7 +30,8 @@ def engines() -> Iterator[RunningDaemon]:
     build_tiny_models("llm", "sd")
     d = short_tmpdir()
     stages = {
-        "expand": tiny_llm({"max_tokens": 16, "temperature": 0.9, "seed": 7, "include_prompt": True}),
+        "expand": tiny_llm({"max_tokens": 16, "temperature": 0.9, "seed": 7, "include_prompt": True},
+                           engine_core="process"),
         "draw": tiny_sd({"num_inference_steps": 4, "guidance_scale": 5.0, "seed": 0}, queue_capacity=2),
         "batch": tiny_llm({"max_tokens": 48, "ignore_eos": True}, max_inflight=3),
         "slowsink": sleeper(1.5, queue_capacity=1),

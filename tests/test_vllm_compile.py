@@ -99,7 +99,7 @@ def test_every_tiny_model_loads_compiled_on_vllms_defaults(d: RunningDaemon) -> 
         assert info["compiled"] is True, (name, info)
         assert info["vllm"].split("+")[0] == installed[1].split("+")[0], (name, info, installed)
         assert info["max_model_len"] >= 512, (name, info)        # the model's own length
-        doc = d.wait(d.submit(name, {"prompt": "hello there"}, params={f"{name}.max_tokens": 4}))
+        doc = d.wait(d.submit(name, {"prompt": "hello there"}, params={name: {"max_tokens": 4}}))
         assert doc["state"] == "succeeded", (name, doc)
         assert d.client.output(doc["id"], "text")[0], name
 

@@ -39,7 +39,7 @@ def tensor_stage(function: str, **extra: Any) -> dict[str, Any]:
     return python_stage("tensorstages", function, **extra)
 
 
-GEN = tiny_llm({"max_tokens": 12, "ignore_eos": True, "temperature": 0.0}, max_inflight=8,
+GEN = tiny_llm({"max_tokens": 12, "ignore_eos": True, "temperature": 0.0}, max_inflight=8, engine_core="process",
                # at most 64 tokens a step: a longer prompt is prefilled in chunks, over several steps
                args={"enable_chunked_prefill": True, "max_num_batched_tokens": 64},
                outputs=["token_ids", "hidden_states"], hidden_layers=[-1, 1], hidden_prompt=True, prompt_embeds=True)

@@ -67,6 +67,7 @@ class LoadContext:
     stage: str
     model: str | None
     devices: tuple[int, ...]
+    max_inflight: int = 1           # the jobs the stage runs at once (a sessions class: its live sessions)
 
 
 def import_ref(ref: str, python_path: tuple[str, ...] = ()) -> Callable[..., Any]:
@@ -143,7 +144,7 @@ class PythonEngine(Engine):
 
     def _load_context(self) -> LoadContext:
         return LoadContext(stage=self.stage.name, model=str(self.stage.model) if self.stage.model else None,
-                           devices=self.stage.devices)
+                           devices=self.stage.devices, max_inflight=self.stage.max_inflight)
 
     def _load_hooks(self) -> list[str]:
         """Call each function's `load` hook (once per hook); the names of those called."""

@@ -238,7 +238,8 @@ class Talker:
         self.stage = load.stage
         _loader("talker")(load)                 # (logs "omni part loaded", as the load hooks do)
         (self.model, self.embedding), self.speakers = _cached("talker", _model_dir(load))
-        self.batch = TalkerBatch(self.model, slots=8)
+        # a slot (KV cache rows) for each job the stage runs at once
+        self.batch = TalkerBatch(self.model, slots=max(1, int(load.max_inflight)))
 
     def open(self, inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> _TalkerJob:
         _check_talker_inputs(inputs)
@@ -291,7 +292,7 @@ class Talker:
         if job.rows.shape[0] < n + 1:
             return
         if self.batch.free == 0:
-            raise RuntimeError("the talker has no free slot (max_inflight is over 8?)")
+            raise RuntimeError(f"the talker has no free slot: all {len(self.batch.lengths)} (max_inflight) hold a session")
         job.session = TalkerSession(self.model, self.embedding, job.speaker, job.prompt, job.rows[:n], job.ids[0],
                                     job.rows[n], max_codes=job.max_codes, repetition_penalty=job.penalty)
         job.slot = self.batch.admit(job.session.cache)
