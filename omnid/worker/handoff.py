@@ -27,7 +27,7 @@ from omnid.config import EdgeConfig
 from omnid.dataplane import WorkItem
 from omnid.engines.base import RequestContext
 from omnid.vocabulary import ErrorCode
-from omnid.worker.bootstrap import clip
+from omnid.worker.reporter import clip
 from omnid.worker.jobs import JobTable, WorkerJob
 from omnid.worker.windows import WindowBuilder
 
