@@ -25,12 +25,12 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any, NoReturn
 
-from omnid import cuda_ipc
 from omnid import protocol as P
-from omnid.dataplane import Listener
+from omnid.dataplane import cuda_ipc
+from omnid.dataplane.listener import Listener
+from omnid.dataplane.shm import ShmPool
 from omnid.engines.capabilities import capabilities
 from omnid.prctl import die_with_parent, set_process_name
-from omnid.shm import ShmPool
 from omnid.worker.main import StageWorker
 from omnid.worker.reporter import ControlChannel, clip
 
@@ -137,7 +137,7 @@ class LocalStart(Start):
         if stage.shm_pool_mb:
             worker.pool = ShmPool(stage.name, stage.shm_pool_mb << 20)
         # A stage on GPUs tells its senders which (by UUID): a CUDA tensor on one of them comes by
-        # CUDA IPC, one copy on that GPU (omnid.cuda_ipc); any other is staged through the pool.
+        # CUDA IPC, one copy on that GPU (omnid.dataplane.cuda_ipc); any other is staged through the pool.
         self.listener = worker.listener = Listener(spec.socket_for(P.address(spec.stage, spec.replica)), worker.admit,
                                                    worker.pool, device="cuda" if stage.devices else None,
                                                    gpus=cuda_ipc.visible_gpus if stage.devices else None)

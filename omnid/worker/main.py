@@ -12,7 +12,7 @@ and then runs its threads:
   shutdown, reconfigure: one handler each); exits the process when the supervisor is gone.
 - heartbeat: `heartbeat_loop` sends a heartbeat every interval, whatever the engine does, so
   the supervisor can tell a hung worker from a busy one.
-- data-accept / data-conn: a local stage's data-plane listener (`dataplane.Listener`).
+- data-accept / data-conn: a local stage's data-plane listener (`dataplane.listener.Listener`).
 
 What the worker knows of each job is one `WorkerJob` in its `JobTable` (`omnid.worker.jobs`, which
 says which thread touches what, under which lock); what it sends downstream goes through its
@@ -31,11 +31,13 @@ from typing import Any
 
 from omnid import protocol as P
 from omnid.config import PipelineConfig
-from omnid.dataplane import Listener, Sender, WorkItem
+from omnid.dataplane.listener import Listener
+from omnid.dataplane.sender import Sender
+from omnid.dataplane.shm import ShmPool
+from omnid.dataplane.wire import WorkItem
 from omnid.engines import vllm_compat
 from omnid.engines.base import Engine, InputStream, Outcome, RequestContext
 from omnid.process_stats import rss_bytes
-from omnid.shm import ShmPool
 from omnid.vocabulary import ErrorCode
 from omnid.worker.handoff import DataTransport, Handoff
 from omnid.worker.intake import Intake

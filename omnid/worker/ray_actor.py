@@ -20,7 +20,7 @@ local worker's, and only here:
   and a hand-off waits for the downstream's room exactly as a local one does.
 
 Tensors travel as arrays: each large value is its raw bytes in the one uint8 array, with dtype and
-shape in the pickle (`omnid.shm`'s codec; bfloat16 too). Arrays arrive zero-copy and read-only
+shape in the pickle (`omnid.dataplane.shm`'s codec; bfloat16 too). Arrays arrive zero-copy and read-only
 where Ray gives it (same node); a tensor is copied once into memory of its own (torch cannot mark a
 tensor read-only, and the received buffer must never be shared-writable).
 
@@ -52,8 +52,8 @@ from typing import Any
 import ray
 
 from omnid import protocol as P
-from omnid import shm
-from omnid.dataplane import OFFER_TIMEOUT_S, POLL_S, BUSY_POLL_S, Closing, RawItem, WorkItem
+from omnid.dataplane import shm
+from omnid.dataplane.wire import BUSY_POLL_S, OFFER_TIMEOUT_S, POLL_S, Closing, RawItem, WorkItem
 from omnid.worker.bootstrap import Start
 from omnid.worker.main import StageWorker
 
