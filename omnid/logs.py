@@ -177,6 +177,12 @@ def foreign_lines(whole: bytes, stage: str) -> bytes:
     return b"\n".join(out) + b"\n"
 
 
+def formatter() -> logging.Formatter | None:
+    """The formatter of the stderr handler `configure` installed (None before it ran): another
+    handler of this process's records (the daemon's log file) formats them alike."""
+    return _handler.formatter if _handler is not None else None
+
+
 def configure(level: str = "info", fmt: str = "auto", process: str = "supervisor",
               stage: str | None = None, stream: TextIO | None = None) -> str:
     """Set up this process's logging (see the module docstring); returns the format chosen.

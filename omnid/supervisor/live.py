@@ -30,6 +30,11 @@ class Live:
         """`config` itself, or a holder of it (a part built alone, as in-process tests do)."""
         return config if isinstance(config, Live) else Live(config)
 
+    def put_to_workers(self, config: Config) -> None:
+        """A reload's first step: the workers' config in force (`worker`), before the stages whose
+        definition changed get new workers; the public one stays until the `switch`."""
+        self.worker = config
+
     def switch(self, config: Config, keys: dict[str, str]) -> None:
         """A reload's switch: new jobs use `config`'s pipelines, under the workers' `keys`."""
         self.config = config

@@ -152,7 +152,7 @@ class Reloader:
         for name in new.stages:
             if name not in added:
                 self.stages[name].keep(first=new.stages[name].replicas)
-        self.live.worker = worker_config
+        self.live.put_to_workers(worker_config)
         for name in new.stages:
             if name in added:
                 self.stages[name].follow()

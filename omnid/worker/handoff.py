@@ -24,16 +24,16 @@ from typing import Any, Protocol
 
 from omnid import protocol as P
 from omnid.config import EdgeConfig
-from omnid.dataplane import WorkItem
+from omnid.dataplane.wire import WorkItem
 from omnid.engines.base import RequestContext
 from omnid.vocabulary import ErrorCode
-from omnid.worker.bootstrap import clip
+from omnid.worker.reporter import clip
 from omnid.worker.jobs import JobTable, WorkerJob
 from omnid.worker.windows import WindowBuilder
 
 
 class DataTransport(Protocol):
-    """How a worker hands items to other stages (`dataplane.Sender`: Unix sockets and shared
+    """How a worker hands items to other stages (`dataplane.sender.Sender`: Unix sockets and shared
     memory on this machine; `ray_actor.RaySender`: through the supervisor's Ray bridge)."""
 
     blocked_s: float

@@ -1,6 +1,6 @@
 """A stage worker's input side: the items the data plane brings, admitted into its input queue.
 
-`admit` runs in the data plane's connection threads (`dataplane.Listener`, or a Ray actor's `admit`
+`admit` runs in the data plane's connection threads (`dataplane.listener.Listener`, or a Ray actor's `admit`
 calls); `take` in the worker's main thread. A plain item blocks its sender at the queue's
 watermark (`queue_capacity`); a streamed job's windows never block: the first takes a place in the
 queue like any input, the later ones go straight to the job's `EdgeStream`, which has its own bound.
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from omnid import protocol as P
 from omnid.config import PipelineConfig
-from omnid.dataplane import Closing, WorkItem
+from omnid.dataplane.wire import Closing, WorkItem
 from omnid.worker.jobs import JobTable
 from omnid.worker.windows import EdgeStream
 

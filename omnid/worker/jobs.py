@@ -23,7 +23,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from omnid.config_types import PipelineConfig
-from omnid.dataplane import WorkItem
+from omnid.dataplane.wire import WorkItem
 from omnid.engines.base import RequestContext
 from omnid.worker.outputs import StreamWriter
 from omnid.worker.windows import EdgeStream, WindowBuilder

@@ -1,59 +1,49 @@
-"""A stage worker: the process that owns one stage's engine.
+"""A stage worker's busy loop: `StageWorker`, the loop of the process that owns one stage's engine,
+and the control handlers that change what it knows of its jobs.
 
-Entry point `worker_main(spec, conn)`, started by the supervisor with the
-spawn method (non-daemonic: engines may start children of their own).
-
-Threads in this process:
-- main: loads the engine, then runs `StageWorker.run`, the busy loop
+The process is started by `omnid.worker.bootstrap` (`worker_main`, spawned by the supervisor, or
+`RayStart` inside a Ray actor: one start-up for both), which loads the engine into a `StageWorker`
+and then runs its threads:
+- main: `StageWorker.run`, the busy loop
   (1. take input, 2. step the engine, 3. emit outputs, 4. sleep while every request waits for its
   next window). It blocks in the engine, on the input queue (briefly) and on a downstream stage's
   watermark.
-- control: reads the supervisor's control pipe (cancel, forget, resend, reroute, shutdown,
-  reconfigure: one handler each); exits the process when the supervisor is gone.
-- heartbeat: sends a heartbeat every interval, whatever the engine does, so
+- control: `control_loop` reads the supervisor's control channel (cancel, forget, resend, reroute,
+  shutdown, reconfigure: one handler each); exits the process when the supervisor is gone.
+- heartbeat: `heartbeat_loop` sends a heartbeat every interval, whatever the engine does, so
   the supervisor can tell a hung worker from a busy one.
-- data-accept / data-conn: the stage's data-plane listener (`dataplane.Listener`).
+- data-accept / data-conn: a local stage's data-plane listener (`dataplane.listener.Listener`).
 
 What the worker knows of each job is one `WorkerJob` in its `JobTable` (`omnid.worker.jobs`, which
 says which thread touches what, under which lock); what it sends downstream goes through its
-`Handoff` (`omnid.worker.handoff`); the process's first moments are `omnid.worker.bootstrap`'s.
-
-The worker dies with its parent: PR_SET_PDEATHSIG, plus EOF on the control pipe.
-
-Its fds 1 and 2 (and so its engine's and its children's output) are the write end of a pipe the
-supervisor made for it (`bootstrap.capture_output`, first thing in `worker_main`): the supervisor stores
-each line in the stage's log file and forwards it to the daemon's stderr; a write blocks only
-when the supervisor falls a pipe's buffer (1 MiB) behind.
+`Handoff` (`omnid.worker.handoff`); what it tells the supervisor, through its `Reporter`
+(`omnid.worker.reporter`).
 """
 
 from __future__ import annotations
 
 import os
-import pickle
-import signal
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
-from multiprocessing.connection import Connection
-from typing import Any, Protocol
+from typing import Any
 
-from omnid import cuda_ipc
 from omnid import protocol as P
 from omnid.config import PipelineConfig
-from omnid.dataplane import Listener, Sender, WorkItem
+from omnid.dataplane.listener import Listener
+from omnid.dataplane.sender import Sender
+from omnid.dataplane.shm import ShmPool
+from omnid.dataplane.wire import WorkItem
 from omnid.engines import vllm_compat
 from omnid.engines.base import Engine, InputStream, Outcome, RequestContext
 from omnid.process_stats import rss_bytes
-from omnid.shm import ShmPool
 from omnid.vocabulary import ErrorCode
-from omnid.prctl import die_with_parent, set_process_name
-from omnid.worker.bootstrap import capture_output, clip, setup_environment
 from omnid.worker.handoff import DataTransport, Handoff
 from omnid.worker.intake import Intake
 from omnid.worker.jobs import JobTable, WorkerJob
 from omnid.worker.outputs import Sink, WriteOutputs
+from omnid.worker.reporter import ControlChannel, Reporter, clip
 
 
 class Wakeup(threading.Event):
@@ -68,21 +58,6 @@ class Wakeup(threading.Event):
     def set(self) -> None:
         super().set()
         self._also()
-
-
-class ControlChannel(Protocol):
-    """The worker's end of its control channel: the supervisor's messages in, its events out.
-
-    A local worker's is its multiprocessing pipe (`Connection`); a Ray-placed one's is a pair of
-    queues inside its actor (`omnid.worker.ray_actor`). `send_bytes` takes a pickled message."""
-
-    def send(self, obj: Any) -> None: ...
-
-    def send_bytes(self, buf: bytes) -> None: ...
-
-    def recv(self) -> Any: ...
-
-    def close(self) -> None: ...
 
 
 class StageWorker:
@@ -400,91 +375,6 @@ class StageWorker:
         self.handoff.hand_off(job, handoffs, on_wait=self._step, busy=self.engine.has_work)
 
 
-class Reporter:
-    """What a worker tells the supervisor, over its control channel: at once (`send`, any thread),
-    or queued by the main thread and sent together (`post`, `flush`). `before_flush` runs before
-    each flush that sends something (the main thread's)."""
-
-    def __init__(self, conn: ControlChannel, before_flush: Callable[[], None]) -> None:
-        self.conn = conn
-        self._before_flush = before_flush
-        self._send_lock = threading.Lock()
-        self._posted: list[object] = []      # main-thread messages not sent yet (`post`, `flush`)
-        self._flushed_at = 0.0
-
-    def send(self, msg: object) -> None:
-        """Send one message to the supervisor now (any thread)."""
-        with self._send_lock:
-            try:
-                self.conn.send(msg)
-            except (OSError, EOFError, BrokenPipeError):
-                os._exit(P.EXIT_ORPHANED)
-
-    def post(self, msg: object) -> None:
-        """Queue a message of the main thread: what one engine step says goes in one `Batch`.
-
-        Messages that come rarely go at once (no latency is added to a slow stream); when they
-        come fast (a batch of token streams) they wait for the end of the step, or BATCH_DELAY_S.
-        """
-        self._posted.append(msg)
-        if time.monotonic() - self._flushed_at >= BATCH_DELAY_S:
-            self.flush()
-
-    def flush(self) -> None:
-        """Send the queued messages of the main thread, coalesced: a job's consecutive progress
-        reports become the last one, its consecutive text segments one segment."""
-        self._flushed_at = time.monotonic()
-        if not self._posted:
-            return
-        self._before_flush()                # a step's live output segments, for ?stream=1 readers
-        messages = _coalesce(self._posted)
-        self._posted = []
-        for data in _packs(messages):
-            with self._send_lock:
-                try:
-                    self.conn.send_bytes(data)   # pickled once (`_packs` measured it), as send() would
-                except (OSError, EOFError, BrokenPipeError):
-                    os._exit(P.EXIT_ORPHANED)
-
-
-BATCH_DELAY_S = 0.01
-# A pipe write of up to PIPE_BUF (4096) bytes is atomic: the supervisor never finds half of one,
-# even when this worker freezes mid-send. Batches stay under it.
-_MAX_PACK = 4000
-
-
-def _packs(messages: list[object]) -> list[bytes]:
-    """The messages, pickled as few Batches (or single messages) as keep each pipe write atomic."""
-    data = pickle.dumps(messages[0] if len(messages) == 1 else P.Batch(tuple(messages)),
-                        protocol=pickle.HIGHEST_PROTOCOL)
-    if len(messages) == 1 or len(data) <= _MAX_PACK:
-        return [data]
-    half = len(messages) // 2
-    return _packs(messages[:half]) + _packs(messages[half:])
-
-
-def _coalesce(messages: list[object]) -> list[object]:
-    """Merge each job's consecutive Progress (keep the last) and consecutive Segments (join texts)."""
-    out: list[object] = []
-    last: dict[str, int] = {}           # job -> index in `out` of its latest message
-    for msg in messages:
-        job = getattr(msg, "job", None)
-        at = last.get(job) if isinstance(job, str) else None
-        prev = out[at] if at is not None else None
-        if isinstance(msg, P.Progress) and isinstance(prev, P.Progress) and at is not None:
-            out[at] = msg
-            continue
-        if isinstance(msg, P.Segment) and isinstance(prev, P.Segment) and at is not None:
-            text = None if prev.text is None and msg.text is None else (prev.text or "") + (msg.text or "")
-            out[at] = P.Segment(job=msg.job, index=prev.index, is_last=msg.is_last, text=text,
-                                count=prev.count + msg.count, audio_s=prev.audio_s + msg.audio_s)
-            continue
-        if isinstance(job, str):
-            last[job] = len(out)
-        out.append(msg)
-    return out
-
-
 class _NoEngine(Engine):
     """Stands in for the engine while it loads: has no work, takes none."""
 
@@ -545,50 +435,3 @@ def _nvml_memory() -> int | None:
         if not _nvml_state:
             _nvml_state.append(False)    # no pynvml, or no NVML: torch's figure from now on
         return None
-
-
-def worker_main(spec: P.WorkerSpec, conn: Connection, log_pipe: Connection | None = None) -> None:
-    """Process entry point (spawned). `log_pipe`: the write end of this stage's stdout/stderr pipe."""
-    die_with_parent(spec.parent_pid)
-    label = P.replica_label(spec.stage, spec.replica)
-    set_process_name(f"omnid:{label}")
-    log_format = capture_output(log_pipe, spec.config.daemon.log_format)   # before anything is printed
-    os.setpgrp()                                   # our own group: the supervisor signals the whole tree
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the supervisor's to handle
-    setup_environment(spec)
-    from omnid import logs
-    logs.configure(spec.config.daemon.log_level, log_format, process=f"stage:{label}",
-                   stage=spec.stage)             # every record, the engine's too: structlog, `stage=NAME`
-    if spec.replica:
-        import structlog
-        structlog.contextvars.bind_contextvars(replica=spec.replica)
-    worker = StageWorker(spec, conn)
-    threading.Thread(target=worker.control_loop, name="control", daemon=True).start()
-    t0 = time.monotonic()
-    try:
-        from omnid.engines import load_engine
-        worker.engine = load_engine(worker.stage)
-        logs.adopt_library_loggers()               # the loggers the engine's libraries set up on import
-        stage = worker.stage
-        if stage.shm_pool_mb:
-            worker.pool = ShmPool(stage.name, stage.shm_pool_mb << 20)
-        # A stage on GPUs tells its senders which (by UUID): a CUDA tensor on one of them comes by
-        # CUDA IPC, one copy on that GPU (omnid.cuda_ipc); any other is staged through the pool.
-        listener = worker.listener = Listener(spec.socket_for(P.address(spec.stage, spec.replica)), worker.admit,
-                                              worker.pool, device="cuda" if stage.devices else None,
-                                              gpus=cuda_ipc.visible_gpus if stage.devices else None)
-    except BaseException as e:
-        tb = traceback.format_exc(limit=-3)
-        worker.send(P.LoadFailed(error=clip(f"{type(e).__name__}: {e}\n{tb}")))
-        conn.close()
-        os._exit(P.EXIT_LOAD_FAILED)
-    info = dict(worker.engine.info())
-    listener.start()
-    worker.send(P.Ready(pid=os.getpid(), load_s=time.monotonic() - t0, info=info))
-    threading.Thread(target=worker.heartbeat_loop, name="heartbeat", daemon=True).start()
-    try:
-        worker.run()
-    except BaseException:
-        traceback.print_exc()
-        os._exit(1)
-    os._exit(0)

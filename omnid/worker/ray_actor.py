@@ -20,9 +20,13 @@ local worker's, and only here:
   and a hand-off waits for the downstream's room exactly as a local one does.
 
 Tensors travel as arrays: each large value is its raw bytes in the one uint8 array, with dtype and
-shape in the pickle (`omnid.shm`'s codec; bfloat16 too). Arrays arrive zero-copy and read-only
+shape in the pickle (`omnid.dataplane.shm`'s codec; bfloat16 too). Arrays arrive zero-copy and read-only
 where Ray gives it (same node); a tensor is copied once into memory of its own (torch cannot mark a
 tensor read-only, and the received buffer must never be shared-writable).
+
+Its start-up is a local worker's (`omnid.worker.bootstrap.Start`), with this actor's hooks
+(`RayStart`): output over the channel, Ray's GPUs, `Ready` once `admit` is served, an `EXITING`
+after a planned stop.
 
 Threads in the actor: Ray's (calls, up to `MAX_CONCURRENCY` at once, and `admit` calls up to
 `DATA_CONCURRENCY` in a group of their own), the worker's main thread
@@ -40,7 +44,6 @@ import queue
 import socket
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,8 +52,10 @@ from typing import Any
 import ray
 
 from omnid import protocol as P
-from omnid import shm
-from omnid.dataplane import OFFER_TIMEOUT_S, POLL_S, BUSY_POLL_S, Closing, RawItem, WorkItem
+from omnid.dataplane import shm
+from omnid.dataplane.wire import BUSY_POLL_S, OFFER_TIMEOUT_S, POLL_S, Closing, RawItem, WorkItem
+from omnid.worker.bootstrap import Start
+from omnid.worker.main import StageWorker
 
 MAX_CONCURRENCY = 16     # calls at once in the default group: control, the long polls, answers
 DATA_CONCURRENCY = 64    # `admit` calls at once (each may wait at the watermark): their own group, so
@@ -316,7 +321,7 @@ class StageActor:
         self.spec = spec
         self.channel = QueueChannel()
         self.outbox = Outbox()
-        self.worker: Any = None             # the StageWorker, once built
+        self.worker: StageWorker | None = None      # once its engine is loaded
         self.ready = threading.Event()
         threading.Thread(target=self._main, name="stage-main", daemon=True).start()
 
@@ -332,55 +337,7 @@ class StageActor:
                 "actor_id": ctx.get_actor_id(), "gpus": [str(g) for g in _gpu_ids()]}
 
     def _main(self) -> None:
-        from omnid.prctl import set_process_name
-        from omnid.worker.bootstrap import clip, setup_environment
-        from omnid.worker.main import StageWorker
-        spec = self.spec
-        label = P.replica_label(spec.stage, spec.replica)
-        _capture_output(self.channel)           # before anything is printed
-        set_process_name(f"omnid:{label}")
-        gpus = os.environ.get("CUDA_VISIBLE_DEVICES")     # Ray's choice (ray.num_gpus), not `devices`
-        setup_environment(spec)
-        if gpus is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = gpus
-        spec = self.spec = with_gpus(spec, len(_gpu_ids()))
-        from omnid import logs
-        logs.configure(spec.config.daemon.log_level, "json", process=f"stage:{label}", stage=spec.stage)
-        min_bytes = spec.config.daemon.shm_min_bytes
-        worker = StageWorker(spec, self.channel, transport=lambda: RaySender(self.outbox, min_bytes),
-                             write_sink=self._write_sink, live_sink=False)
-        threading.Thread(target=worker.control_loop, name="control", daemon=True).start()
-        t0 = time.monotonic()
-        try:
-            from omnid.engines import load_engine
-            worker.engine = load_engine(worker.stage)
-            logs.adopt_library_loggers()
-        except BaseException as e:
-            tb = traceback.format_exc(limit=-3)
-            worker.send(P.LoadFailed(error=clip(f"{type(e).__name__}: {e}\n{tb}")))
-            self.channel.taken.wait(5.0)        # the supervisor reads why before it sees the death
-            os._exit(P.EXIT_LOAD_FAILED)
-        self.worker = worker
-        info = dict(worker.engine.info())
-        info["ray"] = self.location()
-        self.ready.set()
-        worker.send(P.Ready(pid=os.getpid(), load_s=time.monotonic() - t0, info=info))
-        threading.Thread(target=worker.heartbeat_loop, name="heartbeat", daemon=True).start()
-        threading.Thread(target=_report_usage, args=(self.channel, spec.config.daemon.heartbeat_interval_s),
-                         name="usage", daemon=True).start()
-        try:
-            worker.run()
-        except BaseException:
-            traceback.print_exc()
-            os._exit(1)
-        # A planned stop: the supervisor ends the actor (`ray.kill`: a death Ray knows was meant);
-        # if it does not within moments, the process exits by itself.
-        worker.flush()
-        worker.send(EXITING)
-        time.sleep(5.0)
-        os._exit(0)
+        RayStart(self).run()
 
     def _write_sink(self, job: str, outputs: dict[str, Any], prefix: str) -> list[P.Output]:
         """A last stage's outputs: encoded into files here, written by the supervisor into the job's
@@ -426,6 +383,53 @@ class StageActor:
 
     def ping(self) -> dict[str, Any]:
         return self.location()
+
+
+class RayStart(Start):
+    """The start-up of the worker in a `StageActor`: its output and events over the actor's channel,
+    its data through the supervisor's bridge (`admit`, `RaySender`), on the GPUs Ray gave it."""
+
+    def __init__(self, actor: StageActor) -> None:
+        super().__init__(actor.spec, actor.channel)
+        self.actor = actor
+
+    def own_process(self) -> str:
+        _capture_output(self.actor.channel)
+        return "json"
+
+    def environment(self, spec: P.WorkerSpec) -> P.WorkerSpec:
+        gpus = os.environ.get("CUDA_VISIBLE_DEVICES")     # Ray's choice (ray.num_gpus), not `devices`
+        super().environment(spec)
+        if gpus is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+        spec = self.actor.spec = with_gpus(spec, len(_gpu_ids()))
+        return spec
+
+    def make_worker(self, spec: P.WorkerSpec) -> StageWorker:
+        outbox, min_bytes = self.actor.outbox, spec.config.daemon.shm_min_bytes
+        return StageWorker(spec, self.actor.channel, transport=lambda: RaySender(outbox, min_bytes),
+                           write_sink=self.actor._write_sink, live_sink=False)
+
+    def load_failed(self) -> None:
+        self.actor.channel.taken.wait(5.0)        # the supervisor reads why before it sees the death
+
+    def ready(self, worker: StageWorker, info: dict[str, Any]) -> None:
+        self.actor.worker = worker
+        info["ray"] = self.actor.location()
+        self.actor.ready.set()
+
+    def serving(self) -> None:
+        threading.Thread(target=_report_usage, args=(self.actor.channel, self.spec.config.daemon.heartbeat_interval_s),
+                         name="usage", daemon=True).start()
+
+    def stopped(self, worker: StageWorker) -> None:
+        # A planned stop: the supervisor ends the actor (`ray.kill`: a death Ray knows was meant);
+        # if it does not within moments, the process exits by itself.
+        worker.flush()
+        worker.send(EXITING)
+        time.sleep(5.0)
 
 
 def with_gpus(spec: P.WorkerSpec, n: int) -> P.WorkerSpec:

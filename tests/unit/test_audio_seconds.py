@@ -8,7 +8,7 @@ import struct
 
 from omnid import protocol as P
 from omnid.engines.base import audio_seconds
-from omnid.worker.main import _coalesce
+from omnid.worker.reporter import _coalesce
 
 
 def _header(rate: int, channels: int = 1, bits: int = 16) -> bytes:

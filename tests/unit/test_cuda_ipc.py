@@ -25,9 +25,11 @@ from typing import Any
 import pytest
 import torch
 
-from omnid import cuda_ipc, dataplane as dp, shm
-from omnid.cuda_ipc import IPC, STAGED, IpcFailed, Lent, choose
-from omnid.dataplane import Listener, Sender, WorkItem
+from omnid.dataplane import cuda_ipc, shm, wire
+from omnid.dataplane.cuda_ipc import IPC, STAGED, IpcFailed, Lent, choose
+from omnid.dataplane.listener import Listener
+from omnid.dataplane.sender import Sender
+from omnid.dataplane.wire import WorkItem
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -229,7 +231,7 @@ def test_same_gpu_goes_by_cuda_ipc_and_asks_for_the_gpus_once(gpu: FakeGpu, sock
         send(tx, "down", {"t": a}, "j1")
         send(tx, "down", {"t": b}, "j2")
         assert [torch.equal(i.inputs["t"], x) for i, x in zip(rx.got, (a, b))] == [True, True]
-        assert rx.kinds == [dp.GPU_REQUEST, dp.IPC_ITEM, dp.IPC_ITEM]
+        assert rx.kinds == [wire.GPU_REQUEST, wire.IPC_ITEM, wire.IPC_ITEM]
         assert (gpu.lent, gpu.received) == (2, 2)
     finally:
         tx.close()
@@ -246,7 +248,7 @@ def test_another_gpu_or_a_cpu_receiver_is_staged_through_the_pool(gpu: FakeGpu, 
         t = gpu.on_gpu(torch.arange(MIB, dtype=torch.int16))
         send(tx, "down", {"t": t})
         assert torch.equal(rx.got[0].inputs["t"], t)
-        assert dp.IPC_ITEM not in rx.kinds and dp.SHM_ITEM in rx.kinds
+        assert wire.IPC_ITEM not in rx.kinds and wire.SHM_ITEM in rx.kinds
         assert gpu.lent == 0
     finally:
         tx.close()
@@ -262,9 +264,9 @@ def test_a_receiver_that_cannot_open_the_tensor_gets_it_again_staged(gpu: FakeGp
         t = gpu.on_gpu(torch.arange(MIB, dtype=torch.int32))
         send(tx, "down", {"t": t}, "j1")
         assert len(rx.got) == 1 and torch.equal(rx.got[0].inputs["t"], t)
-        assert rx.kinds[:2] == [dp.GPU_REQUEST, dp.IPC_ITEM] and dp.SHM_ITEM in rx.kinds[2:]
+        assert rx.kinds[:2] == [wire.GPU_REQUEST, wire.IPC_ITEM] and wire.SHM_ITEM in rx.kinds[2:]
         send(tx, "down", {"t": t}, "j2")    # no second try on this connection: staged at once
-        assert rx.kinds.count(dp.IPC_ITEM) == 1 and len(rx.got) == 2
+        assert rx.kinds.count(wire.IPC_ITEM) == 1 and len(rx.got) == 2
         del rx.got[:]
         assert pool.usage() == (0, 0)
     finally:
@@ -278,7 +280,7 @@ def test_an_offered_window_goes_by_cuda_ipc_too(gpu: FakeGpu, sock_dir: Path) ->
     try:
         t = gpu.on_gpu(torch.ones(MIB, dtype=torch.float16))
         assert tx.offer("down", WorkItem(job="j", pipeline="p", src="up", inputs={"t": t}, window=0)) is True
-        assert rx.kinds == [dp.GPU_REQUEST, dp.IPC_ITEM] and torch.equal(rx.got[0].inputs["t"], t)
+        assert rx.kinds == [wire.GPU_REQUEST, wire.IPC_ITEM] and torch.equal(rx.got[0].inputs["t"], t)
     finally:
         tx.close()
         rx.close()

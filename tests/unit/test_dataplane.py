@@ -24,8 +24,10 @@ from typing import Any
 
 import pytest
 
-from omnid import dataplane as dp
-from omnid.dataplane import ACK_ADMITTED, ACK_DROPPED, Listener, Sender, WorkItem
+from omnid.dataplane import wire
+from omnid.dataplane.listener import Listener
+from omnid.dataplane.sender import Sender
+from omnid.dataplane.wire import ACK_ADMITTED, ACK_DROPPED, WorkItem
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -190,32 +192,32 @@ def test_encode_decode_round_trip() -> None:
     it = WorkItem(job="j1", pipeline="t2i", src=None,
                   inputs={"prompt": "a cat", "image": b"\x89PNG" + bytes(range(256)), "n": [1, 2.5, None]},
                   params={"draw": {"seed": 3}})
-    data = dp.encode(it)
+    data = wire.encode(it)
     assert isinstance(data, bytes) and data[:2] == b"\x80\x05"       # pickle protocol 5
-    back = dp.decode(data)
+    back = wire.decode(data)
     assert back == it and back is not it
     assert back.inputs["image"] == it.inputs["image"]
-    assert dp.decode(dp.encode(item("x"))).params == {}
+    assert wire.decode(wire.encode(item("x"))).params == {}
 
 
 @pytest.mark.parametrize("other", [{"job": "j", "pipeline": "p", "src": None, "inputs": {}}, ("j", "p"), None, b"x"])
 def test_decode_refuses_a_frame_that_is_not_a_work_item(other: Any) -> None:
     with pytest.raises(ValueError, match=f"frame is a {type(other).__name__}, not a WorkItem"):
-        dp.decode(pickle.dumps(other, protocol=5))
+        wire.decode(pickle.dumps(other, protocol=5))
 
 
 def test_frames_are_an_8_byte_big_endian_length_and_the_payload() -> None:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with a, b:
         b.settimeout(2)
-        dp.send_frame(a, b"hello")
+        wire.send_frame(a, b"hello")
         assert b.recv(8) == b"\x00\x00\x00\x00\x00\x00\x00\x05"
         assert b.recv(5) == b"hello"
-        dp.send_frame(a, b"")
-        assert dp.recv_frame(b) == b""
+        wire.send_frame(a, b"")
+        assert wire.recv_frame(b) == b""
         big = os.urandom(3 << 20)                          # several recv chunks of 1 MiB
-        writer = Bg(lambda: dp.send_frame(a, big))
-        assert dp.recv_frame(b) == big
+        writer = Bg(lambda: wire.send_frame(a, big))
+        assert wire.recv_frame(b) == big
         writer.outcome()
 
 
@@ -223,9 +225,9 @@ def test_recv_frame_refuses_a_length_over_max_frame_without_reading_it() -> None
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with a, b:
         b.settimeout(2)
-        a.sendall(struct.pack(">Q", dp.MAX_FRAME + 1) + b"xyz")
+        a.sendall(struct.pack(">Q", wire.MAX_FRAME + 1) + b"xyz")
         with pytest.raises(ValueError, match="too large"):
-            dp.recv_frame(b)
+            wire.recv_frame(b)
 
 
 def test_recv_frame_raises_when_the_peer_closes_mid_frame() -> None:
@@ -235,7 +237,7 @@ def test_recv_frame_raises_when_the_peer_closes_mid_frame() -> None:
         a.sendall(struct.pack(">Q", 10) + b"abc")
         a.close()
         with pytest.raises(ConnectionError):
-            dp.recv_frame(b)
+            wire.recv_frame(b)
 
 
 # ------------------------------------------------------------------------- listener and sender
@@ -279,9 +281,9 @@ def test_a_dropped_item_is_acknowledged_with_ack_dropped(env: Env) -> None:
 
     env.stage("b", admit)
     with raw_connect(env.path("b")) as s:
-        dp.send_frame(s, dp.encode(item("live")))
+        wire.send_frame(s, wire.encode(item("live")))
         assert s.recv(1) == ACK_ADMITTED
-        dp.send_frame(s, dp.encode(item("dead")))
+        wire.send_frame(s, wire.encode(item("dead")))
         assert s.recv(1) == ACK_DROPPED
     assert ACK_ADMITTED != ACK_DROPPED
     # The sender counts a drop as delivered: it does not send the item again.
@@ -325,7 +327,7 @@ def test_abandon_ends_a_blocked_send_with_false(env: Env) -> None:
     t = time.monotonic()
     job_over.set()
     assert send.outcome(2) is False
-    assert time.monotonic() - t < 0.2 + dp.POLL_S, "abandon() is polled every POLL_S"
+    assert time.monotonic() - t < 0.2 + wire.POLL_S, "abandon() is polled every POLL_S"
     assert sender.blocked_s - before >= 0.25
     # The receiver still admits the abandoned item (it drops dead jobs itself) and acks it on the
     # abandoned connection; that connection is not used again, so its late ack is never mistaken
@@ -370,11 +372,11 @@ def test_on_wait_is_called_while_blocked_and_often_when_busy(env: Env) -> None:
         return waits[0], busy_calls[0]
 
     idle_waits, _ = blocked_for(0.35, busy=False)
-    assert 2 <= idle_waits <= 0.35 / dp.POLL_S + 2, idle_waits
+    assert 2 <= idle_waits <= 0.35 / wire.POLL_S + 2, idle_waits
     # busy: a poll every BUSY_POLL_S (0.5 ms), so hundreds; idle polls would give at most 0.5/POLL_S + 2 = 7.
     # (A loose bound: the machine may be loaded.)
     busy_waits, _ = blocked_for(0.5, busy=True)
-    assert busy_waits >= 15, f"busy(): a poll every {dp.BUSY_POLL_S}s, got {busy_waits} in 0.5s"
+    assert busy_waits >= 15, f"busy(): a poll every {wire.BUSY_POLL_S}s, got {busy_waits} in 0.5s"
 
 
 def test_send_waits_for_a_receiver_that_is_not_up_yet(env: Env) -> None:
@@ -434,7 +436,7 @@ def test_a_cached_connection_to_a_dead_receiver_is_replaced(env: Env) -> None:
 
 @pytest.mark.parametrize("garbage", [
     pytest.param(struct.pack(">Q", 9) + b"not a pkl", id="not-a-pickle"),
-    pytest.param(struct.pack(">Q", dp.MAX_FRAME + 1), id="length-over-max-frame"),
+    pytest.param(struct.pack(">Q", wire.MAX_FRAME + 1), id="length-over-max-frame"),
     pytest.param(struct.pack(">Q", 0xFFFFFFFFFFFFFFFF) + b"\x00" * 64, id="length-2**64-1"),
     pytest.param(b"", id="pickled-dict"),
 ])

@@ -20,9 +20,11 @@ from typing import Any
 import pytest
 import torch
 
-from omnid import cuda_ipc, dataplane as dp, shm
-from omnid.cuda_ipc import IpcFailed, Lent
-from omnid.dataplane import Listener, Sender, WorkItem
+from omnid.dataplane import cuda_ipc, shm, wire
+from omnid.dataplane.cuda_ipc import IpcFailed, Lent
+from omnid.dataplane.listener import Listener
+from omnid.dataplane.sender import Sender
+from omnid.dataplane.wire import WorkItem
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -120,13 +122,13 @@ def test_an_offered_window_the_receiver_cannot_open_is_offered_again_staged(gpu:
         t = gpu.on_gpu(torch.arange(MIB, dtype=torch.int32))
         assert tx.offer("down", window(t, "j1")) is True          # admitted, not "dropped" nor "no room"
         assert len(rx.got) == 1 and torch.equal(rx.got[0].inputs["t"], t)
-        assert rx.kinds[:2] == [dp.GPU_REQUEST, dp.IPC_ITEM] and dp.SHM_ITEM in rx.kinds[2:]
+        assert rx.kinds[:2] == [wire.GPU_REQUEST, wire.IPC_ITEM] and wire.SHM_ITEM in rx.kinds[2:]
         assert (gpu.lent, gpu.refused) == (1, 1)
         # The connection now knows: the next window goes staged at once, no second try by CUDA IPC.
         u = gpu.on_gpu(torch.full((MIB,), 7, dtype=torch.int32))
         assert tx.offer("down", window(u, "j1", 1)) is True
         assert len(rx.got) == 2 and torch.equal(rx.got[1].inputs["t"], u)
-        assert rx.kinds.count(dp.IPC_ITEM) == 1 and gpu.refused == 1
+        assert rx.kinds.count(wire.IPC_ITEM) == 1 and gpu.refused == 1
         del rx.got[:]
         assert pool.usage() == (0, 0)                              # every slot given back
     finally:
@@ -143,7 +145,7 @@ def test_an_offered_window_goes_by_cuda_ipc_when_the_receiver_can_open_it(gpu: R
     try:
         t = gpu.on_gpu(torch.arange(MIB, dtype=torch.int32))
         assert tx.offer("down", window(t, "j1")) is True
-        assert rx.kinds == [dp.GPU_REQUEST, dp.IPC_ITEM] and torch.equal(rx.got[0].inputs["t"], t)
+        assert rx.kinds == [wire.GPU_REQUEST, wire.IPC_ITEM] and torch.equal(rx.got[0].inputs["t"], t)
         assert (gpu.lent, gpu.received, gpu.refused) == (1, 1, 0)
     finally:
         tx.close()

@@ -93,6 +93,16 @@ def test_json_lines_carry_every_field_for_structlog_stdlib_and_warnings() -> Non
     assert docs[3]["level"] == "error" and "ValueError: kaboom" in docs[3]["exception"]
 
 
+def test_the_formatter_is_the_stderr_handlers_for_another_handler_to_share() -> None:
+    """`logs.formatter()`: what the daemon's log file formats its records with (stage_logs)."""
+    out = io.StringIO()
+    logs.configure("info", "json", process="supervisor", stream=out)
+    (handler,) = logging.getLogger().handlers
+    assert logs.formatter() is handler.formatter is not None
+    record = logging.LogRecord("omnid.test", logging.INFO, __file__, 1, "shared", None, None)
+    assert json.loads(logs.formatter().format(record))["event"] == "shared"    # type: ignore[union-attr]
+
+
 def test_an_events_own_stage_is_kept() -> None:
     out = io.StringIO()
     logs.configure("info", "json", stage="w", stream=out)

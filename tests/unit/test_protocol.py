@@ -144,7 +144,7 @@ def test_a_busy_workers_heartbeat_fits_in_pipe_buf() -> None:
 
 
 def test_protocol_imports_nothing_heavy() -> None:
-    code = ("import sys, omnid.protocol, omnid.dataplane; "
+    code = ("import sys, omnid.protocol, omnid.dataplane.sender, omnid.dataplane.listener; "
             "print(sorted(m for m in ('torch', 'vllm', 'diffusers', 'numpy', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, cwd="/")
     assert out.returncode == 0, out.stderr

@@ -13,7 +13,7 @@ pytest.importorskip("ray", reason="the `ray` extra is not installed (pip install
 np = pytest.importorskip("numpy")
 torch = pytest.importorskip("torch")
 
-from omnid.dataplane import WorkItem  # noqa: E402
+from omnid.dataplane.wire import WorkItem  # noqa: E402
 from omnid.worker import ray_actor as R  # noqa: E402
 
 

@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from omnid import dataplane as dp
-from omnid import shm
-from omnid.dataplane import Listener, Sender, WorkItem
+from omnid.dataplane import shm, wire
+from omnid.dataplane.listener import Listener
+from omnid.dataplane.sender import Sender
+from omnid.dataplane.wire import WorkItem
 
 pytestmark = pytest.mark.timeout(30)
 MB = 1 << 20
@@ -144,8 +145,8 @@ def test_a_value_larger_than_the_pool_goes_through_the_socket(env: Env) -> None:
 def test_a_slot_reserved_by_a_sender_that_went_away_is_freed(env: Env) -> None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(str(env.dir / "down.sock"))
-    dp.send_frame(sock, dp.RESERVE + dp.OFFSET.pack(MB))
-    assert sock.recv(1) == dp.RESERVED
+    wire.send_frame(sock, wire.RESERVE + wire.OFFSET.pack(MB))
+    assert sock.recv(1) == wire.RESERVED
     sock.recv(8)
     assert env.pool.usage()[1] == 1
     sock.close()                                   # as a sender killed between asking and sending
@@ -156,7 +157,7 @@ def test_an_item_in_a_slot_that_was_not_reserved_is_refused(env: Env) -> None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(str(env.dir / "down.sock"))
     enc = shm.encode(WorkItem(job="j", pipeline="p", src=None, inputs={}), 1)
-    dp.send_frame(sock, dp.SHM_ITEM + dp.OFFSET.pack(0) + enc.payload)
+    wire.send_frame(sock, wire.SHM_ITEM + wire.OFFSET.pack(0) + enc.payload)
     assert sock.recv(1) == b""                     # the connection is dropped; the listener goes on
     assert env.send(text="still serving")
 

@@ -23,7 +23,7 @@ import pytest
 
 from omnid import protocol as P
 from omnid.config import parse
-from omnid.dataplane import WorkItem
+from omnid.dataplane.wire import WorkItem
 from omnid.engines.base import Engine, InputStream, Outcome, RequestContext
 from omnid.vocabulary import ErrorCode
 from omnid.worker.jobs import ENDED_JOBS_KEPT, JobTable

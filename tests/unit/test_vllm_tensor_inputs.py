@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from omnid.engines.vllm_engine import TensorInputError, prompt_embeds, prompt_token_ids
+from omnid.engines.vllm_tensors import TensorInputError, prompt_embeds, prompt_token_ids
 
 pytestmark = pytest.mark.vllm
 

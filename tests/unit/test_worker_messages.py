@@ -1,11 +1,11 @@
-"""How a stage worker batches what it tells the supervisor (omnid.worker.main: post/flush, in-process)."""
+"""How a stage worker batches what it tells the supervisor (omnid.worker.reporter: post/flush, in-process)."""
 
 from __future__ import annotations
 
 import pickle
 
 from omnid import protocol as P
-from omnid.worker.main import _MAX_PACK, _coalesce, _packs
+from omnid.worker.reporter import _MAX_PACK, _coalesce, _packs
 
 
 def test_consecutive_progress_of_a_job_keeps_the_last_and_segments_join() -> None:

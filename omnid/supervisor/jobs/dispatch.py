@@ -17,7 +17,8 @@ from pathlib import Path
 import structlog
 
 from omnid import protocol as P
-from omnid.dataplane import Sender, WorkItem
+from omnid.dataplane.sender import Sender
+from omnid.dataplane.wire import WorkItem
 from omnid.supervisor.jobs.feeder import Feeder
 from omnid.supervisor.live import Live
 from omnid.supervisor.jobs.live_job import LiveJob

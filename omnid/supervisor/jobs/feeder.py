@@ -1,7 +1,7 @@
 """Feeders: the threads that deliver jobs' own inputs to the first stages of their pipelines.
 
 Runs in the supervisor process, one thread per replica of a source stage (`feeder-STAGE.N`). A feeder blocks on
-the stage's data-plane watermark (`dataplane.Sender.send`) so that the event loop never does; the
+the stage's data-plane watermark (`dataplane.sender.Sender.send`) so that the event loop never does; the
 event loop only pushes items (`push`, non-blocking) and reads `is_live` through a callable that
 looks a job id up in a dict (safe from another thread: a single dict lookup).
 """
@@ -12,7 +12,8 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from omnid.dataplane import Sender, WorkItem
+from omnid.dataplane.sender import Sender
+from omnid.dataplane.wire import WorkItem
 
 
 class Feeder:

@@ -42,10 +42,11 @@ import structlog
 
 from omnid import protocol as P
 from omnid.config import Config
-from omnid.dataplane import (ACK_FULL, POOL_REQUEST, RESERVE, SHM_ITEM, Closing, Listener, NeedsPlain, RawItem,
-                             Sender, OFFSET)
+from omnid.dataplane.listener import Listener
+from omnid.dataplane.sender import Sender
+from omnid.dataplane.shm import ShmPool
+from omnid.dataplane.wire import ACK_FULL, OFFSET, POOL_REQUEST, RESERVE, SHM_ITEM, Closing, NeedsPlain, RawItem
 from omnid.process_stats import ProcessSample
-from omnid.shm import ShmPool
 from omnid.supervisor.live import Live
 from omnid.supervisor.workers.stage import StageHandle, error_summary
 from omnid.supervisor.workers.stage_logs import log_file, stage_log_path, write_all

@@ -227,42 +227,57 @@ class StageHandle(Follower):
     # ------------------------------------------------------------------ what the worker says
 
     def _on_message(self, msg: object) -> None:
-        if isinstance(msg, P.Batch):
-            for one in msg.messages:
-                self._on_message(one)
-            return
-        if isinstance(msg, P.Heartbeat):
-            self.last_heartbeat = time.monotonic()
-            self.stats = msg.stats
-            self.running = msg.running
-            self.gpu_memory_bytes = msg.gpu_memory_bytes
-            self.tracked_jobs = msg.tracked_jobs
-            self.windows = dict(msg.windows)
-            self.memory.heard(msg.rss_bytes)
-            if self.state.warm:
-                self.state = WorkerState.BUSY if msg.running else WorkerState.READY
-            return
-        if isinstance(msg, P.Ready):
-            self._policy.on_ready()
-            self.state = WorkerState.READY
-            self.ready_at = time.time()
-            self.load_s = msg.load_s
-            self.info = msg.info
-            self.last_heartbeat = time.monotonic()
-            self._became_ready = True
-            self._attempt_over.set()
-            log.info("stage ready", stage=self.label, pid=msg.pid, load_s=round(msg.load_s, 3))
-        elif isinstance(msg, P.LoadFailed):
-            self._load_error = msg.error.strip()
-        elif isinstance(msg, P.Started):
-            self.running = tuple(dict.fromkeys(self.running + (msg.job,)))
-        elif isinstance(msg, (P.Finished, P.Failed, P.Stopped)):
-            if isinstance(msg, P.Finished):
-                self.jobs_done += 1
-            self.running = tuple(j for j in self.running if j != msg.job)
-        if self.state.warm and isinstance(msg, (P.Started, P.Finished, P.Failed, P.Stopped)):
+        """The worker said something: its handler here (`_HANDLERS`), then the listener, unless
+        the message is the handle's alone (`_HANDLE_ONLY`)."""
+        handler = _HANDLERS.get(type(msg))
+        if handler is not None:
+            handler(self, msg)
+        if type(msg) not in _HANDLE_ONLY:
+            self._notify(type(msg).__name__, lambda listener: listener.on_message(self, msg))
+
+    def _on_batch(self, msg: P.Batch) -> None:
+        for one in msg.messages:
+            self._on_message(one)
+
+    def _on_heartbeat(self, msg: P.Heartbeat) -> None:
+        self.last_heartbeat = time.monotonic()
+        self.stats = msg.stats
+        self.running = msg.running
+        self.gpu_memory_bytes = msg.gpu_memory_bytes
+        self.tracked_jobs = msg.tracked_jobs
+        self.windows = dict(msg.windows)
+        self.memory.heard(msg.rss_bytes)
+        self._busy_or_ready()
+
+    def _on_ready(self, msg: P.Ready) -> None:
+        self._policy.on_ready()
+        self.state = WorkerState.READY
+        self.ready_at = time.time()
+        self.load_s = msg.load_s
+        self.info = msg.info
+        self.last_heartbeat = time.monotonic()
+        self._became_ready = True
+        self._attempt_over.set()
+        log.info("stage ready", stage=self.label, pid=msg.pid, load_s=round(msg.load_s, 3))
+
+    def _on_load_failed(self, msg: P.LoadFailed) -> None:
+        self._load_error = msg.error.strip()
+
+    def _on_started(self, msg: P.Started) -> None:
+        self.running = tuple(dict.fromkeys(self.running + (msg.job,)))
+        self._busy_or_ready()
+
+    def _on_finished(self, msg: P.Finished) -> None:
+        self.jobs_done += 1
+        self._on_ended(msg)
+
+    def _on_ended(self, msg: P.Finished | P.Failed | P.Stopped) -> None:
+        self.running = tuple(j for j in self.running if j != msg.job)
+        self._busy_or_ready()
+
+    def _busy_or_ready(self) -> None:
+        if self.state.warm:
             self.state = WorkerState.BUSY if self.running else WorkerState.READY
-        self._notify(type(msg).__name__, lambda listener: listener.on_message(self, msg))
 
     def _notify(self, what: str, call: Callable[[StageListener], None]) -> None:
         """Tell the listener; its failure (a full disk, a bug) must not stop this handle."""
@@ -535,3 +550,18 @@ class StageHandle(Follower):
                     "slots": self.stats.shm_slots},
             **self.where(),
         }
+
+
+# A worker's message -> what its handle makes of it (called with the handle). The listener hears of
+# every message after it, but for a Batch (it hears of each of its messages) and a Heartbeat.
+_HANDLERS: dict[type, Callable[[StageHandle, Any], None]] = {
+    P.Batch: StageHandle._on_batch,
+    P.Heartbeat: StageHandle._on_heartbeat,
+    P.Ready: StageHandle._on_ready,
+    P.LoadFailed: StageHandle._on_load_failed,
+    P.Started: StageHandle._on_started,
+    P.Finished: StageHandle._on_finished,
+    P.Failed: StageHandle._on_ended,
+    P.Stopped: StageHandle._on_ended,
+}
+_HANDLE_ONLY: frozenset[type] = frozenset({P.Batch, P.Heartbeat})

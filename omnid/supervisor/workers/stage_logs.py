@@ -367,8 +367,7 @@ def install_daemon_log(state_dir: Path, max_bytes: int, keep: int) -> DaemonLogH
     formatter); `remove_daemon_log` takes it off again. Supervisor main thread, after the state dir
     is taken (so no other daemon writes there)."""
     from omnid import logs
-    formatter = logs._handler.formatter if logs._handler is not None else None
-    handler = DaemonLogHandler(log_file(daemon_log_path(state_dir), max_bytes, keep), formatter)
+    handler = DaemonLogHandler(log_file(daemon_log_path(state_dir), max_bytes, keep), logs.formatter())
     logging.getLogger().addHandler(handler)
     return handler
 

@@ -39,7 +39,7 @@ class WorkerProcess:
         # The worker's fds 1 and 2: an OS pipe whose write end goes over as a Connection (passed as an
         # fd by the spawn method, like the control pipe's end); the handle stores and forwards its lines.
         self.log_read, self._log_write = _SPAWN.Pipe(duplex=False)
-        from omnid.worker.main import worker_main
+        from omnid.worker.bootstrap import worker_main
         self.process: BaseProcess = _SPAWN.Process(target=worker_main, args=(spec, self._child, self._log_write),
                                                    name=f"omnid-stage-{label}", daemon=False)
 

@@ -57,7 +57,7 @@ def test_the_holder_is_shared_and_a_config_is_wrapped_once(tmp_path: Path) -> No
     assert live.keys == {"p": "p"} and live.worker is config
     group = group_of(live, "a")
     new = make_config(tmp_path, {"a": 1}, heartbeat_timeout_s=7)
-    live.worker = new                       # one assignment: the group and its replicas read it
+    live.put_to_workers(new)                # one assignment: the group and its replicas read it
     assert group.config is new and group.replicas[0].config is new
     live.switch(new, {"p": "p~2"})
     assert live.config is new and live.keys == {"p": "p~2"}
@@ -73,7 +73,7 @@ def test_what_a_reload_lets_go_keeps_its_config_and_the_rest_follows(tmp_path: P
     # the reloader's order: keep what is let go, put the new config in force, then reconfigure
     gone.keep()
     a.keep(first=new.stages["a"].replicas)
-    live.worker = new
+    live.put_to_workers(new)
     added.follow()
     a.reconfigure()
     assert gone.config is old and gone.stage == old.stages["gone"] and gone.replicas[0].config is old
@@ -81,7 +81,7 @@ def test_what_a_reload_lets_go_keeps_its_config_and_the_rest_follows(tmp_path: P
     assert [h.told for h in a.replicas] == [[new], [new], []]       # the retiring one is not told
     assert added.replicas[0].told == []
     newer = make_config(tmp_path, {"a": 2, "added": 1}, heartbeat_timeout_s=9)
-    live.worker = newer
+    live.put_to_workers(newer)
     assert added.config is newer and added.replicas[0].config is newer and a.replicas[0].config is newer
     assert gone.config is old and a.replicas[2].config is old
 

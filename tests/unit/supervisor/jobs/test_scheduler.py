@@ -23,7 +23,8 @@ import pytest
 
 from omnid import protocol as P
 from omnid.config import Config, parse
-from omnid.dataplane import Listener, WorkItem
+from omnid.dataplane.listener import Listener
+from omnid.dataplane.wire import WorkItem
 from omnid.store import JobStore
 from omnid.supervisor.jobs import scheduler as scheduler_module
 from omnid.supervisor.errors import Refused

@@ -13,7 +13,7 @@ The pool's size is the stage's byte budget: when it is full, senders wait (backp
 do when the input queue is full. A value larger than the whole pool goes through the socket.
 
 A CUDA tensor bound for a stage that sees the same GPU takes neither the pool nor the socket: it
-is lent through CUDA IPC (`omnid.cuda_ipc`) and copied once, on that GPU, by the receiver.
+is lent through CUDA IPC (`omnid.dataplane.cuda_ipc`) and copied once, on that GPU, by the receiver.
 
 Threads: `ShmPool` is used by the data plane's connection threads (reserve, claim) and by whatever
 thread drops the last reference to a received value (release): one lock guards it; nothing here
@@ -32,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from omnid import cuda_ipc
+from omnid.dataplane import cuda_ipc
 
 ALIGN = 64                      # every value starts on a cache line
 DEFAULT_MIN_BYTES = 1 << 20     # values from this size cross through shared memory

@@ -22,7 +22,7 @@ Why nothing is left held, even by `kill -9`:
 
 The path a tensor takes (`choose`): CUDA IPC when the receiver sees the GPU the tensor is on
 (GPUs are compared by UUID, which every process sees alike whatever its CUDA_VISIBLE_DEVICES),
-else the staged path through the receiver's shared-memory pool (`omnid.shm`): a different GPU, a
+else the staged path through the receiver's shared-memory pool (`omnid.dataplane.shm`): a different GPU, a
 receiver on the CPU, a Ray-placed stage (its bridge reports no GPUs), a host without the CUDA
 driver, or memory the driver cannot export (expandable segments) all go staged.
 
@@ -255,7 +255,7 @@ def _bind(d: CudaDriver) -> None:
 
 def visible_gpus() -> tuple[str, ...]:
     """The GPUs this process sees (UUIDs), or none without a CUDA driver. What a receiving stage
-    tells its senders (`dataplane`'s GPU request)."""
+    tells its senders (the data plane's GPU request, `wire.GPU_REQUEST`)."""
     d = driver()
     if d is None:
         return ()
