@@ -21,10 +21,10 @@ VLLM_OLDEST ?= 0.28.0
 VLLM ?= $(VLLM_OLDEST)
 VLLM_TRANSFORMERS ?= transformers>=5.16.1,<5.20
 PYTEST_ARGS ?=
-# The suite's daemons spend much of their time waiting (loads, sleeps, the other side of a socket): 4
+# The suite's daemons spend much of their time waiting (loads, sleeps, the other side of a socket): 3
 # pytest workers on 2 cores, each file on one worker (a file's module-scoped daemon is started once),
 # the longest files first (tests/conftest.py LONGEST_FIRST). XDIST= runs it in one process.
-XDIST ?= -n 4 --dist loadfile --no-loadscope-reorder
+XDIST ?= -n 3 --dist loadfile --no-loadscope-reorder
 
 .PHONY: setup models demo typecheck test test-fast test-vllm clean schemathesis install uninstall
 setup: $(VENV)/.omnid-$(ACCEL)
