@@ -101,7 +101,8 @@ def test_every_tiny_model_loads_compiled_on_vllms_defaults(d: RunningDaemon) -> 
         assert info["max_model_len"] >= 512, (name, info)        # the model's own length
         doc = d.wait(d.submit(name, {"prompt": "hello there"}, params={name: {"max_tokens": 4}}))
         assert doc["state"] == "succeeded", (name, doc)
-        assert d.client.output(doc["id"], "text")[0], name
+        if name != "tts":                       # (the codec LM writes codes, which decode to no text)
+            assert d.client.output(doc["id"], "text")[0], name
 
 
 def log_of(d: RunningDaemon, stage: str) -> str:
