@@ -560,14 +560,14 @@ def close_in(pid: int, fds: list[int], keep_numbers: bool = False) -> None:
 # ------------------------------------------------------------------------- the longest files first
 
 # `make test` runs the files on pytest-xdist workers, a file to a worker, in the order collected:
-# the files that take longest (measured: seconds of a 3-worker run on 2 cores, 2026-12) go first, so
+# the files that take longest (measured: a 3-worker run on 2 cores from a fresh clone, 2026-12) go first, so
 # that no worker starts one of them when the others are nearly done. The rest follow as collected.
 LONGEST_FIRST = (
-    "tests/test_engines.py", "tests/test_omni_pipeline.py", "tests/test_engine_core.py", "tests/test_streaming.py",
-    "tests/test_tcp.py", "tests/test_vllm_tensors.py", "tests/test_multimodal.py", "tests/test_shm.py",
-    "tests/test_ray.py", "tests/test_jobs.py", "tests/test_omni_speech.py", "tests/test_vllm_compile.py",
-    "tests/test_systemd.py", "tests/test_openai.py", "tests/test_startup.py", "tests/test_gpucheck.py",
-    "tests/test_stage_logs.py", "tests/test_hangups.py", "tests/test_restarts.py", "tests/test_dit_cache.py",
+    "tests/test_vllm_compile.py", "tests/test_engine_core.py", "tests/test_omni_pipeline.py", "tests/test_engines.py",
+    "tests/test_omni_speech.py", "tests/test_systemd.py", "tests/test_shm.py", "tests/test_vllm_tensors.py",
+    "tests/test_ray.py", "tests/test_gpucheck.py", "tests/test_startup.py", "tests/test_streaming.py",
+    "tests/test_openai.py", "tests/test_tcp.py", "tests/test_multimodal.py", "tests/test_jobs.py",
+    "tests/test_restarts.py", "tests/test_omni_model.py", "tests/test_diffusers_batching.py", "tests/test_hangups.py",
 )
 
 

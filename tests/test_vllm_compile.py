@@ -50,8 +50,10 @@ def d() -> Iterator[RunningDaemon]:
         full = stack.enter_context(tmpfs(top / "full", 4))
         subprocess.run(["dd", "if=/dev/zero", f"of={full / 'ballast'}", "bs=64k"], capture_output=True)  # until ENOSPC
         stages = {"compiled": compiled_stage(top / "cache"), "nocache": compiled_stage(full / "vllm"),
-                  # nothing but the model (and where its compile cache goes): vLLM's own defaults
-                  **{name: {"engine": "vllm", "model": str(model), "env": {"VLLM_CACHE_ROOT": str(top / "cache")}}
+                  # nothing but the model (and where its compile cache goes): vLLM's own defaults; the
+                  # core inline (omnid's placement, not vLLM's: "compiled" above runs the default one)
+                  **{name: {"engine": "vllm", "model": str(model), "engine_core": "inline",
+                            "env": {"VLLM_CACHE_ROOT": str(top / "cache")}}
                      for name, model in DEFAULTS.items()}}
         pipelines = {name: {"stages": [name]} for name in stages}
         (top / "d").mkdir()
