@@ -24,6 +24,7 @@ supervisor and `omnid --check` can say it; a stage worker reports `vllm.__versio
 from __future__ import annotations
 
 import sys
+import dataclasses
 from collections.abc import Callable
 from importlib import metadata
 from typing import Any
@@ -89,8 +90,6 @@ def renderer(engine: Any, chat: bool = False) -> Callable[[Any], Any]:
     the engine's renderer (vLLM >= 0.30), else the prompt itself. Rendering once here also compiles
     the chat template, off the first job's path."""
     try:
-        import dataclasses
-
         from vllm.renderers.inputs.preprocess import parse_model_prompt
     except ImportError:
         return lambda prompt: prompt

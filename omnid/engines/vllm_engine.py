@@ -120,7 +120,7 @@ def _rejected(e: BaseException) -> ErrorCode | None:
     or vLLM's own VLLMClientError, which newer vLLMs raise and which is neither: a prompt longer
     than the model, media its processor cannot take, a bad sampling value); None (the stage's
     failure) for anything else, a dead engine above all."""
-    if "Dead" in type(e).__name__:
+    if vllm_compat.is_engine_dead(e):
         return None
     return REJECTED if vllm_compat.is_client_error(e) or isinstance(e, (ValueError, TypeError)) else None
 
