@@ -44,7 +44,11 @@ $(VENV)/.omnid-$(ACCEL): pyproject.toml
 	touch $@
 
 models: setup .models/.built
-.models/.built: omnid/tinymodels.py
+# A model folder missing (removed, or a kind added since the stamp, as the LoRA adapters were): build
+# again; the ones there are skipped.
+MODELS_MISSING := $(if $(and $(wildcard .models/llm-loras/.omnid-tiny-ok),$(wildcard .models/sd-loras/.omnid-tiny-ok)),,models-missing)
+.PHONY: models-missing
+.models/.built: omnid/tinymodels.py $(MODELS_MISSING)
 	$(PY) -m omnid.tinymodels .models
 	touch $@
 

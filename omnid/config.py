@@ -34,6 +34,8 @@ from omnid.engines.capabilities import CAPABILITIES, capabilities, check_param, 
 from omnid.engines.capabilities import TENSOR_OUTPUTS as TENSOR_OUTPUTS     # (declared with the engines;
 from omnid.engines.capabilities import TENSOR_PROMPTS as TENSOR_PROMPTS     # named here as before)
 from omnid.params import parallel_size
+from omnid import lora as L
+from omnid.config_types import LoraConfig
 
 ENGINES = tuple(CAPABILITIES)       # the names `engine = "..."` takes; what each can do: engines/capabilities.py
 # Engines a streaming edge (window = N > 0) may feed (why the others cannot be: their `whole_input`).
@@ -254,7 +256,7 @@ def _check_listen_keys(c: _Checker, daemon: DaemonConfig) -> None:
 _STAGE_KEYS = ("engine", "model", "function", "python_path", "devices", "exclusive",
                "max_inflight", "queue_capacity", "shm_pool_mb", "args", "defaults", "env", "batch_function", "sessions",
                "replicas", "idle_unload_s", "media", "placement", "ray", "max_rss_mb",
-               "engine_core", "outputs", "hidden_layers", "hidden_prompt", "prompt_embeds", "cache", "lazy")
+               "engine_core", "outputs", "hidden_layers", "hidden_prompt", "prompt_embeds", "cache", "lazy", "lora")
 _TENSOR_KEYS = ("outputs", "hidden_layers", "hidden_prompt", "prompt_embeds")
 PLACEMENTS = ("local", "ray")
 MAX_REPLICAS = 64
@@ -536,6 +538,7 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
     ray = _parse_ray_needs(c, s, path)
     outputs, hidden_layers, hidden_prompt, prompt_embeds = _parse_tensors(c, s, path, engine, model, args)
     cache = _parse_cache(c, s.get("cache"), path, engine, model)
+    lora = _parse_lora(c, s.get("lora"), path, engine, model, base, args, defaults)
     lazy = bool(c.get(s, "lazy", path, bool, False))
     if lazy and caps is not None and not caps.takes_function:
         c.add(f"{path}.lazy", f"only python stages load lazily; a {engine} stage loads its model at start")
@@ -550,8 +553,68 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
         idle_unload_s=float(idle_unload_s) if idle_unload_s is not None else None,
         max_rss_mb=int(max_rss_mb) if max_rss_mb is not None else None, engine_core=engine_core,
         placement=placement, ray=ray, outputs=outputs, hidden_layers=hidden_layers,
-        hidden_prompt=hidden_prompt, prompt_embeds=prompt_embeds, cache=cache, lazy=lazy,
+        hidden_prompt=hidden_prompt, prompt_embeds=prompt_embeds, cache=cache, lazy=lazy, lora=lora,
     )
+
+
+# vLLM's own choices of max_lora_rank (its LoRAConfig's MaxLoRARanks)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+LORA_KEYS = ("adapters", "max_loras", "max_lora_rank")
+VLLM_LORA_ARGS = ("enable_lora", "max_loras", "max_lora_rank", "lora_modules")
+
+
+def _parse_lora(c: _Checker, raw: Any, path: str, engine: str | None, model: Path | None, base: Path,
+                args: Mapping[str, Any], defaults: Mapping[str, Any]) -> LoraConfig | None:
+    """`lora = { adapters = { sql = "path" }, max_loras = 4, max_lora_rank = 16 }`: each adapter
+    checked (a LoRA, its rank within max_lora_rank, made for the stage's model: `omnid.lora`)."""
+    caps = capabilities(engine) if engine is not None else None
+    if caps is not None and caps.parallel:
+        for key in VLLM_LORA_ARGS:
+            if key in args:
+                c.add(f"{path}.args.{key}", "set LoRA in the stage's lora table instead (lora.adapters, "
+                                            "lora.max_loras, lora.max_lora_rank): omnid turns vLLM's LoRA on with it")
+    if raw is None:
+        for key in ("adapter", "adapters"):
+            if key in defaults:
+                c.add(f"{path}.defaults.{key}", "the stage has no adapters (no lora table)")
+        return None
+    path = f"{path}.lora"
+    t = c.table(raw, path)
+    c.unknown(t, LORA_KEYS, path)
+    if caps is not None and not caps.lora:
+        c.add(path, f"only {', '.join(engines_that(lambda e: e.lora))} stages take LoRA adapters "
+                    f"(this one is {engine!r})")
+        return None
+    max_loras = c.positive(t, "max_loras", path, 4, integer=True)
+    max_rank = c.positive(t, "max_lora_rank", path, 16, integer=True)
+    if caps is not None and caps.parallel and max_rank not in VLLM_LORA_RANKS:
+        c.add(f"{path}.max_lora_rank", f"vLLM takes one of {', '.join(map(str, VLLM_LORA_RANKS))}, not {max_rank}")
+    adapters: dict[str, Path] = {}
+    for name, value in c.get(t, "adapters", path, dict, {}).items():
+        where = f"{path}.adapters.{name}"
+        if (why := L.name_problem(name)) is not None:
+            c.add(where, why)
+            continue
+        if not isinstance(value, str):
+            c.add(where, f"must be a string (the adapter's folder), not {_typename(value)}")
+            continue
+        folder = _resolve(base, value)
+        try:
+            L.check(folder, model if model is not None and model.is_dir() else None, max_rank)
+        except (L.AdapterError, OSError) as e:
+            c.add(where, str(e))
+            continue
+        adapters[name] = folder
+    lora = LoraConfig(adapters=adapters, max_loras=max_loras, max_lora_rank=max_rank)
+    for key in ("adapter", "adapters"):
+        if key in defaults and (why := L.adapter_problem(name_of(path), engine or "", adapters, key, defaults[key])):
+            c.add(f"{path.rpartition('.')[0]}.defaults.{key}", why)
+    return lora
+
+
+def name_of(path: str) -> str:
+    """`stages.NAME.lora` -> NAME."""
+    return path.split(".")[1]
 
 
 ENGINE_CORES = ("inline", "process")

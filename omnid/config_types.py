@@ -84,6 +84,19 @@ class RayNeeds:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """A stage's `lora` table: its adapters (name -> folder) and vLLM's LoRA limits.
+
+    `adapters` is not part of the stage's definition when comparing (`compare=False`): adapters come
+    and go at run time (`POST /v1/stages/{name}/adapters`) and by a reload without a new worker; the
+    worker learns the set in force from its `Reconfigure`."""
+
+    adapters: Mapping[str, Path] = field(default_factory=dict, compare=False)
+    max_loras: int = 4              # vllm: adapters in one batch (vLLM's max_loras)
+    max_lora_rank: int = 16         # the highest rank an adapter may have (vLLM's max_lora_rank)
+
+
+@dataclass(frozen=True)
 class StageConfig:
     name: str
     engine: str
@@ -136,6 +149,18 @@ class StageConfig:
     # diffusers stages: a DiT cache (`cache = { kind = "first_block", threshold = 0.2 }`), checked
     # against CACHE_KINDS; empty: none. The engine maps it onto diffusers' own cache config.
     cache: Mapping[str, Any] = field(default_factory=dict)
+    # vllm and diffusers stages: LoRA adapters (`lora = { adapters = {...}, max_loras, max_lora_rank }`);
+    # None: none (vLLM's LoRA off)
+    lora: LoraConfig | None = None
+
+    @property
+    def adapters(self) -> Mapping[str, Path]:
+        """The stage's adapters in force, by name (none without a `lora` table)."""
+        return self.lora.adapters if self.lora is not None else {}
+
+    def with_adapters(self, adapters: Mapping[str, Path]) -> StageConfig:
+        """This stage with another adapter set (run-time adds and removes)."""
+        return replace(self, lora=replace(self.lora or LoraConfig(), adapters=dict(adapters)))
 
     def placement_of(self, replica: int) -> str:
         """"local" or "ray": where replica `replica`'s worker runs."""

@@ -21,14 +21,16 @@ from typing import Any
 VLLM_PARAMS = frozenset({
     "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
     "stop", "ignore_eos", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "include_prompt", "prompt_template",
+    "frequency_penalty", "include_prompt", "prompt_template", "adapter",
 })
 # vLLM parameters that are omnid's own: consumed by the engine, never passed to SamplingParams.
-VLLM_OMNID_PARAMS = ("include_prompt", "prompt_template")
+VLLM_OMNID_PARAMS = ("include_prompt", "prompt_template", "adapter")
 DIFFUSERS_PARAMS = frozenset({
     "num_inference_steps", "guidance_scale", "height", "width", "seed",
-    "negative_prompt", "eta", "guidance_rescale", "num_images_per_prompt",
+    "negative_prompt", "eta", "guidance_rescale", "num_images_per_prompt", "adapter", "adapters",
 })
+# Parameters whose value is an object (checked by their rule, not as a plain value).
+OBJECT_PARAMS = frozenset({"adapters"})
 
 _SEED_MAX = 2**63
 
@@ -108,6 +110,23 @@ _stop = Rule(_check_stop, {"anyOf": [{"type": "string", "minLength": 1},
                                      {"type": "array", "items": {"type": "string", "minLength": 1}}]})
 
 
+def _check_adapters(v: Any) -> str | None:
+    if not isinstance(v, dict):
+        return "must be an object of adapter names and weights: {\"style\": 0.8}"
+    for name, weight in v.items():
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
+                or not -10 <= weight <= 10:
+            return f"must give each adapter a weight from -10 to 10 ({name!r}: {weight!r})"
+    return None
+
+
+# An adapter by name (the stage's `lora.adapters`; whether the stage has it is checked by `omnid.lora`).
+_adapter = Rule(lambda v: None if isinstance(v, str) and v else "must be an adapter's name",
+                {"type": "string", "minLength": 1, "description": "one of the stage's LoRA adapters (its lora table)"})
+_adapters = Rule(_check_adapters, {"type": "object", "additionalProperties": {"type": "number", "minimum": -10,
+                                                                              "maximum": 10},
+                                   "description": "the stage's LoRA adapters to apply, by name, with their weights"})
+
 # Value rules for the known parameters, checked at the door (400) rather than in the engine; each
 # engine's declaration (`omnid.engines.capabilities`) names its table.
 VLLM_RULES: dict[str, Rule] = {
@@ -116,13 +135,14 @@ VLLM_RULES: dict[str, Rule] = {
     "seed": _integer(0, _SEED_MAX - 1), "stop": _stop, "ignore_eos": _of_type(bool, "true or false"),
     "repetition_penalty": _number(0, lo_open=True), "presence_penalty": _number(-2, 2),
     "frequency_penalty": _number(-2, 2), "include_prompt": _of_type(bool, "true or false"),
-    "prompt_template": _of_type(str, "a string"),
+    "prompt_template": _of_type(str, "a string"), "adapter": _adapter,
 }
 DIFFUSERS_RULES: dict[str, Rule] = {
     "num_inference_steps": _integer(1, 1000), "guidance_scale": _number(0),
     "height": _integer(8, 4096, multiple=8), "width": _integer(8, 4096, multiple=8),
     "seed": _integer(0, _SEED_MAX - 1), "negative_prompt": _of_type(str, "a string"),
     "eta": _number(0, 1), "guidance_rescale": _number(0), "num_images_per_prompt": _integer(1, 16),
+    "adapter": _adapter, "adapters": _adapters,
 }
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar, Protocol
@@ -197,6 +198,10 @@ class Engine(abc.ABC):
         """An engine that computes on its own while the worker does other work (vLLM's core in a
         process): its next step's outputs are there to take. Others: False (a step computes them)."""
         return False
+
+    def set_adapters(self, adapters: Mapping[str, Path]) -> None:
+        """The stage's LoRA adapters in force changed (added or removed at run time): serve these
+        from now on. Jobs already running keep the adapter they started with. Others: nothing."""
 
     def info(self) -> dict[str, Any]:
         """Facts for `GET /v1/stages` (model, dtype, ...)."""

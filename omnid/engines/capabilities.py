@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnid.params import (ANY_PARAMS, DIFFUSERS_PARAMS, DIFFUSERS_RULES, PLAIN_VALUE_SCHEMA, VLLM_PARAMS, VLLM_RULES, Rule,
+from omnid.params import (OBJECT_PARAMS, ANY_PARAMS, DIFFUSERS_PARAMS, DIFFUSERS_RULES, PLAIN_VALUE_SCHEMA, VLLM_PARAMS, VLLM_RULES, Rule,
                           plain_value, token_bounds_problem)
 
 _TEXT_OUTPUT: dict[str, Any] = {"name": "text", "kind": "text", "file": "text.txt",
@@ -53,6 +53,7 @@ class Capabilities:
     values_rule: Callable[[str, Mapping[str, Any]], str | None] | None = None    # a rule between them
     sampling: bool = False                  # takes the OpenAI sampling fields (and counts tokens)
     image_size: bool = False                # takes `width` and `height` (the images endpoint's `size`)
+    lora: bool = False                      # serves LoRA adapters of its model (a `lora` table; `adapter`)
     # -- its worker
     engine_core: bool = False               # has an engine core to place (`engine_core = "process" | "inline"`)
     worker_env: tuple[tuple[str, str], ...] = ()    # environment defaults its worker sets before loading it
@@ -74,7 +75,7 @@ VLLM = Capabilities(
     text_prompt=True, chat=True, context_window=True, media=True, tensors=True, answer="text",
     outputs=({**_TEXT_OUTPUT, "description": "the generated text (streamed as text segments)"},),
     gives=("text", *TENSOR_OUTPUTS), params=VLLM_PARAMS, rules=VLLM_RULES, values_rule=token_bounds_problem,
-    sampling=True, engine_core=True,
+    sampling=True, engine_core=True, lora=True,
     # the engine core stays in the worker unless `engine_core = "process"` (the engine sets that itself)
     worker_env=(("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_LOGGING_LEVEL", "WARNING")),
 )
@@ -86,7 +87,7 @@ DIFFUSERS = Capabilities(
     outputs=({"name": "image", "kind": "image", "file": "image.png", "content_type": "image/png",
               "description": "the image (image-K.png, one per image, when num_images_per_prompt > 1)"},
              {**_TEXT_OUTPUT, "name": "prompt", "file": "prompt.txt", "description": "the prompt it drew"}),
-    params=DIFFUSERS_PARAMS, rules=DIFFUSERS_RULES, image_size=True,
+    params=DIFFUSERS_PARAMS, rules=DIFFUSERS_RULES, image_size=True, lora=True,
 )
 PYTHON = Capabilities(
     name="python", engine_class="omnid.engines.python_engine:PythonEngine", takes_function=True,
@@ -137,7 +138,7 @@ def job_param_problem(stage: str, engine: str, defaults: Mapping[str, Any], key:
     accepted = stage_accepts(engine, defaults)
     if accepted is not None and key not in accepted:
         return f"stage {stage!r} has no parameter {key!r}; known: {', '.join(sorted(accepted))}"
-    if not plain_value(value):
+    if not plain_value(value) and key not in OBJECT_PARAMS:
         return f"params.{stage}.{key} must be a string, number, boolean, or a list of those"
     why = check_param(engine, key, value)
     if why is not None:

@@ -47,7 +47,9 @@ from typing import Any
 from omnid.config_types import StageConfig
 from omnid.engines.capabilities import DIFFUSERS, check_param
 from omnid.engines.base import Cancelled, Engine, RequestContext
+from omnid.lora import job_adapters
 from omnid.params import merged
+from omnid.vocabulary import ErrorCode
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
            "bfloat16": "bfloat16", "bf16": "bfloat16"}
@@ -188,6 +190,7 @@ class _Request:
     steps: int                      # denoising steps, for progress
     per_prompt: int                 # images per prompt
     key: str                        # equal keys: one pipeline call can serve both
+    adapters: tuple[tuple[str, float], ...] = ()    # its LoRA adapters and weights, sorted (in its key)
 
     @property
     def alone(self) -> bool:
@@ -230,6 +233,16 @@ class DiffusersEngine(Engine):
         self._shrink_inputs = self._shrinkable_tensors()
         self._queue: list[_Request] = []
         self._batch: _Batch | None = None       # max_inflight > 1: the call running in the helper thread
+        # LoRA adapters: each loaded once (`load_lora_weights(..., adapter_name=name)`), those of a
+        # call set before it (`set_adapters` with the call's weights), none for a call without:
+        # a job's adapters never reach the next call. Removed ones are deleted once no queued or
+        # running request names them.
+        self._adapters: dict[str, str] = {}
+        self._retiring: set[str] = set()
+        self._active: tuple[tuple[str, float], ...] | None = None   # what the pipeline has on now
+        if stage.lora is not None:
+            self.set_adapters(stage.adapters)
+            self._activate(())
 
     def _shrinkable_tensors(self) -> list[str]:
         """The tensors to cut a cancelled request's rows from; empty: keep computing them."""
@@ -242,10 +255,55 @@ class DiffusersEngine(Engine):
         return [name for name in _BATCHED_TENSORS if name in allowed] if "latents" in allowed else []
 
     def info(self) -> dict[str, Any]:
-        info = {"model": str(self.stage.model), "pipeline": type(self.pipe).__name__, "device": self.device}
+        info: dict[str, Any] = {"model": str(self.stage.model), "pipeline": type(self.pipe).__name__,
+                                "device": self.device}
         if self.stage.cache:
             info["cache"] = str(self.stage.cache["kind"])
+        if self.stage.lora is not None:
+            info["adapters"] = sorted(self._adapters)
         return info
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def set_adapters(self, adapters: Any) -> None:
+        for name, path in adapters.items():
+            if self._adapters.get(name) == str(path):
+                self._retiring.discard(name)
+                continue
+            if name in self._adapters:          # the same name, another folder: the old one goes first
+                self.pipe.delete_adapters([name])
+                self._active = None
+            self.pipe.load_lora_weights(str(path), adapter_name=name)
+            self._adapters[name] = str(path)
+            self._retiring.discard(name)
+            self._active = None                 # (loading one turns it on: set the next call's again)
+        self._retiring |= {n for n in self._adapters if n not in adapters}
+        self._retire()
+
+    def _retire(self) -> None:
+        """Delete the removed adapters that no queued or running request names."""
+        if not self._retiring:
+            return
+        rows = list(self._queue) + (list(self._batch.rows) if self._batch is not None else [])
+        used = {name for r in rows for name, _ in r.adapters}
+        gone = [n for n in self._retiring if n not in used]
+        if gone:
+            self.pipe.delete_adapters(gone)
+            for name in gone:
+                self._adapters.pop(name, None)
+                self._retiring.discard(name)
+            self._active = None
+
+    def _activate(self, adapters: tuple[tuple[str, float], ...]) -> None:
+        """The pipeline's LoRA for the next call: these adapters at these weights, or none."""
+        if adapters == self._active:
+            return
+        if adapters:
+            self.pipe.enable_lora()
+            self.pipe.set_adapters([n for n, _ in adapters], adapter_weights=[w for _, w in adapters])
+        elif self._adapters:
+            self.pipe.disable_lora()
+        self._active = adapters
 
     @property
     def cache_counts(self) -> tuple[int, int]:
@@ -302,6 +360,16 @@ class DiffusersEngine(Engine):
                 return None
         seed = params.pop("seed", None)
         negative = params.pop("negative_prompt", None)
+        wanted = job_adapters(params)
+        params.pop("adapter", None)
+        params.pop("adapters", None)
+        unknown = [n for n in wanted if n not in self._adapters or n in self._retiring]
+        if unknown:
+            known = ", ".join(sorted(n for n in self._adapters if n not in self._retiring)) or "none"
+            ctx.fail(f"stage {self.stage.name!r} has no adapter {unknown[0]!r} (its adapters: {known})",
+                     ErrorCode.INPUT_REJECTED)
+            return None
+        adapters = tuple(sorted((n, w) for n, w in wanted.items() if w != 0))
         try:
             steps = int(params.get("num_inference_steps", 50))
             per_prompt = int(params.get("num_images_per_prompt", 1) or 1)
@@ -312,9 +380,9 @@ class DiffusersEngine(Engine):
             ctx.fail(f"bad parameter: {type(e).__name__}: {e}")
             return None
         extra = {k: v for k, v in ctx.inputs.items() if k != "prompt" and k in self._call_args}
-        key = repr((sorted(params.items()), negative is not None))
+        key = repr((sorted(params.items()), negative is not None, adapters))
         return _Request(ctx, params, seed, None if negative is None else str(negative), extra, steps, per_prompt,
-                        key)
+                        key, adapters)
 
     def _take_batch(self) -> list[_Request]:
         """The oldest request and, up to max_inflight, every queued one compatible with it."""
@@ -364,6 +432,8 @@ class DiffusersEngine(Engine):
                 kwargs["negative_prompt"] = [r.negative_prompt or "" for r in batch.rows]
         if len(batch.rows) > 1 and self._shrink_inputs:
             kwargs["callback_on_step_end_tensor_inputs"] = list(self._shrink_inputs)
+        if self.stage.lora is not None:
+            self._activate(first.adapters)      # (every row has the same: they are in the key)
         if self.stage.cache:
             # a cancelled call never reached the pipeline's own reset: no state of it may leak into this one
             self.pipe.transformer._reset_stateful_cache()
@@ -437,6 +507,8 @@ class DiffusersEngine(Engine):
             for request in batch.rows:
                 request.ctx.fail(f"{type(e).__name__}: {e}")
             return
+        finally:
+            self._retire()
         self._deliver(batch, list(result.images))
 
     # ------------------------------------------------------------------ max_inflight > 1: step by step
@@ -476,6 +548,7 @@ class DiffusersEngine(Engine):
         if batch.thread is not None:
             batch.thread.join()
         self._batch = None
+        self._retire()
         if kind == "done":
             self._deliver(batch, value)
         elif kind == "error":

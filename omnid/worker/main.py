@@ -22,11 +22,13 @@ says which thread touches what, under which lock); what it sends downstream goes
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from omnid import protocol as P
@@ -37,6 +39,8 @@ from omnid.dataplane.shm import ShmPool
 from omnid.dataplane.wire import WorkItem
 from omnid.engines import vllm_compat
 from omnid.engines.base import Engine, InputStream, Outcome, RequestContext
+from omnid.lora import job_adapters
+from omnid.params import merged
 from omnid.process_stats import rss_bytes
 from omnid.vocabulary import ErrorCode
 from omnid.worker.handoff import DataTransport, Handoff
@@ -91,6 +95,10 @@ class StageWorker:
         self.handoff = Handoff(self.stage.name, self.jobs, make_sender, self.post, self.flush, self.shutting_down)
         self.pool: ShmPool | None = None                 # this stage's shared memory for large inputs
         self.engine: Engine = _NoEngine()          # until load_engine() returns
+        # LoRA adapters: the set in force (from the config a Reconfigure brings) and the one the
+        # engine was last given; the main thread gives the engine a new set between two steps.
+        self._adapters: Mapping[str, Path] = dict(self.stage.adapters)
+        self._engine_adapters: Mapping[str, Path] = dict(self.stage.adapters)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -164,7 +172,23 @@ class StageWorker:
     def on_reconfigure(self, msg: P.Reconfigure) -> None:
         with self._reconfigured:
             self.config = msg.config
+            mine = msg.config.stages.get(self.stage.name)
+            if mine is not None and mine.lora is not None:
+                self._adapters = dict(mine.adapters)      # (adapters added or removed: run time, reload)
+                self.wakeup.set()
             self._reconfigured.notify_all()
+
+    def _sync_adapters(self, wanted: Mapping[str, float] | None = None) -> None:
+        """Main thread: give the engine the adapter set in force if it changed. A job that names an
+        adapter this worker has not heard of yet (added at run time: its Reconfigure may come just
+        after the job, on another channel) waits for it a little."""
+        if wanted and any(name not in self._adapters for name in wanted):
+            with self._reconfigured:
+                self._reconfigured.wait_for(lambda: all(n in self._adapters for n in wanted), timeout=10.0)
+        adapters = self._adapters
+        if adapters != self._engine_adapters:
+            self.engine.set_adapters(adapters)
+            self._engine_adapters = adapters
 
     def _pipeline(self, key: str) -> PipelineConfig:
         """A pipeline by the key its jobs carry. A job of a pipeline added by a reload may reach
@@ -196,6 +220,11 @@ class StageWorker:
                     and not handoff.backlog():
                 if not self._take_input() or engine.outputs_waiting():
                     break
+            if self._adapters is not self._engine_adapters:
+                try:
+                    self._sync_adapters()
+                except Exception:
+                    logging.getLogger("omnid.worker").exception("changing the stage's adapters failed")
             # 2. abort what was cancelled, step the engine
             self._step()
             # 3. emit outputs of the requests that completed (the same: the rest after the next step)
@@ -229,6 +258,8 @@ class StageWorker:
         self.flush()                        # before `add`: a plain function runs to its end in it
         ctx = job.request
         try:
+            if self._adapters is not self._engine_adapters or ctx.params.get("adapter") or ctx.params.get("adapters"):
+                self._sync_adapters(job_adapters(merged(self.stage.defaults, ctx.params)))
             self.engine.add(ctx)
         except Exception as e:                 # per-request error: the engine lives on
             ctx.fail(f"{type(e).__name__}: {e}")

@@ -25,6 +25,7 @@ from omnid import media
 from omnid.config import TENSOR_PROMPTS, Config, PipelineConfig, StageConfig
 from omnid.engines.capabilities import capabilities, job_param_problem, values_problem
 from omnid.params import merged, plain_value
+from omnid.lora import adapter_problem
 from omnid.store import JobStore
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.http import prompt_length
@@ -284,6 +285,8 @@ def job_params(config: Config, raw: Any, pipeline: PipelineConfig) -> dict[str, 
         stage = config.stages[stage_name]
         for key, value in values.items():
             why = job_param_problem(stage_name, stage.engine, stage.defaults, key, value)
+            if why is None and key in ("adapter", "adapters"):
+                why = adapter_problem(stage_name, stage.engine, stage.adapters, key, value)
             if why is not None:
                 raise Refused(400, ErrorCode.INVALID_PARAM, why)
         why = values_problem(stage_name, stage.engine, merged(stage.defaults, values))
