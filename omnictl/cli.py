@@ -684,6 +684,54 @@ def key_rm(settings: Settings, name: str) -> None:
         click.echo(f"removed key {name}")
 
 
+@cli.group()
+def adapter() -> None:
+    """A stage's LoRA adapters at run time (its lora table); add and rm: root or the daemon's admin group."""
+
+
+@adapter.command("list")
+@click.argument("stage", shell_complete=complete_stages)
+@json_option
+@pass_settings
+def adapter_list(settings: Settings, stage: str) -> None:
+    """The adapters of STAGE, their folders, and the base model they adapt."""
+    document = settings.client().adapters(stage)
+    if settings.json:
+        _print_json(document)
+    else:
+        click.echo(render.adapters_table(document))
+
+
+@adapter.command("add")
+@click.argument("stage", shell_complete=complete_stages)
+@click.argument("name")
+@click.argument("path", type=click.Path(exists=True, file_okay=True, dir_okay=True, resolve_path=True))
+@json_option
+@pass_settings
+def adapter_add(settings: Settings, stage: str, name: str, path: str) -> None:
+    """Add the LoRA adapter in folder PATH to STAGE as NAME: jobs may name it at once (`adapter`, or the
+    OpenAI model PIPELINE:NAME); the jobs running keep going."""
+    answer = settings.client().add_adapter(stage, name, path)
+    if settings.json:
+        _print_json(answer)
+    else:
+        click.echo(f"added adapter {name} to {stage} (rank {answer.get('rank')})")
+
+
+@adapter.command("rm")
+@click.argument("stage", shell_complete=complete_stages)
+@click.argument("name")
+@json_option
+@pass_settings
+def adapter_rm(settings: Settings, stage: str, name: str) -> None:
+    """Remove adapter NAME from STAGE: new jobs may no longer name it; running ones finish with it."""
+    answer = settings.client().remove_adapter(stage, name)
+    if settings.json:
+        _print_json(answer)
+    else:
+        click.echo(f"removed adapter {name} from {stage}")
+
+
 @command()
 def metrics(settings: Settings) -> None:
     """Print the daemon's Prometheus metrics (--json: {name: [{labels, value}]})."""

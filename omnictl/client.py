@@ -388,6 +388,18 @@ class Client:
         202 (200 if awake already)."""
         return self._json("POST", f"/v1/stages/{quote(name, safe='')}/wake")
 
+    def adapters(self, stage: str) -> JSON:
+        """``GET /v1/stages/{name}/adapters``: the stage's LoRA adapters in force and its base model."""
+        return self._json("GET", f"/v1/stages/{quote(stage, safe='')}/adapters")
+
+    def add_adapter(self, stage: str, name: str, path: str) -> JSON:
+        """``POST /v1/stages/{name}/adapters`` (root or the admin group): a LoRA adapter, at once."""
+        return self._json("POST", f"/v1/stages/{quote(stage, safe='')}/adapters", body={"name": name, "path": path})
+
+    def remove_adapter(self, stage: str, name: str) -> JSON:
+        """``DELETE /v1/stages/{name}/adapters/{adapter}`` (root or the admin group)."""
+        return self._json("DELETE", f"/v1/stages/{quote(stage, safe='')}/adapters/{quote(name, safe='')}")
+
     def keys(self) -> JSON:
         """``GET /v1/keys`` (root or the admin group, on the socket): ``{"keys": [...], "file"}``;
         never the keys themselves."""

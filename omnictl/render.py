@@ -327,6 +327,11 @@ def pipelines_text(pipelines: Iterable[JSON]) -> str:
         edges = [e for e in pipeline.get("edges") or [] if isinstance(e, Mapping)]
         for i, edge in enumerate(edges):
             lines.append(("  edges   " if i == 0 else "          ") + _format_edge(edge))
+        adapters = pipeline.get("adapters")
+        for stage, lora in (adapters.items() if isinstance(adapters, Mapping) else ()):
+            if isinstance(lora, Mapping):       # a stage's LoRA adapters, and the base model they adapt
+                names = ", ".join(str(a.get("name")) for a in lora.get("adapters") or [] if isinstance(a, Mapping))
+                lines.append(f"  lora    {stage}: {names or '(none yet)'}  (base {lora.get('base')})")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 
@@ -579,3 +584,14 @@ class EventPrinter:
             self._write(text)
         if event.get("is_last"):
             self.close_line()
+
+
+def adapters_table(doc: JSON) -> str:
+    """``omnictl adapter list STAGE``: the stage's adapters, their folders, and its base model."""
+    lora = doc.get("lora") if isinstance(doc, Mapping) else None
+    if not isinstance(lora, Mapping):
+        return f"stage {doc.get('stage')} has no lora table (no adapters)"
+    rows = [[str(a.get("name")), str(a.get("path"))] for a in lora.get("adapters") or [] if isinstance(a, Mapping)]
+    head = (f"stage {doc.get('stage')}: base {lora.get('base')}, max_loras {lora.get('max_loras')}, "
+            f"max_lora_rank {lora.get('max_lora_rank')}")
+    return head + ("\n" + table(["NAME", "PATH"], rows) if rows else "\n(no adapters)")

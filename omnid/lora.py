@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omnid.config_types import Config, PipelineConfig, StageConfig
+
 PEFT_CONFIG = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "pytorch_lora_weights.safetensors")
 MAX_HEADER = 100 << 20          # a safetensors header larger than this is not one
@@ -213,3 +215,25 @@ def adapter_problem(stage: str, engine: str, adapters: Any, key: str, value: Any
             known = ", ".join(sorted(adapters)) or "none"
             return f"params.{stage}.{key}: stage {stage!r} has no adapter {name!r} (its adapters: {known})"
     return None
+
+
+def describe(stage: StageConfig) -> dict[str, Any] | None:
+    """A stage's LoRA as the API shows it (`GET /v1/stages`, `/v1/pipelines`, `omnictl pipelines`):
+    its base model and its adapters in force; None without a `lora` table."""
+    if stage.lora is None:
+        return None
+    return {"base": str(stage.model) if stage.model is not None else None,
+            "adapters": [{"name": n, "path": str(p)} for n, p in sorted(stage.adapters.items())],
+            "max_loras": stage.lora.max_loras, "max_lora_rank": stage.lora.max_lora_rank}
+
+
+def adapter_stage(config: Config, p: PipelineConfig) -> str | None:
+    """The stage whose adapters a pipeline's OpenAI models name (`PIPELINE:ADAPTER`): its last stage
+    with a `lora` table."""
+    return next((s for s in reversed(p.stages) if config.stages[s].lora is not None), None)
+
+
+def pipeline_adapters(config: Config, p: PipelineConfig) -> list[str]:
+    """The adapters of a pipeline's adapter stage, sorted (none without one)."""
+    stage = adapter_stage(config, p)
+    return sorted(config.stages[stage].adapters) if stage is not None else []

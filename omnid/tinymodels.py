@@ -923,7 +923,7 @@ def build_llm_loras(model_dir: Path) -> Path:
                                 init_lora_weights=False)
             peft_model = get_peft_model(model, config)
             _randomize_lora(peft_model, SEED + seed)
-            peft_model.save_pretrained(out / name)
+            peft_model.save_pretrained(str(out / name))
             cfg = json.loads((out / name / "adapter_config.json").read_text(encoding="utf-8"))
             cfg["base_model_name_or_path"] = "../../llm"       # (relative: the models folder may move)
             (out / name / "adapter_config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")

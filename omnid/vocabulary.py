@@ -193,6 +193,10 @@ class ErrorCode(StrEnum):
     MODEL_NOT_FOUND = "model_not_found"         # 404: no pipeline of that name
     MODEL_NOT_SUPPORTED = "model_not_supported"  # 400: the pipeline does not produce what the path gives
     NO_IMAGE = "no_image"                       # 500: an image pipeline's job produced none
+    # a stage's LoRA adapters at run time (supervisor/http/adapters.py)
+    UNKNOWN_ADAPTER = "unknown_adapter"         # 404: the stage has no adapter of that name
+    ADAPTER_EXISTS = "adapter_exists"           # 409: it has one already (remove it first)
+    INVALID_ADAPTER = "invalid_adapter"         # 400: no LoRA there, a rank above max_lora_rank, another base
 
 
 # ------------------------------------------------------------------------------ the job record

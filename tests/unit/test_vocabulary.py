@@ -27,7 +27,8 @@ API_STRINGS: dict[type, list[str]] = {
                 "input_rejected", "worker_died", "edge_failed", "output_failed", "cancelled", "timed_out", "daemon_stopping",
                 "daemon_restarted", "wake_failed",
                 "invalid_api_key", "rate_limited", "unknown_key", "key_exists", "socket_only",
-                "model_not_found", "model_not_supported", "no_image"],
+                "model_not_found", "model_not_supported", "no_image",
+                "unknown_adapter", "adapter_exists", "invalid_adapter"],
 }
 
 

@@ -40,6 +40,8 @@ from omnid.config import Config
 from omnid.supervisor.metrics import Metrics
 from omnid.store import JobStore, StoreWriteFailed
 from omnid.supervisor.http import admission
+from omnid.supervisor.http.adapters import Adapters
+from omnid.lora import describe as lora_view
 from omnid.supervisor.workers import stage_logs
 from omnid.supervisor.jobs.submission import Submission
 from omnid.supervisor.errors import STORAGE_RETRY_AFTER_S, Refused
@@ -177,6 +179,7 @@ class Api:
             web.get("/v1/ready", self.ready),
             web.get("/metrics", self.get_metrics),
         ])
+        app.add_routes(Adapters(self).routes())     # a stage's LoRA adapters at run time (adapters.py)
         self.app = app                  # (the daemon mounts the OpenAI-compatible paths: openai_api.py)
 
     # ------------------------------------------------------------------ helpers
@@ -312,7 +315,10 @@ class Api:
     # ------------------------------------------------------------------ daemon
 
     async def list_pipelines(self, request: web.Request) -> web.Response:
-        return web.json_response({"pipelines": [p.as_api() for p in self.config.pipelines.values()]})
+        config = self.config        # (each with its stages' LoRA adapters, where they have them)
+        return web.json_response({"pipelines": [{**p.as_api(), "adapters": {
+            s: lora_view(config.stages[s]) for s in p.stages if config.stages[s].lora is not None}}
+            for p in config.pipelines.values()]})
 
     async def get_pipeline(self, request: web.Request) -> web.Response:
         """One pipeline: its inputs, each stage's parameters (types, limits, defaults), edges, outputs."""

@@ -55,6 +55,7 @@ from omnid.supervisor.errors import Refused
 from omnid.supervisor.http.http_common import DISCONNECT_POLL_S as DISCONNECT_POLL_S    # (re-exported)
 from omnid.supervisor.http.http_common import (follow, follow_batches, json_body, output_file, sse_done,
                                           sse_response, sse_send, stream_output)
+from omnid.lora import adapter_stage, pipeline_adapters
 from omnid.vocabulary import ErrorCode, EventType, JobRecord, JobState
 from omnid.worker.outputs import STREAM_DIR
 
@@ -67,6 +68,7 @@ log = structlog.get_logger("omnid.openai")
 
 OPENAI_PATHS = ("/v1/models", "/v1/chat/", "/v1/completions", "/v1/images/", "/v1/audio/")
 JOB_HEADER = "X-Omnid-Job"
+_MODEL_KEY = "openai_model"             # request key: the body's `model` (a `PIPELINE:ADAPTER` sets the adapter)
 _JOB_KEY = "openai_job"                 # request keys: the job, for the answer's X-Omnid-Job header,
 _CONTENT_TYPE_KEY = "openai_ctype"      # and what a streamed output of unknown type is sent as
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -213,11 +215,17 @@ class OpenAiApi:
 
     async def list_models(self, request: web.Request) -> web.Response:
         api = self.api
-        return web.json_response({"object": "list", "data": [_model(api.config, api.store, api.info.started, p)
-                                                             for p in api.config.pipelines.values()]})
+        data = []
+        for p in api.config.pipelines.values():
+            data.append(_model(api.config, api.store, api.info.started, p))
+            data += [adapter_model(api.config, api.info.started, p, name) for name in pipeline_adapters(api.config, p)]
+        return web.json_response({"object": "list", "data": data})
 
     async def get_model(self, request: web.Request) -> web.Response:
-        p = _find(self.api.config, request.match_info["model"])
+        name = request.match_info["model"]
+        p = _find(self.api.config, name)
+        if name != p.name:
+            return web.json_response(adapter_model(self.api.config, self.api.info.started, p, name.rpartition(":")[2]))
         return web.json_response(_model(self.api.config, self.api.store, self.api.info.started, p))
 
     def _pipeline(self, body: dict[str, Any], *kinds: str) -> PipelineConfig:
@@ -579,7 +587,12 @@ class OpenAiApi:
 
     def _submit(self, request: web.Request, p: PipelineConfig, inputs: dict[str, Any],
                 params: dict[str, dict[str, Any]], summary: dict[str, Any]) -> JobRecord:
-        """An ordinary job of the caller's (what `POST /v1/jobs` does after its checks)."""
+        """An ordinary job of the caller's (what `POST /v1/jobs` does after its checks); a `model`
+        `PIPELINE:ADAPTER` sets the pipeline's adapter stage's `adapter`."""
+        chosen = adapter_choice(self.api.config, request.get(_MODEL_KEY))
+        if chosen is not None:
+            stage, adapter = chosen
+            params = {**params, stage: {**params.get(stage, {}), "adapter": adapter}}
         job = self.api.take(Submission(p, inputs, params, summary, request["uid"]),
                             "the daemon is stopping; try again once it is back")
         request[_JOB_KEY] = job.id
@@ -607,9 +620,18 @@ def _model(config: Config, store: JobStore, created: float, p: PipelineConfig) -
 
 
 def _find(config: Config, name: Any) -> PipelineConfig:
+    """The pipeline a `model` names: a pipeline's name, or `PIPELINE:ADAPTER`, one of the adapters
+    of the pipeline's adapter stage (`adapter_stage`)."""
     if not isinstance(name, str) or not name:
         raise _bad("model", "you must provide a model parameter (a pipeline's name)")
     p = config.pipelines.get(name)
+    if p is None and ":" in name:
+        base, _, adapter = name.rpartition(":")
+        p = config.pipelines.get(base)
+        known = pipeline_adapters(config, p) if p is not None else []
+        if p is not None and adapter not in known:
+            raise OpenAiError(404, f"The model `{name}` does not exist: pipeline {base!r} has no adapter {adapter!r} "
+                              f"(its adapters: {', '.join(known) or 'none'})", "model", str(ErrorCode.MODEL_NOT_FOUND))
     if p is None:
         raise OpenAiError(404, f"The model `{name}` does not exist (the pipelines: "
                           f"{', '.join(sorted(config.pipelines))})", "model",
@@ -671,6 +693,7 @@ async def _body(request: web.Request) -> dict[str, Any]:
         raise OpenAiError(e.status, e.message, code=str(e.code)) from None
     if not isinstance(body, dict):
         raise _bad(None, "the request body must be a JSON object")
+    request[_MODEL_KEY] = body.get("model")
     return body
 
 
@@ -959,3 +982,29 @@ def _sampling(config: Config, p: PipelineConfig, body: dict[str, Any],
         raise _bad("max_tokens", why)
     values.update(extra)
     return {stage: values}
+
+
+# ---------------------------------------------------------------------------- LoRA adapters as models
+# As `vllm serve --lora-modules` lists them: each adapter is a model of its own, `PIPELINE:ADAPTER`,
+# whose `parent` is the pipeline; a request for it is the pipeline's job with the adapter stage's
+# `adapter` set.
+
+
+def adapter_choice(config: Config, model: Any) -> tuple[str, str] | None:
+    """(stage, adapter) that a `model` of `PIPELINE:ADAPTER` asks for; None for a plain pipeline."""
+    if not isinstance(model, str) or model in config.pipelines or ":" not in model:
+        return None
+    base, _, adapter = model.rpartition(":")
+    p = config.pipelines.get(base)
+    stage = adapter_stage(config, p) if p is not None else None
+    if stage is None or adapter not in config.stages[stage].adapters:
+        return None
+    return stage, adapter
+
+
+def adapter_model(config: Config, created: float, p: PipelineConfig, adapter: str) -> dict[str, Any]:
+    stage = adapter_stage(config, p)
+    assert stage is not None
+    return {"id": f"{p.name}:{adapter}", "object": "model", "created": int(created), "owned_by": "omnid",
+            "parent": p.name, "root": str(config.stages[stage].adapters[adapter]),
+            "omnid": {"stage": stage, "adapter": adapter, "base": str(config.stages[stage].model)}}

@@ -23,6 +23,7 @@ from omnid.engines.capabilities import (CAPABILITIES, capabilities, describe_sta
                                         stage_params_schema)
 from omnid.media import IMAGE_FORMATS, MEDIA_KINDS
 from omnid.params import PLAIN_VALUE_SCHEMA
+from omnid.lora import describe as describe_lora, pipeline_adapters
 from omnid.supervisor.workers.stage_logs import SINCE_PATTERN
 from omnid.vocabulary import JOB_LINKS, ErrorCode, EventType, JobState, StageRunState, WorkerState
 
@@ -80,8 +81,24 @@ def describe_pipeline(config: Config, pipeline: PipelineConfig) -> dict[str, Any
     stages = [config.stages[name] for name in pipeline.stages]
     doc["inputs"] = {s.name: _stage_inputs(s) for s in stages if s.name in pipeline.sources}
     doc["params"] = {s.name: {"engine": s.engine, **describe_stage_params(s.engine, s.defaults)} for s in stages}
+    for s in stages:
+        _name_adapters(doc["params"][s.name]["params"], s)
     doc["outputs"] = {s.name: _stage_outputs(s) for s in stages if s.name in pipeline.sinks}
+    doc["adapters"] = {s.name: describe_lora(s) for s in stages if s.lora is not None}
     return doc
+
+
+def _name_adapters(params: dict[str, Any], stage: StageConfig) -> dict[str, Any]:
+    """A stage's `adapter` and `adapters` parameters (in a description or a schema's properties) with
+    the names of its adapters in force."""
+    if stage.lora is None:
+        return params
+    names = sorted(stage.adapters)
+    if isinstance(params.get("adapter"), dict):
+        params["adapter"] = {**params["adapter"], "enum": names}
+    if isinstance(params.get("adapters"), dict):
+        params["adapters"] = {**params["adapters"], "propertyNames": {"enum": names}}
+    return params
 
 
 # ------------------------------------------------------------------ schemas
@@ -134,12 +151,24 @@ def _job_request(config: Config) -> dict[str, Any]:
         inputs = {"type": "object", "additionalProperties": _INPUT_VALUE, "propertyNames": _INPUT_NAME,
                   "properties": {"prompt": _STR} if needs_prompt else {},
                   "required": ["prompt"] if needs_prompt else []}
-        params = _obj({name: stage_params_schema(config.stages[name].engine, config.stages[name].defaults)
+        params = _obj({name: _adapter_schema(stage_params_schema(config.stages[name].engine,
+                                                                 config.stages[name].defaults), config.stages[name])
                        for name in pipeline.stages}, extra=False)
         variants.append(_obj({"pipeline": {"const": pipeline.name}, "inputs": inputs, "params": params,
                               "timeout_s": timeout}, ["pipeline", *(["inputs"] if needs_prompt else [])],
                              extra=False) | {"title": pipeline.name})
     return {"oneOf": variants} if variants else _obj({"pipeline": _STR}, ["pipeline"])
+
+
+def _adapter_schema(schema: dict[str, Any], stage: StageConfig) -> dict[str, Any]:
+    if isinstance(schema.get("properties"), dict):
+        schema["properties"] = _name_adapters(dict(schema["properties"]), stage)
+    return schema
+
+
+_LORA = _nullable(_obj({"base": _nullable(_STR), "max_loras": _INT, "max_lora_rank": _INT,
+                        "adapters": {"type": "array", "items": _obj({"name": _STR, "path": _STR}, ["name", "path"])}},
+                       ["base", "adapters", "max_loras", "max_lora_rank"]))
 
 
 def schemas(config: Config) -> dict[str, Any]:
@@ -196,6 +225,8 @@ def schemas(config: Config) -> dict[str, Any]:
                                                          "content_type": _STR, "description": _STR},
                                                         ["name", "kind", "content_type"])}},
             ["known", "engine", "outputs"])},
+        "adapters": {"type": "object", "additionalProperties": _LORA,
+                     "description": "the LoRA adapters of its stages that have a lora table, and their base model"},
     }
     stage_keys = {
         "name": _STR, "engine": _enum(CAPABILITIES), "state": _enum(WorkerState),
@@ -213,7 +244,7 @@ def schemas(config: Config) -> dict[str, Any]:
     replica_keys = {**stage_keys, "replica": _INT, "label": _STR, "retiring": _BOOL}
     stage_keys = {**stage_keys, "replica_count": _INT, "down": {"type": "array", "items": _STR},
                   "idle_unload_s": _nullable(_NUM), "idle_s": _nullable(_NUM), "slept_at": _nullable(_NUM),
-                  "wake_s": _nullable(_NUM),
+                  "wake_s": _nullable(_NUM), "lora": _LORA,
                   "replicas": {"type": "array", "items": _obj(replica_keys, ["name", "replica", "state", "pid"])}}
     return {
         "Error": _obj({"error": _obj({"code": _enum(ErrorCode), "message": _STR,
@@ -244,6 +275,10 @@ def schemas(config: Config) -> dict[str, Any]:
         "Restarting": _obj({"restarting": _STR, "stage": _ref("Stage")}, ["restarting", "stage"]),
         "Sleeping": _obj({"sleeping": _STR, "already": _BOOL, "stage": _ref("Stage")}, ["sleeping", "stage"]),
         "Waking": _obj({"waking": _STR, "already": _BOOL, "stage": _ref("Stage")}, ["waking", "stage"]),
+        "StageAdapters": _obj({"stage": _STR, "lora": _LORA}, ["stage", "lora"]),
+        "AdapterRequest": _obj({"name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"},
+                                "path": {**_STR, "minLength": 1, "description": "the adapter's folder (relative: "
+                                         "to the config file's folder)"}}, ["name", "path"], extra=False),
         "Health": _obj({"status": {"const": "ok"}, "pid": _INT, "uptime_s": _NUM, "version": _STR,
                         "live_jobs": _INT, "stopping_jobs": _INT},
                        ["status", "pid", "uptime_s", "version", "live_jobs"]),
@@ -354,6 +389,21 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
                  "content": {"text/plain": {"schema": _STR}}, **_LOG_STREAM}},
         parameters=[_path_param("name", "the stage's name"), *_LOG_QUERY,
                     _query("replica", {"type": "integer", "minimum": 0}, "which replica (0 by default)")]),
+    ("GET", "/v1/stages/{name}/adapters"): _op(
+        "A stage's LoRA adapters in force and their base model", {"200": _json(_ref("StageAdapters"), "the adapters")},
+        parameters=[_path_param("name", "the stage's name")]),
+    ("POST", "/v1/stages/{name}/adapters"): _op(
+        "Add a LoRA adapter to a running stage (root or daemon.admin_group): new jobs may name it at once; "
+        "400 invalid_adapter (no LoRA there, a rank above max_lora_rank, made for another model), 409 "
+        "adapter_exists", {"201": _json(_obj({"stage": _STR, "added": _STR, "rank": _INT, "lora": _LORA},
+                                             ["stage", "added", "lora"]), "added")},
+        parameters=[_path_param("name", "the stage's name")], requestBody={"required": True, "content": {
+            "application/json": {"schema": _ref("AdapterRequest")}}}),
+    ("DELETE", "/v1/stages/{name}/adapters/{adapter}"): _op(
+        "Remove a LoRA adapter (root or daemon.admin_group): new jobs may no longer name it; running ones "
+        "finish with it", {"200": _json(_obj({"stage": _STR, "removed": _STR, "lora": _LORA},
+                                             ["stage", "removed", "lora"]), "removed")},
+        parameters=[_path_param("name", "the stage's name"), _path_param("adapter", "the adapter's name")]),
     ("GET", "/v1/logs"): _op(
         "The daemon's own records, one `TIME LINE` per line (root or daemon.admin_group)",
         {"200": {"description": "text lines, each prefixed with the UTC time it was written; with follow, a "
@@ -424,8 +474,9 @@ def _body(schema: dict[str, Any]) -> dict[str, Any]:
 
 def _models(config: Config, kind: str) -> dict[str, Any]:
     """`model`: the pipelines whose last stages' engines may give this kind of answer."""
-    names = [p.name for p in config.pipelines.values()
-             if any(capabilities(config.stages[s].engine).may_answer(kind) for s in p.sinks)]
+    names = [name for p in config.pipelines.values()
+             if any(capabilities(config.stages[s].engine).may_answer(kind) for s in p.sinks)
+             for name in (p.name, *(f"{p.name}:{a}" for a in pipeline_adapters(config, p)))]
     return {"type": "string", "enum": names} if names else {"type": "string",
                                                               "description": "no pipeline here gives this answer"}
 
@@ -503,6 +554,8 @@ def _openai_schemas() -> dict[str, Any]:
             "param": _nullable(_STR), "code": {"anyOf": [_enum(_OPENAI_CODES), _NULL]}},
             ["message", "type", "param", "code"])}, ["error"]),
         "Model": _obj({"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR,
+                       "parent": {**_STR, "description": "a LoRA adapter's model (PIPELINE:ADAPTER): its pipeline"},
+                       "root": {**_STR, "description": "a LoRA adapter's model: the adapter's folder"},
                        "omnid": {"type": "object"}}, ["id", "object", "created", "owned_by"]),
         "ModelList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}},
                           ["object", "data"]),

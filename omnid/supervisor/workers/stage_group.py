@@ -30,6 +30,7 @@ import structlog
 
 from omnid.config import Config, StageConfig
 from omnid.locks import DeviceBusy, DeviceLeases
+from omnid.lora import describe as lora_view
 from omnid.supervisor.live import Follower, Live
 from omnid.supervisor.workers.stage import StageHandle, StageListener
 from omnid.vocabulary import SleepState, WorkerState
@@ -350,5 +351,6 @@ class StageGroup(Follower):
             "idle_s": round(self.idle_for(), 1) if not self.sleeping else None,
             "slept_at": self.slept_at if self.sleeping else None,
             "wake_s": self.wake_s,
+            "lora": lora_view(self.stage),      # its LoRA adapters in force (supervisor/http/adapters.py)
             "replicas": replicas,
         }
