@@ -153,7 +153,7 @@ def test_job_param_problem_unknown_name_lists_the_known_ones() -> None:
 
 def test_job_param_problem_a_stages_own_defaults_are_settable() -> None:
     assert job_param_problem("gen", "vllm", {"custom": 1}, "custom", 2) is None
-    assert "known: custom, frequency_penalty" in job_param_problem("gen", "vllm", {"custom": 1}, "nope", 2)
+    assert "known: adapter, custom, frequency_penalty" in job_param_problem("gen", "vllm", {"custom": 1}, "nope", 2)
 
 
 def test_job_param_problem_value_not_plain() -> None:

@@ -1,0 +1,115 @@
+"""A stage's `lora` table and `omnid.lora`'s checks of an adapter folder, in-process.
+
+The adapters and models are fakes written here: a safetensors file is an 8-byte header length, a
+JSON header (names, shapes) and the bytes, and `omnid.lora` reads only the header. So a "model" is
+one weight file whose shapes the adapters must fit.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omnid import config as C
+from omnid import lora as L
+from omnid.engines.capabilities import job_param_problem
+
+
+def _safetensors(path: Path, shapes: dict[str, list[int]]) -> None:
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, shape in shapes.items():
+        size = 4
+        for n in shape:
+            size *= n
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(offset))
+
+
+def _model(folder: Path, hidden: int = 16) -> Path:
+    (folder / "config.json").parent.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text("{}")
+    _safetensors(folder / "model.safetensors", {"model.layers.0.self_attn.q_proj.weight": [hidden, hidden],
+                                                "model.layers.0.mlp.up_proj.weight": [4 * hidden, hidden]})
+    return folder
+
+
+def _adapter(folder: Path, rank: int = 4, hidden: int = 16, module: str = "self_attn.q_proj") -> Path:
+    out = 4 * hidden if "up_proj" in module else hidden
+    prefix = f"base_model.model.model.layers.0.{module}"
+    _safetensors(folder / "adapter_model.safetensors", {f"{prefix}.lora_A.weight": [rank, hidden],
+                                                        f"{prefix}.lora_B.weight": [out, rank]})
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank}))
+    return folder
+
+
+def _config(tmp_path: Path, lora: Any, **stage: Any) -> dict[str, Any]:
+    return {"stages": {"chat": {"engine": "vllm", "model": str(_model(tmp_path / "llm")), **stage,
+                                **({"lora": lora} if lora is not None else {})}},
+            "pipelines": {"chat": {"stages": ["chat"]}}}
+
+
+def _problems(data: dict[str, Any], base: Path) -> dict[str, str]:
+    with pytest.raises(C.ConfigError) as err:
+        C.parse(copy.deepcopy(data), base=base)
+    return {p.path: p.message for p in err.value.problems}
+
+
+def test_a_lora_table_parses_with_its_adapters_resolved(tmp_path: Path) -> None:
+    _adapter(tmp_path / "sql")
+    cfg = C.parse(_config(tmp_path, {"adapters": {"sql": "sql"}, "max_loras": 2, "max_lora_rank": 8},
+                          defaults={"adapter": "sql"}), base=tmp_path)
+    stage = cfg.stages["chat"]
+    assert stage.lora is not None and stage.lora.max_loras == 2 and stage.lora.max_lora_rank == 8
+    assert stage.adapters == {"sql": tmp_path / "sql"}
+    # the adapter set is not part of the stage's definition (run-time adds keep the worker)
+    assert stage.with_adapters({}) == stage and stage.with_adapters({}).adapters == {}
+
+
+def test_check_refuses_no_adapter_a_rank_too_high_and_another_base(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    _adapter(tmp_path / "big", rank=16)
+    _adapter(tmp_path / "other", hidden=32)                      # made for a wider model
+    _adapter(tmp_path / "elsewhere", module="self_attn.k_proj")  # a module the model has not
+    found = _problems(_config(tmp_path, {"max_lora_rank": 8, "adapters": {
+        "none": "empty", "big": "big", "other": "other", "elsewhere": "elsewhere", "gone": "nowhere"}}), tmp_path)
+    assert "holds no LoRA adapter" in found["stages.chat.lora.adapters.none"]
+    assert "rank is 16, above the stage's max_lora_rank (8)" in found["stages.chat.lora.adapters.big"]
+    assert "another base model" in found["stages.chat.lora.adapters.other"]
+    assert "does not have" in found["stages.chat.lora.adapters.elsewhere"]
+    assert "does not exist" in found["stages.chat.lora.adapters.gone"]
+
+
+def test_check_refuses_lora_keys_where_they_do_not_belong(tmp_path: Path) -> None:
+    _adapter(tmp_path / "sql")
+    found = _problems(_config(tmp_path, {"max_lora_rank": 12, "size": 1, "adapters": {"bad name": "sql"}},
+                              args={"enable_lora": True}, defaults={"adapter": "nope"}), tmp_path)
+    assert "vLLM takes one of" in found["stages.chat.lora.max_lora_rank"]
+    assert "unknown key" in found["stages.chat.lora.size"]
+    assert "adapter's name" in found["stages.chat.lora.adapters.bad name"]
+    assert "lora table" in found["stages.chat.args.enable_lora"]
+    assert "has no adapter 'nope'" in found["stages.chat.defaults.adapter"]
+    found = _problems(_config(tmp_path, None, defaults={"adapter": "sql"}), tmp_path)
+    assert "no lora table" in found["stages.chat.defaults.adapter"]
+    py = {"stages": {"f": {"engine": "python", "function": "os:getcwd", "lora": {}}},
+          "pipelines": {"f": {"stages": ["f"]}}}
+    assert "only vllm, diffusers stages" in _problems(py, tmp_path)["stages.f.lora"]
+
+
+def test_the_job_params_and_their_door_checks() -> None:
+    assert job_param_problem("draw", "diffusers", {}, "adapters", {"style": 0.8}) is None
+    assert "weight" in (job_param_problem("draw", "diffusers", {}, "adapters", {"style": True}) or "")
+    assert "no parameter 'adapters'" in (job_param_problem("chat", "vllm", {}, "adapters", {"a": 1}) or "")
+    assert L.adapter_problem("chat", "vllm", {"a": Path("/x")}, "adapter", "a") is None
+    why = L.adapter_problem("chat", "vllm", {"a": Path("/x")}, "adapter", "b")
+    assert why == "params.chat.adapter: stage 'chat' has no adapter 'b' (its adapters: a)"
+    assert L.job_adapters({"adapter": "a", "adapters": {"b": 0.5}}) == {"a": 1.0, "b": 0.5}
+    assert L.job_adapters({}) == {}
