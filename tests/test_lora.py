@@ -75,17 +75,24 @@ def reference_text() -> Any:
     return text
 
 
+_PIPES: dict[tuple[tuple[str, float], ...], Any] = {}
+
+
 def _reference_image(weights: dict[str, float] | None, prompt: str) -> np.ndarray:
-    """diffusers alone: the tiny SD (+ the adapters at these weights), the job's seed and parameters."""
+    """diffusers alone: the tiny SD (+ the adapters at these weights), the job's seed and parameters
+    (one pipeline per adapter set, kept for the module)."""
     import torch
     from diffusers import StableDiffusionPipeline
 
-    pipe = StableDiffusionPipeline.from_pretrained(str(MODELS / "sd"), torch_dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    if weights:
-        for name in weights:
+    key = tuple(sorted((weights or {}).items()))
+    pipe = _PIPES.get(key)
+    if pipe is None:
+        pipe = _PIPES[key] = StableDiffusionPipeline.from_pretrained(str(MODELS / "sd"), dtype=torch.float32)
+        pipe.set_progress_bar_config(disable=True)
+        for name, _ in key:
             pipe.load_lora_weights(str(SD_LORAS / name), adapter_name=name)
-        pipe.set_adapters(list(weights), adapter_weights=list(weights.values()))
+        if key:
+            pipe.set_adapters([n for n, _ in key], adapter_weights=[w for _, w in key])
     params = {k: v for k, v in SD_PARAMS.items() if k != "seed"}
     image = pipe(prompt=prompt, generator=torch.Generator().manual_seed(int(SD_PARAMS["seed"])), **params).images[0]
     return np.asarray(image.convert("RGB")).astype(np.int16)
