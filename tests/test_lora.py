@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import io
 import json
+import socket
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -44,8 +47,29 @@ def daemon() -> Iterator[RunningDaemon]:
                         lora={"adapters": {"style": str(SD_LORAS / "style")}, "max_lora_rank": 8}),
     }
     pipelines = {"chat": {"stages": ["chat"]}, "draw": {"stages": ["draw"]}}
-    with module_daemon(short_tmpdir(), stages, pipelines, {"heartbeat_timeout_s": 60.0}, ready_timeout=300) as rd:
+    port = _free_port()
+    with module_daemon(short_tmpdir(), stages, pipelines, {"heartbeat_timeout_s": 60.0,
+                                                           "listen": [f"127.0.0.1:{port}"]}, ready_timeout=300) as rd:
+        rd.base = f"http://127.0.0.1:{port}"          # type: ignore[attr-defined]
         yield rd
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tcp(d: RunningDaemon, method: str, path: str, key: str, body: Any = None) -> tuple[int, Any]:
+    """A request over the TCP listener with an API key: (status, JSON answer)."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(d.base + path, data=data, method=method,  # type: ignore[attr-defined]
+                                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 # ------------------------------------------------------------------ references
@@ -249,3 +273,18 @@ def test_omnictl_adapter_commands_and_pipelines(daemon: RunningDaemon) -> None:
     out = omnictl(daemon, "adapter", "rm", "draw", "style2")
     assert out.returncode == 0, out.stderr
     assert "style2" not in omnictl(daemon, "adapter", "list", "draw").stdout
+
+
+def test_over_tcp_only_an_admins_key_changes_adapters(daemon: RunningDaemon) -> None:
+    user = daemon.client.add_key("lora-user", uid=54321)["key"]
+    admin = daemon.client.add_key("lora-admin", uid=0)["key"]
+    body = {"name": "t", "path": str(LLM_LORAS / "b")}
+    status, answer = _tcp(daemon, "POST", "/v1/stages/chat/adapters", user, body)
+    assert status == 403 and answer["error"]["code"] == "not_admin"
+    status, answer = _tcp(daemon, "GET", "/v1/stages/chat/adapters", user)
+    assert status == 200 and [a["name"] for a in answer["lora"]["adapters"]] == ["a", "b"]
+    status, answer = _tcp(daemon, "POST", "/v1/stages/chat/adapters", admin, body)
+    assert status == 201 and answer["added"] == "t"
+    assert _tcp(daemon, "DELETE", "/v1/stages/chat/adapters/t", user)[0] == 403
+    status, answer = _tcp(daemon, "DELETE", "/v1/stages/chat/adapters/t", admin)
+    assert status == 200 and answer["removed"] == "t"

@@ -240,6 +240,7 @@ class DiffusersEngine(Engine):
         self._adapters: dict[str, str] = {}
         self._retiring: set[str] = set()
         self._active: tuple[tuple[str, float], ...] | None = None   # what the pipeline has on now
+        self._pending: dict[str, str] | None = None     # a new set that waits for the running call's end
         if stage.lora is not None:
             self.set_adapters(stage.adapters)
             self._activate(())
@@ -266,6 +267,12 @@ class DiffusersEngine(Engine):
     # ------------------------------------------------------------------ LoRA adapters
 
     def set_adapters(self, adapters: Any) -> None:
+        if self._batch is not None:
+            # A call is paused between two denoising steps: loading or deleting an adapter now would
+            # change the UNet under it. The new set goes in before the next call.
+            self._pending = {n: str(p) for n, p in adapters.items()}
+            return
+        self._pending = None
         for name, path in adapters.items():
             if self._adapters.get(name) == str(path):
                 self._retiring.discard(name)
@@ -321,6 +328,8 @@ class DiffusersEngine(Engine):
             self._queue.append(request)
 
     def step(self) -> None:
+        if self._pending is not None and self._batch is None:
+            self.set_adapters(self._pending)        # (an add or remove that came during the last call)
         if self.max_batch == 1:
             self._run_inline(self._take_batch())
             return
@@ -363,9 +372,10 @@ class DiffusersEngine(Engine):
         wanted = job_adapters(params)
         params.pop("adapter", None)
         params.pop("adapters", None)
-        unknown = [n for n in wanted if n not in self._adapters or n in self._retiring]
+        in_force = set(self._pending) if self._pending is not None else set(self._adapters) - self._retiring
+        unknown = [n for n in wanted if n not in in_force]
         if unknown:
-            known = ", ".join(sorted(n for n in self._adapters if n not in self._retiring)) or "none"
+            known = ", ".join(sorted(in_force)) or "none"
             ctx.fail(f"stage {self.stage.name!r} has no adapter {unknown[0]!r} (its adapters: {known})",
                      ErrorCode.INPUT_REJECTED)
             return None
