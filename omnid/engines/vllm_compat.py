@@ -159,22 +159,31 @@ def fix_cpu_lora_no_adapter() -> bool:
             none = indices < 0
             if not bool(none.any()):
                 return orig(inputs, weights, output, indices, *args, **kwargs)
+            if bool(none.all()):            # no adapter in the batch: nothing to compute
+                output[:none.shape[0]] = 0
+                return None
             result = orig(inputs, weights, output, indices.clamp(min=0), *args, **kwargs)
             output[:none.shape[0]][none] = 0          # (shrink writes its rows: the expand adds zero)
             return result
         return fixed
 
-    def expand(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def expand(orig: Callable[..., Any], add_at: int) -> Callable[..., Any]:
         def fixed(inputs: Any, weights: Any, output: Any, indices: Any, *args: Any, **kwargs: Any) -> Any:
             none = indices < 0
             if not bool(none.any()):
                 return orig(inputs, weights, output, indices, *args, **kwargs)
+            adds = kwargs.get("add_inputs", args[add_at] if len(args) > add_at else True)
+            if bool(none.all()) and adds:   # adding zero to every row: nothing to compute
+                return None
             inputs = inputs.clone()
             inputs[:none.shape[0]][none] = 0
             return orig(inputs, weights, output, indices.clamp(min=0), *args, **kwargs)
         return fixed
 
-    for name, wrap in (("bgmv_shrink", shrink), ("bgmv_expand", expand), ("bgmv_expand_slice", expand)):
+    # (bgmv_expand's add_inputs is its 5th argument, bgmv_expand_slice's its 7th)
+    wrappers: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+        "bgmv_shrink": shrink, "bgmv_expand": lambda op: expand(op, 0), "bgmv_expand_slice": lambda op: expand(op, 2)}
+    for name, wrap in wrappers.items():
         fixed_op = wrap(getattr(lora_ops, name))
         setattr(lora_ops, name, fixed_op)          # (the sgmv ops call these by their module's name)
         if hasattr(punica_cpu, name):
