@@ -49,7 +49,7 @@ def daemon() -> Iterator[RunningDaemon]:
     pipelines = {"chat": {"stages": ["chat"]}, "draw": {"stages": ["draw"]}}
     port = _free_port()
     with module_daemon(short_tmpdir(), stages, pipelines, {"heartbeat_timeout_s": 60.0,
-                                                           "listen": [f"127.0.0.1:{port}"]}, ready_timeout=300) as rd:
+                                                           "listen": [f"127.0.0.1:{port}"]}, ready_timeout=600) as rd:
         rd.base = f"http://127.0.0.1:{port}"          # type: ignore[attr-defined]
         yield rd
 
