@@ -67,8 +67,9 @@ class Adapters:
         return group, stage
 
     async def list(self, request: web.Request) -> web.Response:
-        group, stage = self._stage(request)
-        return web.json_response({"stage": group.name, "lora": describe(stage)})
+        """A stage's LoRA adapters in force and their base model (`lora`: null for a stage without)."""
+        group = self.api._stage(request)
+        return web.json_response({"stage": group.name, "lora": describe(self.api.config.stages[group.name])})
 
     async def add(self, request: web.Request) -> web.Response:
         """Add an adapter: `{"name": "sql", "path": "/srv/loras/sql"}` (a path relative to the config
