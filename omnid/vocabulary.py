@@ -196,7 +196,7 @@ class ErrorCode(StrEnum):
     # a stage's LoRA adapters at run time (supervisor/http/adapters.py)
     UNKNOWN_ADAPTER = "unknown_adapter"         # 404: the stage has no adapter of that name
     ADAPTER_EXISTS = "adapter_exists"           # 409: it has one already (remove it first)
-    INVALID_ADAPTER = "invalid_adapter"         # 400: no LoRA there, a rank above max_lora_rank, another base
+    INVALID_ADAPTER = "invalid_adapter"         # 400: no LoRA there, a rank too high, another base; 409: no lora table
 
 
 # ------------------------------------------------------------------------------ the job record

@@ -9,6 +9,9 @@ A reload of the config file puts the file's set in force the same way (`LoraConf
 part of the stage's definition: no new worker). Nothing running is dropped: a removed adapter stays
 in an engine until the last job that named it ends.
 
+A stage that takes no adapters (a python stage, or one without a `lora` table: vLLM's LoRA is on or
+off at load) answers 409; an adapter folder that fails the checks, 400.
+
 Adds and removes are root's or the admin group's (over TCP: a key of such a uid); anyone may list.
 Runs in the event-loop thread; an add reads the adapter's and the model's safetensors headers only.
 """
@@ -62,7 +65,7 @@ class Adapters:
         group = self.api._stage(request)
         stage = self.api.config.stages[group.name]
         if not capabilities(stage.engine).lora:
-            raise Refused(400, ErrorCode.INVALID_ADAPTER, f"stage {group.name!r} is a {stage.engine} stage: it "
+            raise Refused(409, ErrorCode.INVALID_ADAPTER, f"stage {group.name!r} is a {stage.engine} stage: it "
                           f"takes no LoRA adapters")
         return group, stage
 
@@ -85,7 +88,7 @@ class Adapters:
         if not isinstance(path, str) or not path:
             raise Refused(400, ErrorCode.INVALID_ADAPTER, "\"path\" must be the adapter's folder")
         if stage.lora is None:
-            raise Refused(400, ErrorCode.INVALID_ADAPTER, f"stage {group.name!r} has no lora table: vLLM's LoRA "
+            raise Refused(409, ErrorCode.INVALID_ADAPTER, f"stage {group.name!r} has no lora table: vLLM's LoRA "
                           f"is off. Add `lora = {{ max_lora_rank = 16 }}` to stages.{group.name} and restart it")
         if name in stage.adapters:
             raise Refused(409, ErrorCode.ADAPTER_EXISTS, f"stage {group.name!r} has an adapter {name!r} already "

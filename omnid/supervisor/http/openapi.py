@@ -395,7 +395,7 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/v1/stages/{name}/adapters"): _op(
         "Add a LoRA adapter to a running stage (root or daemon.admin_group): new jobs may name it at once; "
         "400 invalid_adapter (no LoRA there, a rank above max_lora_rank, made for another model), 409 "
-        "adapter_exists", {"201": _json(_obj({"stage": _STR, "added": _STR, "rank": _INT, "lora": _LORA},
+        "adapter_exists, or 409 invalid_adapter for a stage that takes none (no lora table)", {"201": _json(_obj({"stage": _STR, "added": _STR, "rank": _INT, "lora": _LORA},
                                              ["stage", "added", "lora"]), "added")},
         parameters=[_path_param("name", "the stage's name")], requestBody={"required": True, "content": {
             "application/json": {"schema": _ref("AdapterRequest")}}}),
