@@ -154,44 +154,30 @@ def fix_cpu_lora_no_adapter() -> bool:
     if getattr(lora_ops, "_omnid_fixed", False):
         return True
 
-    # Every LoRA layer of a step gets the same indices (views of one buffer, which vLLM refills in
-    # place for the next step): the mask and the clamped indices are computed once per step.
-    seen: dict[str, Any] = {"key": None}
-
-    def masks(indices: Any) -> tuple[Any, bool, bool, Any]:
-        key = (indices.data_ptr(), tuple(indices.shape), indices._version)
-        if seen["key"] != key:
-            none = indices < 0
-            # (`ref` holds the tensor: its memory is not reused by another while its key is kept, and
-            # an in-place write to it, or to a view of it, changes `_version`)
-            seen.update(key=key, ref=indices, value=(none, bool(none.any()), bool(none.all()), indices.clamp(min=0)))
-        value: tuple[Any, bool, bool, Any] = seen["value"]
-        return value
-
     def shrink(orig: Callable[..., Any]) -> Callable[..., Any]:
         def fixed(inputs: Any, weights: Any, output: Any, indices: Any, *args: Any, **kwargs: Any) -> Any:
-            none, some, every, clamped = masks(indices)
-            if not some:
+            none = indices < 0
+            if not bool(none.any()):
                 return orig(inputs, weights, output, indices, *args, **kwargs)
-            if every:                       # no adapter in the batch: nothing to compute
+            if bool(none.all()):            # no adapter in the batch: nothing to compute
                 output[:none.shape[0]] = 0
                 return None
-            result = orig(inputs, weights, output, clamped, *args, **kwargs)
+            result = orig(inputs, weights, output, indices.clamp(min=0), *args, **kwargs)
             output[:none.shape[0]][none] = 0          # (shrink writes its rows: the expand adds zero)
             return result
         return fixed
 
     def expand(orig: Callable[..., Any], add_at: int) -> Callable[..., Any]:
         def fixed(inputs: Any, weights: Any, output: Any, indices: Any, *args: Any, **kwargs: Any) -> Any:
-            none, some, every, clamped = masks(indices)
-            if not some:
+            none = indices < 0
+            if not bool(none.any()):
                 return orig(inputs, weights, output, indices, *args, **kwargs)
             adds = kwargs.get("add_inputs", args[add_at] if len(args) > add_at else True)
-            if every and adds:              # adding zero to every row: nothing to compute
+            if bool(none.all()) and adds:   # adding zero to every row: nothing to compute
                 return None
             inputs = inputs.clone()
             inputs[:none.shape[0]][none] = 0
-            return orig(inputs, weights, output, clamped, *args, **kwargs)
+            return orig(inputs, weights, output, indices.clamp(min=0), *args, **kwargs)
         return fixed
 
     # (bgmv_expand's add_inputs is its 5th argument, bgmv_expand_slice's its 7th)
