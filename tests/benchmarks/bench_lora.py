@@ -93,7 +93,7 @@ def _add_while_streaming(ctx: Ctx, d: Daemon) -> tuple[int, float, float]:
 
 def bench_lora(ctx: Ctx) -> list[Row]:
     stages, pipelines = _config()
-    d = start_daemon(stages, pipelines)
+    d = start_daemon(stages, pipelines, timeout=480)      # (two vLLM stages and SD loading on a busy host)
     ctx.log(f"daemon ready in {fmt(d.ready_s)} s")
     try:
         _wall(ctx, d, "chat", ["a", None])          # warm
