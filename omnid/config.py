@@ -195,6 +195,7 @@ def _parse_daemon(c: _Checker, raw: Any, base: Path) -> DaemonConfig:
         log_file_max_bytes=c.positive(d, "log_file_max_bytes", "daemon", 10 << 20, integer=True),
         log_file_keep=c.positive(d, "log_file_keep", "daemon", 3, integer=True, allow_zero=True),
         ray_address=c.get(d, "ray_address", "daemon", str),
+        preload_workers=bool(c.get(d, "preload_workers", "daemon", bool, True)),
         **_parse_tcp(c, d),
         min_free_mb=c.positive(d, "min_free_mb", "daemon", 512, integer=True, allow_zero=True),
         min_free_inodes=c.positive(d, "min_free_inodes", "daemon", 1024, integer=True, allow_zero=True),
