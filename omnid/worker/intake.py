@@ -16,12 +16,14 @@ from collections.abc import Callable
 from omnid import protocol as P
 from omnid.config import PipelineConfig
 from omnid.dataplane.wire import Closing, WorkItem
+from omnid.fair_queue import RankedQueue
 from omnid.worker.jobs import JobTable
 from omnid.worker.windows import EdgeStream
 
 
 class Intake:
-    """The input queue, its counts, and the admission of each item into it.
+    """The input queue, its counts, and the admission of each item into it. The queue is taken
+    in rank order (`omnid.fair_queue.RankedQueue`), not in arrival order.
 
     `send` tells the supervisor at once (`Admitted`); `wakeup` wakes the busy loop; `pipeline` finds
     a job's pipeline by its key (it may wait for a reload), for a streamed job's first window, which
@@ -29,7 +31,7 @@ class Intake:
 
     def __init__(self, stage: str, capacity: int, jobs: JobTable, send: Callable[[object], None],
                  wakeup: threading.Event, shutting_down: threading.Event,
-                 pipeline: Callable[[str], PipelineConfig]) -> None:
+                 pipeline: Callable[[str], PipelineConfig], max_wait_s: Callable[[], float] = lambda: 0.0) -> None:
         self.stage = stage
         self.capacity = capacity
         self.jobs = jobs
@@ -37,7 +39,10 @@ class Intake:
         self.wakeup = wakeup
         self.shutting_down = shutting_down
         self.pipeline = pipeline
-        self.queue: queue.Queue[WorkItem] = queue.Queue(maxsize=capacity)
+        # Taken by rank (priority, fair share between owners), with a bound on waiting (omnid/fair_queue.py):
+        # a job that comes later with a higher priority goes ahead of those admitted before it.
+        self.queue: RankedQueue[WorkItem] = RankedQueue(capacity, lambda item: item.rank,
+                                                        lambda item: item.since, max_wait_s)
         # Counts for the heartbeat's `QueueStats` (each written by one kind of thread, read by any).
         self.enqueued = self.dequeued = self.dropped = 0
 
