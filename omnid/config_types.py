@@ -81,8 +81,9 @@ class DaemonConfig:
         entries = [self.owners.get(f"key:{key}") if key else None, self.owners.get(str(uid)), self.owners.get("default")]
         found = [e for e in entries if e is not None]
         weight = next((e.weight for e in found if e.weight is not None), 1.0)
-        top = next((e.max_priority for e in found if e.max_priority is not None),
-                   None if socket and uid == 0 else 0)
+        root = socket and uid == 0          # root on the socket: bound only by an entry of its own ("0")
+        own = [e for e in entries[:2] if e is not None] if root else found
+        top = next((e.max_priority for e in own if e.max_priority is not None), None if root else 0)
         queued = next((e.max_queued for e in found if e.max_queued is not None), None)
         return weight, top, queued
 

@@ -30,6 +30,7 @@ import itertools
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
 
@@ -79,7 +80,13 @@ class RankedQueue(Generic[T]):
     `maxsize` > 0. Its interface is `queue.Queue`'s that the worker uses: `put` (blocking with a
     timeout, else `queue.Full`), `put_nowait`, `get` / `get_nowait` (`queue.Empty`), `qsize`.
 
-    `rank_of(item)` and `since_of(item)` (the wall-clock time it began to wait) are read once, at `put`.
+    The bound is on admissions, not on presence: `offer` puts an item in at once, where `get` sees
+    it in rank order, and `admitted` says when it has a place among the `maxsize` (or was taken).
+    A data-plane sender blocked at the watermark thus still has its item looked at: the worker takes
+    a more urgent job that waits for room before the less urgent ones admitted earlier. (Each
+    sender has one item waiting at most; the item is in this process's memory already.)
+
+    `rank_of(item)` and `since_of(item)` (the wall-clock time it began to wait) are read once, at `offer`.
     """
 
     def __init__(self, maxsize: int, rank_of: Callable[[T], Rank], since_of: Callable[[T], float],
@@ -91,24 +98,68 @@ class RankedQueue(Generic[T]):
         self._by_rank: list[tuple[Rank, int]] = []
         self._by_age: list[tuple[float, int]] = []
         self._items: dict[int, T] = {}
+        self._placed: set[int] = set()      # admitted (within maxsize), not taken yet
+        self._waiting: deque[int] = deque()  # in, but waiting for a place (their senders wait)
         self._count = itertools.count()
         self._cv = threading.Condition()
 
     def qsize(self) -> int:
+        """The items admitted (within the bound) and not taken."""
         with self._cv:
-            return len(self._items)
+            return len(self._placed)
+
+    def _full(self) -> bool:
+        return self.maxsize > 0 and len(self._placed) >= self.maxsize
+
+    def offer(self, item: T) -> int:
+        """Put the item in now (`get` sees it); its ticket, for `admitted` and `withdraw`."""
+        return self.offer_all([item])[0]
+
+    def offer_all(self, batch: Iterable[T]) -> list[int]:
+        """`offer` each item, under one lock: a taker never sees half of the batch."""
+        with self._cv:
+            tickets = [self._offer(item) for item in batch]
+            self._cv.notify_all()
+            return tickets
+
+    def _offer(self, item: T) -> int:
+        """(The lock held.)"""
+        n = next(self._count)
+        since = self._since_of(item) or time.time()
+        self._items[n] = item
+        heapq.heappush(self._by_rank, (self._rank_of(item), n))
+        heapq.heappush(self._by_age, (since, n))
+        if self._full() or self._waiting:
+            self._waiting.append(n)
+        else:
+            self._placed.add(n)
+        return n
+
+    def admitted(self, ticket: int, timeout: float | None = None) -> bool:
+        """Wait up to `timeout` for the item to have a place (or to be taken already)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: ticket not in self._items or ticket in self._placed, timeout)
+
+    def withdraw(self, ticket: int) -> bool:
+        """Take the item out again (its sender gave up); False when it was taken already."""
+        with self._cv:
+            if self._items.pop(ticket, None) is None:
+                return False
+            self._placed.discard(ticket)
+            if ticket in self._waiting:
+                self._waiting.remove(ticket)
+            self._promote()
+            self._cv.notify_all()
+            return True
 
     def put(self, item: T, block: bool = True, timeout: float | None = None) -> None:
-        with self._cv:
-            if self.maxsize > 0 and len(self._items) >= self.maxsize:
-                if not block or not self._cv.wait_for(lambda: len(self._items) < self.maxsize, timeout):
+        if not block:
+            with self._cv:
+                if self._full():
                     raise queue.Full
-            n = next(self._count)
-            since = self._since_of(item) or time.time()
-            self._items[n] = item
-            heapq.heappush(self._by_rank, (self._rank_of(item), n))
-            heapq.heappush(self._by_age, (since, n))
-            self._cv.notify_all()
+        ticket = self.offer(item)
+        if not self.admitted(ticket, timeout if block else 0) and self.withdraw(ticket):
+            raise queue.Full
 
     def put_nowait(self, item: T) -> None:
         self.put(item, block=False)
@@ -125,6 +176,11 @@ class RankedQueue(Generic[T]):
     def get_nowait(self) -> T:
         return self.get(block=False)
 
+    def _promote(self) -> None:
+        """Places freed: the items waiting for one get them, in the order they came."""
+        while self._waiting and not self._full():
+            self._placed.add(self._waiting.popleft())
+
     def _pop(self) -> T:
         """The next item (the lock held, the queue not empty)."""
         ages, ranks, items = self._by_age, self._by_rank, self._items
@@ -137,6 +193,11 @@ class RankedQueue(Generic[T]):
             n = heapq.heappop(ages)[1]
         else:
             n = heapq.heappop(ranks)[1]
+        if n in self._placed:
+            self._placed.discard(n)
+        else:
+            self._waiting.remove(n)
+        self._promote()
         return items.pop(n)
 
     def snapshot(self) -> list[T]:

@@ -62,28 +62,36 @@ class Intake:
         """
         if item.window is not None:
             return self._admit_window(item)
+        ticket: int | None = None       # in the queue (seen by `take`), waiting for a place
         while True:
             if self.shutting_down.is_set():
-                raise Closing()         # not admitted, not dropped: the sender tries our successor
+                if ticket is None or self.queue.withdraw(ticket):
+                    raise Closing()     # not admitted, not dropped: the sender tries our successor
+                break                   # taken already: it is ours
             if self.jobs.is_dead(item.job):
-                self.dropped += 1
-                return False
-            with self.jobs.lock:
-                job = self.jobs.get(item.job)
-                if job is not None and item.src in job.received:
-                    return True            # a resend of a part we hold already: admitted once
-            try:
-                self.queue.put(item, timeout=0.1)
-            except queue.Full:
-                continue
-            with self.jobs.lock:
-                if self.jobs.is_dead(item.job):     # cancelled while we waited for room: it is dropped
-                    return False                    # when dequeued; keep no state for it
-                self.jobs.entry(item.job).received.add(item.src)
-            self.enqueued += 1
-            self.send(P.Admitted(job=item.job, src=item.src, depth=self.queue.qsize()))
-            self.wakeup.set()
-            return True
+                if ticket is None or self.queue.withdraw(ticket):
+                    self.dropped += 1
+                    return False
+                break
+            if ticket is None:
+                with self.jobs.lock:
+                    job = self.jobs.get(item.job)
+                    if job is not None and item.src in job.received:
+                        return True            # a resend of a part we hold already: admitted once
+                # In at once, in rank order: a more urgent job waiting here for a place is taken
+                # before the less urgent ones admitted earlier; the sender waits for the place.
+                ticket = self.queue.offer(item)
+                self.wakeup.set()
+            if self.queue.admitted(ticket, timeout=0.1):
+                break
+        with self.jobs.lock:
+            if self.jobs.is_dead(item.job):     # cancelled while we waited for room: it is dropped
+                return False                    # when dequeued; keep no state for it
+            self.jobs.entry(item.job).received.add(item.src)
+        self.enqueued += 1
+        self.send(P.Admitted(job=item.job, src=item.src, depth=self.queue.qsize()))
+        self.wakeup.set()
+        return True
 
     def _admit_window(self, item: WorkItem) -> bool | None:
         """A window of a streamed job (a data-conn thread); answers at once, None when there is no room.

@@ -39,12 +39,11 @@ class Feeder:
     def push(self, items: Sequence[WorkItem], front: bool = False) -> None:
         """Queue items; each goes by its rank (a resend after a restart keeps its rank and its wait,
         so its place in line: `front` is kept for the callers, the rank decides)."""
-        for item in items:
-            self._items.put(item)
+        self._items.offer_all(items)         # (unbounded: each has its place at once)
 
     def stop(self) -> None:
         self._stop = True
-        self._items.put(_STOP)
+        self._items.offer(_STOP)
 
     def waiting(self) -> list[WorkItem]:
         """The items not sent yet, in the order they would go now."""
