@@ -93,10 +93,17 @@ def keys(daemon: RunningDaemon) -> dict[str, str]:
 
 
 def test_a_stage_takes_its_queued_jobs_by_priority_and_omnictl_says_where_each_waits(daemon: RunningDaemon) -> None:
-    gate = daemon.submit("slow", params={"slow": {"seconds": 3.0}})
+    gate = daemon.submit("slow", params={"slow": {"seconds": 60.0}})       # cancelled once they all wait
     wait_started(daemon, gate, "slow")
     priorities = [0, 5, -1, 3, -2]           # root on the socket may ask any priority
-    jobs = [daemon.client.submit("slow", {}, None, None, p)["id"] for p in priorities]
+    jobs = []
+    for p in priorities:
+        if p == 3:                              # omnictl submit --priority
+            done = omnictl(daemon, "submit", "slow", "--priority", str(p))
+            assert done.returncode == 0, done.stderr
+            jobs.append(done.stdout.strip())
+        else:
+            jobs.append(daemon.client.submit("slow", {}, None, None, p)["id"])
     by_priority = [j for _, j in sorted(zip(priorities, jobs))]
     # Where each waits, while the gate runs: its place is its rank among them.
     last = by_priority[-1]
@@ -108,6 +115,7 @@ def test_a_stage_takes_its_queued_jobs_by_priority_and_omnictl_says_where_each_w
     assert "queue slow" in shown.stdout and "5th: 4 ahead" in shown.stdout and "1 running" in shown.stdout, shown.stdout
     assert "priority" in shown.stdout
     assert "queue" not in daemon.client.job(gate)         # running: in no queue
+    daemon.client.cancel(gate)
     assert started_order(daemon, jobs) == by_priority
 
 
