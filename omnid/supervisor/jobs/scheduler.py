@@ -21,10 +21,12 @@ To add a worker message: define it in `omnid.protocol`, write `on_<message>` her
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import secrets
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,19 @@ from omnid.vocabulary import ErrorCode, EventType, JobRecord, JobState, StageRun
 log = structlog.get_logger("omnid.scheduler")
 
 
+PLACES_TTL_S = 0.2      # how old the snapshot of a stage's order that `queue_places` reads may be
+
+
+@dataclass
+class _Order:
+    """A stage's waiting jobs in the order it takes them, at `at` (monotonic)."""
+
+    at: float
+    index: dict[str, int]                   # job -> its index (0: next)
+    by_priority: dict[int, list[int]]       # priority -> the indices of the jobs of it, ascending
+    running: int
+
+
 def new_job_id() -> str:
     return secrets.token_hex(6)
 
@@ -69,6 +84,7 @@ class Scheduler:
         self._unarmed: list[LiveJob] = []       # restored jobs whose timers wait for the stages
         self.stopping: dict[tuple[str, str], asyncio.TimerHandle] = {}   # (worker address, job) -> grace kill
         self.fair = FairShare()             # each job's place in the queues (omnid/fair_queue.py)
+        self._orders: dict[str, _Order] = {}    # per stage: its waiting jobs' order, a short-lived snapshot
         self.dispatch = Dispatch(self.in_force, self.live, stages, data_socket)
         self.recovery = Recovery(self, self.dispatch)
         self.loop = asyncio.get_running_loop()
@@ -151,28 +167,41 @@ class Scheduler:
     def queue_places(self, job_id: str) -> dict[str, dict[str, Any]]:
         """Where a live job waits: per stage whose queue holds it (or whose feeder does), its place
         (1: next), how many wait ahead of it (by priority) and how many that stage is running now.
-        The order is the queues' own (omnid/fair_queue.py: rank, then the bound on waiting)."""
+        The order is the queues' own (omnid/fair_queue.py: rank, then the bound on waiting), as
+        of a snapshot at most PLACES_TTL_S old (a stage's order is sorted once per snapshot, not per
+        request: GET /v1/jobs/{id} stays cheap with thousands queued)."""
         job = self.live.get(job_id)
-        if job is None or job.record.state is not JobState.QUEUED and not any(
-                r.state in (StageRunState.PENDING, StageRunState.QUEUED) for r in job.record.stages.values()):
+        if job is None or all(r.state not in (StageRunState.PENDING, StageRunState.QUEUED)
+                              for r in job.record.stages.values()):
             return {}
         places: dict[str, dict[str, Any]] = {}
-        now, max_wait = time.time(), self.config.daemon.max_wait_s
         for stage in job.pipeline.stages:
             if not self._waits_at(job, stage):
                 continue
-            waiting = [j for j in self.live.values() if stage in j.record.stages and self._waits_at(j, stage)]
-            order = positions([(j.id, j.rank, j.since.get(stage, j.record.created_at)) for j in waiting],
-                              now, max_wait)
-            ahead = [self.live[i] for i in order[:order.index(job_id)]]
-            by_priority: dict[str, int] = {}
-            for j in ahead:
-                by_priority[str(j.record.priority)] = by_priority.get(str(j.record.priority), 0) + 1
-            running = sum(1 for j in self.live.values() if stage in j.record.stages
-                          and j.stage(stage).state is StageRunState.RUNNING)
-            places[stage] = {"position": len(ahead) + 1, "ahead": len(ahead), "ahead_by_priority": by_priority,
-                             "running": running, "priority": job.record.priority}
+            snap = self._stage_order(stage)
+            index = snap.index.get(job_id)
+            if index is None:                   # came after the snapshot: behind everything in it
+                index = len(snap.index)
+            by_priority = {str(p): n for p, at in snap.by_priority.items() if (n := bisect.bisect_left(at, index))}
+            places[stage] = {"position": index + 1, "ahead": index, "ahead_by_priority": by_priority,
+                             "running": snap.running, "priority": job.record.priority}
         return places
+
+    def _stage_order(self, stage: str) -> _Order:
+        now = time.monotonic()
+        snap = self._orders.get(stage)
+        if snap is not None and now - snap.at < PLACES_TTL_S:
+            return snap
+        wall, max_wait = time.time(), self.config.daemon.max_wait_s
+        waiting = [j for j in self.live.values() if stage in j.record.stages and self._waits_at(j, stage)]
+        order = positions([(j.id, j.rank, j.since.get(stage, j.record.created_at)) for j in waiting], wall, max_wait)
+        by_priority: dict[int, list[int]] = {}
+        for i, jid in enumerate(order):
+            by_priority.setdefault(self.live[jid].record.priority, []).append(i)
+        running = sum(1 for j in self.live.values() if stage in j.record.stages
+                      and j.stage(stage).state is StageRunState.RUNNING)
+        snap = self._orders[stage] = _Order(now, {jid: i for i, jid in enumerate(order)}, by_priority, running)
+        return snap
 
     @staticmethod
     def _waits_at(job: LiveJob, stage: str) -> bool:
