@@ -1,8 +1,8 @@
 """Who goes first: priorities, fair share between owners, the bound on waiting, and keys that are
 not root, with real daemons.
 
-One module daemon (python stages, and one tiny vLLM stage for the engine's preemption by priority)
-serves the socket and a TCP port, its keys made with the real `omnictl key add`. Two small
+One module daemon (python stages, and one tiny vLLM stage for the engine's preemption by priority;
+its tests are marked `vllm`) serves the socket and a TCP port, its keys made with the real `omnictl key add`. Two small
 python-only daemons of their own: one with a short `max_wait_s` (no starvation), one killed with
 SIGKILL and started again on its state (priorities kept with the queue).
 """
@@ -92,6 +92,7 @@ def keys(daemon: RunningDaemon) -> dict[str, str]:
 # ------------------------------------------------------------------------- priorities
 
 
+@pytest.mark.vllm
 def test_a_stage_takes_its_queued_jobs_by_priority_and_omnictl_says_where_each_waits(daemon: RunningDaemon) -> None:
     gate = daemon.submit("slow", params={"slow": {"seconds": 60.0}})       # cancelled once they all wait
     wait_started(daemon, gate, "slow")
@@ -119,6 +120,7 @@ def test_a_stage_takes_its_queued_jobs_by_priority_and_omnictl_says_where_each_w
     assert started_order(daemon, jobs) == by_priority
 
 
+@pytest.mark.vllm
 def test_priority_is_checked_and_bounded_by_max_priority_in_each_paths_error_shape(
         daemon: RunningDaemon, keys: dict[str, str]) -> None:
     with tcp(daemon, keys["plain"]) as c:
@@ -146,6 +148,7 @@ def test_priority_is_checked_and_bounded_by_max_priority_in_each_paths_error_sha
         assert c.post("/v1/jobs", json={"pipeline": "spare", "priority": -6}).status_code == 403
 
 
+@pytest.mark.vllm
 def test_an_owners_queued_jobs_are_bounded_with_429_and_retry_after(daemon: RunningDaemon, keys: dict[str, str]) -> None:
     with tcp(daemon, keys["capped"]) as c:
         first = c.post("/v1/jobs", json={"pipeline": "hold"}).json()["id"]
@@ -160,6 +163,7 @@ def test_an_owners_queued_jobs_are_bounded_with_429_and_retry_after(daemon: Runn
         assert r.status_code == 201, r.text
 
 
+@pytest.mark.vllm
 def test_vllm_preempts_running_requests_for_a_more_urgent_one(daemon: RunningDaemon) -> None:
     long = {"gen": {"max_tokens": 112}}
     lows = [daemon.client.submit("gen", {"prompt": f"tell a long story {i}"}, long, None, 5)["id"] for i in range(3)]
@@ -181,6 +185,7 @@ def test_vllm_preempts_running_requests_for_a_more_urgent_one(daemon: RunningDae
 # ------------------------------------------------------------------------- fair share
 
 
+@pytest.mark.vllm
 def test_fair_share_serves_three_owners_by_their_weights(daemon: RunningDaemon, keys: dict[str, str]) -> None:
     gate = daemon.submit("fair", params={"fair": {"seconds": 60.0}})
     wait_started(daemon, gate, "fair")
@@ -203,11 +208,13 @@ def test_fair_share_serves_three_owners_by_their_weights(daemon: RunningDaemon, 
 # ------------------------------------------------------------------------- keys that are not root
 
 
+@pytest.mark.vllm
 def test_root_must_name_a_keys_uid(daemon: RunningDaemon) -> None:
     done = omnictl(daemon, "key", "add", "nobody-said")
     assert done.returncode != 0 and "--uid" in done.stderr, (done.stdout, done.stderr)
 
 
+@pytest.mark.vllm
 def test_a_key_without_admin_is_refused_every_admin_action_and_an_admin_key_may(
         daemon: RunningDaemon, keys: dict[str, str]) -> None:
     with tcp(daemon, keys["plain"]) as plain:
