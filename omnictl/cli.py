@@ -336,6 +336,8 @@ def cli(ctx: click.Context, socket: str | None, json_output: bool) -> None:
         help="A stage parameter; VALUE is JSON if it parses, else a string.",
     ),
     click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), metavar="S", help="Job timeout in seconds."),
+    click.option("--priority", type=int, metavar="N", help="Lower runs earlier (0 by default; below your "
+                 "max_priority: 403)."),
     click.option("--wait", is_flag=True, help="Follow the job, write its outputs, exit by its final state."),
     output_dir_option,
 )
@@ -347,6 +349,7 @@ def submit(
     files: dict[str, Any],
     params: dict[str, dict[str, Any]],
     timeout_s: float | None,
+    priority: int | None,
     wait: bool,
     output_dir: Path | None,
 ) -> None:
@@ -366,7 +369,7 @@ def submit(
         raise click.BadParameter("must be a finite number of seconds", param_hint="--timeout")
 
     client = settings.client()
-    job = client.submit(pipeline, all_inputs, params, timeout_s)
+    job = client.submit(pipeline, all_inputs, params, timeout_s, priority)
     job_id = str(job.get("id"))
     if not wait:
         if settings.json:
@@ -642,16 +645,19 @@ def key() -> None:
 @key.command("add")
 @click.argument("name")
 @click.option("--uid", type=click.IntRange(0), help="The user the key acts as: its jobs are that uid's "
-              "(default: yours; uid 0 only by root).")
+              "(default: yours; root must give it).")
+@click.option("--admin", is_flag=True, help="The key may do the admin actions over TCP (restart, sleep, wake "
+              "a stage, reload, logs, others' jobs).")
 @click.option("--max-jobs", type=click.IntRange(1), metavar="N", help="At most N of its jobs live at once "
               "(past it: 429).")
 @click.option("--rps", type=click.FloatRange(0.001), metavar="R", help="At most R requests per second "
               "(past it: 429 with Retry-After).")
 @json_option
 @pass_settings
-def key_add(settings: Settings, name: str, uid: int | None, max_jobs: int | None, rps: float | None) -> None:
+def key_add(settings: Settings, name: str, uid: int | None, admin: bool, max_jobs: int | None,
+            rps: float | None) -> None:
     """Make a key NAME and print it, once, on the last line (it is stored hashed; it cannot be shown again)."""
-    answer = settings.client().add_key(name, uid, max_jobs, rps)
+    answer = settings.client().add_key(name, uid, max_jobs, rps, admin)
     if settings.json:
         _print_json(answer)
         return
@@ -682,6 +688,19 @@ def key_rm(settings: Settings, name: str) -> None:
         _print_json(answer)
     else:
         click.echo(f"removed key {name}")
+
+
+@command()
+def reload(settings: Settings) -> None:
+    """Read the daemon's config file again and apply it, as SIGHUP does (root, the admin group, or
+    an --admin key); exit 1 when it was refused."""
+    answer = settings.client().reload()
+    if settings.json:
+        _print_json(answer)
+    else:
+        click.echo(str(answer.get("status")))
+    if not answer.get("reloaded"):
+        raise SystemExit(1)
 
 
 @command()

@@ -28,7 +28,7 @@ from omnid.keys import KeyFileError, key_path, read_keys
 from omnid.media import MEDIA_KINDS, NO_MEDIA, MediaLimits, detect_kinds
 # The parsed config's types (standard library only, so that the engines and the protocol can name
 # them from below); named here too, where most readers look for them.
-from omnid.config_types import (FULL_WINDOW, Config, DaemonConfig, EdgeConfig, PipelineConfig, RayNeeds,
+from omnid.config_types import (FULL_WINDOW, Config, DaemonConfig, EdgeConfig, OwnerPolicy, PipelineConfig, RayNeeds,
                                 StageConfig)
 from omnid.engines.capabilities import CAPABILITIES, capabilities, check_param, engines_that
 from omnid.engines.capabilities import TENSOR_OUTPUTS as TENSOR_OUTPUTS     # (declared with the engines;
@@ -197,6 +197,9 @@ def _parse_daemon(c: _Checker, raw: Any, base: Path) -> DaemonConfig:
         ray_address=c.get(d, "ray_address", "daemon", str),
         preload_workers=bool(c.get(d, "preload_workers", "daemon", bool, True)),
         **_parse_tcp(c, d),
+        fair_share=bool(c.get(d, "fair_share", "daemon", bool, True)),
+        max_wait_s=float(c.positive(d, "max_wait_s", "daemon", 300.0, allow_zero=True)),
+        owners=_parse_owners(c, d),
         min_free_mb=c.positive(d, "min_free_mb", "daemon", 512, integer=True, allow_zero=True),
         min_free_inodes=c.positive(d, "min_free_inodes", "daemon", 1024, integer=True, allow_zero=True),
         ballast_mb=c.positive(d, "ballast_mb", "daemon", 32, integer=True, allow_zero=True),
@@ -223,6 +226,29 @@ def _parse_tcp(c: _Checker, d: Mapping[str, Any]) -> dict[str, Any]:
                                                 f"and host, no path) or \"*\", not {origin!r}")
     return {"listen": tuple(listen), "allow_origins": tuple(o for o in origins if isinstance(o, str)),
             "metrics_without_key": bool(c.get(d, "metrics_without_key", "daemon", bool, False))}
+
+
+def _parse_owners(c: _Checker, d: Mapping[str, Any]) -> dict[str, OwnerPolicy]:
+    """`[daemon.owners.WHO]`: "default", a uid ("1000") or "key:NAME", each with weight, max_priority, max_queued."""
+    raw = c.get(d, "owners", "daemon", dict, {})
+    owners: dict[str, OwnerPolicy] = {}
+    for who, entry in (raw or {}).items():
+        path = f"daemon.owners.{who}"
+        if not (who == "default" or who.isdigit() or (who.startswith("key:") and len(who) > 4)):
+            c.add(path, "must be \"default\", a uid (\"1000\") or \"key:NAME\"")
+            continue
+        if not isinstance(entry, dict):
+            c.add(path, f"must be a table, not {_typename(entry)}")
+            continue
+        c.unknown(entry, ("weight", "max_priority", "max_queued"), path)
+        weight = c.positive(entry, "weight", path, None)
+        top = c.get(entry, "max_priority", path, int, None)
+        if isinstance(top, bool) or (top is not None and abs(top) > 1_000_000):
+            c.add(f"{path}.max_priority", "must be an integer from -1000000 to 1000000")
+            top = None
+        owners[who] = OwnerPolicy(weight=None if weight is None else float(weight), max_priority=top,
+                                  max_queued=c.positive(entry, "max_queued", path, None, integer=True))
+    return owners
 
 
 def is_loopback(host: str) -> bool:

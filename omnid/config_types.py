@@ -19,6 +19,16 @@ FULL_WINDOW = -1                        # an edge's `window` for a full trigger 
 
 
 @dataclass(frozen=True)
+class OwnerPolicy:
+    """What one owner may ask of the queues (`[daemon.owners.WHO]`: "default", a uid, or "key:NAME";
+    a key's entry over its uid's over "default"; a field left out is the next one's)."""
+
+    weight: float | None = None         # its share within a priority level (fair share); 1
+    max_priority: int | None = None     # the most urgent (lowest) priority its jobs may ask; 0 (root on the socket: any)
+    max_queued: int | None = None       # its jobs queued at once; past it: 429 with Retry-After (none)
+
+
+@dataclass(frozen=True)
 class DaemonConfig:
     socket: Path
     state_dir: Path
@@ -63,6 +73,22 @@ class DaemonConfig:
     min_free_mb: int = 512
     min_free_inodes: int = 1024
     ballast_mb: int = 32
+    # Who goes first (omnid/fair_queue.py): fair share between owners within a priority level, the
+    # bound on a job's wait in one queue, and each owner's policy ("default", "UID", "key:NAME").
+    fair_share: bool = True
+    max_wait_s: float = 300.0
+    owners: Mapping[str, OwnerPolicy] = field(default_factory=dict)
+
+    def owner_policy(self, uid: int, key: str | None, socket: bool) -> tuple[float, int | None, int | None]:
+        """(weight, max_priority, max_queued) of a caller: its key's entry, its uid's, "default"."""
+        entries = [self.owners.get(f"key:{key}") if key else None, self.owners.get(str(uid)), self.owners.get("default")]
+        found = [e for e in entries if e is not None]
+        weight = next((e.weight for e in found if e.weight is not None), 1.0)
+        root = socket and uid == 0          # root on the socket: bound only by an entry of its own ("0")
+        own = [e for e in entries[:2] if e is not None] if root else found
+        top = next((e.max_priority for e in own if e.max_priority is not None), None if root else 0)
+        queued = next((e.max_queued for e in found if e.max_queued is not None), None)
+        return weight, top, queued
 
 
 @dataclass(frozen=True)

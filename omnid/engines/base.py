@@ -69,6 +69,7 @@ class RequestContext:
     # The optional outputs asked of this request (a vllm stage's token_ids, hidden_states): an edge of
     # its pipeline maps them, or the stage's `outputs` names them. An engine computes no other.
     wants: frozenset[str] = frozenset()
+    priority: int = 0               # the job's (lower runs earlier): a vllm stage passes it to its engine
     model: str | None = None        # the stage's `model` directory (python stages: the function's to load)
     # A streamed WAV output's bytes per second, by output name, from its first chunk's header.
     _wav: dict[str, int] = field(default_factory=dict, repr=False)

@@ -160,6 +160,14 @@ class Daemon:
             await self.reloader.reload()
             await self._listen_as_configured()      # a reload may change daemon.listen
 
+    async def _reload_asked(self) -> str:
+        """POST /v1/reload: what SIGHUP does, answered with what happened."""
+        if self.reloader is None or self._stop.is_set():
+            return "reload refused: the daemon is starting or stopping"
+        status = await self.reloader.reload()
+        await self._listen_as_configured()
+        return status
+
     @property
     def config(self) -> Config:
         """The config in force (a reload replaces it)."""
@@ -272,6 +280,7 @@ class Daemon:
         self._watch_resources(api, metrics)
         self.reloader = Reloader(self.live, self.stages, self.scheduler, make_stage, self.device_locks,
                                  self._load_locks)
+        api.reload = self._reload_asked         # POST /v1/reload (an admin action)
         return api
 
     def _watch_resources(self, api: Api, metrics: Metrics) -> None:

@@ -83,7 +83,7 @@ class StageWorker:
         self.shutting_down = threading.Event()
         self._reconfigured = threading.Condition()   # `config` replaced by a reload
         self.intake = Intake(self.stage.name, self.stage.queue_capacity, self.jobs, self.send, self.wakeup,
-                             self.shutting_down, self._pipeline)
+                             self.shutting_down, self._pipeline, lambda: self.config.daemon.max_wait_s)
         self.listener: Listener | None = None
         make_sender: Callable[[], DataTransport] = transport or (
             lambda: Sender(spec.socket_for, spec.config.daemon.shm_min_bytes))
@@ -319,6 +319,7 @@ class StageWorker:
 
         entry.ctx = RequestContext(
             job=job, stage=self.stage.name, inputs=inputs, params=dict(item.params.get(self.stage.name, {})),
+            priority=item.priority,
             _emit=self.post, _is_cancelled=lambda: self.jobs.is_dead(job), _on_segment=on_segment,
             _is_held=lambda: self.handoff.held(self.running.get(job), streaming, self.stage.queue_capacity),
             wants=self.stage.tensor_outputs & (pipeline.asks(self.stage.name) | frozenset(self.stage.outputs)))

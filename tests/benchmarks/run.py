@@ -35,6 +35,7 @@ import bench_engine_core  # noqa: E402
 import bench_engines  # noqa: E402
 import bench_omni  # noqa: E402
 import bench_peer  # noqa: E402
+import bench_priorities  # noqa: E402
 import bench_ray  # noqa: E402
 import bench_resources  # noqa: E402
 import bench_streaming  # noqa: E402
@@ -107,6 +108,10 @@ BENCHES: list[Bench] = [
     Bench("peer", "engines", bench_peer.bench_peer, bench_peer.FIGURES, (3600, 1500), ()),  # 4 or 12 server starts
     Bench("held_streams", "control", bench_resources.bench_held_streams,
           ["GET /v1/health p50 with N event streams held"], (90, 45), ("control",)),
+    Bench("fair_wait", "priorities", bench_priorities.bench_fair_wait, [bench_priorities.FIGURES[0]], (120, 90), ()),
+    Bench("priority_ttft", "priorities", bench_priorities.bench_priority_ttft, [bench_priorities.FIGURES[1]],
+          (300, 240), ()),
+    Bench("fair_post", "priorities", bench_priorities.bench_fair_post, [bench_priorities.FIGURES[2]], (150, 100), ()),
     Bench("supervisor_rss", "control", bench_control.bench_supervisor_rss,
           ["supervisor RSS after N no-op jobs"], (150, 45), ("control",)),
 ]

@@ -27,7 +27,8 @@ API_STRINGS: dict[type, list[str]] = {
                 "input_rejected", "worker_died", "edge_failed", "output_failed", "cancelled", "timed_out", "daemon_stopping",
                 "daemon_restarted", "wake_failed",
                 "invalid_api_key", "rate_limited", "unknown_key", "key_exists", "socket_only",
-                "model_not_found", "model_not_supported", "no_image"],
+                "model_not_found", "model_not_supported", "no_image",
+                "priority_not_allowed", "owner_queue_full"],
 }
 
 
@@ -70,7 +71,7 @@ def a_record() -> JobRecord:
 
 
 DOC_KEYS = ["id", "pipeline", "state", "owner_uid", "created_at", "started_at", "finished_at", "timeout_s",
-            "inputs", "params", "stages", "outputs", "error"]
+            "inputs", "params", "stages", "outputs", "error", "priority", "key"]
 
 
 def test_to_doc_key_order_is_the_apis() -> None:

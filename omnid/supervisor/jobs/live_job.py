@@ -92,6 +92,10 @@ class LiveJob:
         self.audio_s = 0.0
         self.audio_plays_until = 0.0
         self.underruns = 0
+        # Its place in every stage's queue (omnid/fair_queue.py): (priority, fair-share tag, admission
+        # order), given at admission (or a restart's restore); `since`: when it began to wait, per stage.
+        self.rank: tuple[int, float, int] = (record.priority, 0.0, 0)
+        self.since: dict[str, float] = {}
 
     @property
     def id(self) -> str:

@@ -21,10 +21,12 @@ To add a worker message: define it in `omnid.protocol`, write `on_<message>` her
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import secrets
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,7 @@ from omnid.config import Config
 from omnid.supervisor.metrics import Metrics
 from omnid.store import JobStore, StoreWriteFailed, Unfinished
 from omnid.supervisor.jobs.dispatch import Dispatch
+from omnid.fair_queue import FairShare, positions
 from omnid.supervisor.errors import STORAGE_RETRY_AFTER_S, Refused
 from omnid.supervisor.live import Live
 from omnid.supervisor.jobs.live_job import EventQueue, LiveJob
@@ -47,6 +50,19 @@ from omnid.supervisor.jobs.submission import Submission
 from omnid.vocabulary import ErrorCode, EventType, JobRecord, JobState, StageRun, StageRunState, WorkerState
 
 log = structlog.get_logger("omnid.scheduler")
+
+
+PLACES_TTL_S = 0.2      # how old the snapshot of a stage's order that `queue_places` reads may be
+
+
+@dataclass
+class _Order:
+    """A stage's waiting jobs in the order it takes them, at `at` (monotonic)."""
+
+    at: float
+    index: dict[str, int]                   # job -> its index (0: next)
+    by_priority: dict[int, list[int]]       # priority -> the indices of the jobs of it, ascending
+    running: int
 
 
 def new_job_id() -> str:
@@ -67,6 +83,8 @@ class Scheduler:
         self.live: dict[str, LiveJob] = {}
         self._unarmed: list[LiveJob] = []       # restored jobs whose timers wait for the stages
         self.stopping: dict[tuple[str, str], asyncio.TimerHandle] = {}   # (worker address, job) -> grace kill
+        self.fair = FairShare()             # each job's place in the queues (omnid/fair_queue.py)
+        self._orders: dict[str, _Order] = {}    # per stage: its waiting jobs' order, a short-lived snapshot
         self.dispatch = Dispatch(self.in_force, self.live, stages, data_socket)
         self.recovery = Recovery(self, self.dispatch)
         self.loop = asyncio.get_running_loop()
@@ -105,11 +123,19 @@ class Scheduler:
         if queued >= limit:
             raise Refused(429, ErrorCode.QUEUE_FULL, f"pipeline {pipeline_name!r} already has {queued} queued "
                           f"jobs (max_queued_jobs = {limit}); try again later", queued=queued)
+        if sub.max_queued is not None:
+            mine = sum(1 for j in self.live.values() if j.record.state is JobState.QUEUED
+                       and j.record.owner_uid == sub.owner_uid and j.record.key == sub.key)
+            if mine >= sub.max_queued:
+                raise Refused(429, ErrorCode.OWNER_QUEUE_FULL, f"{sub.owner.replace(':', ' ', 1)} has {mine} queued "
+                              f"jobs already (daemon.owners max_queued = {sub.max_queued}); try again once some "
+                              f"have started", queued=mine)
         timeout = sub.timeout_s or pipeline.timeout_s or self.config.daemon.default_timeout_s
         record = JobRecord(id=new_job_id(), pipeline=pipeline_name, owner_uid=sub.owner_uid, created_at=time.time(),
                            timeout_s=timeout, inputs=sub.summary, params=sub.params,
-                           stages={s: StageRun() for s in pipeline.stages})
+                           stages={s: StageRun() for s in pipeline.stages}, priority=sub.priority, key=sub.key)
         job = LiveJob(record, pipeline, sub.inputs, self.store)     # (its key: the pipeline's own)
+        job.rank = self.fair.rank(sub.priority, sub.owner, sub.weight, self.config.daemon.fair_share)
         self.dispatch.route(job)
         self.live[job.id] = job
         self.store.save(record)
@@ -129,6 +155,59 @@ class Scheduler:
         for src in pipeline.sources:
             self.dispatch.feed([job], src)
         return record
+
+    def rank(self, job: LiveJob) -> None:
+        """A restored job's place in the queues: its priority, and a fair-share tag by its owner's
+        weight in the config in force (restore gives them oldest first)."""
+        record = job.record
+        weight, _top, _queued = self.config.daemon.owner_policy(record.owner_uid, record.key, record.key is None)
+        owner = f"key:{record.key}" if record.key else f"uid:{record.owner_uid}"
+        job.rank = self.fair.rank(record.priority, owner, weight, self.config.daemon.fair_share)
+
+    def queue_places(self, job_id: str) -> dict[str, dict[str, Any]]:
+        """Where a live job waits: per stage whose queue holds it (or whose feeder does), its place
+        (1: next), how many wait ahead of it (by priority) and how many that stage is running now.
+        The order is the queues' own (omnid/fair_queue.py: rank, then the bound on waiting), as
+        of a snapshot at most PLACES_TTL_S old (a stage's order is sorted once per snapshot, not per
+        request: GET /v1/jobs/{id} stays cheap with thousands queued)."""
+        job = self.live.get(job_id)
+        if job is None or all(r.state not in (StageRunState.PENDING, StageRunState.QUEUED)
+                              for r in job.record.stages.values()):
+            return {}
+        places: dict[str, dict[str, Any]] = {}
+        for stage in job.pipeline.stages:
+            if not self._waits_at(job, stage):
+                continue
+            snap = self._stage_order(stage)
+            index = snap.index.get(job_id)
+            if index is None:                   # came after the snapshot: behind everything in it
+                index = len(snap.index)
+            by_priority = {str(p): n for p, at in snap.by_priority.items() if (n := bisect.bisect_left(at, index))}
+            places[stage] = {"position": index + 1, "ahead": index, "ahead_by_priority": by_priority,
+                             "running": snap.running, "priority": job.record.priority}
+        return places
+
+    def _stage_order(self, stage: str) -> _Order:
+        now = time.monotonic()
+        snap = self._orders.get(stage)
+        if snap is not None and now - snap.at < PLACES_TTL_S:
+            return snap
+        wall, max_wait = time.time(), self.config.daemon.max_wait_s
+        waiting = [j for j in self.live.values() if stage in j.record.stages and self._waits_at(j, stage)]
+        order = positions([(j.id, j.rank, j.since.get(stage, j.record.created_at)) for j in waiting], wall, max_wait)
+        by_priority: dict[int, list[int]] = {}
+        for i, jid in enumerate(order):
+            by_priority.setdefault(self.live[jid].record.priority, []).append(i)
+        running = sum(1 for j in self.live.values() if stage in j.record.stages
+                      and j.stage(stage).state is StageRunState.RUNNING)
+        snap = self._orders[stage] = _Order(now, {jid: i for i, jid in enumerate(order)}, by_priority, running)
+        return snap
+
+    @staticmethod
+    def _waits_at(job: LiveJob, stage: str) -> bool:
+        """The job waits in the stage's queue (admitted there), or in its feeder (a first stage)."""
+        state = job.stage(stage).state
+        return state is StageRunState.QUEUED or (state is StageRunState.PENDING and stage in job.pipeline.sources)
 
     # ------------------------------------------------------------------ sleeping stages (stage_sleep.py)
 
@@ -211,9 +290,11 @@ class Scheduler:
         run = job.stage(stage)
         if run.state in (StageRunState.PENDING, StageRunState.QUEUED):
             run.set_state(StageRunState.QUEUED, time.time())
+            job.since.setdefault(stage, time.time())
 
     def on_started(self, job: LiveJob, stage: str, msg: P.Started) -> None:
         now = time.time()
+        self.fair.started(job.rank)
         job.stage(stage).set_state(StageRunState.RUNNING, now)
         job.events.emit(EventType.STAGE_STARTED, stage=stage)
         if job.record.state is JobState.QUEUED:
