@@ -19,6 +19,22 @@ FULL_WINDOW = -1                        # an edge's `window` for a full trigger 
 
 
 @dataclass(frozen=True)
+class TracingConfig:
+    """`[daemon] tracing = { ... }`: OpenTelemetry traces of the jobs, exported over OTLP/HTTP (off
+    when the table is absent). Every process exports its own spans (the supervisor's job spans, each
+    stage worker's stage spans, a vLLM stage's engine its request spans) to `otlp_endpoint`."""
+
+    otlp_endpoint: str = "http://127.0.0.1:4318"   # the receiver's base URL; spans go to <it>/v1/traces
+    sample: float = 1.0             # the share of new traces kept (a caller's sampled flag is followed)
+    service_name: str = "omnid"     # `service.name` of the spans (a stage's: "<it>:<stage>")
+
+    @property
+    def traces_url(self) -> str:
+        base = self.otlp_endpoint.rstrip("/")
+        return base if base.endswith("/v1/traces") else base + "/v1/traces"
+
+
+@dataclass(frozen=True)
 class DaemonConfig:
     socket: Path
     state_dir: Path
@@ -60,6 +76,7 @@ class DaemonConfig:
     min_free_mb: int = 512
     min_free_inodes: int = 1024
     ballast_mb: int = 32
+    tracing: TracingConfig | None = None    # OpenTelemetry traces (omnid.tracing); None: off
 
 
 @dataclass(frozen=True)

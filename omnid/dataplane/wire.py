@@ -44,6 +44,8 @@ class WorkItem:
 
     `routes` pins the job to one replica of each stage (the supervisor chose them by load); every
     hand-off, window and resend of the job goes to that replica (0 when a stage has one).
+
+    `trace` carries the job's span context (`omnid.tracing`): each stage's span hangs under it.
     """
 
     job: str
@@ -54,6 +56,7 @@ class WorkItem:
     window: int | None = None
     last: bool = True
     routes: dict[str, int] = field(default_factory=dict)   # stage -> the replica that serves this job there
+    trace: dict[str, str] | None = None     # the job's trace context (W3C traceparent), when tracing is on
 
 
 @dataclass

@@ -581,7 +581,7 @@ class OpenAiApi:
                 params: dict[str, dict[str, Any]], summary: dict[str, Any]) -> JobRecord:
         """An ordinary job of the caller's (what `POST /v1/jobs` does after its checks)."""
         job = self.api.take(Submission(p, inputs, params, summary, request["uid"]),
-                            "the daemon is stopping; try again once it is back")
+                            "the daemon is stopping; try again once it is back", request)
         request[_JOB_KEY] = job.id
         log.info("audit", action="submit", uid=request["uid"], job=job.id, pipeline=p.name, via=request.path)
         return job

@@ -81,7 +81,7 @@ class Dispatch:
         for job in jobs:
             by_replica.setdefault(job.route(stage), []).append(
                 WorkItem(job=job.id, pipeline=job.key, src=None, inputs=job.inputs, params=job.record.params,
-                         routes=job.routes))
+                         routes=job.routes, trace=job.trace.headers if job.trace is not None else None))
         for replica, items in by_replica.items():
             self._feeder(stage, replica).push(items, front=front)
 

@@ -24,3 +24,5 @@ class Submission:
     summary: dict[str, Any]                 # the inputs as the job document shows them
     owner_uid: int                          # whose job it is (the caller's uid; a key's, on the TCP listener)
     timeout_s: float | None = None          # None: the pipeline's, else the daemon's default
+    trace: dict[str, str] | None = None     # the caller's W3C trace context (traceparent, tracestate), if any
+    received_at: float | None = None        # when the request came (the trace's `admission` span starts there)

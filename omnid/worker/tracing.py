@@ -1,0 +1,174 @@
+"""A stage worker's spans (`[daemon] tracing`): one per job it serves, under the job's span.
+
+`stage NAME` runs from the job's first input reaching this worker to the worker's word on it
+(finished, failed, stopped). Its child `waiting for input` runs until the engine takes the job (the
+input queue, the watermark, a fan-in's other parts); its events: each window of a streaming edge
+that comes in (`window in`, with its source and index), the `first segment` and the `last segment`
+the stage streams, its hand-offs downstream (`handed off`), and a `cancel` or `timeout` from the
+supervisor, with the reason. A vLLM stage passes the span's context to vLLM's own tracing (the
+request's trace headers), so vLLM's `llm_request` span hangs under it.
+
+The parent context comes with the job's work items (`WorkItem.trace`); the spans follow the
+messages the worker tells the supervisor (`watch` wraps its `Reporter`'s send and post), so they
+say what the supervisor hears, when the worker says it. Thread-safe: data-conn threads (`arrived`),
+the control thread (`cancelled`, `forgotten`) and the main thread (`watch`) each take the lock for
+a dict lookup; the SDK's spans have their own. Built only when tracing is on.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from omnid import protocol as P
+from omnid.config_types import TracingConfig
+from omnid.dataplane.wire import WorkItem
+from omnid.tracing import Tracing
+
+# What a vLLM engine in this process reads (omnid.engines.vllm_engine): where its own spans go.
+VLLM_TRACES_ENV = "OMNID_VLLM_OTLP_TRACES_ENDPOINT"
+
+
+class _Part:
+    """One job's spans in this stage."""
+
+    __slots__ = ("span", "waiting", "segments", "headers", "ended")
+
+    def __init__(self, span: Any, waiting: Any, headers: dict[str, str]) -> None:
+        self.span = span
+        self.waiting = waiting
+        self.segments = 0
+        self.headers = headers
+        self.ended: int | None = None       # when the stage said it was done (its hand-offs may go on)
+
+
+class StageTracer:
+    def __init__(self, cfg: TracingConfig, stage: str, replica: int) -> None:
+        self.tracing = Tracing(cfg, f"{cfg.service_name}:{stage}",
+                               {"omnid.stage": stage, "omnid.replica": str(replica)})
+        self._stage, self._replica = stage, replica
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _Part] = {}
+        # vLLM's tracing (its own provider, in this process): OTLP/HTTP to the same receiver.
+        os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+        os.environ.setdefault("OTEL_SERVICE_NAME", f"{cfg.service_name}:{stage}:vllm")
+        os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", "1000")
+        os.environ[VLLM_TRACES_ENV] = cfg.traces_url
+
+    def watch(self, send: Callable[[object], None]) -> Callable[[object], None]:
+        """`send` (a Reporter's send or post), with this tracer looking at each message first."""
+        def traced(msg: object) -> None:
+            try:
+                self.saw(msg)
+            except Exception:               # a trace never costs a job anything
+                pass
+            send(msg)
+        return traced
+
+    def arrived(self, item: WorkItem) -> None:
+        """A work item of a job reached this worker (a data-conn thread)."""
+        if item.trace is None:
+            return
+        from opentelemetry import trace
+        with self._lock:
+            part = self._jobs.get(item.job)
+            if part is None:
+                tracer = self.tracing.tracer
+                span = tracer.start_span(f"stage {self._stage}", context=self.tracing.context(item.trace),
+                                         attributes={"omnid.job": item.job, "omnid.stage": self._stage,
+                                                     "omnid.replica": self._replica})
+                waiting = tracer.start_span("waiting for input", context=trace.set_span_in_context(span))
+                part = self._jobs[item.job] = _Part(span, waiting, self.tracing.headers(span))
+        if item.window is not None:
+            part.span.add_event("window in", {"omnid.src": str(item.src), "omnid.window": item.window,
+                                              "omnid.last": item.last})
+        elif item.src is not None:
+            part.span.add_event("input", {"omnid.src": item.src})
+
+    def headers(self, job: str) -> dict[str, str] | None:
+        """The job's stage span as a parent (what a vLLM request's trace headers say)."""
+        with self._lock:
+            part = self._jobs.get(job)
+        return dict(part.headers) if part is not None and part.span.is_recording() else None
+
+    def saw(self, msg: object) -> None:
+        """A message to the supervisor, about to go."""
+        if isinstance(msg, P.Batch):
+            for m in msg.messages:
+                self.saw(m)
+            return
+        job = getattr(msg, "job", None)
+        if job is None:
+            return
+        with self._lock:
+            part = self._jobs.get(job)
+        if part is None:
+            return
+        if isinstance(msg, P.Segment):
+            if part.segments == 0:
+                part.span.add_event("first segment")
+            part.segments += msg.count
+            if msg.is_last:
+                part.span.add_event("last segment", {"omnid.segments": part.segments})
+        elif isinstance(msg, P.Started):
+            _end_once(part.waiting)
+        elif isinstance(msg, P.Delivered):
+            self._handed_off(part, msg.dst)
+        elif part.ended is not None:
+            return
+        elif isinstance(msg, P.Finished):
+            part.span.set_attribute("omnid.elapsed_s", msg.elapsed_s)
+            self._end(job, None, keep=True)
+        elif isinstance(msg, P.Failed):
+            part.span.add_event("failed", {"omnid.code": str(msg.code), "omnid.reason": msg.error})
+            self._end(job, f"{msg.code}: {msg.error}")
+        elif isinstance(msg, P.Stopped):
+            part.span.add_event("stopped")
+            self._end(job, "stopped")
+
+    def cancelled(self, job: str, reason: str) -> None:
+        """The supervisor cancelled the job (control thread): `cancelled`, `timed_out`, ..."""
+        with self._lock:
+            part = self._jobs.get(job)
+        if part is not None:
+            part.span.add_event("timeout" if reason == "timed_out" else "cancel", {"omnid.reason": reason})
+
+    def forgotten(self, job: str) -> None:
+        """The job is over for good: a span still open ends now (this stage never got to say)."""
+        self._end(job, None)
+
+    def _handed_off(self, part: _Part, dst: str) -> None:
+        """The downstream `dst` admitted the job's outputs (its last window, on a streaming edge):
+        an event while the stage runs, else a span `hand-off to DST` from the stage's end until now."""
+        if part.ended is None:
+            part.span.add_event("handed off", {"omnid.dst": dst})
+            return
+        from opentelemetry import trace
+        self.tracing.tracer.start_span(f"hand-off to {dst}", context=trace.set_span_in_context(part.span),
+                                       start_time=part.ended, attributes={"omnid.dst": dst}).end()
+
+    def _end(self, job: str, error: str | None, keep: bool = False) -> None:
+        """End the job's stage span; `keep`: its hand-offs may follow (forgotten at `Forget`)."""
+        import time
+
+        from opentelemetry.trace import Status, StatusCode
+        with self._lock:
+            part = self._jobs.get(job) if keep else self._jobs.pop(job, None)
+        if part is None or part.ended is not None:
+            return
+        part.ended = time.time_ns()
+        _end_once(part.waiting)
+        part.span.set_attribute("omnid.segments", part.segments)
+        if error is not None:
+            part.span.set_status(Status(StatusCode.ERROR, error))
+        part.span.end()
+
+    def shutdown(self) -> None:
+        self.tracing.shutdown()
+
+
+def _end_once(span: Any) -> None:
+    if getattr(span, "end_time", 0) is None:      # (an unsampled span has none, and ends as a no-op)
+        span.end()
