@@ -95,13 +95,22 @@ def _secs(value: float | None) -> str:
     return f"{value * 1000:.0f}ms" if value < 1 else f"{value:.2f}s"
 
 
+def _extra(r: Mapping[str, Any]) -> str:
+    if r["kind"] == "stage" and r.get("first_segment") is not None:
+        return f"  first {_secs(r['first_segment'])}, last {_secs(r.get('last_segment'))}, {r['segments']} seg"
+    if r["kind"] in ("job", "stage") and r.get("start") is not None and r.get("wait_from") is not None:
+        return f"  waited {_secs(max(0.0, r['start'] - r['wait_from']))}"
+    return ""
+
+
 def waterfall(doc: Mapping[str, Any], width: int = 100) -> str:
-    """The timeline drawn as text: a label, a bar (`░` waiting, `█` running, `▌` a stage's first
-    segment), the start and the length."""
+    """The timeline drawn as text in `width` columns (at least 20 for the bars): a label, a bar (`░`
+    waiting, `█` running, `▌` a stage's first segment), the start, the length, and a stage's segments."""
     rows: list[dict[str, Any]] = list(doc.get("rows") or [])
     total = max(float(doc.get("duration_s") or 0.0), 1e-6)
     label_w = max([len(r["name"]) + (2 if r["kind"] != "job" else 0) for r in rows] + [8])
-    bar_w = max(20, width - label_w - 24)
+    extra_w = max([len(_extra(r)) for r in rows] + [0])
+    bar_w = max(20, width - label_w - 2 - 18 - extra_w)
     head = f"job {doc.get('job')}  {doc.get('pipeline')}  {doc.get('state')}  {_secs(total)}"
     if doc.get("trace_id"):
         head += f"  trace {doc['trace_id']}"
@@ -131,11 +140,6 @@ def waterfall(doc: Mapping[str, Any], width: int = 100) -> str:
         label = r["name"] if r["kind"] == "job" else "  " + r["name"]
         begin = r.get("start") if r["kind"] != "stage" or r.get("start") is not None else r.get("wait_from")
         length = (r["end"] - r["start"]) if r.get("start") is not None and r.get("end") is not None else None
-        extra = ""
-        if r["kind"] == "stage" and r.get("first_segment") is not None:
-            extra = f"  first {_secs(r['first_segment'])}, last {_secs(r.get('last_segment'))}, {r['segments']} seg"
-        elif r["kind"] in ("job", "stage") and r.get("start") is not None and r.get("wait_from") is not None:
-            extra = f"  waited {_secs(max(0.0, r['start'] - r['wait_from']))}"
-        lines.append(f"{label:{label_w}}  {''.join(cells)}  {_secs(begin):>7} +{_secs(length):<7}{extra}")
+        lines.append(f"{label:{label_w}}  {''.join(cells)}  {_secs(begin):>7} +{_secs(length):<7}{_extra(r)}")
     lines.append(f"{'':{label_w}}  {WAIT} waiting  {RUN} running  {MARK} first segment")
     return "\n".join(line.rstrip() for line in lines)

@@ -85,7 +85,8 @@ class StageWorker:
         self.flush = reporter.flush
         self.tracer: StageTracer | None = None      # `[daemon] tracing`: this stage's spans of its jobs
         if spec.config.daemon.tracing is not None:
-            from omnid.worker.tracing import StageTracer
+            from omnid.worker.tracing import StageTracer, engine_environment
+            engine_environment(spec.config.daemon.tracing, spec.stage)
             self.tracer = StageTracer(spec.config.daemon.tracing, spec.stage, spec.replica)
             self.send, self.post = self.tracer.watch(reporter.send), self.tracer.watch(reporter.post)
         self.jobs = JobTable()                  # what the worker knows of each job (and its lock)

@@ -44,18 +44,24 @@ class _Part:
         self.ended: int | None = None       # when the stage said it was done (its hand-offs may go on)
 
 
+def engine_environment(cfg: TracingConfig, stage: str) -> None:
+    """What an engine with tracing of its own reads (vLLM's, its own provider in this process):
+    OTLP/HTTP to the same receiver, every second, under `<service_name>:<stage>:vllm`."""
+    os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    os.environ.setdefault("OTEL_SERVICE_NAME", f"{cfg.service_name}:{stage}:vllm")
+    os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", "1000")
+    os.environ[VLLM_TRACES_ENV] = cfg.traces_url
+
+
 class StageTracer:
-    def __init__(self, cfg: TracingConfig, stage: str, replica: int) -> None:
-        self.tracing = Tracing(cfg, f"{cfg.service_name}:{stage}",
-                               {"omnid.stage": stage, "omnid.replica": str(replica)})
+    """`tracing`: the exporter to use (a test's); else this worker's own, made here."""
+
+    def __init__(self, cfg: TracingConfig, stage: str, replica: int, tracing: Tracing | None = None) -> None:
+        self.tracing = tracing or Tracing(cfg, f"{cfg.service_name}:{stage}",
+                                          {"omnid.stage": stage, "omnid.replica": str(replica)})
         self._stage, self._replica = stage, replica
         self._lock = threading.Lock()
         self._jobs: dict[str, _Part] = {}
-        # vLLM's tracing (its own provider, in this process): OTLP/HTTP to the same receiver.
-        os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
-        os.environ.setdefault("OTEL_SERVICE_NAME", f"{cfg.service_name}:{stage}:vllm")
-        os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", "1000")
-        os.environ[VLLM_TRACES_ENV] = cfg.traces_url
 
     def watch(self, send: Callable[[object], None]) -> Callable[[object], None]:
         """`send` (a Reporter's send or post), with this tracer looking at each message first."""
@@ -163,7 +169,7 @@ class StageTracer:
         part.span.set_attribute("omnid.segments", part.segments)
         if error is not None:
             part.span.set_status(Status(StatusCode.ERROR, error))
-        part.span.end()
+        part.span.end(end_time=part.ended)
 
     def shutdown(self) -> None:
         self.tracing.shutdown()
