@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,11 +35,12 @@ VLLM_TRACES_ENV = "OMNID_VLLM_OTLP_TRACES_ENDPOINT"
 class _Part:
     """One job's spans in this stage."""
 
-    __slots__ = ("span", "waiting", "segments", "headers", "ended")
+    __slots__ = ("span", "arrived", "started", "segments", "headers", "ended")
 
-    def __init__(self, span: Any, waiting: Any, headers: dict[str, str]) -> None:
+    def __init__(self, span: Any, arrived: int, headers: dict[str, str]) -> None:
         self.span = span
-        self.waiting = waiting
+        self.arrived = arrived              # (ns) its first input came: `waiting for input` from here
+        self.started: int | None = None     # (ns) ... to the engine taking it (made at the end: off the job's way)
         self.segments = 0
         self.headers = headers
         self.ended: int | None = None       # when the stage said it was done (its hand-offs may go on)
@@ -77,16 +79,14 @@ class StageTracer:
         """A work item of a job reached this worker (a data-conn thread)."""
         if item.trace is None:
             return
-        from opentelemetry import trace
         with self._lock:
             part = self._jobs.get(item.job)
             if part is None:
-                tracer = self.tracing.tracer
-                span = tracer.start_span(f"stage {self._stage}", context=self.tracing.context(item.trace),
-                                         attributes={"omnid.job": item.job, "omnid.stage": self._stage,
-                                                     "omnid.replica": self._replica})
-                waiting = tracer.start_span("waiting for input", context=trace.set_span_in_context(span))
-                part = self._jobs[item.job] = _Part(span, waiting, self.tracing.headers(span))
+                now = time.time_ns()
+                span = self.tracing.tracer.start_span(
+                    f"stage {self._stage}", context=self.tracing.context(item.trace), start_time=now,
+                    attributes={"omnid.job": item.job, "omnid.stage": self._stage, "omnid.replica": self._replica})
+                part = self._jobs[item.job] = _Part(span, now, self.tracing.headers(span))
         if item.window is not None:
             part.span.add_event("window in", {"omnid.src": str(item.src), "omnid.window": item.window,
                                               "omnid.last": item.last})
@@ -119,7 +119,8 @@ class StageTracer:
             if msg.is_last:
                 part.span.add_event("last segment", {"omnid.segments": part.segments})
         elif isinstance(msg, P.Started):
-            _end_once(part.waiting)
+            if part.started is None:
+                part.started = time.time_ns()
         elif isinstance(msg, P.Delivered):
             self._handed_off(part, msg.dst)
         elif part.ended is not None:
@@ -157,15 +158,16 @@ class StageTracer:
 
     def _end(self, job: str, error: str | None, keep: bool = False) -> None:
         """End the job's stage span; `keep`: its hand-offs may follow (forgotten at `Forget`)."""
-        import time
-
+        from opentelemetry import trace
         from opentelemetry.trace import Status, StatusCode
         with self._lock:
             part = self._jobs.get(job) if keep else self._jobs.pop(job, None)
         if part is None or part.ended is not None:
             return
         part.ended = time.time_ns()
-        _end_once(part.waiting)
+        if part.span.is_recording():
+            self.tracing.tracer.start_span("waiting for input", context=trace.set_span_in_context(part.span),
+                                           start_time=part.arrived).end(end_time=part.started or part.ended)
         part.span.set_attribute("omnid.segments", part.segments)
         if error is not None:
             part.span.set_status(Status(StatusCode.ERROR, error))
@@ -174,7 +176,3 @@ class StageTracer:
     def shutdown(self) -> None:
         self.tracing.shutdown()
 
-
-def _end_once(span: Any) -> None:
-    if getattr(span, "end_time", 0) is None:      # (an unsampled span has none, and ends as a no-op)
-        span.end()

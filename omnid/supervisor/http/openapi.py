@@ -320,8 +320,7 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
                                                            "paths; its inputs as a short summary"),
                                  "headers": {"Location": {"schema": _STR, "description": "/v1/jobs/{id}"},
                                              **_TRACE_RESPONSE}}},
-        requestBody={"required": True, "content": {"application/json": {"schema": _ref("JobRequest")}}},
-        parameters=_TRACE_PARAMETERS),
+        requestBody={"required": True, "content": {"application/json": {"schema": _ref("JobRequest")}}}),
     ("GET", "/v1/jobs"): _op(
         "The caller's jobs (root: everyone's), newest first", {"200": _json(_ref("JobList"), "the jobs")},
         parameters=[_query("state", _enum(JobState), "only jobs in this state"),
@@ -409,6 +408,8 @@ def _with_resource_refusals(method: str, path: str, op: dict[str, Any]) -> dict[
         extra["507"] = {"$ref": "#/components/responses/InsufficientStorage"}
     if "503" not in op["responses"]:
         extra["503"] = {"$ref": "#/components/responses/TooManyConnections"}
+    if (method, path) in _SUBMIT_PATHS and method == "POST":     # a caller's trace context, joined
+        op = {**op, "parameters": [*op.get("parameters", []), *_TRACE_PARAMETERS]}
     return {**op, "responses": {**op["responses"], **extra}}
 
 

@@ -10,6 +10,7 @@ its work items. Only built when tracing is on (`omnid.tracing.Tracing` imports O
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from omnid.tracing import Tracing
@@ -33,12 +34,13 @@ class JobTrace:
             "omnid.job", context=tracing.context(parent), kind=trace.SpanKind.SERVER, start_time=_ns(start),
             attributes={"omnid.job": record.id, "omnid.pipeline": record.pipeline,
                         "omnid.timeout_s": record.timeout_s})
-        ctx = trace.set_span_in_context(self.span)
-        self._tracer, self._ctx = tracer, ctx
-        if received_at is not None:
-            tracer.start_span("admission", context=ctx, start_time=_ns(start)).end(end_time=_ns(record.created_at))
-        self._queued: Any = tracer.start_span("queued", context=ctx, start_time=_ns(record.created_at))
-        self._running: Any = None
+        self._tracer, self._ctx = tracer, trace.set_span_in_context(self.span)
+        # The parts are made when they end, with their own times: nothing but the job's span is
+        # made on a job's way to its first token.
+        self._received = _ns(start) if received_at is not None else None
+        self._created = _ns(record.created_at)
+        self._running: int | None = None       # when it started running
+        self._ended = False
         sc = self.span.get_span_context()
         self.trace_id = format(sc.trace_id, "032x")
         self.sampled = bool(sc.trace_flags.sampled)
@@ -62,25 +64,24 @@ class JobTrace:
         elif kind in (EventType.STAGE_WAKING, EventType.STAGE_AWAKE):
             self.span.add_event(str(kind), {"omnid.stage": str(event.get("stage"))}, timestamp=ts)
 
+    def _part(self, name: str, start: int, end: int) -> None:
+        self._tracer.start_span(name, context=self._ctx, start_time=start).end(end_time=end)
+
     def _state(self, state: JobState, ts: int, error: dict[str, Any] | None) -> None:
         from opentelemetry.trace import Status, StatusCode
         if state is JobState.RUNNING:
-            if self._queued is not None:
-                self._queued.end(end_time=ts)
-                self._queued = None
-            self._running = self._tracer.start_span("running", context=self._ctx, start_time=ts)
+            if self._running is None:
+                self._running = ts
             return
-        if not state.terminal:
+        if not state.terminal or self._ended:
             return
+        self._ended = True
         reason = str((error or {}).get("message", ""))
         if state is JobState.CANCELLED:
             self.span.add_event("cancel", {"omnid.reason": reason}, timestamp=ts)
         elif state is JobState.TIMED_OUT:
             self.span.add_event("timeout", {"omnid.reason": reason}, timestamp=ts)
-        for part in (self._queued, self._running):
-            if part is not None:
-                part.end(end_time=ts)
-        self._queued = self._running = None
+        self._parts(ts)
         self.span.set_attribute("omnid.outcome", str(state))
         if error:
             self.span.set_attribute("omnid.error.code", str(error.get("code")))
@@ -88,11 +89,21 @@ class JobTrace:
                              else Status(StatusCode.ERROR, f"{state}: {reason}"))
         self.span.end(end_time=ts)
 
+    def _parts(self, end: int) -> None:
+        """admission (arrival -> accepted), queued (accepted -> its first stage started it, or its end),
+        running (-> its end)."""
+        if self._received is not None:
+            self._part("admission", self._received, self._created)
+        self._part("queued", self._created, self._running if self._running is not None else end)
+        if self._running is not None:
+            self._part("running", self._running, end)
+
     def abandon(self) -> None:
         """The daemon stops with the job still live (the next one runs it again): end its spans."""
-        for part in (self._queued, self._running):
-            if part is not None:
-                part.end()
-        self._queued = self._running = None
-        self.span.add_event("daemon stopping")
-        self.span.end()
+        if self._ended:
+            return
+        self._ended = True
+        now = _ns(time.time())
+        self._parts(now)
+        self.span.add_event("daemon stopping", timestamp=now)
+        self.span.end(end_time=now)

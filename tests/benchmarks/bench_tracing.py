@@ -1,0 +1,117 @@
+"""What OpenTelemetry tracing costs a chat: throughput and the first token's time, on and off.
+
+Two daemons with the same tiny-vLLM `chat` stage (max_inflight 8, 64 greedy tokens): one with
+`[daemon] tracing` on (sample 1.0) exporting to a live OTLP/HTTP receiver in this process (an
+aiohttp app that decodes and counts the spans), one with tracing off. They run one after the
+other, alternating, never at once. Throughput: 32 jobs submitted at once, 32 / wall (before the
+first POST to the last terminal event). The first token: one job at a time, submit -> its first
+segment event, p50. Ratios are on / off (median of the alternating runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from typing import Any
+
+from _harness import Ctx, Daemon, Row, at_least, at_most, fmt, kill_daemon, p50, start_daemon, vllm_stage
+
+FIGURES = ["chat 32 x 64 tokens, tracing on (sample 1.0, live receiver): jobs/s",
+           "chat first token, tracing on: submit -> first segment, p50"]
+
+
+class _Receiver:
+    """POST /v1/traces on a port of 127.0.0.1: decodes each request and counts its spans."""
+
+    def __init__(self) -> None:
+        from aiohttp import web
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+        self.spans = 0
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="otlp-receiver", daemon=True).start()
+
+        async def traces(request: web.Request) -> web.Response:
+            req = pb.ExportTraceServiceRequest()
+            req.ParseFromString(await request.read())
+            self.spans += sum(len(ss.spans) for rs in req.resource_spans for ss in rs.scope_spans)
+            return web.Response(body=pb.ExportTraceServiceResponse().SerializeToString(),
+                                content_type="application/x-protobuf")
+
+        async def start() -> web.AppRunner:
+            app = web.Application()
+            app.router.add_post("/v1/traces", traces)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", self.port).start()
+            return runner
+        self._runner = asyncio.run_coroutine_threadsafe(start(), self._loop).result(10)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+def _daemon(tracing: dict[str, Any] | None) -> Daemon:
+    stage = vllm_stage(max_inflight=8)
+    stage["defaults"] = {**stage["defaults"], "max_tokens": 64}
+    return start_daemon({"chat": stage}, {"chat": {"stages": ["chat"]}},
+                        {"tracing": tracing} if tracing else None, timeout=300)
+
+
+def _wall(ctx: Ctx, d: Daemon, n: int) -> float:
+    t0 = time.time()
+    jobs = [d.submit("chat", {"prompt": f"Tell me about the sea, {i}"}) for i in range(n)]
+    ends = []
+    for job in jobs:
+        end = d.events(job, timeout=min(120.0, max(10.0, ctx.left())))[-1]
+        if end.get("state") != "succeeded":
+            raise RuntimeError(f"job {job} ended {end}")
+        ends.append(float(end["ts"]))
+    return max(ends) - t0
+
+
+def _first_token(ctx: Ctx, d: Daemon) -> float:
+    run = d.run("chat", {"prompt": "Once upon a time"}, timeout=min(60.0, max(10.0, ctx.left())))
+    return float(run.first(type="segment")["ts"]) - run.t0
+
+
+def bench_tracing(ctx: Ctx) -> list[Row]:
+    receiver = _Receiver()
+    on = off = None
+    try:
+        on = _daemon({"otlp_endpoint": f"http://127.0.0.1:{receiver.port}", "sample": 1.0})
+        off = _daemon(None)
+        ctx.deadline += (on.ready_s or 0) + (off.ready_s or 0)     # (the starts are not the figure's time)
+        for d in (on, off):
+            _wall(ctx, d, 4)                        # warm both
+        walls: dict[str, list[float]] = {"on": [], "off": []}
+        firsts: dict[str, list[float]] = {"on": [], "off": []}
+        for i in range(ctx.n(6, 2)):
+            ctx.check(f"run {i}")
+            for name, d in (("on", on), ("off", off)) if i % 2 == 0 else (("off", off), ("on", on)):
+                walls[name].append(_wall(ctx, d, 32))
+                for _ in range(ctx.n(6, 3)):
+                    firsts[name].append(_first_token(ctx, d))
+            ctx.log(f"run {i}: walls on {walls['on'][-1]:.2f} s, off {walls['off'][-1]:.2f} s")
+        time.sleep(1.5)                             # the last batches export
+        tput_on, tput_off = 32 / p50(walls["on"]), 32 / p50(walls["off"])
+        ttft_on, ttft_off = p50(firsts["on"]), p50(firsts["off"])
+        spans = receiver.spans
+    finally:
+        for d in (on, off):
+            if d is not None:
+                kill_daemon(d)
+        receiver.stop()
+    if spans == 0:
+        raise RuntimeError("the receiver got no spans from the traced daemon")
+    return [Row(FIGURES[0], tput_on, "/s", "same, tracing off", tput_off, "/s", tput_on / tput_off, "on / off",
+                at_least(0.97, ">= 0.97x"),
+                f"{spans} spans received; walls on {', '.join(fmt(x) for x in walls['on'])} s, "
+                f"off {', '.join(fmt(x) for x in walls['off'])} s"),
+            Row(FIGURES[1], ttft_on, "s", "same, tracing off", ttft_off, "s", ttft_on / ttft_off, "on / off",
+                at_most(1.05, "<= 1.05x"), f"{len(firsts['on'])} jobs each")]
