@@ -254,13 +254,13 @@ class VllmEngine(Engine):
         if not self._own_core:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         args = engine_args(stage)
-        if traces := os.environ.get("OMNID_VLLM_OTLP_TRACES_ENDPOINT"):    # `[daemon] tracing` (omnid.worker.tracing)
-            # vLLM's request spans: its tracing reads the request's stats (kept only with log_stats),
-            # whose periodic log line is pushed out of the way.
+        traces = os.environ.get("OMNID_VLLM_OTLP_TRACES_ENDPOINT")     # `[daemon] tracing` (omnid.worker.tracing)
+        if traces and not stage.args.get("disable_log_stats"):
+            # vLLM's request spans: its tracing reads the request's stats (kept only with log_stats,
+            # whose periodic log line is pushed out of the way); a stage that turns them off has none.
             args.setdefault("otlp_traces_endpoint", traces)
-            if "disable_log_stats" not in stage.args:
-                args["disable_log_stats"] = False
-                os.environ.setdefault("VLLM_LOG_STATS_INTERVAL", "86400")
+            args["disable_log_stats"] = False
+            os.environ.setdefault("VLLM_LOG_STATS_INTERVAL", "86400")
         threads = cpu_threads(stage, args, os.environ)
         if threads is not None:
             os.environ["OMP_NUM_THREADS"] = str(threads)    # the core's process is spawned with it
