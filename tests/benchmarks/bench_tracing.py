@@ -2,7 +2,7 @@
 
 Two daemons with the same tiny-vLLM `chat` stage (max_inflight 8, 64 greedy tokens): one with
 `[daemon] tracing` on (sample 1.0) exporting to a live OTLP/HTTP receiver in this process (an
-aiohttp app that decodes and counts the spans), one with tracing off. They run one after the
+aiohttp app in a process of its own, that decodes and counts the spans), one with tracing off. They run one after the
 other, alternating, never at once. Throughput: 32 jobs submitted at once, 32 / wall (before the
 first POST to the last terminal event). The first token: one job at a time, submit -> its first
 segment event, the p50 of each run's jobs. Both take the best run of each daemon: on a machine
@@ -13,10 +13,11 @@ spent per throughput job, on / off.
 
 from __future__ import annotations
 
-import asyncio
 import socket
-import threading
+import subprocess
+import sys
 import time
+import urllib.request
 from typing import Any
 
 import psutil
@@ -28,38 +29,54 @@ FIGURES = ["chat 32 x 64 tokens, tracing on (sample 1.0, live receiver): jobs/s"
            "chat CPU seconds per job (supervisor and workers), tracing on"]
 
 
+_RECEIVER = """
+import sys
+from aiohttp import web
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
+spans = 0
+
+async def traces(request):
+    global spans
+    req = pb.ExportTraceServiceRequest()
+    req.ParseFromString(await request.read())
+    spans += sum(len(ss.spans) for rs in req.resource_spans for ss in rs.scope_spans)
+    return web.Response(body=pb.ExportTraceServiceResponse().SerializeToString(), content_type="application/x-protobuf")
+
+async def count(request):
+    return web.Response(text=str(spans))
+
+app = web.Application()
+app.router.add_post("/v1/traces", traces)
+app.router.add_get("/count", count)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
+"""
+
+
 class _Receiver:
-    """POST /v1/traces on a port of 127.0.0.1: decodes each request and counts its spans."""
+    """An OTLP/HTTP receiver (POST /v1/traces) in a process of its own (not competing with this
+    one's client threads): decodes each request and counts its spans (GET /count)."""
 
     def __init__(self) -> None:
-        from aiohttp import web
-        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = int(s.getsockname()[1])
-        self.spans = 0
-        self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._loop.run_forever, name="otlp-receiver", daemon=True).start()
+        self.proc = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(self.port)])
+        deadline = time.monotonic() + 30
+        while self.count() is None:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError("the OTLP receiver did not start")
+            time.sleep(0.05)
 
-        async def traces(request: web.Request) -> web.Response:
-            req = pb.ExportTraceServiceRequest()
-            req.ParseFromString(await request.read())
-            self.spans += sum(len(ss.spans) for rs in req.resource_spans for ss in rs.scope_spans)
-            return web.Response(body=pb.ExportTraceServiceResponse().SerializeToString(),
-                                content_type="application/x-protobuf")
-
-        async def start() -> web.AppRunner:
-            app = web.Application()
-            app.router.add_post("/v1/traces", traces)
-            runner = web.AppRunner(app)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", self.port).start()
-            return runner
-        self._runner = asyncio.run_coroutine_threadsafe(start(), self._loop).result(10)
+    def count(self) -> int | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/count", timeout=5) as r:
+                return int(r.read())
+        except OSError:
+            return None
 
     def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        self.proc.terminate()
+        self.proc.wait(10)
 
 
 def _daemon(tracing: dict[str, Any] | None) -> Daemon:
@@ -124,7 +141,7 @@ def bench_tracing(ctx: Ctx) -> list[Row]:
         tput_on, tput_off = 32 / min(walls["on"]), 32 / min(walls["off"])
         ttft_on, ttft_off = min(firsts["on"]), min(firsts["off"])
         cpu_on, cpu_off = p50(cpu["on"]), p50(cpu["off"])
-        spans = receiver.spans
+        spans = receiver.count() or 0
     finally:
         for d in (on, off):
             if d is not None:
