@@ -26,23 +26,26 @@ from typing import Any
 from omnid import protocol as P
 from omnid.config_types import TracingConfig
 from omnid.dataplane.wire import WorkItem
-from omnid.tracing import Tracing
+from omnid.tracing import Event, SpanRef, Tracing
 
 # What a vLLM engine in this process reads (omnid.engines.vllm_engine): where its own spans go.
 VLLM_TRACES_ENV = "OMNID_VLLM_OTLP_TRACES_ENDPOINT"
 
 
 class _Part:
-    """One job's spans in this stage."""
+    """One job's stage span, named when its first input came and made when it ends (`Tracing.ref`,
+    `Tracing.record`): what the job's way meets is a few appends."""
 
-    __slots__ = ("span", "arrived", "started", "segments", "headers", "ended")
+    __slots__ = ("ref", "job", "arrived", "started", "segments", "events", "attributes", "ended")
 
-    def __init__(self, span: Any, arrived: int, headers: dict[str, str]) -> None:
-        self.span = span
+    def __init__(self, ref: SpanRef, job: str, arrived: int) -> None:
+        self.ref = ref
+        self.job = job
         self.arrived = arrived              # (ns) its first input came: `waiting for input` from here
-        self.started: int | None = None     # (ns) ... to the engine taking it (made at the end: off the job's way)
+        self.started: int | None = None     # (ns) ... to the engine taking it
         self.segments = 0
-        self.headers = headers
+        self.events: list[Event] = []
+        self.attributes: dict[str, Any] = {}
         self.ended: int | None = None       # when the stage said it was done (its hand-offs may go on)
 
 
@@ -79,25 +82,22 @@ class StageTracer:
         """A work item of a job reached this worker (a data-conn thread)."""
         if item.trace is None:
             return
+        now = time.time_ns()
         with self._lock:
             part = self._jobs.get(item.job)
             if part is None:
-                now = time.time_ns()
-                span = self.tracing.tracer.start_span(
-                    f"stage {self._stage}", context=self.tracing.context(item.trace), start_time=now,
-                    attributes={"omnid.job": item.job, "omnid.stage": self._stage, "omnid.replica": self._replica})
-                part = self._jobs[item.job] = _Part(span, now, self.tracing.headers(span))
-        if item.window is not None:
-            part.span.add_event("window in", {"omnid.src": str(item.src), "omnid.window": item.window,
-                                              "omnid.last": item.last})
-        elif item.src is not None:
-            part.span.add_event("input", {"omnid.src": item.src})
+                part = self._jobs[item.job] = _Part(self.tracing.ref(item.trace), item.job, now)
+            if item.window is not None:
+                part.events.append(("window in", now, {"omnid.src": str(item.src), "omnid.window": item.window,
+                                                      "omnid.last": item.last}))
+            elif item.src is not None:
+                part.events.append(("input", now, {"omnid.src": item.src}))
 
     def headers(self, job: str) -> dict[str, str] | None:
         """The job's stage span as a parent (what a vLLM request's trace headers say)."""
         with self._lock:
             part = self._jobs.get(job)
-        return dict(part.headers) if part is not None and part.span.is_recording() else None
+        return part.ref.headers if part is not None and part.ref.sampled else None
 
     def saw(self, msg: object) -> None:
         """A message to the supervisor, about to go."""
@@ -114,10 +114,10 @@ class StageTracer:
             return
         if isinstance(msg, P.Segment):
             if part.segments == 0:
-                part.span.add_event("first segment")
+                part.events.append(("first segment", time.time_ns(), {}))
             part.segments += msg.count
             if msg.is_last:
-                part.span.add_event("last segment", {"omnid.segments": part.segments})
+                part.events.append(("last segment", time.time_ns(), {"omnid.segments": part.segments}))
         elif isinstance(msg, P.Started):
             if part.started is None:
                 part.started = time.time_ns()
@@ -126,13 +126,13 @@ class StageTracer:
         elif part.ended is not None:
             return
         elif isinstance(msg, P.Finished):
-            part.span.set_attribute("omnid.elapsed_s", msg.elapsed_s)
+            part.attributes["omnid.elapsed_s"] = msg.elapsed_s
             self._end(job, None, keep=True)
         elif isinstance(msg, P.Failed):
-            part.span.add_event("failed", {"omnid.code": str(msg.code), "omnid.reason": msg.error})
+            part.events.append(("failed", time.time_ns(), {"omnid.code": str(msg.code), "omnid.reason": msg.error}))
             self._end(job, f"{msg.code}: {msg.error}")
         elif isinstance(msg, P.Stopped):
-            part.span.add_event("stopped")
+            part.events.append(("stopped", time.time_ns(), {}))
             self._end(job, "stopped")
 
     def cancelled(self, job: str, reason: str) -> None:
@@ -140,7 +140,8 @@ class StageTracer:
         with self._lock:
             part = self._jobs.get(job)
         if part is not None:
-            part.span.add_event("timeout" if reason == "timed_out" else "cancel", {"omnid.reason": reason})
+            part.events.append(("timeout" if reason == "timed_out" else "cancel", time.time_ns(),
+                                {"omnid.reason": reason}))
 
     def forgotten(self, job: str) -> None:
         """The job is over for good: a span still open ends now (this stage never got to say)."""
@@ -149,29 +150,25 @@ class StageTracer:
     def _handed_off(self, part: _Part, dst: str) -> None:
         """The downstream `dst` admitted the job's outputs (its last window, on a streaming edge):
         an event while the stage runs, else a span `hand-off to DST` from the stage's end until now."""
+        now = time.time_ns()
         if part.ended is None:
-            part.span.add_event("handed off", {"omnid.dst": dst})
+            part.events.append(("handed off", now, {"omnid.dst": dst}))
             return
-        from opentelemetry import trace
-        self.tracing.tracer.start_span(f"hand-off to {dst}", context=trace.set_span_in_context(part.span),
-                                       start_time=part.ended, attributes={"omnid.dst": dst}).end()
+        self.tracing.record(self.tracing.ref(part.ref), f"hand-off to {dst}", part.ended, now, {"omnid.dst": dst})
 
     def _end(self, job: str, error: str | None, keep: bool = False) -> None:
         """End the job's stage span; `keep`: its hand-offs may follow (forgotten at `Forget`)."""
-        from opentelemetry import trace
-        from opentelemetry.trace import Status, StatusCode
         with self._lock:
             part = self._jobs.get(job) if keep else self._jobs.pop(job, None)
-        if part is None or part.ended is not None:
-            return
-        part.ended = time.time_ns()
-        if part.span.is_recording():
-            self.tracing.tracer.start_span("waiting for input", context=trace.set_span_in_context(part.span),
-                                           start_time=part.arrived).end(end_time=part.started or part.ended)
-        part.span.set_attribute("omnid.segments", part.segments)
-        if error is not None:
-            part.span.set_status(Status(StatusCode.ERROR, error))
-        part.span.end(end_time=part.ended)
+            if part is None or part.ended is not None:
+                return
+            part.ended = time.time_ns()
+            events = list(part.events)
+        attributes = {"omnid.job": part.job, "omnid.stage": self._stage, "omnid.replica": self._replica,
+                      "omnid.segments": part.segments, **part.attributes}
+        tracing = self.tracing
+        tracing.record(part.ref, f"stage {self._stage}", part.arrived, part.ended, attributes, events, error)
+        tracing.record(tracing.ref(part.ref), "waiting for input", part.arrived, part.started or part.ended)
 
     def shutdown(self) -> None:
         self.tracing.shutdown()
