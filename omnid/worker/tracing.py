@@ -10,9 +10,12 @@ request's trace headers), so vLLM's `llm_request` span hangs under it.
 
 The parent context comes with the job's work items (`WorkItem.trace`); the spans follow the
 messages the worker tells the supervisor (`watch` wraps its `Reporter`'s send and post), so they
-say what the supervisor hears, when the worker says it. Thread-safe: data-conn threads (`arrived`),
-the control thread (`cancelled`, `forgotten`) and the main thread (`watch`) each take the lock for
-a dict lookup; the SDK's spans have their own. Built only when tracing is on.
+say what the supervisor hears, when the worker says it. A span is named when the job's first input
+comes (`Tracing.ref`: two random numbers) and its events are appended to a list; it is made, with
+its own times, when the stage is done with the job (`Tracing.record`): the job's way to its first
+token meets no OpenTelemetry call. Thread-safe: data-conn threads (`arrived`), the control thread
+(`cancelled`, `forgotten`) and the main thread (`watch`) each take the lock for a dict lookup.
+Built only when tracing is on.
 """
 
 from __future__ import annotations
