@@ -478,7 +478,8 @@ class VllmEngine(Engine):
             # Before add_request: the request's first forward is tapped from its first step on.
             self.engine.collective_rpc("omnid_tap_watch", args=(request_id, self.stage.hidden_prompt))
         try:
-            internal_id = self.engine.add_request(request_id, rendered, sampling, trace_headers=ctx.trace_headers)
+            traced = {"trace_headers": ctx.trace_headers} if ctx.trace_headers else {}   # `[daemon] tracing`
+            internal_id = self.engine.add_request(request_id, rendered, sampling, **traced)
         except Exception as e:          # a prompt longer than the model, media vLLM's processing refuses
             if tapped:
                 self._forget.append(request_id)
