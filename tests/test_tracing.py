@@ -346,6 +346,8 @@ def test_omnictl_trace_draws_the_waterfall(traced: RunningDaemon) -> None:
     assert rows["think"]["segments"] >= 1 and 0 <= rows["think"]["start"] <= rows["think"]["end"]
     assert rows["think -> shout"]["start"] == rows["think"]["first_segment"]    # a streaming edge: its first window
     assert rows["shout"]["start"] <= rows["shout"]["end"] <= doc["duration_s"]
+    missing = omnictl(traced, "trace", "0123456789ab")
+    assert missing.returncode != 0 and "unknown_job" in missing.stderr, missing.stderr
 
 
 def test_metrics_have_stage_waits_and_handoffs_with_trace_exemplars(traced: RunningDaemon) -> None:
