@@ -596,6 +596,36 @@ def stage_wake(settings: Settings, name: str, no_wait: bool, timeout: float) -> 
         click.echo(f"{name}: {snap.get('state')} (woke in {snap.get('wake_s')} s)")
 
 
+@command(click.argument("job_id", metavar="JOB", shell_complete=complete_jobs),
+         click.option("--width", type=click.IntRange(40), default=None, help="Columns to draw in "
+                      "(default: the terminal's)."))
+def trace(settings: Settings, job_id: str, width: int | None) -> None:
+    """Draw a job's timeline: one bar per stage and edge (waiting, running, first segment), from the
+    daemon's own record of the job (no trace collector needed); --json gives the rows."""
+    import shutil
+
+    from omnictl.client import EventsIdleTimeout
+    from omnictl.timeline import timeline, waterfall
+    client = settings.client()
+    job = client.job(job_id)
+    events: list[dict[str, Any]] = []
+    try:        # a live job's stream goes on: what came so far
+        for ev in client.events(str(job.get("id") or job_id),
+                                idle_timeout=None if job.get("state") in TERMINAL_STATES else 0.5):
+            events.append(ev)
+    except EventsIdleTimeout:
+        pass
+    try:
+        edges = client.pipeline(str(job.get("pipeline"))).get("edges") or []
+    except ApiError:
+        edges = []          # a pipeline the config no longer has: its stages alone
+    doc = timeline(job, events, edges)
+    if settings.json:
+        _print_json(doc)
+    else:
+        click.echo(waterfall(doc, width or shutil.get_terminal_size((100, 24)).columns))
+
+
 @command(click.argument("name", required=False, shell_complete=complete_pipelines))
 def pipelines(settings: Settings, name: str | None) -> None:
     """Show every pipeline with its stages and edges; with NAME, what it takes: its inputs, each

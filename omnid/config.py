@@ -29,7 +29,7 @@ from omnid.media import MEDIA_KINDS, NO_MEDIA, MediaLimits, detect_kinds
 # The parsed config's types (standard library only, so that the engines and the protocol can name
 # them from below); named here too, where most readers look for them.
 from omnid.config_types import (FULL_WINDOW, Config, DaemonConfig, EdgeConfig, OwnerPolicy, PipelineConfig, RayNeeds,
-                                StageConfig)
+                                StageConfig, TracingConfig)
 from omnid.engines.capabilities import CAPABILITIES, capabilities, check_param, engines_that
 from omnid.engines.capabilities import TENSOR_OUTPUTS as TENSOR_OUTPUTS     # (declared with the engines;
 from omnid.engines.capabilities import TENSOR_PROMPTS as TENSOR_PROMPTS     # named here as before)
@@ -203,7 +203,32 @@ def _parse_daemon(c: _Checker, raw: Any, base: Path) -> DaemonConfig:
         min_free_mb=c.positive(d, "min_free_mb", "daemon", 512, integer=True, allow_zero=True),
         min_free_inodes=c.positive(d, "min_free_inodes", "daemon", 1024, integer=True, allow_zero=True),
         ballast_mb=c.positive(d, "ballast_mb", "daemon", 32, integer=True, allow_zero=True),
+        tracing=_parse_tracing(c, d.get("tracing")),
     )
+
+
+def _parse_tracing(c: _Checker, raw: Any) -> TracingConfig | None:
+    """`[daemon] tracing = { otlp_endpoint, sample, service_name }` (absent: tracing off)."""
+    if raw is None:
+        return None
+    path = "daemon.tracing"
+    t = c.table(raw, path)
+    c.unknown(t, TracingConfig.__dataclass_fields__, path)
+    default = TracingConfig()
+    endpoint = c.get(t, "otlp_endpoint", path, str, default.otlp_endpoint)
+    if not re.match(r"^https?://[^/\s]+(/\S*)?$", endpoint):
+        c.add(f"{path}.otlp_endpoint", f"must be an http(s) URL like \"http://127.0.0.1:4318\" (an OTLP/HTTP "
+                                       f"receiver: an OpenTelemetry Collector, Jaeger), not {endpoint!r}")
+        endpoint = default.otlp_endpoint
+    sample = c.get(t, "sample", path, (int, float), 1.0)
+    if not 0.0 <= sample <= 1.0:
+        c.add(f"{path}.sample", f"must be between 0 and 1 (the share of traces kept), not {sample}")
+        sample = 1.0
+    name = c.get(t, "service_name", path, str, default.service_name)
+    if not name.strip():
+        c.add(f"{path}.service_name", "must not be empty")
+        name = default.service_name
+    return TracingConfig(otlp_endpoint=endpoint, sample=float(sample), service_name=name)
 
 
 def _parse_tcp(c: _Checker, d: Mapping[str, Any]) -> dict[str, Any]:

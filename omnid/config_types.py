@@ -29,6 +29,22 @@ class OwnerPolicy:
 
 
 @dataclass(frozen=True)
+class TracingConfig:
+    """`[daemon] tracing = { ... }`: OpenTelemetry traces of the jobs, exported over OTLP/HTTP (off
+    when the table is absent). Every process exports its own spans (the supervisor's job spans, each
+    stage worker's stage spans, a vLLM stage's engine its request spans) to `otlp_endpoint`."""
+
+    otlp_endpoint: str = "http://127.0.0.1:4318"   # the receiver's base URL; spans go to <it>/v1/traces
+    sample: float = 1.0             # the share of new traces kept (a caller's sampled flag is followed)
+    service_name: str = "omnid"     # `service.name` of the spans (a stage's: "<it>:<stage>")
+
+    @property
+    def traces_url(self) -> str:
+        base = self.otlp_endpoint.rstrip("/")
+        return base if base.endswith("/v1/traces") else base + "/v1/traces"
+
+
+@dataclass(frozen=True)
 class DaemonConfig:
     socket: Path
     state_dir: Path
@@ -89,6 +105,7 @@ class DaemonConfig:
         top = next((e.max_priority for e in own if e.max_priority is not None), None if root else 0)
         queued = next((e.max_queued for e in found if e.max_queued is not None), None)
         return weight, top, queued
+    tracing: TracingConfig | None = None    # OpenTelemetry traces (omnid.tracing); None: off
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ class WorkItem:
     `rank` orders the job in every stage's queue (`omnid.fair_queue`: priority, fair-share tag,
     admission order), `priority` is what a vLLM stage passes its engine; `since` is when the
     job began to wait for this stage (wall clock; 0: when it reaches the queue), for the bound on waiting.
+    `trace` carries the job's span context (`omnid.tracing`): each stage's span hangs under it.
     """
 
     job: str
@@ -64,6 +65,7 @@ class WorkItem:
     @property
     def priority(self) -> int:
         return self.rank[0]
+    trace: dict[str, str] | None = None     # the job's trace context (W3C traceparent), when tracing is on
 
 
 @dataclass

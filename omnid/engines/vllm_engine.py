@@ -257,6 +257,13 @@ class VllmEngine(Engine):
         if not self._own_core:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         args = engine_args(stage)
+        traces = os.environ.get("OMNID_VLLM_OTLP_TRACES_ENDPOINT")     # `[daemon] tracing` (omnid.worker.tracing)
+        if traces and not stage.args.get("disable_log_stats"):
+            # vLLM's request spans: its tracing reads the request's stats (kept only with log_stats,
+            # whose periodic log line is pushed out of the way); a stage that turns them off has none.
+            args.setdefault("otlp_traces_endpoint", traces)
+            args["disable_log_stats"] = False
+            os.environ.setdefault("VLLM_LOG_STATS_INTERVAL", "86400")
         threads = cpu_threads(stage, args, os.environ)
         if threads is not None:
             os.environ["OMP_NUM_THREADS"] = str(threads)    # the core's process is spawned with it
@@ -482,7 +489,8 @@ class VllmEngine(Engine):
             # Before add_request: the request's first forward is tapped from its first step on.
             self.engine.collective_rpc("omnid_tap_watch", args=(request_id, self.stage.hidden_prompt))
         try:
-            internal_id = self.engine.add_request(request_id, rendered, sampling, **self._priority(ctx))
+            traced = {"trace_headers": ctx.trace_headers} if ctx.trace_headers else {}   # `[daemon] tracing`
+            internal_id = self.engine.add_request(request_id, rendered, sampling, **self._priority(ctx), **traced)
         except Exception as e:          # a prompt longer than the model, media vLLM's processing refuses
             if tapped:
                 self._forget.append(request_id)

@@ -81,6 +81,8 @@ class Start:
         except BaseException:
             traceback.print_exc()
             os._exit(1)
+        if worker.tracer is not None:
+            worker.tracer.shutdown()        # its last spans go out (bounded by the export timeout)
         self.stopped(worker)
         os._exit(0)
 

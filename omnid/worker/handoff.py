@@ -106,7 +106,7 @@ class Handoff:
                 return None
             handoffs.append((edge.dst, WorkItem(job=ctx.job, pipeline=item.pipeline, src=self.stage,
                                                 inputs=inputs, params=item.params, routes=item.routes,
-                                                rank=item.rank)))
+                                                rank=item.rank, trace=item.trace)))
         return handoffs
 
     def hand_off(self, job: WorkerJob, handoffs: list[tuple[str, WorkItem]], on_wait: Callable[[], None],
@@ -187,7 +187,7 @@ class Handoff:
         except EdgeError as e:
             return str(e)
         window = WorkItem(job=item.job, pipeline=item.pipeline, src=self.stage, inputs=inputs,
-                          params=item.params, window=index, last=last, routes=item.routes, rank=item.rank)
+                          params=item.params, window=index, last=last, routes=item.routes, rank=item.rank, trace=item.trace)
         line = job.unsent.get(edge.dst)
         if line is None:
             line = job.unsent[edge.dst] = deque()

@@ -40,6 +40,7 @@ import bench_ray  # noqa: E402
 import bench_resources  # noqa: E402
 import bench_streaming  # noqa: E402
 import bench_tensors  # noqa: E402
+import bench_tracing  # noqa: E402
 
 
 @dataclass
@@ -106,6 +107,7 @@ BENCHES: list[Bench] = [
            "256 MiB fp16 hand-off, Ray-placed -> local (across raylets)"],
           (240, 150), ()),
     Bench("peer", "engines", bench_peer.bench_peer, bench_peer.FIGURES, (3600, 1500), ()),  # 4 or 12 server starts
+    Bench("tracing", "control", bench_tracing.bench_tracing, bench_tracing.FIGURES, (420, 240), ()),
     Bench("held_streams", "control", bench_resources.bench_held_streams,
           ["GET /v1/health p50 with N event streams held"], (90, 45), ("control",)),
     Bench("fair_wait", "priorities", bench_priorities.bench_fair_wait, [bench_priorities.FIGURES[0]], (120, 90), ()),

@@ -39,7 +39,7 @@ from aiohttp import web
 from omnid.config import Config
 from omnid.supervisor.metrics import Metrics
 from omnid.store import JobStore, StoreWriteFailed
-from omnid.supervisor.http import admission
+from omnid.supervisor.http import admission, trace_context
 from omnid.supervisor.workers import stage_logs
 from omnid.supervisor.jobs.submission import Submission
 from omnid.supervisor.errors import STORAGE_RETRY_AFTER_S, Refused
@@ -215,23 +215,31 @@ class Api:
         sub = admission.job_submission(self.config, await json_body(request), request["uid"])
         sub = admission.owned(self.config, sub, request.get("api_key"), not request.get("tcp"))
         job = self.take(sub, "the daemon is stopping: it finishes the jobs it is running and keeps the "
-                        "queued ones for its next start; submit again once it is back")
+                        "queued ones for its next start; submit again once it is back", request)
         log.info("audit", action="submit", uid=request["uid"], job=job.id, pipeline=sub.pipeline.name,
                  priority=sub.priority)
-        return web.json_response({**job.to_doc(), "links": job_links(job.id)}, status=201,
+        trace = trace_context.trace_id(request)     # `[daemon] tracing`: the job's trace
+        return web.json_response({**job.to_doc(), "links": job_links(job.id), **({"trace_id": trace} if trace else {})},
+                                 status=201,
                                  headers={"Location": f"/v1/jobs/{job.id}"})
 
-    def take(self, sub: Submission, draining: str) -> JobRecord:
+    def take(self, sub: Submission, draining: str, request: web.Request | None = None) -> JobRecord:
         """A submission that passed admission, made a job of the caller's (every submit path's last
         step): 503 while the daemon stops (`draining`: why, as the path says it), 507 while the disk is
-        short, the scheduler's own refusals. The job is in the database when this returns."""
+        short, the scheduler's own refusals. The job is in the database when this returns. With
+        tracing on, the `request`'s trace context (W3C traceparent) is the job's parent, and its
+        answer names the job's trace (`trace_context`)."""
         if self.info.stopping:
             raise Refused(503, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
         if self.info.draining:
             raise Refused(503, ErrorCode.DRAINING, draining)
         self.check_disk()
+        if request is not None and self.scheduler.tracing is not None:
+            sub = trace_context.joined(sub, request)
         job = self.scheduler.submit(sub)
         self.store.flush()              # a 201 means the job is in the database
+        if request is not None and (live := self.scheduler.live.get(job.id)) is not None and live.trace is not None:
+            trace_context.answered(request, live.trace.traceparent)
         return job
 
     def check_disk(self) -> None:
@@ -496,7 +504,9 @@ class Api:
             body.setdefault("reasons", []).append(str(ErrorCode.DISK_FULL))
 
     async def get_metrics(self, request: web.Request) -> web.Response:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-        data = generate_latest(self.metrics.registry)
-        return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        from prometheus_client.exposition import choose_encoder
+        # The OpenMetrics format when asked for (Accept: application/openmetrics-text): with the
+        # histograms' exemplars, the trace ids of jobs they counted (`[daemon] tracing`).
+        encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+        return web.Response(body=encode(self.metrics.registry), headers={"Content-Type": content_type})
 

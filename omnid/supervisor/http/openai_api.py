@@ -584,7 +584,7 @@ class OpenAiApi:
         sub = admission.owned(self.api.config, Submission(p, inputs, params, summary, request["uid"],
                                                           priority=request.get(_PRIORITY_KEY, 0)),
                               request.get("api_key"), not request.get("tcp"))
-        job = self.api.take(sub, "the daemon is stopping; try again once it is back")
+        job = self.api.take(sub, "the daemon is stopping; try again once it is back", request)
         request[_JOB_KEY] = job.id
         log.info("audit", action="submit", uid=request["uid"], job=job.id, pipeline=p.name, via=request.path)
         return job

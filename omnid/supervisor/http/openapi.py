@@ -240,7 +240,9 @@ def schemas(config: Config) -> dict[str, Any]:
                       ["error"], extra=False),
         "JobRequest": _job_request(config),
         "Job": _obj({**job_keys, "queue": QUEUE_PLACE}, job_keys, extra=False),
-        "NewJob": _obj({**job_keys, "links": _obj({k: _STR for k in JOB_LINKS}, list(JOB_LINKS), extra=False)},
+        "NewJob": _obj({**job_keys, "links": _obj({k: _STR for k in JOB_LINKS}, list(JOB_LINKS), extra=False),
+                        "trace_id": {**_STR, "description": "the job's trace ([daemon] tracing on): the caller's "
+                                     "traceparent's, else a new one"}},
                        [*job_keys, "links"], extra=False),
         "JobList": _obj({"jobs": {"type": "array", "items": _ref("Job")}}, ["jobs"], extra=False),
         "StageRun": stage_run,
@@ -250,7 +252,9 @@ def schemas(config: Config) -> dict[str, Any]:
                        "error": _nullable(_ref("JobError")), "done": _INT, "total": _nullable(_INT), "index": _INT,
                        "is_last": _BOOL, "text": _STR, "audio_s": _NUM, "code": _enum(ErrorCode), "message": _STR,
                        "elapsed_s": _nullable(_NUM), "wake_s": _nullable(_NUM),
-                       "usage": {"type": "object", "additionalProperties": _INT}}, ["type", "job", "ts"]),
+                       "usage": {"type": "object", "additionalProperties": _INT},
+                       "trace_id": {**_STR, "description": "state queued, with tracing on: the job's trace"}},
+                      ["type", "job", "ts"]),
         "Deleted": _obj({"deleted": _STR}, ["deleted"], extra=False),
         "Edge": edge,
         "Pipeline": _obj(pipeline_keys, pipeline_keys),
@@ -315,13 +319,24 @@ _LOG_QUERY = [
 _LOG_STREAM = {"x-omnid-stream": "with follow=1 or follow=true: chunked text/plain that the server never ends; "
                                  "read it line by line and hang up when done"}
 
+# W3C Trace Context ([daemon] tracing): the caller's context, joined by every path that makes a job;
+# the job's own, in the answer.
+_TRACE_PARAMETERS = [
+    {"name": "traceparent", "in": "header", "required": False, "schema": _STR,
+     "description": "W3C Trace Context: with tracing on, the job's span is this span's child (ignored when not valid)"},
+    {"name": "tracestate", "in": "header", "required": False, "schema": _STR,
+     "description": "W3C Trace Context: carried with traceparent"}]
+_TRACE_RESPONSE = {"traceresponse": {"schema": _STR, "description": "with tracing on: the job's span, "
+                                     "00-<trace id>-<span id>-<flags> (W3C Trace Context level 2)"}}
+
 # (method, path) -> operation, for the routes this module knows. Routes it does not know are
 # documented from their handler (see `openapi_document`).
 OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/v1/jobs"): _op(
         "Submit a job", {"201": {**_json(_ref("NewJob"), "the job, queued (it is in the database), with its "
                                                            "paths; its inputs as a short summary"),
-                                 "headers": {"Location": {"schema": _STR, "description": "/v1/jobs/{id}"}}}},
+                                 "headers": {"Location": {"schema": _STR, "description": "/v1/jobs/{id}"},
+                                             **_TRACE_RESPONSE}}},
         requestBody={"required": True, "content": {"application/json": {"schema": _ref("JobRequest")}}}),
     ("GET", "/v1/jobs"): _op(
         "The caller's jobs (root, or an admin key over TCP: everyone's), newest first", {"200": _json(_ref("JobList"), "the jobs")},
@@ -415,6 +430,8 @@ def _with_resource_refusals(method: str, path: str, op: dict[str, Any]) -> dict[
         extra["507"] = {"$ref": "#/components/responses/InsufficientStorage"}
     if "503" not in op["responses"]:
         extra["503"] = {"$ref": "#/components/responses/TooManyConnections"}
+    if (method, path) in _SUBMIT_PATHS and method == "POST":     # a caller's trace context, joined
+        op = {**op, "parameters": [*op.get("parameters", []), *_TRACE_PARAMETERS]}
     return {**op, "responses": {**op["responses"], **extra}}
 
 

@@ -83,7 +83,8 @@ class Dispatch:
             since = job.since.setdefault(stage, time.time())     # a resend keeps its place (and its wait)
             by_replica.setdefault(job.route(stage), []).append(
                 WorkItem(job=job.id, pipeline=job.key, src=None, inputs=job.inputs, params=job.record.params,
-                         routes=job.routes, rank=job.rank, since=since))
+                         routes=job.routes, rank=job.rank, since=since,
+                         trace=job.trace.headers if job.trace is not None else None))
         for replica, items in by_replica.items():
             self._feeder(stage, replica).push(items, front=front)
 

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -48,6 +48,9 @@ from omnid.supervisor.workers.stage_group import StageGroup
 from omnid.supervisor.jobs.stage_sleep import SleepTender
 from omnid.supervisor.jobs.submission import Submission
 from omnid.vocabulary import ErrorCode, EventType, JobRecord, JobState, StageRun, StageRunState, WorkerState
+
+if TYPE_CHECKING:
+    from omnid.tracing import Tracing
 
 log = structlog.get_logger("omnid.scheduler")
 
@@ -75,8 +78,10 @@ class Scheduler:
     and woken for their jobs: stage_sleep.py), `recovery` (dead workers: recovery.py)."""
 
     def __init__(self, live: Config | Live, store: JobStore, stages: Mapping[str, StageGroup],
-                 data_socket: Callable[[str], Path], metrics: Metrics | None = None) -> None:
+                 data_socket: Callable[[str], Path], metrics: Metrics | None = None,
+                 tracing: Tracing | None = None) -> None:
         self.in_force = Live.of(live)       # the config in force (a reload switches it)
+        self.tracing = tracing              # `[daemon] tracing`: each new job's spans (jobs/tracing.py)
         self.store = store
         self.stages = stages
         self.metrics = metrics
@@ -140,7 +145,13 @@ class Scheduler:
         self.live[job.id] = job
         self.store.save(record)
         self.store.keep_inputs(job.id, sub.inputs)
-        job.events.emit(EventType.STATE, state=str(JobState.QUEUED))
+        if self.tracing is not None:
+            from omnid.supervisor.jobs.tracing import JobTrace
+            job.trace = JobTrace(self.tracing, record, sub.trace, sub.received_at)
+            job.events.observer = job.trace.on_event
+            job.events.emit(EventType.STATE, state=str(JobState.QUEUED), trace_id=job.trace.trace_id)
+        else:
+            job.events.emit(EventType.STATE, state=str(JobState.QUEUED))
         try:
             self.store.commit()         # accepted once it is on disk: a 201 promises it (a full disk: not)
         except StoreWriteFailed as e:
@@ -285,8 +296,18 @@ class Scheduler:
     # ------------------------------------------------------------------ one handler per job message
 
     def on_admitted(self, job: LiveJob, stage: str, msg: P.Admitted) -> None:
-        if any(e.src == msg.src and e.window > 0 for e in job.pipeline.incoming(stage)):
+        streamed = any(e.src == msg.src and e.window > 0 for e in job.pipeline.incoming(stage))
+        if streamed:
             job.streamed = True             # its first window is there: it cannot be re-sent
+        now = time.time()
+        job.admitted_at.setdefault(stage, now)
+        if msg.src is not None and self.metrics:
+            # The hand-off: from the upstream's output being there (its first segment on a streaming
+            # edge, its end otherwise) to this stage admitting it (watermark waits included).
+            src_run = job.record.stages.get(msg.src)
+            ready = job.first_segment_at.get(msg.src) if streamed else (src_run.finished_at if src_run else None)
+            if ready is not None:
+                self.metrics.handoff(msg.src, stage, max(0.0, now - ready), self._trace_id(job))
         run = job.stage(stage)
         if run.state in (StageRunState.PENDING, StageRunState.QUEUED):
             run.set_state(StageRunState.QUEUED, time.time())
@@ -296,10 +317,13 @@ class Scheduler:
         now = time.time()
         self.fair.started(job.rank)
         job.stage(stage).set_state(StageRunState.RUNNING, now)
+        admitted = job.admitted_at.get(stage)
+        if admitted is not None and self.metrics:
+            self.metrics.stage_queue_wait(stage, max(0.0, now - admitted), self._trace_id(job))
         job.events.emit(EventType.STAGE_STARTED, stage=stage)
         if job.record.state is JobState.QUEUED:
             if self.metrics:
-                self.metrics.job_started(job.pipeline.name, now - job.record.created_at)
+                self.metrics.job_started(job.pipeline.name, now - job.record.created_at, self._trace_id(job))
             job.record.set_state(JobState.RUNNING, now)
             job.events.emit(EventType.STATE, state=str(JobState.RUNNING))
             self.store.save(job.record)
@@ -308,14 +332,21 @@ class Scheduler:
         job.stage(stage).progress = {"done": msg.done, "total": msg.total}
         job.events.emit(EventType.PROGRESS, stage=stage, done=msg.done, total=msg.total)
 
+    @staticmethod
+    def _trace_id(job: LiveJob) -> str | None:
+        """The job's trace id for a histogram's exemplar (a sampled trace only: one a receiver has)."""
+        return job.trace.trace_id if job.trace is not None and job.trace.sampled else None
+
     def on_segment(self, job: LiveJob, stage: str, msg: P.Segment) -> None:
+        job.first_segment_at.setdefault(stage, time.time())
         job.stage(stage).segments += msg.count
         if self.metrics:
             self.metrics.segments_streamed(stage, msg.count)
         if job.first_output_segment is None and stage in job.pipeline.sinks:
             job.first_output_segment = time.time()
             if self.metrics:
-                self.metrics.first_segment(job.pipeline.name, job.first_output_segment - job.record.created_at)
+                self.metrics.first_segment(job.pipeline.name, job.first_output_segment - job.record.created_at,
+                                           self._trace_id(job))
         fields: dict[str, Any] = {"stage": stage, "index": msg.index, "is_last": msg.is_last}
         if msg.text is not None:
             fields["text"] = msg.text
@@ -421,7 +452,7 @@ class Scheduler:
         self.recovery.forget(job.id)
         self.store.drop_inputs(job.id)
         if self.metrics:
-            self.metrics.job_finished(job.pipeline.name, state, now - record.created_at)
+            self.metrics.job_finished(job.pipeline.name, state, now - record.created_at, self._trace_id(job))
             if state is JobState.SUCCEEDED and job.audio_s > 0:
                 self.metrics.real_time_factor(job.pipeline.name, (now - record.created_at) / job.audio_s)
         log.info("job finished", job=job.id, pipeline=job.pipeline.name, state=str(state),
@@ -505,6 +536,8 @@ class Scheduler:
         for job in self.live.values():
             if job.timer is not None:
                 job.timer.cancel()
+            if job.trace is not None:
+                job.trace.abandon()
             job.events.close()
         self.store.flush()
         self.dispatch.stop()
