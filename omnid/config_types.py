@@ -60,6 +60,11 @@ class DaemonConfig:
     min_free_mb: int = 512
     min_free_inodes: int = 1024
     ballast_mb: int = 32
+    # OpenAI's Realtime API (GET /v1/realtime): sessions open at once, in all and per key (per uid on
+    # the socket); a session with no client event this long (and no response under way) is closed.
+    max_realtime_sessions: int = 64
+    max_realtime_sessions_per_key: int = 8
+    realtime_idle_timeout_s: float = 600.0
 
 
 @dataclass(frozen=True)
