@@ -274,6 +274,13 @@ def test_barge_in_and_response_cancel_stop_all_three_stages(daemon: RunningDaemo
                                                            "content": [{"type": "input_text", "text": "stop"}]})
             done = await c.until("response.done")
             after_done = len(c.events)
+            # the client played half of the interrupted answer's speech: the history keeps what was heard
+            item = done["response"]["output"][0]
+            played = sum(len(base64.b64decode(e["delta"])) for e in c.events
+                         if e["type"] == "response.output_audio.delta" and e["item_id"] == item["id"])
+            half_ms = played * 1000 // (2 * RATE) // 2
+            await c.send("conversation.item.truncate", item_id=item["id"], content_index=0, audio_end_ms=half_ms)
+            truncated = await c.until("conversation.item.truncated")
             # a second response, cancelled by the client
             await c.send("response.create", response={"max_output_tokens": 200})
             second = await c.until("response.created")
@@ -293,6 +300,7 @@ def test_barge_in_and_response_cancel_stop_all_three_stages(daemon: RunningDaemo
             await c.send("response.cancel")
             refused = await c.until("error")
             return {"first": created["response"], "done": done["response"], "after_done": after_done,
+                    "truncated": truncated, "half_ms": half_ms,
                     "second": second["response"], "cancelled": cancelled["response"], "events": c.events,
                     "cancel_to_last_delta_s": last_delta - t0, "refused": refused}
         finally:
@@ -305,6 +313,12 @@ def test_barge_in_and_response_cancel_stop_all_three_stages(daemon: RunningDaemo
     assert r["cancelled"]["status"] == "cancelled" and r["cancelled"]["status_details"]["reason"] == "client_cancelled"
     assert r["cancel_to_last_delta_s"] < 5
     assert r["refused"]["error"]["code"] == "response_cancel_not_active"
+    assert r["truncated"]["audio_end_ms"] == r["half_ms"] > 0
+    spoken = r["done"]["output"][0]["content"][0]["transcript"]
+    messages = json.loads(daemon.client.job(r["second"]["metadata"]["omnid_job"])["inputs"]["messages"])
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"], messages
+    heard = messages[1]["content"]
+    assert spoken.startswith(heard) and abs(len(heard.split(" ")) - len(spoken.split(" ")) / 2) <= 1, (heard, spoken)
     for resp in (r["first"], r["second"]):
         deltas_after = [e for e in r["events"][r["events"].index(next(
             e for e in r["events"] if e["type"] == "response.done" and e["response"]["id"] == resp["id"])):]
