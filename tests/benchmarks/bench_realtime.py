@@ -92,12 +92,14 @@ def bench_realtime(ctx: Ctx) -> list[Row]:
     d = _launch(stages, {"omni": pipelines["omni"]})
     socket = str(d.socket)
     try:
+        ctx.log("warm-up")
         _audio_chat(socket, "warm up", TOKENS)                # first jobs load the python stages' model parts
         asyncio.run(_session(socket, "warm up", TOKENS, False))
-        rounds = ctx.n(5, 2)
+        rounds = ctx.n(5, 1)
         rt, chat, cancels, dones = [], [], [], []
         for i in range(rounds):
             ctx.check(f"round {i}")
+            ctx.log(f"round {i}")
             text = f"good morning {i}"
             chat.append(_audio_chat(socket, text, TOKENS))
             rt.append(asyncio.run(_session(socket, text, TOKENS, False))["first"])

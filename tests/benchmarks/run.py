@@ -58,7 +58,7 @@ BENCHES: list[Bench] = [
           ["streaming: submit -> 1st consumer segment, window 8", "streaming: submit -> job end, window 8"],
           (200, 90), ("engines",)),
     Bench("omni", "streaming", bench_omni.bench_omni, bench_omni.FIGURES, (900, 600), ()),
-    Bench("realtime", "streaming", bench_realtime.bench_realtime, bench_realtime.FIGURES, (600, 300), ()),
+    Bench("realtime", "streaming", bench_realtime.bench_realtime, bench_realtime.FIGURES, (900, 700), ()),
     Bench("tap_cost", "streaming", bench_tensors.bench_tap_cost,
           [f"vLLM decode step, {bench_tensors.BATCH} jobs: hidden-state tap + token_ids on"], (150, 90), ()),
     Bench("tensor_streams", "streaming", bench_tensors.bench_tensor_streams,
