@@ -180,12 +180,12 @@ class RealtimeApi:
         ws = web.WebSocketResponse(compress=False, max_msg_size=cfg.max_request_bytes, autoping=True)
         if not ws.can_prepare(request).ok:
             raise Refused(400, ErrorCode.INVALID_REQUEST, "GET /v1/realtime is a WebSocket: send the Upgrade headers")
-        await ws.prepare(request)
         session = _Session(self, request, ws, p, owner)
-        self.sessions[session.id] = session
-        log.info("audit", action="realtime_open", uid=request["uid"], session=session.id, pipeline=p.name,
-                 via=request.path)
+        self.sessions[session.id] = session         # counted before the first await: the limits hold
         try:
+            await ws.prepare(request)
+            log.info("audit", action="realtime_open", uid=request["uid"], session=session.id, pipeline=p.name,
+                     via=request.path)
             await session.run()
         finally:
             del self.sessions[session.id]
