@@ -767,6 +767,37 @@ def logs(settings: Settings, stage: str | None, follow: bool, since: str | None,
             click.echo(line if timestamps else text)
 
 
+@command(
+    click.argument("pipeline", shell_complete=complete_pipelines),
+    click.option("-o", "--output-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+                 help="Write each spoken answer here as a WAV file (default: play it if an audio output is "
+                      "there, else write it into ./)."),
+    click.option("--text", "text_only", is_flag=True, help="Answers in text only."),
+    click.option("--voice", default=None, help="The voice (a speaker the pipeline knows)."),
+    click.option("--url", default=None, help="Talk over TCP to this base URL (http://HOST:PORT) instead of the "
+                                             "socket, with $OMNID_API_KEY as the key."),
+)
+def talk(settings: Settings, pipeline: str, output_dir: Path | None, text_only: bool, voice: str | None,
+         url: str | None) -> None:
+    """Talk to PIPELINE: type a line, hear (or get as WAV files) and read the answer as it is made.
+    Ctrl-C during an answer interrupts it (the daemon stops its job in every stage); Ctrl-D quits."""
+    import asyncio
+    import os
+
+    from omnictl.client import default_socket_path
+    from omnictl.talk import Talk, TalkError
+
+    if settings.json:
+        raise click.UsageError("`talk` is a conversation; --json does not apply to it")
+    session = Talk(default_socket_path(settings.socket), pipeline, output_dir, text_only, voice,
+                   play=output_dir is None, url=url, key=os.environ.get("OMNID_API_KEY") if url else None)
+    try:
+        code = asyncio.run(session.run())
+    except TalkError as e:
+        _fail(str(e), ExitCode.REFUSED)
+    raise click.exceptions.Exit(code)
+
+
 @command()
 def version(settings: Settings) -> None:
     """Print omnictl's version and the daemon's; exit 3 (after omnictl's) if the daemon is unreachable."""

@@ -204,6 +204,9 @@ def _parse_daemon(c: _Checker, raw: Any, base: Path) -> DaemonConfig:
         min_free_inodes=c.positive(d, "min_free_inodes", "daemon", 1024, integer=True, allow_zero=True),
         ballast_mb=c.positive(d, "ballast_mb", "daemon", 32, integer=True, allow_zero=True),
         tracing=_parse_tracing(c, d.get("tracing")),
+        max_realtime_sessions=c.positive(d, "max_realtime_sessions", "daemon", 64, integer=True),
+        max_realtime_sessions_per_key=c.positive(d, "max_realtime_sessions_per_key", "daemon", 8, integer=True),
+        realtime_idle_timeout_s=float(c.positive(d, "realtime_idle_timeout_s", "daemon", 600.0)),
     )
 
 

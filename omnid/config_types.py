@@ -95,6 +95,13 @@ class DaemonConfig:
     max_wait_s: float = 300.0
     owners: Mapping[str, OwnerPolicy] = field(default_factory=dict)
 
+    tracing: TracingConfig | None = None    # OpenTelemetry traces (omnid.tracing); None: off
+    # OpenAI's Realtime API (GET /v1/realtime): sessions open at once, in all and per key (per uid on
+    # the socket); a session with no client event this long (and no response under way) is closed.
+    max_realtime_sessions: int = 64
+    max_realtime_sessions_per_key: int = 8
+    realtime_idle_timeout_s: float = 600.0
+
     def owner_policy(self, uid: int, key: str | None, socket: bool) -> tuple[float, int | None, int | None]:
         """(weight, max_priority, max_queued) of a caller: its key's entry, its uid's, "default"."""
         entries = [self.owners.get(f"key:{key}") if key else None, self.owners.get(str(uid)), self.owners.get("default")]
@@ -105,7 +112,6 @@ class DaemonConfig:
         top = next((e.max_priority for e in own if e.max_priority is not None), None if root else 0)
         queued = next((e.max_queued for e in found if e.max_queued is not None), None)
         return weight, top, queued
-    tracing: TracingConfig | None = None    # OpenTelemetry traces (omnid.tracing); None: off
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ from omnid.supervisor.http.access import Access
 from omnid.supervisor.http.api import Api, DaemonInfo, error
 from omnid.supervisor.live import Live
 from omnid.supervisor.http.openai_api import OpenAiApi
+from omnid.supervisor.http.realtime import RealtimeApi
 from omnid.supervisor.reload import Reloader
 from omnid.supervisor.jobs.scheduler import Scheduler
 from omnid.supervisor.workers.stage import StageHandle
@@ -277,6 +278,7 @@ class Daemon:
                                     lambda: set(sched.live) | {job for _, job in sched.stopping})
         api = Api(self.live, store, self.scheduler, self.stages, metrics, self.info)
         OpenAiApi(api).mount(api.app)       # /v1/models, /v1/chat/completions, ... on the same socket
+        RealtimeApi(api).mount(api.app)     # /v1/realtime: OpenAI's Realtime API, a WebSocket session
         try:
             self.keys = KeyStore(key_path(self.config.daemon.state_dir))
         except KeyFileError as e:

@@ -37,6 +37,7 @@ import bench_omni  # noqa: E402
 import bench_peer  # noqa: E402
 import bench_priorities  # noqa: E402
 import bench_ray  # noqa: E402
+import bench_realtime  # noqa: E402
 import bench_resources  # noqa: E402
 import bench_streaming  # noqa: E402
 import bench_tensors  # noqa: E402
@@ -59,6 +60,7 @@ BENCHES: list[Bench] = [
           ["streaming: submit -> 1st consumer segment, window 8", "streaming: submit -> job end, window 8"],
           (200, 90), ("engines",)),
     Bench("omni", "streaming", bench_omni.bench_omni, bench_omni.FIGURES, (900, 600), ()),
+    Bench("realtime", "streaming", bench_realtime.bench_realtime, bench_realtime.FIGURES, (900, 700), ()),
     Bench("tap_cost", "streaming", bench_tensors.bench_tap_cost,
           [f"vLLM decode step, {bench_tensors.BATCH} jobs: hidden-state tap + token_ids on"], (150, 90), ()),
     Bench("tensor_streams", "streaming", bench_tensors.bench_tensor_streams,

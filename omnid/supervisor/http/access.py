@@ -39,6 +39,7 @@ from omnid.keys import ApiKey, KeyFileError, KeyStore
 from omnid.supervisor.http.api import RETRY_AFTER_S, error
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.http.http_common import json_body
+from omnid.supervisor.http import realtime_events
 from omnid.supervisor.http.openai_api import OPENAI_PATHS, OpenAiError
 from omnid.vocabulary import ErrorCode
 
@@ -102,6 +103,10 @@ class Access:
         if request.path == "/metrics" and cfg.metrics_without_key:
             return await handler(request)            # (it reads no uid)
         key = self._identify(request)
+        if key is None and realtime_events.is_upgrade(request):      # a WebSocket: an error event and a close
+            return await realtime_events.refuse(request, str(ErrorCode.INVALID_API_KEY), "no API key, or not one "
+                                                "of this daemon's: send it as \"Authorization: Bearer KEY\"",
+                                                realtime_events.CLOSE_POLICY, "invalid_request_error", 401)
         if key is None:
             return _refuse(request, 401, ErrorCode.INVALID_API_KEY, "no API key, or not one of this daemon's: "
                            "send it as \"Authorization: Bearer KEY\" (omnictl key add NAME makes one)",
@@ -113,6 +118,10 @@ class Access:
             wait = self._over_rate(key)
             if wait is not None:
                 log.info("refused", why="rate", rps=key.rps, method=request.method, path=request.path)
+                if realtime_events.is_upgrade(request):
+                    return await realtime_events.refuse(request, str(ErrorCode.RATE_LIMITED), f"key {key.name!r} "
+                                                        f"may make {key.rps:g} request(s) per second",
+                                                        realtime_events.CLOSE_TRY_LATER, "rate_limit_error", 429)
                 return _refuse(request, 429, ErrorCode.RATE_LIMITED, f"key {key.name!r} may make {key.rps:g} "
                                "request(s) per second", {"Retry-After": str(wait)})
             if request.method != "POST" or request.path not in _SUBMITS:

@@ -65,7 +65,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("omnid.openai")
 
-OPENAI_PATHS = ("/v1/models", "/v1/chat/", "/v1/completions", "/v1/images/", "/v1/audio/")
+OPENAI_PATHS = ("/v1/models", "/v1/chat/", "/v1/completions", "/v1/images/", "/v1/audio/", "/v1/realtime")
 JOB_HEADER = "X-Omnid-Job"
 _JOB_KEY = "openai_job"                 # request keys: the job, for the answer's X-Omnid-Job header,
 _PRIORITY_KEY = "openai_priority"        # request[...]: the body's `priority`, for the job it makes

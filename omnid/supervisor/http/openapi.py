@@ -599,6 +599,14 @@ def config_operations(config: Config) -> dict[tuple[str, str], dict[str, Any]]:
             {"200": {"description": "a WAV file, sent as it is produced",
                      "content": {"audio/wav": {"schema": {"type": "string", "format": "binary"}}}}},
             requestBody=_body(_speech_request(config))),
+        ("GET", "/v1/realtime"): _openai_op(
+            "OpenAI's Realtime API: a WebSocket session holding a conversation with a pipeline (each response "
+            "one job)",
+            {"101": {"description": "switched to a WebSocket: OpenAI's realtime client and server events (JSON "
+                                    "text frames); a refusal (unknown model, too many sessions, a wrong key) is "
+                                    "an `error` event and a close"}},
+            parameters=[{**_query("model", {**_STR, "enum": sorted(config.pipelines)}, "the pipeline to talk to"),
+                         "required": True}]),
         ("GET", "/v1/keys"): _op("The API keys of the TCP listener (root or daemon.admin_group, on the socket only)",
                                  {"200": _json(_ref("ApiKeyList"), "the keys, never their secrets")}),
         ("POST", "/v1/keys"): _op(
