@@ -20,9 +20,11 @@ random-weight talker never says its end code by itself), `repetition_penalty` (1
 `[4, 8, 16, 25]`) and yields `{"audio": bytes}` chunks: a WAV header (24 kHz, 16-bit mono, the
 length "to the end of the file", as streaming servers write it) with the first PCM, then PCM, so
 the `audio` output is a WAV file that plays while it grows. Parameters: `speaker`, `num_steps`
-(the DiT's ODE steps, 10), `guidance_scale` (0.5), `context_blocks` (2), `lookahead_blocks` (1),
-`chunk_blocks` (1), `seed` (0), `code_offset` (0: the id of code 0 among its input's ids; a codec
-LM's `token_ids` start after its text tokens, e.g. the tiny `tts` model's `codec_offset`, 1000).
+(the DiT's ODE steps, 10), `guidance_scale` (0.5), `ramp` (codes each window makes final, the last
+repeating: [6, 12, 24, 48]), `first_lookahead_codes` (4), `context_blocks` (2), `lookahead_blocks` (1),
+`chunk_blocks` (fixed windows of that many blocks instead of the ramp), `seed` (0), `code_offset`
+(0: the id of code 0 among its input's ids; a codec LM's `token_ids` start after its text tokens,
+e.g. the tiny `tts` model's `codec_offset`, 1000).
 """
 
 from __future__ import annotations
@@ -344,9 +346,23 @@ def _decoder(model: Any, speakers: dict[str, Any], inputs: dict[str, Any], param
         raise ValueError("code2wav needs input 'codes' (the talker's codec tokens)")
     return StreamingCode2Wav(
         model, _speaker(speakers, params), num_steps=int(params.get("num_steps", 10)),
-        guidance_scale=float(params.get("guidance_scale", 0.5)), chunk_blocks=int(params.get("chunk_blocks", 1)),
+        guidance_scale=float(params.get("guidance_scale", 0.5)),
+        chunk_blocks=None if params.get("chunk_blocks") is None else int(params["chunk_blocks"]),
+        ramp=_ramp(params.get("ramp")),
+        first_lookahead_codes=None if params.get("first_lookahead_codes") is None
+        else int(params["first_lookahead_codes"]),
         context_blocks=int(params.get("context_blocks", 2)), lookahead_blocks=int(params.get("lookahead_blocks", 1)),
         seed=int(params.get("seed", 0)))
+
+
+def _ramp(value: Any) -> tuple[int, ...] | None:
+    """code2wav's `ramp`: codes made final by each window, the last repeating (a list of positive ints)."""
+    if value is None:
+        return None
+    sizes = value if isinstance(value, (list, tuple)) else [value]
+    if not sizes or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
+        raise ValueError(f"ramp must be a list of positive integers (codes a window makes final), not {value!r}")
+    return tuple(sizes)
 
 
 def _codec_codes(window: Any, offset: int, n_codes: int) -> list[int]:
@@ -456,8 +472,8 @@ class Code2Wav:
                 results[i] = Done({"audio": job.header} if job.header else None)   # (no codes: an empty WAV)
         vocoder_in: dict[int, list[tuple[int, Any, tuple[int, int]]]] = {}
         for members in groups.values():
-            decoded = mels([(jobs[i].decoder, jobs[i].window.start, jobs[i].window.codes)  # type: ignore[union-attr]
-                            for i in members])
+            decoded = mels([(jobs[i].decoder, jobs[i].window.start // jobs[i].decoder.block,  # type: ignore[union-attr]
+                             jobs[i].window.codes) for i in members])                    # type: ignore[union-attr]
             for i, mel in zip(members, decoded):
                 job = jobs[i]
                 assert job.window is not None
