@@ -13,9 +13,17 @@ relative, the speaker conditioning global, and the noise a block starts from is 
 from the job's seed: the same frame starts from the same noise in every window it is in, and in a
 whole-sequence decode (`decode_whole`) too, which is what the seams are measured against.
 
-BigVGAN is convolutional: each block's mel is vocoded with `overlap_frames` of mel on both sides
-(the left side from the blocks already final, the right side from this window's lookahead) and the
-samples of the block alone are kept.
+The windows ramp up (`StreamingCode2Wav`): the first makes a few codes final with only the
+vocoder's overlap as look-ahead, so that the first audio comes early; the later ones make more at
+once, sharing their context and look-ahead. Only a window's start is on the block grid: the frames
+it makes final may begin and end inside a block.
+
+Each DiT call of a window's ODE reuses what does not change between the solver's calls
+(`_Velocity`): the speaker encoder on the reference mel, the code embeddings, the rope, the mask.
+
+BigVGAN is convolutional: each window's mel is vocoded with `overlap_frames` of mel on both sides
+(the left side from the frames already final, the right side from this window's lookahead) and the
+samples of its final frames alone are kept.
 """
 
 from __future__ import annotations
@@ -75,7 +83,7 @@ class StreamingCode2Wav:
         self.lookahead_blocks = max(0, lookahead_blocks)
         codes_per_block = self.block // self.repeats
         if chunk_blocks is not None and ramp is None:
-            self.ramp = (max(1, chunk_blocks) * codes_per_block,)
+            self.ramp: tuple[int, ...] = (max(1, chunk_blocks) * codes_per_block,)
             first_look = self.lookahead_blocks * codes_per_block
         else:
             self.ramp = tuple(max(1, int(c)) for c in (ramp or DEFAULT_RAMP))
