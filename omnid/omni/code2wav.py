@@ -155,6 +155,8 @@ class StreamingCode2Wav:
         look = self.first_lookahead if self._windows == 0 else self.lookahead_blocks * self.block
         if not self.finished and last + look > have:
             return None
+        if self.finished and self._windows > 0 and have - last <= self._frames(self.ramp[-1]) // 4:
+            last = have                         # (a last scrap joins this window: one window less)
         end = min(have, last + look)
         start = max(0, (first // self.block - self.context_blocks) * self.block)
         return Window(start, first, last, end, self.codes[start // self.repeats:-(-end // self.repeats)])

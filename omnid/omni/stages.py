@@ -421,6 +421,15 @@ class _Code2WavJob:
         self.n_codes = n_codes
         self.header = wav_header()
         self.window: Window | None = None
+        self.opened = time.monotonic()
+        self.first_out: float | None = None     # when its first audio went out
+        self.audio_s = 0.0                      # the audio it has given
+
+    @property
+    def deadline(self) -> float:
+        """When its listener runs out of audio (played from its first packet on): the job whose
+        audio is due first decodes first; one with none yet is due since it opened."""
+        return self.opened if self.first_out is None else self.first_out + self.audio_s
 
     def absorb(self) -> None:
         while self.codes_in.ready():
@@ -435,14 +444,19 @@ class _Code2WavJob:
 
     def chunk(self, pcm: Any) -> dict[str, Any]:
         audio, self.header = self.header + pcm16(pcm), b""
+        if self.first_out is None:
+            self.first_out = time.monotonic()
+        self.audio_s += len(pcm) / SAMPLE_RATE
         return {"audio": audio}
 
 
 class Code2Wav:
-    """The code2wav stage as sessions (`sessions = "omnid.omni.stages:Code2Wav"`): each step, every
-    live job with a block ready decodes it, the jobs whose windows match (`ode_key`) in one batched
-    DiT ODE, and their vocoder inputs of one length in one BigVGAN call; each job's audio is what its
-    decoder alone gives (within float rounding). Inputs and parameters as `code2wav`'s."""
+    """The code2wav stage as sessions (`sessions = "omnid.omni.stages:Code2Wav"`): each step decodes
+    the ready windows of the job whose audio is due first (`deadline`: a listener's clock) and of
+    every job whose window matches it (`ode_key`), in one batched DiT ODE, and their vocoder inputs
+    of one length in one BigVGAN call; the other jobs' windows wait for the next step (so a new
+    job's small first window is not queued behind the others' big ones). Each job's audio is what
+    its decoder alone gives (within float rounding). Inputs and parameters as `code2wav`'s."""
 
     def __init__(self, load: Any) -> None:
         _loader("token2wav")(load)              # (logs "omni part loaded", as the load hooks do)
@@ -471,7 +485,8 @@ class Code2Wav:
             elif job.decoder.finished:
                 results[i] = Done({"audio": job.header} if job.header else None)   # (no codes: an empty WAV)
         vocoder_in: dict[int, list[tuple[int, Any, tuple[int, int]]]] = {}
-        for members in groups.values():
+        due = sorted(groups.values(), key=lambda members: min(jobs[i].deadline for i in members))
+        for members in due[:1]:
             decoded = mels([(jobs[i].decoder, jobs[i].window.start // jobs[i].decoder.block,  # type: ignore[union-attr]
                              jobs[i].window.codes) for i in members])                    # type: ignore[union-attr]
             for i, mel in zip(members, decoded):
