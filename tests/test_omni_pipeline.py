@@ -40,14 +40,15 @@ STAGES: dict[str, Any] = {
                 "hidden_prompt": True, "args": {"max_model_len": 512, "dtype": "float32", "seed": 0, "enforce_eager": True},
                 "defaults": {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}},
     "talker": {"engine": "python", "sessions": "omnid.omni.stages:Talker", "model": str(MODELS / "omni"),
-               "max_inflight": 8, "defaults": {"codes_per_token": 4}},
+               "max_inflight": 8, "defaults": {"codes_per_token": 4}, "env": {"OMP_NUM_THREADS": "1"}},
     "code2wav": {"engine": "python", "sessions": "omnid.omni.stages:Code2Wav", "model": str(MODELS / "omni"),
-                 "max_inflight": 8, "defaults": {"num_steps": 2}},
+                 "max_inflight": 8, "defaults": {"num_steps": 2}, "env": {"OMP_NUM_THREADS": "1"}},
     "tts": {"engine": "vllm", "model": str(MODELS / "tts"), "devices": [], "max_inflight": 4,
             "args": {"max_model_len": 512, **TINY_LLM_ARGS},
             "defaults": {"max_tokens": 60, "temperature": 0.9, "seed": 7, "ignore_eos": True}},
     "tts_code2wav": {"engine": "python", "sessions": "omnid.omni.stages:Code2Wav", "model": str(MODELS / "omni"),
-                     "max_inflight": 4, "defaults": {"num_steps": 2, "code_offset": 1000}},
+                     "max_inflight": 4, "defaults": {"num_steps": 2, "code_offset": 1000},
+                     "env": {"OMP_NUM_THREADS": "1"}},
 }
 PIPELINES: dict[str, Any] = {
     "omni": {"stages": ["thinker", "talker", "code2wav"],

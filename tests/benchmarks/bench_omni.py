@@ -20,6 +20,10 @@ from bench_tensors import _launch
 TOKENS = 24                         # 8 concurrent jobs' answers
 LONG = 96                           # one job's: long enough that waiting for each edge's whole input shows
 CODES_PER_TOKEN = 4
+# the python stages' torch on one thread, as the demo runs them: on 2 cores shared with the thinker,
+# two OpenMP threads each wait at every barrier for a thread the others preempted (a 24-token job's
+# first packet 6-7 s, its whole job 12-16 s; with one thread 0.4-0.6 s and about 1 s)
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def _config() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -29,14 +33,14 @@ def _config() -> tuple[dict[str, Any], dict[str, Any]]:
                     "hidden_prompt": True, "args": {"max_model_len": 512, "dtype": "float32", "seed": 0, "enforce_eager": True},
                     "defaults": {"max_tokens": TOKENS, "temperature": 0.0, "ignore_eos": True}},
         "talker": {"engine": "python", "sessions": "omnid.omni.stages:Talker", "model": omni, "max_inflight": 8,
-                   "defaults": {"codes_per_token": CODES_PER_TOKEN}},
+                   "defaults": {"codes_per_token": CODES_PER_TOKEN}, "env": ONE_THREAD},
         "code2wav": {"engine": "python", "sessions": "omnid.omni.stages:Code2Wav", "model": omni,
-                     "max_inflight": 8, "defaults": {"num_steps": 4}},
+                     "max_inflight": 8, "defaults": {"num_steps": 4}, "env": ONE_THREAD},
         "tts": {"engine": "vllm", "model": str(MODELS / "tts"), "devices": [], "max_inflight": 8,
                 "args": {"max_model_len": 512, **TINY_LLM_ARGS},
                 "defaults": {"max_tokens": 100, "temperature": 0.9, "seed": 7, "ignore_eos": True}},
         "speak_codes": {"engine": "python", "sessions": "omnid.omni.stages:Code2Wav", "model": omni,
-                        "max_inflight": 8, "defaults": {"num_steps": 4, "code_offset": 1000}},
+                        "max_inflight": 8, "defaults": {"num_steps": 4, "code_offset": 1000}, "env": ONE_THREAD},
     }
     tensors = {"prompt_ids": "prompt_token_ids", "ids": "token_ids", "states": "hidden_states"}
 
