@@ -229,10 +229,15 @@ class _TalkerJob:
         return self.session.ready() or (self.text_over and not self.session.text_ended)
 
 
+CODES_PER_STEP = 4      # a talker step's forwards for a session whose inputs are there: up to 4 codes a segment
+
+
 class Talker:
     """The talker stage as sessions (`sessions = "omnid.omni.stages:Talker"`): every live job's
     next code from one batched forward per step (`TalkerBatch`), the codes each as its session
-    alone would give. Inputs and parameters as `talker`'s."""
+    alone would give; a session whose next inputs are already there (the thinker ahead, or done)
+    makes up to `CODES_PER_STEP` codes a step, one segment (fewer steps and segments a code).
+    Inputs and parameters as `talker`'s."""
 
     def __init__(self, load: Any) -> None:
         from omnid.omni.talker_batch import TalkerBatch
@@ -277,13 +282,27 @@ class Talker:
                 results[i] = self._code(job, s.pick())
             elif (step := s.next_input()) is not None:
                 decode.append((i, job, step[0], step[1]))
-        if decode:
+        codes: dict[int, list[int]] = {}
+        for round_ in range(CODES_PER_STEP):    # (the sessions whose next input is here go on, one forward a code)
+            if not decode:
+                break
             logits = self.batch.decode([int(job.slot or 0) for _, job, _, _ in decode],
                                        torch.stack([row for _, _, row, _ in decode]), [p for _, _, _, p in decode])
+            again: list[tuple[int, _TalkerJob, Any, int]] = []
             for (i, job, _, _), row in zip(decode, logits):
-                assert job.session is not None
-                job.session.take_logits(row)
-                results[i] = self._code(job, job.session.pick())
+                s = job.session
+                assert s is not None
+                s.take_logits(row)
+                code = s.pick()
+                if code is not None:
+                    codes.setdefault(i, []).append(code)
+                    if round_ + 1 < CODES_PER_STEP and s.has_input() and (step := s.next_input()) is not None:
+                        again.append((i, job, step[0], step[1]))
+                elif i not in codes:
+                    results[i] = self._code(job, None)
+            decode = again
+        for job_i, job_codes in codes.items():
+            results[job_i] = {"codes": torch.tensor(job_codes, dtype=torch.int64)}
         return results
 
     def _start(self, job: _TalkerJob) -> None:
