@@ -336,6 +336,8 @@ def cli(ctx: click.Context, socket: str | None, json_output: bool) -> None:
         help="A stage parameter; VALUE is JSON if it parses, else a string.",
     ),
     click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), metavar="S", help="Job timeout in seconds."),
+    click.option("--priority", type=int, metavar="N", help="Lower runs earlier (0 by default; below your "
+                 "max_priority: 403)."),
     click.option("--wait", is_flag=True, help="Follow the job, write its outputs, exit by its final state."),
     output_dir_option,
 )
@@ -347,6 +349,7 @@ def submit(
     files: dict[str, Any],
     params: dict[str, dict[str, Any]],
     timeout_s: float | None,
+    priority: int | None,
     wait: bool,
     output_dir: Path | None,
 ) -> None:
@@ -366,7 +369,7 @@ def submit(
         raise click.BadParameter("must be a finite number of seconds", param_hint="--timeout")
 
     client = settings.client()
-    job = client.submit(pipeline, all_inputs, params, timeout_s)
+    job = client.submit(pipeline, all_inputs, params, timeout_s, priority)
     job_id = str(job.get("id"))
     if not wait:
         if settings.json:
@@ -593,6 +596,36 @@ def stage_wake(settings: Settings, name: str, no_wait: bool, timeout: float) -> 
         click.echo(f"{name}: {snap.get('state')} (woke in {snap.get('wake_s')} s)")
 
 
+@command(click.argument("job_id", metavar="JOB", shell_complete=complete_jobs),
+         click.option("--width", type=click.IntRange(40), default=None, help="Columns to draw in "
+                      "(default: the terminal's)."))
+def trace(settings: Settings, job_id: str, width: int | None) -> None:
+    """Draw a job's timeline: one bar per stage and edge (waiting, running, first segment), from the
+    daemon's own record of the job (no trace collector needed); --json gives the rows."""
+    import shutil
+
+    from omnictl.client import EventsIdleTimeout
+    from omnictl.timeline import timeline, waterfall
+    client = settings.client()
+    job = client.job(job_id)
+    events: list[dict[str, Any]] = []
+    try:        # a live job's stream goes on: what came so far
+        for ev in client.events(str(job.get("id") or job_id),
+                                idle_timeout=None if job.get("state") in TERMINAL_STATES else 0.5):
+            events.append(ev)
+    except EventsIdleTimeout:
+        pass
+    try:
+        edges = client.pipeline(str(job.get("pipeline"))).get("edges") or []
+    except ApiError:
+        edges = []          # a pipeline the config no longer has: its stages alone
+    doc = timeline(job, events, edges)
+    if settings.json:
+        _print_json(doc)
+    else:
+        click.echo(waterfall(doc, width or shutil.get_terminal_size((100, 24)).columns))
+
+
 @command(click.argument("name", required=False, shell_complete=complete_pipelines))
 def pipelines(settings: Settings, name: str | None) -> None:
     """Show every pipeline with its stages and edges; with NAME, what it takes: its inputs, each
@@ -642,16 +675,19 @@ def key() -> None:
 @key.command("add")
 @click.argument("name")
 @click.option("--uid", type=click.IntRange(0), help="The user the key acts as: its jobs are that uid's "
-              "(default: yours; uid 0 only by root).")
+              "(default: yours; root must give it).")
+@click.option("--admin", is_flag=True, help="The key may do the admin actions over TCP (restart, sleep, wake "
+              "a stage, reload, logs, others' jobs).")
 @click.option("--max-jobs", type=click.IntRange(1), metavar="N", help="At most N of its jobs live at once "
               "(past it: 429).")
 @click.option("--rps", type=click.FloatRange(0.001), metavar="R", help="At most R requests per second "
               "(past it: 429 with Retry-After).")
 @json_option
 @pass_settings
-def key_add(settings: Settings, name: str, uid: int | None, max_jobs: int | None, rps: float | None) -> None:
+def key_add(settings: Settings, name: str, uid: int | None, admin: bool, max_jobs: int | None,
+            rps: float | None) -> None:
     """Make a key NAME and print it, once, on the last line (it is stored hashed; it cannot be shown again)."""
-    answer = settings.client().add_key(name, uid, max_jobs, rps)
+    answer = settings.client().add_key(name, uid, max_jobs, rps, admin)
     if settings.json:
         _print_json(answer)
         return
@@ -733,6 +769,19 @@ def adapter_rm(settings: Settings, stage: str, name: str) -> None:
 
 
 @command()
+def reload(settings: Settings) -> None:
+    """Read the daemon's config file again and apply it, as SIGHUP does (root, the admin group, or
+    an --admin key); exit 1 when it was refused."""
+    answer = settings.client().reload()
+    if settings.json:
+        _print_json(answer)
+    else:
+        click.echo(str(answer.get("status")))
+    if not answer.get("reloaded"):
+        raise SystemExit(1)
+
+
+@command()
 def metrics(settings: Settings) -> None:
     """Print the daemon's Prometheus metrics (--json: {name: [{labels, value}]})."""
     text = settings.client().metrics()
@@ -764,6 +813,37 @@ def logs(settings: Settings, stage: str | None, follow: bool, since: str | None,
             _print_json_line({"ts": ts, "line": text})
         else:
             click.echo(line if timestamps else text)
+
+
+@command(
+    click.argument("pipeline", shell_complete=complete_pipelines),
+    click.option("-o", "--output-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+                 help="Write each spoken answer here as a WAV file (default: play it if an audio output is "
+                      "there, else write it into ./)."),
+    click.option("--text", "text_only", is_flag=True, help="Answers in text only."),
+    click.option("--voice", default=None, help="The voice (a speaker the pipeline knows)."),
+    click.option("--url", default=None, help="Talk over TCP to this base URL (http://HOST:PORT) instead of the "
+                                             "socket, with $OMNID_API_KEY as the key."),
+)
+def talk(settings: Settings, pipeline: str, output_dir: Path | None, text_only: bool, voice: str | None,
+         url: str | None) -> None:
+    """Talk to PIPELINE: type a line, hear (or get as WAV files) and read the answer as it is made.
+    Ctrl-C during an answer interrupts it (the daemon stops its job in every stage); Ctrl-D quits."""
+    import asyncio
+    import os
+
+    from omnictl.client import default_socket_path
+    from omnictl.talk import Talk, TalkError
+
+    if settings.json:
+        raise click.UsageError("`talk` is a conversation; --json does not apply to it")
+    session = Talk(default_socket_path(settings.socket), pipeline, output_dir, text_only, voice,
+                   play=output_dir is None, url=url, key=os.environ.get("OMNID_API_KEY") if url else None)
+    try:
+        code = asyncio.run(session.run())
+    except TalkError as e:
+        _fail(str(e), ExitCode.REFUSED)
+    raise click.exceptions.Exit(code)
 
 
 @command()

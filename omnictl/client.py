@@ -388,6 +388,10 @@ class Client:
         202 (200 if awake already)."""
         return self._json("POST", f"/v1/stages/{quote(name, safe='')}/wake")
 
+    def reload(self) -> JSON:
+        """``POST /v1/reload`` (admin): read the config file again, as SIGHUP; ``{"status", "reloaded"}``."""
+        return self._json("POST", "/v1/reload")
+
     def adapters(self, stage: str) -> JSON:
         """``GET /v1/stages/{name}/adapters``: the stage's LoRA adapters in force and its base model."""
         return self._json("GET", f"/v1/stages/{quote(stage, safe='')}/adapters")
@@ -406,10 +410,13 @@ class Client:
         return self._json("GET", "/v1/keys")
 
     def add_key(self, name: str, uid: int | None = None, max_jobs: int | None = None,
-                rps: float | None = None) -> JSON:
-        """``POST /v1/keys``: a new API key for the TCP listener, for `uid` (default: the caller's);
-        the answer's ``key`` is its secret, shown this once."""
+                rps: float | None = None, admin: bool = False) -> JSON:
+        """``POST /v1/keys``: a new API key for the TCP listener, for `uid` (default: the caller's;
+        root must name one); ``admin``: it may do the admin actions over TCP. The answer's ``key``
+        is its secret, shown this once."""
         body: dict[str, Any] = {"name": name}
+        if admin:
+            body["admin"] = True
         for field_name, value in (("uid", uid), ("max_jobs", max_jobs), ("rps", rps)):
             if value is not None:
                 body[field_name] = value
@@ -473,8 +480,10 @@ class Client:
         inputs: Mapping[str, Any],
         params: Mapping[str, Mapping[str, Any]] | None = None,
         timeout_s: float | None = None,
+        priority: int | None = None,
     ) -> JSON:
-        """``POST /v1/jobs``: submit a job and return it (state ``queued`` or later).
+        """``POST /v1/jobs``: submit a job and return it (state ``queued`` or later); ``priority``:
+        lower runs earlier (0 by default), within the owner's ``max_priority``.
 
         ``inputs`` feed the pipeline's first stage(s); a file goes in as :func:`file_input`.
         ``params`` are per-stage overrides: ``{"draw": {"num_inference_steps": 30}}``.
@@ -482,6 +491,8 @@ class Client:
         body: JSON = {"pipeline": pipeline, "inputs": dict(inputs), "params": {k: dict(v) for k, v in (params or {}).items()}}
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
+        if priority is not None:
+            body["priority"] = priority
         return self._json("POST", "/v1/jobs", body=body)
 
     def jobs(self, state: str | None = None, pipeline: str | None = None, limit: int | None = None) -> JSON:

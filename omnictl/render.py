@@ -149,6 +149,18 @@ def _format_input(value: Any) -> str:
     return shorten(value if isinstance(value, str) else repr(value), 60)
 
 
+def _format_place(place: Any) -> str:
+    """A queued job's place in one stage's queue: "3rd: 2 ahead (priority -1: 1, 0: 1), 1 running"."""
+    if not isinstance(place, Mapping):
+        return str(place)
+    n = place.get("position")
+    suffix = "th" if isinstance(n, int) and 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(
+        n % 10 if isinstance(n, int) else 0, "th")
+    ahead = place.get("ahead_by_priority")
+    detail = f" (priority {', '.join(f'{p}: {k}' for p, k in ahead.items())})" if isinstance(ahead, Mapping) and ahead else ""
+    return f"{n}{suffix}: {place.get('ahead')} ahead{detail}, {place.get('running')} running"
+
+
 def job_detail(job: JSON, now: float) -> str:
     """The ``omnictl status JOB`` view: the job's fields, its stages, outputs and error."""
     created = job.get("created_at")
@@ -162,6 +174,12 @@ def job_detail(job: JSON, now: float) -> str:
         ("duration", format_duration(_job_duration(job, now))),
         ("timeout", format_duration(job.get("timeout_s"))),
     ]
+    if job.get("priority"):
+        fields.append(("priority", job.get("priority")))
+    queue = job.get("queue")
+    if isinstance(queue, Mapping):
+        for stage, place in queue.items():
+            fields.append((f"queue {stage}", _format_place(place)))
     inputs = job.get("inputs")
     if isinstance(inputs, Mapping):
         for key, value in inputs.items():
@@ -240,6 +258,8 @@ def _limits(key: JSON) -> str:
         parts.append(f"{key['max_jobs']} jobs")
     if key.get("rps") is not None:
         parts.append(f"{key['rps']:g}/s")
+    if key.get("admin"):
+        parts.append("admin")
     return ", ".join(parts) or "-"
 
 

@@ -28,8 +28,8 @@ from omnid.keys import KeyFileError, key_path, read_keys
 from omnid.media import MEDIA_KINDS, NO_MEDIA, MediaLimits, detect_kinds
 # The parsed config's types (standard library only, so that the engines and the protocol can name
 # them from below); named here too, where most readers look for them.
-from omnid.config_types import (FULL_WINDOW, Config, DaemonConfig, EdgeConfig, PipelineConfig, RayNeeds,
-                                StageConfig)
+from omnid.config_types import (FULL_WINDOW, Config, DaemonConfig, EdgeConfig, OwnerPolicy, PipelineConfig, RayNeeds,
+                                StageConfig, TracingConfig)
 from omnid.engines.capabilities import CAPABILITIES, capabilities, check_param, engines_that
 from omnid.engines.capabilities import TENSOR_OUTPUTS as TENSOR_OUTPUTS     # (declared with the engines;
 from omnid.engines.capabilities import TENSOR_PROMPTS as TENSOR_PROMPTS     # named here as before)
@@ -197,11 +197,43 @@ def _parse_daemon(c: _Checker, raw: Any, base: Path) -> DaemonConfig:
         log_file_max_bytes=c.positive(d, "log_file_max_bytes", "daemon", 10 << 20, integer=True),
         log_file_keep=c.positive(d, "log_file_keep", "daemon", 3, integer=True, allow_zero=True),
         ray_address=c.get(d, "ray_address", "daemon", str),
+        preload_workers=bool(c.get(d, "preload_workers", "daemon", bool, True)),
         **_parse_tcp(c, d),
+        fair_share=bool(c.get(d, "fair_share", "daemon", bool, True)),
+        max_wait_s=float(c.positive(d, "max_wait_s", "daemon", 300.0, allow_zero=True)),
+        owners=_parse_owners(c, d),
         min_free_mb=c.positive(d, "min_free_mb", "daemon", 512, integer=True, allow_zero=True),
         min_free_inodes=c.positive(d, "min_free_inodes", "daemon", 1024, integer=True, allow_zero=True),
         ballast_mb=c.positive(d, "ballast_mb", "daemon", 32, integer=True, allow_zero=True),
+        tracing=_parse_tracing(c, d.get("tracing")),
+        max_realtime_sessions=c.positive(d, "max_realtime_sessions", "daemon", 64, integer=True),
+        max_realtime_sessions_per_key=c.positive(d, "max_realtime_sessions_per_key", "daemon", 8, integer=True),
+        realtime_idle_timeout_s=float(c.positive(d, "realtime_idle_timeout_s", "daemon", 600.0)),
     )
+
+
+def _parse_tracing(c: _Checker, raw: Any) -> TracingConfig | None:
+    """`[daemon] tracing = { otlp_endpoint, sample, service_name }` (absent: tracing off)."""
+    if raw is None:
+        return None
+    path = "daemon.tracing"
+    t = c.table(raw, path)
+    c.unknown(t, TracingConfig.__dataclass_fields__, path)
+    default = TracingConfig()
+    endpoint = c.get(t, "otlp_endpoint", path, str, default.otlp_endpoint)
+    if not re.match(r"^https?://[^/\s]+(/\S*)?$", endpoint):
+        c.add(f"{path}.otlp_endpoint", f"must be an http(s) URL like \"http://127.0.0.1:4318\" (an OTLP/HTTP "
+                                       f"receiver: an OpenTelemetry Collector, Jaeger), not {endpoint!r}")
+        endpoint = default.otlp_endpoint
+    sample = c.get(t, "sample", path, (int, float), 1.0)
+    if not 0.0 <= sample <= 1.0:
+        c.add(f"{path}.sample", f"must be between 0 and 1 (the share of traces kept), not {sample}")
+        sample = 1.0
+    name = c.get(t, "service_name", path, str, default.service_name)
+    if not name.strip():
+        c.add(f"{path}.service_name", "must not be empty")
+        name = default.service_name
+    return TracingConfig(otlp_endpoint=endpoint, sample=float(sample), service_name=name)
 
 
 def _parse_tcp(c: _Checker, d: Mapping[str, Any]) -> dict[str, Any]:
@@ -224,6 +256,29 @@ def _parse_tcp(c: _Checker, d: Mapping[str, Any]) -> dict[str, Any]:
                                                 f"and host, no path) or \"*\", not {origin!r}")
     return {"listen": tuple(listen), "allow_origins": tuple(o for o in origins if isinstance(o, str)),
             "metrics_without_key": bool(c.get(d, "metrics_without_key", "daemon", bool, False))}
+
+
+def _parse_owners(c: _Checker, d: Mapping[str, Any]) -> dict[str, OwnerPolicy]:
+    """`[daemon.owners.WHO]`: "default", a uid ("1000") or "key:NAME", each with weight, max_priority, max_queued."""
+    raw = c.get(d, "owners", "daemon", dict, {})
+    owners: dict[str, OwnerPolicy] = {}
+    for who, entry in (raw or {}).items():
+        path = f"daemon.owners.{who}"
+        if not (who == "default" or who.isdigit() or (who.startswith("key:") and len(who) > 4)):
+            c.add(path, "must be \"default\", a uid (\"1000\") or \"key:NAME\"")
+            continue
+        if not isinstance(entry, dict):
+            c.add(path, f"must be a table, not {_typename(entry)}")
+            continue
+        c.unknown(entry, ("weight", "max_priority", "max_queued"), path)
+        weight = c.positive(entry, "weight", path, None)
+        top = c.get(entry, "max_priority", path, int, None)
+        if isinstance(top, bool) or (top is not None and abs(top) > 1_000_000):
+            c.add(f"{path}.max_priority", "must be an integer from -1000000 to 1000000")
+            top = None
+        owners[who] = OwnerPolicy(weight=None if weight is None else float(weight), max_priority=top,
+                                  max_queued=c.positive(entry, "max_queued", path, None, integer=True))
+    return owners
 
 
 def is_loopback(host: str) -> bool:

@@ -19,6 +19,32 @@ FULL_WINDOW = -1                        # an edge's `window` for a full trigger 
 
 
 @dataclass(frozen=True)
+class OwnerPolicy:
+    """What one owner may ask of the queues (`[daemon.owners.WHO]`: "default", a uid, or "key:NAME";
+    a key's entry over its uid's over "default"; a field left out is the next one's)."""
+
+    weight: float | None = None         # its share within a priority level (fair share); 1
+    max_priority: int | None = None     # the most urgent (lowest) priority its jobs may ask; 0 (root on the socket: any)
+    max_queued: int | None = None       # its jobs queued at once; past it: 429 with Retry-After (none)
+
+
+@dataclass(frozen=True)
+class TracingConfig:
+    """`[daemon] tracing = { ... }`: OpenTelemetry traces of the jobs, exported over OTLP/HTTP (off
+    when the table is absent). Every process exports its own spans (the supervisor's job spans, each
+    stage worker's stage spans, a vLLM stage's engine its request spans) to `otlp_endpoint`."""
+
+    otlp_endpoint: str = "http://127.0.0.1:4318"   # the receiver's base URL; spans go to <it>/v1/traces
+    sample: float = 1.0             # the share of new traces kept (a caller's sampled flag is followed)
+    service_name: str = "omnid"     # `service.name` of the spans (a stage's: "<it>:<stage>")
+
+    @property
+    def traces_url(self) -> str:
+        base = self.otlp_endpoint.rstrip("/")
+        return base if base.endswith("/v1/traces") else base + "/v1/traces"
+
+
+@dataclass(frozen=True)
 class DaemonConfig:
     socket: Path
     state_dir: Path
@@ -50,6 +76,9 @@ class DaemonConfig:
     log_file_max_bytes: int = 10 << 20      # <state_dir>/logs: each stage's and the daemon's file rotates at this size
     log_file_keep: int = 3                  # ... keeping this many rotated files (.1 .2 .3) besides the current one
     ray_address: str | None = None          # the Ray cluster of `placement = "ray"` stages ("HOST:6379", "auto")
+    # A CPU stage's worker (no `devices`, no `env` of its own) is forked from a server that has its
+    # engine's libraries imported already (omnid.worker.preload), not spawned bare: ~12 CPU-s less a vLLM start.
+    preload_workers: bool = True
     # The TCP listener (off): the socket's application on these addresses, each request with an API key.
     listen: tuple[tuple[str, int], ...] = ()
     allow_origins: tuple[str, ...] = ()     # CORS on the TCP listener: browser origins let in ("*": any); off
@@ -60,6 +89,29 @@ class DaemonConfig:
     min_free_mb: int = 512
     min_free_inodes: int = 1024
     ballast_mb: int = 32
+    # Who goes first (omnid/fair_queue.py): fair share between owners within a priority level, the
+    # bound on a job's wait in one queue, and each owner's policy ("default", "UID", "key:NAME").
+    fair_share: bool = True
+    max_wait_s: float = 300.0
+    owners: Mapping[str, OwnerPolicy] = field(default_factory=dict)
+
+    tracing: TracingConfig | None = None    # OpenTelemetry traces (omnid.tracing); None: off
+    # OpenAI's Realtime API (GET /v1/realtime): sessions open at once, in all and per key (per uid on
+    # the socket); a session with no client event this long (and no response under way) is closed.
+    max_realtime_sessions: int = 64
+    max_realtime_sessions_per_key: int = 8
+    realtime_idle_timeout_s: float = 600.0
+
+    def owner_policy(self, uid: int, key: str | None, socket: bool) -> tuple[float, int | None, int | None]:
+        """(weight, max_priority, max_queued) of a caller: its key's entry, its uid's, "default"."""
+        entries = [self.owners.get(f"key:{key}") if key else None, self.owners.get(str(uid)), self.owners.get("default")]
+        found = [e for e in entries if e is not None]
+        weight = next((e.weight for e in found if e.weight is not None), 1.0)
+        root = socket and uid == 0          # root on the socket: bound only by an entry of its own ("0")
+        own = [e for e in entries[:2] if e is not None] if root else found
+        top = next((e.max_priority for e in own if e.max_priority is not None), None if root else 0)
+        queued = next((e.max_queued for e in found if e.max_queued is not None), None)
+        return weight, top, queued
 
 
 @dataclass(frozen=True)

@@ -55,11 +55,12 @@ class ApiKey:
     hint: str                       # the key's first characters, to tell keys apart in `key list`
     max_jobs: int | None = None     # jobs of this key live at once (past it: 429)
     rps: float | None = None        # requests per second (a token bucket of `max(1, rps)`; past it: 429)
+    admin: bool = False             # may do the admin actions over TCP (restart, sleep, wake, reload, others' jobs)
 
     def to_doc(self) -> dict[str, Any]:
         """What `GET /v1/keys` shows: everything but the hash."""
         return {"name": self.name, "uid": self.uid, "created": self.created, "hint": self.hint,
-                "max_jobs": self.max_jobs, "rps": self.rps}
+                "max_jobs": self.max_jobs, "rps": self.rps, "admin": self.admin}
 
 
 def _from_doc(doc: Any) -> ApiKey:
@@ -68,7 +69,7 @@ def _from_doc(doc: Any) -> ApiKey:
     return ApiKey(name=str(doc["name"]), uid=int(doc["uid"]), sha256=str(doc["sha256"]),
                   created=float(doc.get("created", 0.0)), hint=str(doc.get("hint", "")),
                   max_jobs=None if doc.get("max_jobs") is None else int(doc["max_jobs"]),
-                  rps=None if doc.get("rps") is None else float(doc["rps"]))
+                  rps=None if doc.get("rps") is None else float(doc["rps"]), admin=doc.get("admin") is True)
 
 
 def read_keys(path: Path) -> list[ApiKey]:
@@ -124,7 +125,8 @@ class KeyStore:
                 found = key
         return found
 
-    def add(self, name: str, uid: int, max_jobs: int | None = None, rps: float | None = None) -> tuple[ApiKey, str]:
+    def add(self, name: str, uid: int, max_jobs: int | None = None, rps: float | None = None,
+            admin: bool = False) -> tuple[ApiKey, str]:
         """A new key: returns it and its secret, which is never stored nor shown again.
         ValueError when the name is taken or not valid."""
         if not _NAME.match(name):
@@ -134,7 +136,7 @@ class KeyStore:
             raise ValueError(f"there is a key {name!r} already; remove it first (omnictl key rm {name})")
         secret = KEY_PREFIX + secrets.token_urlsafe(32)
         key = ApiKey(name=name, uid=uid, sha256=digest(secret), created=round(time.time(), 3),
-                     hint=secret[:len(KEY_PREFIX) + 4], max_jobs=max_jobs, rps=rps)
+                     hint=secret[:len(KEY_PREFIX) + 4], max_jobs=max_jobs, rps=rps, admin=admin)
         self._write([*keys, key])
         return key, secret
 

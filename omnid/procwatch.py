@@ -8,7 +8,8 @@ without one is logged and waited out.
 
 - `exit_of(proc)`: a multiprocessing child's exit status now, or None while it runs. Only
   multiprocessing's own `Popen` reaps it (and keeps its `exitcode`); `exit_of_pid(pid)` looks
-  with `waitid(WNOWAIT)`, which never reaps.
+  with `waitid(WNOWAIT)`, which never reaps. A worker forked by the daemon's fork server is the
+  server's child: its status comes only through its sentinel (the server writes it there).
 - `ChildWatch`: a thread of its own that waits on pidfds (readable exactly when the process has
   exited) and rechecks with `exit_of` every `recheck_s`, for descriptors that are no longer ours;
   it calls `on_exit` once, with the first child found dead. `stop()` ends it without a call: the
@@ -62,6 +63,10 @@ def exit_of(proc: BaseProcess) -> Exit | None:
         code = None
     if code is not None:
         return Exit(pid, code)          # multiprocessing reaped it already
+    if getattr(proc, "_start_method", None) == "forkserver":
+        # A fork server's child is the server's to reap: its status comes through the sentinel
+        # (`exitcode` above) once the server has it. Until then it runs, or has just exited.
+        return None
     return exit_of_pid(pid)
 
 

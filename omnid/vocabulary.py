@@ -193,6 +193,9 @@ class ErrorCode(StrEnum):
     MODEL_NOT_FOUND = "model_not_found"         # 404: no pipeline of that name
     MODEL_NOT_SUPPORTED = "model_not_supported"  # 400: the pipeline does not produce what the path gives
     NO_IMAGE = "no_image"                       # 500: an image pipeline's job produced none
+    # who goes first (omnid/fair_queue.py)
+    PRIORITY_NOT_ALLOWED = "priority_not_allowed"   # 403: more urgent than the owner's max_priority
+    OWNER_QUEUE_FULL = "owner_queue_full"           # 429: the owner's max_queued jobs are queued already
     # a stage's LoRA adapters at run time (supervisor/http/adapters.py)
     UNKNOWN_ADAPTER = "unknown_adapter"         # 404: the stage has no adapter of that name
     ADAPTER_EXISTS = "adapter_exists"           # 409: it has one already (remove it first)
@@ -261,6 +264,8 @@ class JobRecord:
     finished_at: float | None = None
     outputs: list[dict[str, Any]] = field(default_factory=list)
     error: dict[str, Any] | None = None
+    priority: int = 0                           # lower runs earlier (omnid/fair_queue.py)
+    key: str | None = None                      # the API key it came with (TCP); its owner for fair share
 
     @property
     def terminal(self) -> bool:
@@ -282,7 +287,7 @@ class JobRecord:
             "created_at": self.created_at, "started_at": self.started_at, "finished_at": self.finished_at,
             "timeout_s": self.timeout_s, "inputs": self.inputs, "params": self.params,
             "stages": {name: run.to_doc() for name, run in self.stages.items()},
-            "outputs": self.outputs, "error": self.error,
+            "outputs": self.outputs, "error": self.error, "priority": self.priority, "key": self.key,
         }
 
     @classmethod
@@ -292,4 +297,4 @@ class JobRecord:
                    params=doc["params"], stages={n: StageRun.from_doc(s) for n, s in doc["stages"].items()},
                    state=JobState(doc["state"]), started_at=doc.get("started_at"),
                    finished_at=doc.get("finished_at"), outputs=list(doc.get("outputs") or []),
-                   error=doc.get("error"))
+                   error=doc.get("error"), priority=int(doc.get("priority") or 0), key=doc.get("key"))

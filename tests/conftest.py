@@ -448,7 +448,7 @@ def stop_and_check(rd: RunningDaemon) -> list[str]:
                         f"--- tail of {rd.log_path}:\n{rd.log_tail()}")
     survivors = wait_gone(workers)
     if survivors:
-        problems.append(f"{rd.config_path}: workers {survivors} outlived the daemon")
+        problems.append(f"{rd.config_path}: workers {survivors} outlived the daemon: " + "; ".join(" ".join(psutil.Process(p).cmdline())[:160] for p in survivors if psutil.pid_exists(p)))
         for p in survivors:
             try:
                 os.kill(p, signal.SIGKILL)

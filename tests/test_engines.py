@@ -12,8 +12,10 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from omnictl.client import ApiError
@@ -85,6 +87,19 @@ def test_t2i_runs_real_vllm_and_diffusers(engines: RunningDaemon) -> None:
     assert expanded.startswith("a lighthouse at dusk") and len(expanded) > len("a lighthouse at dusk") + 8
     manifest = (engines.state_dir / "jobs" / job / "manifest.json")
     assert manifest.is_file()
+
+
+def test_cpu_workers_come_from_their_engines_fork_server_with_its_libraries_imported(engines: RunningDaemon) -> None:
+    """preload_workers: each CPU worker is a fork of its engine's server (the daemon's child), which
+    imported that engine's libraries once (omnid.worker.preload): vLLM's (pyzmq is vLLM's alone
+    here) and torch for the vllm stage; torch but not vLLM for the diffusers one."""
+    servers = {s: psutil.Process(psutil.Process(engines.stage_pid(s)).ppid()) for s in ("expand", "draw")}
+    assert {p.name() for p in servers.values()} == {"omnid-fs-vllm", "omnid-fs-diffus"}, servers
+    assert servers["expand"].name() == "omnid-fs-vllm"
+    assert all(p.ppid() == engines.proc.pid for p in servers.values())
+    maps = {s: Path(f"/proc/{p.pid}/maps").read_text() for s, p in servers.items()}
+    assert "libtorch_cpu" in maps["expand"] and "libzmq" in maps["expand"]
+    assert "libtorch_cpu" in maps["draw"] and "libzmq" not in maps["draw"]
 
 
 def test_second_job_reuses_warm_workers(engines: RunningDaemon) -> None:

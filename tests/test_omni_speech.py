@@ -240,34 +240,44 @@ def test_the_talker_starts_about_one_thinker_step_behind(model: Any, tok: Any) -
     assert s.step() is not None and s.step() is None
 
 
-def _decode(model: Any, codes: list[int], ramp: list[int], **kw: Any) -> tuple[Any, Any]:
+def _decode(model: Any, codes: list[int], ramp: list[int], **kw: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """Push `codes` in windows of `ramp` (the edge's), then finish: the streamed PCM, the whole
+    decode's, and how it went (the codes in when the first packet came, the packets, the windows)."""
     import torch
 
     from omnid.omni.code2wav import StreamingCode2Wav
 
     dec = StreamingCode2Wav(model.token2wav, model.speaker_map["Chelsie"], num_steps=2, **kw)
-    chunks, i, k = [], 0, 0
+    chunks, i, k, first = [], 0, 0, None
     while i < len(codes):
         w = ramp[min(k, len(ramp) - 1)]
         chunks += dec.push(codes[i:i + w])
         i, k = i + w, k + 1
+        if chunks and first is None:
+            first = min(i, len(codes))
     chunks += dec.finish()
-    return torch.cat(chunks), dec.decode_whole(codes)
+    return torch.cat(chunks), dec.decode_whole(codes), {"first": first, "packets": chunks, "windows": dec._windows}
 
 
 def test_streamed_code2wav_has_the_whole_decodes_audio_and_no_seams(model: Any) -> None:
+    """The chunk ramp (the default: windows making 6, 12, 24, then 48 codes final, the first with
+    only the vocoder's overlap as look-ahead) against the whole-sequence decode: over 60 dB (SNR),
+    its first packet too, with the first packet after 10 codes where fixed one-block windows need
+    24, and fewer windows (the DiT's context and look-ahead shared by more blocks)."""
     import torch
 
     codes = torch.randint(0, 8192, (96,), generator=torch.Generator().manual_seed(3)).tolist()
-    pcm, whole = _decode(model, codes, [4, 8, 16, 25])
+    pcm, whole, ramp = _decode(model, codes, [2])
     assert pcm.shape == whole.shape == (96 * 480,)
-    noise = (pcm - whole).pow(2).mean()
-    snr = float(10 * torch.log10(whole.pow(2).mean() / noise)) if float(noise) > 0 else 200.0
-    assert snr > 60, snr
+    first = ramp["packets"][0]
+    assert ramp["first"] == 10 and first.shape == (6 * 480,)        # 6 codes made final, 4 of look-ahead
+    assert _snr(pcm, whole) > 60 and _snr(first, whole[:len(first)]) > 60, (_snr(pcm, whole), _snr(first, whole[:len(first)]))
+    fixed_pcm, _, fixed = _decode(model, codes, [2], chunk_blocks=1)
+    assert fixed["first"] == 24 and _snr(fixed_pcm, whole) > 60
+    assert ramp["windows"] < fixed["windows"]
     # Without the DiT's context the blocks do not join: the same decode, context 0, has seams.
-    bare, _ = _decode(model, codes, [4, 8, 16, 25], context_blocks=0, lookahead_blocks=0)
-    bare_snr = float(10 * torch.log10(whole.pow(2).mean() / (bare - whole).pow(2).mean()))
-    assert bare_snr < 30, bare_snr
+    bare, _, _ = _decode(model, codes, [4, 8, 16, 25], chunk_blocks=1, context_blocks=0, lookahead_blocks=0)
+    assert _snr(bare, whole) < 30, _snr(bare, whole)
 
 
 def test_code2wav_decodes_as_transformers_token2wav_from_the_same_noise(model: Any) -> None:
@@ -326,15 +336,17 @@ def test_the_stage_functions_turn_thinker_outputs_into_a_wav(model: Any, tok: An
 
 def test_the_talker_sessions_class_gives_each_job_its_codes_in_one_batch(model: Any, tok: Any) -> None:
     """`sessions = "omnid.omni.stages:Talker"` as the engine drives it: three jobs opened at once,
-    stepped together (one forward a step for all), each gets generate's codes; closing frees the slots."""
+    stepped together (one forward a step for all), each gets generate's codes; a fourth, cancelled
+    mid-stream (closed at a step boundary), frees its slot and leaves the others' codes as they are;
+    closing frees the slots."""
     import torch
 
     from omnid.omni.stages import Talker
 
     from omnid.engines.python_engine import LoadContext
 
-    stage = Talker(LoadContext("talker", str(OMNI), (), max_inflight=3))
-    jobs, expected = [], []
+    stage = Talker(LoadContext("talker", str(OMNI), (), max_inflight=4))
+    jobs, expected, inputs = [], [], {}
     for prompt in ["the cat sat on the mat", "hello there", "A small boat moved slowly across the harbor"]:
         ids = torch.tensor([tok(prompt).input_ids])
         text, codes = _reference(model, ids, 8)
@@ -342,25 +354,49 @@ def test_the_talker_sessions_class_gives_each_job_its_codes_in_one_batch(model: 
         inputs = {"prompt_ids": ids[0], "ids": text[0, n:], "states": _rows(model, text[:, :-1])}
         jobs.append(stage.open(inputs, {"max_codes": CODES}, _Ctx("talker", str(OMNI))))
         expected.append(codes)
-    segments, widest = _drive(stage, jobs)
-    assert widest == 3 and stage.batch.free == 3          # a slot per max_inflight, all free again
-    assert [[c for seg in segs for c in seg["codes"].tolist()] for segs in segments] == expected
+    jobs.append(stage.open(inputs, {"max_codes": CODES}, _Ctx("talker", str(OMNI))))     # (the one cancelled)
+    slots_taken: list[int] = []
+    step = stage.step
+
+    def counting(batch: list[Any]) -> list[Any]:
+        out = step(batch)
+        slots_taken.append(stage.batch.free)
+        return out
+
+    stage.step = counting                   # type: ignore[method-assign]
+    segments, widest = _drive(stage, jobs, cancel={3: 5})
+    assert widest == 4 and stage.batch.free == 4          # a slot per max_inflight, all free again
+    assert slots_taken[4] == 0 and slots_taken[5] == 1    # the cancelled one's slot, freed at once
+    assert 0 < len(segments[3]) < len(expected[2])        # (it had begun)
+    assert [[c for seg in segs for c in seg["codes"].tolist()] for segs in segments[:3]] == expected
 
 
-def _drive(stage: Any, jobs: list[Any]) -> tuple[list[list[dict[str, Any]]], int]:
+def _drive(stage: Any, jobs: list[Any], cancel: dict[int, int] | None = None,
+           errors: dict[int, Exception] | None = None) -> tuple[list[list[dict[str, Any]]], int]:
     """Step a sessions class as the engine does, every ready session together, until all are done
-    (closing each); each job's segments, and the most sessions one step took."""
+    (closing each); each job's segments, and the most sessions one step took. `cancel` closes job i
+    after step n, as a cancel does (at a step boundary, never stepped again); an exception result
+    goes into `errors` (none is allowed without it)."""
     from omnid.engines.python_sessions import Done
 
     segments: list[list[dict[str, Any]]] = [[] for _ in jobs]
     live, widest = list(range(len(jobs))), 0
-    for _ in range(500):
+    for n in range(500):
+        for i, after in (cancel or {}).items():
+            if n == after and i in live:
+                getattr(stage, "close", lambda job: None)(jobs[i])
+                live.remove(i)
         ready = [i for i in live if stage.ready(jobs[i])]
         if not ready:
             break
         widest = max(widest, len(ready))
         for i, result in zip(ready, stage.step([jobs[i] for i in ready])):
-            assert not isinstance(result, Exception), result
+            if isinstance(result, Exception):
+                assert errors is not None, result
+                errors[i] = result
+                getattr(stage, "close", lambda job: None)(jobs[i])
+                live.remove(i)
+                continue
             segment = result.last if isinstance(result, Done) else result
             if segment is not None:
                 segments[i].append(segment)
@@ -381,7 +417,8 @@ def _snr(got: Any, want: Any) -> float:
 def test_code2wav_sessions_decode_many_jobs_in_one_batch_as_each_alone(model: Any) -> None:
     """`sessions = "omnid.omni.stages:Code2Wav"`: three jobs with their own codes and speakers' seeds,
     stepped together (their DiT windows in one ODE, their vocoder inputs in one call when they
-    match): each one's audio is its decoder's alone (within 60 dB), and a WAV."""
+    match): each one's audio is its decoder's alone (within 60 dB), and a WAV; a fourth, cancelled
+    mid-stream, and a fifth, failing on its first step, leave the others' audio as it is."""
     import io
     import wave
 
@@ -395,14 +432,19 @@ def test_code2wav_sessions_decode_many_jobs_in_one_batch_as_each_alone(model: An
         stage, model, devices = "code2wav", str(OMNI), ()
 
     stage = Code2Wav(Load())
-    lengths = [60, 96, 30]
+    lengths = [60, 96, 30, 200]
     codes = [torch.randint(0, 8192, (n,), generator=torch.Generator().manual_seed(k)).tolist()
              for k, n in enumerate(lengths)]
     jobs = [stage.open({"codes": torch.tensor(c)}, {"num_steps": 2, "seed": k}, _Ctx("code2wav", str(OMNI)))
             for k, c in enumerate(codes)]
-    segments, widest = _drive(stage, jobs)
-    audio = [b"".join(seg["audio"] for seg in segs) for segs in segments]
-    assert widest == 3
+    # and one whose codes are not codec codes: its exception fails it alone
+    jobs.append(stage.open({"codes": torch.tensor([5, 99999])}, {"num_steps": 2}, _Ctx("code2wav", str(OMNI))))
+    errors: dict[int, Exception] = {}
+    segments, widest = _drive(stage, jobs, cancel={3: 2}, errors=errors)     # job 3 cancelled mid-stream
+    assert list(errors) == [4] and "99999" in str(errors[4]), errors
+    assert 0 < len(segments[3]) and sum(len(s["audio"]) for s in segments[3]) < 200 * 480 * 2
+    audio = [b"".join(seg["audio"] for seg in segs) for segs in segments[:3]]
+    assert widest == 5
     for k, (c, wav) in enumerate(zip(codes, audio)):
         with wave.open(io.BytesIO(wav)) as w:
             pcm = np.frombuffer(w.readframes(10 ** 7), dtype="<i2").astype(np.float32) / 32767

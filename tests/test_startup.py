@@ -220,6 +220,10 @@ def test_kill_9_of_the_supervisor_leaves_no_worker(start_daemon) -> None:
                                     {"p": {"stages": ["a", "b"]}}, env=env)
     workers = d.worker_pids()
     assert len(workers) >= 2 and d.stage_pid("a") in workers and d.stage_pid("b") in workers
+    # A GPU stage is spawned bare; a CPU stage is forked by the daemon's fork server, its child.
+    assert psutil.Process(d.stage_pid("a")).ppid() == d.proc.pid
+    server = psutil.Process(d.stage_pid("b")).ppid()
+    assert server != d.proc.pid and psutil.Process(server).ppid() == d.proc.pid
     busy = d.submit("p", {"text": "x"}, {"b": {"seconds": 30}})   # one worker is mid-job
     d.wait_stage_state("b", ("busy",), timeout=30)
     assert d.kill9() == -signal.SIGKILL

@@ -135,9 +135,9 @@ def test_keys_are_stored_hashed_in_a_private_file(daemon: RunningDaemon, keys: d
     doc = json.loads(omnictl(daemon, "--json", "key", "list").stdout)
     assert {k["name"]: k["uid"] for k in doc["keys"]} == {"alice": OTHER_UID, "bob": THIRD_UID}
     assert all("sha256" not in k for k in doc["keys"])
-    again = omnictl(daemon, "key", "add", "alice")
+    again = omnictl(daemon, "key", "add", "alice", "--uid", str(OTHER_UID))
     assert again.returncode == 4 and "already" in again.stderr
-    bad = omnictl(daemon, "key", "add", "no/slashes")
+    bad = omnictl(daemon, "key", "add", "no/slashes", "--uid", "0")
     assert bad.returncode == 4
 
 
@@ -206,7 +206,7 @@ def test_no_key_a_wrong_key_and_a_removed_key_get_401(daemon: RunningDaemon, key
     with tcp(base, keys["alice"], header="x-api-key") as h:              # the header some clients send
         assert h.get("/v1/models").status_code == 200
 
-    temp = add_key(daemon, "temporary")
+    temp = add_key(daemon, "temporary", "--uid", "0")
     with tcp(base, temp) as h:
         assert h.get("/v1/jobs").status_code == 200
         gone = omnictl(daemon, "key", "rm", "temporary")
@@ -323,7 +323,7 @@ def test_ipv6_loopback_needs_no_key_to_start_but_every_request_needs_one(
     for base in (f"http://[::1]:{port}", f"http://127.0.0.1:{port}"):
         with tcp(base) as h:
             assert h.get("/v1/health").status_code == 401
-    key = add_key(d, "six")
+    key = add_key(d, "six", "--uid", "0")
     with tcp(f"http://[::1]:{port}", key) as h:
         assert h.get("/v1/health").json()["status"] == "ok"
 
@@ -331,8 +331,8 @@ def test_ipv6_loopback_needs_no_key_to_start_but_every_request_needs_one(
 def test_per_key_limits_answer_429_with_retry_after(start_daemon: Callable[..., RunningDaemon]) -> None:
     port = free_port()
     d = _echo_daemon(start_daemon, listen=[f"127.0.0.1:{port}"])
-    slow = add_key(d, "slow", "--rps", "2")
-    one = add_key(d, "one", "--max-jobs", "1")
+    slow = add_key(d, "slow", "--uid", "0", "--rps", "2")
+    one = add_key(d, "one", "--uid", "0", "--max-jobs", "1")
     base = f"http://127.0.0.1:{port}"
     with tcp(base, slow) as h:
         codes = [h.get("/v1/health") for _ in range(6)]
@@ -363,12 +363,12 @@ def test_cors_is_off_unless_an_origin_is_allowed(start_daemon: Callable[..., Run
     with tcp(f"http://127.0.0.1:{closed}") as h:
         r = h.options("/v1/chat/completions", headers=preflight)
         assert "Access-Control-Allow-Origin" not in r.headers and r.status_code == 401
-    key = add_key(shut, "k")
+    key = add_key(shut, "k", "--uid", "0")
     with tcp(f"http://127.0.0.1:{closed}", key) as h:
         assert "Access-Control-Allow-Origin" not in h.get("/v1/models", headers={"Origin": "https://chat.example"}).headers
     d = start_daemon(*echo_only(),
                      {"listen": [f"127.0.0.1:{opened}"], "allow_origins": ["https://chat.example"]})
-    key = add_key(d, "k")
+    key = add_key(d, "k", "--uid", "0")
     with tcp(f"http://127.0.0.1:{opened}") as h:
         r = h.options("/v1/chat/completions", headers=preflight)
         assert r.status_code == 204 and r.headers["Access-Control-Allow-Origin"] == "https://chat.example"
@@ -429,7 +429,7 @@ def test_sighup_opens_and_closes_listen_addresses(start_daemon: Callable[..., Ru
     first, second = free_port(), free_port()
     stages, pipelines = echo_only()
     d = start_daemon(stages, pipelines, {"listen": [f"127.0.0.1:{first}"]})
-    key = add_key(d, "k")
+    key = add_key(d, "k", "--uid", "0")
     pid = d.stages()["echo"]["pid"]
 
     def answers(port: int) -> bool:

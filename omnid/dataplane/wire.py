@@ -44,6 +44,11 @@ class WorkItem:
 
     `routes` pins the job to one replica of each stage (the supervisor chose them by load); every
     hand-off, window and resend of the job goes to that replica (0 when a stage has one).
+
+    `rank` orders the job in every stage's queue (`omnid.fair_queue`: priority, fair-share tag,
+    admission order), `priority` is what a vLLM stage passes its engine; `since` is when the
+    job began to wait for this stage (wall clock; 0: when it reaches the queue), for the bound on waiting.
+    `trace` carries the job's span context (`omnid.tracing`): each stage's span hangs under it.
     """
 
     job: str
@@ -54,6 +59,13 @@ class WorkItem:
     window: int | None = None
     last: bool = True
     routes: dict[str, int] = field(default_factory=dict)   # stage -> the replica that serves this job there
+    rank: tuple[int, float, int] = (0, 0.0, 0)
+    since: float = 0.0
+
+    @property
+    def priority(self) -> int:
+        return self.rank[0]
+    trace: dict[str, str] | None = None     # the job's trace context (W3C traceparent), when tracing is on
 
 
 @dataclass

@@ -70,6 +70,9 @@ class RequestContext:
     # The optional outputs asked of this request (a vllm stage's token_ids, hidden_states): an edge of
     # its pipeline maps them, or the stage's `outputs` names them. An engine computes no other.
     wants: frozenset[str] = frozenset()
+    priority: int = 0               # the job's (lower runs earlier): a vllm stage passes it to its engine
+    trace_headers: dict[str, str] | None = None     # the stage span of the job (`[daemon] tracing`): an engine
+                                                    # with tracing of its own (vLLM) hangs its spans under it
     model: str | None = None        # the stage's `model` directory (python stages: the function's to load)
     # A streamed WAV output's bytes per second, by output name, from its first chunk's header.
     _wav: dict[str, int] = field(default_factory=dict, repr=False)

@@ -57,6 +57,8 @@ class Capabilities:
     # -- its worker
     engine_core: bool = False               # has an engine core to place (`engine_core = "process" | "inline"`)
     worker_env: tuple[tuple[str, str], ...] = ()    # environment defaults its worker sets before loading it
+    preload: tuple[str, ...] = ()           # the heavy modules its load imports, which a CPU worker finds
+                                            # imported already (its fork server's, omnid.worker.preload)
 
     def may_answer(self, kind: str) -> bool:
         """A last stage of this engine may give an answer of `kind` (declared, or not known)."""
@@ -78,6 +80,7 @@ VLLM = Capabilities(
     sampling=True, engine_core=True, lora=True,
     # the engine core stays in the worker unless `engine_core = "process"` (the engine sets that itself)
     worker_env=(("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_LOGGING_LEVEL", "WARNING")),
+    preload=("torch", "transformers", "vllm.engine.arg_utils", "vllm.v1.engine.llm_engine", "vllm.sampling_params"),
 )
 DIFFUSERS = Capabilities(
     name="diffusers", engine_class="omnid.engines.diffusers_engine:DiffusersEngine",
@@ -88,6 +91,7 @@ DIFFUSERS = Capabilities(
               "description": "the image (image-K.png, one per image, when num_images_per_prompt > 1)"},
              {**_TEXT_OUTPUT, "name": "prompt", "file": "prompt.txt", "description": "the prompt it drew"}),
     params=DIFFUSERS_PARAMS, rules=DIFFUSERS_RULES, image_size=True, lora=True,
+    preload=("torch", "transformers", "diffusers.pipelines.pipeline_utils"),
 )
 PYTHON = Capabilities(
     name="python", engine_class="omnid.engines.python_engine:PythonEngine", takes_function=True,

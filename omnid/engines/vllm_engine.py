@@ -144,6 +144,9 @@ def engine_args(stage: StageConfig) -> dict[str, Any]:
     if limits:                          # (--check refuses limit_mm_per_prompt in args: media says it)
         args["limit_mm_per_prompt"] = limits
     args.update(stage.args)
+    # Jobs' priorities reach the engine (lower first; a running request of a lower priority is
+    # preempted for a higher one when the KV cache is short): omnid's default, `"fcfs"` in args to opt out.
+    args.setdefault("scheduling_policy", "priority")
     args.setdefault("distributed_executor_backend", "mp" if parallel_size(stage.args) > 1 else "uni")
     if "hidden_states" in stage.tensor_outputs:
         args["worker_extension_cls"] = TAP_CLASS        # the tap lives where the model runs
@@ -262,6 +265,13 @@ class VllmEngine(Engine):
         if stage.lora is not None:
             os.environ["OMNID_LORA"] = "1"              # the core's process fixes the CPU LoRA ops too
             vllm_compat.fix_cpu_lora_no_adapter()       # (an inline core runs the model here)
+        traces = os.environ.get("OMNID_VLLM_OTLP_TRACES_ENDPOINT")     # `[daemon] tracing` (omnid.worker.tracing)
+        if traces and not stage.args.get("disable_log_stats"):
+            # vLLM's request spans: its tracing reads the request's stats (kept only with log_stats,
+            # whose periodic log line is pushed out of the way); a stage that turns them off has none.
+            args.setdefault("otlp_traces_endpoint", traces)
+            args["disable_log_stats"] = False
+            os.environ.setdefault("VLLM_LOG_STATS_INTERVAL", "86400")
         threads = cpu_threads(stage, args, os.environ)
         if threads is not None:
             os.environ["OMP_NUM_THREADS"] = str(threads)    # the core's process is spawned with it
@@ -283,6 +293,7 @@ class VllmEngine(Engine):
             logging.getLogger("omnid.engines.vllm").warning(why)
         self.engine = LLMEngine.from_engine_args(EngineArgs(**args), enable_multiprocessing=self._own_core)
         self.default_max_tokens = int(stage.defaults.get("max_tokens", 16))
+        self._prioritized = args.get("scheduling_policy") == "priority"
         self._ids = itertools.count()
         self._requests: dict[str, _Request] = {}
         self._by_job: dict[str, str] = {}
@@ -474,6 +485,13 @@ class VllmEngine(Engine):
             return {"prompt_token_ids": prompt_token_ids(inputs["prompt_token_ids"], vocab, self._max_len)}
         return None
 
+    _prioritized = False        # scheduling_policy = "priority" (set at load)
+
+    def _priority(self, ctx: RequestContext) -> dict[str, int]:
+        """The job's priority for `add_request` (0.28 and 0.32 take it alike); none under "fcfs",
+        which ignores it."""
+        return {"priority": ctx.priority} if self._prioritized and ctx.priority else {}
+
     def add(self, ctx: RequestContext) -> None:
         prompt = ctx.inputs.get("prompt")
         messages = ctx.inputs.get("messages")
@@ -531,8 +549,10 @@ class VllmEngine(Engine):
             # Before add_request: the request's first forward is tapped from its first step on.
             self.engine.collective_rpc("omnid_tap_watch", args=(request_id, self.stage.hidden_prompt))
         try:
-            internal_id = self.engine.add_request(request_id, rendered, sampling,
-                                                  **({"lora_request": lora} if lora is not None else {}))
+            traced = {"trace_headers": ctx.trace_headers} if ctx.trace_headers else {}   # `[daemon] tracing`
+            lora_arg = {"lora_request": lora} if lora is not None else {}
+            internal_id = self.engine.add_request(request_id, rendered, sampling, **self._priority(ctx), **traced,
+                                                  **lora_arg)
         except Exception as e:          # a prompt longer than the model, media vLLM's processing refuses
             if tapped:
                 self._forget.append(request_id)

@@ -13,9 +13,17 @@ relative, the speaker conditioning global, and the noise a block starts from is 
 from the job's seed: the same frame starts from the same noise in every window it is in, and in a
 whole-sequence decode (`decode_whole`) too, which is what the seams are measured against.
 
-BigVGAN is convolutional: each block's mel is vocoded with `overlap_frames` of mel on both sides
-(the left side from the blocks already final, the right side from this window's lookahead) and the
-samples of the block alone are kept.
+The windows ramp up (`StreamingCode2Wav`): the first makes a few codes final with only the
+vocoder's overlap as look-ahead, so that the first audio comes early; the later ones make more at
+once, sharing their context and look-ahead. Only a window's start is on the block grid: the frames
+it makes final may begin and end inside a block.
+
+Each DiT call of a window's ODE reuses what does not change between the solver's calls
+(`_Velocity`): the speaker encoder on the reference mel, the code embeddings, the rope, the mask.
+
+BigVGAN is convolutional: each window's mel is vocoded with `overlap_frames` of mel on both sides
+(the left side from the frames already final, the right side from this window's lookahead) and the
+samples of its final frames alone are kept.
 """
 
 from __future__ import annotations
@@ -27,10 +35,14 @@ SAMPLES_PER_FRAME = 240         # BigVGAN's upsampling (5*3*2*2*2*2)
 SAMPLE_RATE = 24000
 
 
+DEFAULT_RAMP = (6, 12, 24, 48)   # codes made final by the 1st, 2nd, 3rd window, then by each
+FIRST_LOOKAHEAD_CODES = 4       # the first window's look-ahead: the vocoder's right overlap (8 frames)
+
+
 @dataclass(frozen=True)
 class Window:
-    """One decode of a job's stream: blocks [first, last) made final, decoded in the window of
-    blocks [start, end) (`codes` its codes)."""
+    """One decode of a job's stream, in mel frames: frames [first, last) made final, decoded in the
+    window of frames [start, end) (`start` on the block grid; `codes` the window's codes)."""
 
     start: int
     first: int
@@ -40,10 +52,18 @@ class Window:
 
 
 class StreamingCode2Wav:
-    """Codes in (`push`), PCM (float32 in [-1, 1], 24 kHz) out, a block at a time."""
+    """Codes in (`push`), PCM (float32 in [-1, 1], 24 kHz) out, a window at a time.
+
+    The windows ramp up (`ramp`, in codes, the last size repeating): the first makes only a few
+    codes final, with just the vocoder's overlap as its look-ahead, so that the first audio needs
+    few codes; the later ones make more final at once, sharing one window's context and look-ahead
+    (less DiT work a block: 180 frames decoded for 96 made final at (6, 12, 24, 48) with 2 blocks of
+    context and 1 of look-ahead, where one block a window decodes 96 for 24). `chunk_blocks` instead
+    gives the fixed windows of that many blocks, each with `lookahead_blocks` of look-ahead."""
 
     def __init__(self, token2wav: Any, speaker: dict[str, Any], *, num_steps: int = 10,
-                 guidance_scale: float = 0.5, sway_coefficient: float = -1.0, chunk_blocks: int = 1,
+                 guidance_scale: float = 0.5, sway_coefficient: float = -1.0, chunk_blocks: int | None = None,
+                 ramp: tuple[int, ...] | list[int] | None = None, first_lookahead_codes: int | None = None,
                  context_blocks: int = 2, lookahead_blocks: int = 1, overlap_frames: int = 8, seed: int = 0) -> None:
         import torch
 
@@ -59,15 +79,23 @@ class StreamingCode2Wav:
         self.num_steps = num_steps
         self.guidance_scale = guidance_scale
         self.sway = sway_coefficient
-        self.chunk_blocks = max(1, chunk_blocks)
         self.context_blocks = max(0, context_blocks)
         self.lookahead_blocks = max(0, lookahead_blocks)
+        codes_per_block = self.block // self.repeats
+        if chunk_blocks is not None and ramp is None:
+            self.ramp: tuple[int, ...] = (max(1, chunk_blocks) * codes_per_block,)
+            first_look = self.lookahead_blocks * codes_per_block
+        else:
+            self.ramp = tuple(max(1, int(c)) for c in (ramp or DEFAULT_RAMP))
+            first_look = FIRST_LOOKAHEAD_CODES
+        self.first_lookahead = self._frames(first_look if first_lookahead_codes is None else max(0, first_lookahead_codes))
         self.overlap = max(0, overlap_frames)
         self.seed = seed
         self.codes: list[int] = []
         self._noise: list[Any] = []                            # per block, (block, mel_dim)
         self._mel: Any = torch.zeros(1, self.dit.mel_dim, 0, device=self.device, dtype=self.dtype)  # final
-        self._done_blocks = 0                                  # blocks whose audio went out
+        self._done = 0                                         # frames whose audio went out
+        self._windows = 0                                      # windows decoded
         self.finished = False
 
     # -- the pieces ------------------------------------------------------------------------------
@@ -110,43 +138,42 @@ class StreamingCode2Wav:
         self.finished = True
         return self._drain()
 
-    def _available_blocks(self) -> int:
-        frames = self._frames(len(self.codes))
-        return -(-frames // self.block) if self.finished else frames // self.block
-
     def _drain(self) -> list[Any]:
         out = []
         while (window := self.next_window()) is not None:
-            vocoder_in, keep = self.take_mel(window, self._mel_of(window.start, window.codes))
+            vocoder_in, keep = self.take_mel(window, self._mel_of(window.start // self.block, window.codes))
             out.append(self.cut(self._vocode(vocoder_in), keep))
         return out
 
     def next_window(self) -> Window | None:
         """The next decode whose codes are all here (with its look-ahead), or None."""
-        have = self._available_blocks()
-        first = self._done_blocks
+        have = self._frames(len(self.codes))
+        first = self._done
         if first >= have:
             return None
-        last = min(first + self.chunk_blocks, have)
-        if not self.finished and last + self.lookahead_blocks > have:
+        last = min(first + self._frames(self.ramp[min(self._windows, len(self.ramp) - 1)]), have)
+        look = self.first_lookahead if self._windows == 0 else self.lookahead_blocks * self.block
+        if not self.finished and last + look > have:
             return None
-        end = min(have, last + self.lookahead_blocks)
-        start = max(0, first - self.context_blocks)
-        codes_per_block = self.block // self.repeats
-        return Window(start, first, last, end, self.codes[start * codes_per_block:end * codes_per_block])
+        if self.finished and self._windows > 0 and have - last <= self._frames(self.ramp[-1]) // 4:
+            last = have                         # (a last scrap joins this window: one window less)
+        end = min(have, last + look)
+        start = max(0, (first // self.block - self.context_blocks) * self.block)
+        return Window(start, first, last, end, self.codes[start // self.repeats:-(-end // self.repeats)])
 
     def take_mel(self, window: Window, mel: Any) -> tuple[Any, tuple[int, int]]:
         """The window's mel (1, mel_dim, frames) decoded: its blocks made final; returns the
         vocoder's input (the final blocks with `overlap` frames of mel on both sides) and which of
         its samples are the blocks' (`cut`)."""
         torch = self._torch
-        lo = (window.first - window.start) * self.block
-        hi = min(mel.shape[2], (window.last - window.start) * self.block)
+        lo = window.first - window.start
+        hi = min(mel.shape[2], window.last - window.start)
         chunk = mel[:, :, lo:hi]
         left = self._mel[:, :, max(0, self._mel.shape[2] - self.overlap):]
         right = mel[:, :, hi:hi + self.overlap]
         self._mel = torch.cat([self._mel, chunk], dim=2)
-        self._done_blocks = window.last
+        self._done = window.last
+        self._windows += 1
         return torch.cat([left, chunk, right], dim=2), (left.shape[2] * SAMPLES_PER_FRAME,
                                                         chunk.shape[2] * SAMPLES_PER_FRAME)
 
@@ -176,23 +203,58 @@ def mels(decodes: list[tuple[StreamingCode2Wav, int, list[int]]]) -> list[Any]:
     cond = torch.cat([d.cond.unsqueeze(1).repeat(1, frames, 1) for d, _, _ in decodes])
     ref_mel = torch.cat([d.ref_mel for d, _, _ in decodes])
     noise = torch.cat([d._noise_for(first, frames) for d, first, _ in decodes])
-    dit = lead.dit
-
-    def velocity(t: Any, x: Any) -> Any:
-        if lead.guidance_scale < 1e-5:
-            return dit(hidden_states=x, speaker_embedding=cond, condition_vector=ref_mel, quantized_code=code,
-                       time_step=t, drop_audio_conditioning=False, drop_code=False, apply_cfg=False)
-        out = dit(hidden_states=x, quantized_code=code, speaker_embedding=cond, condition_vector=ref_mel,
-                  time_step=t, apply_cfg=True)
-        guided, null = torch.chunk(out, 2, dim=0)
-        return guided + (guided - null) * lead.guidance_scale
-
+    with torch.no_grad():
+        velocity = _Velocity(lead.dit, cond, ref_mel, code, lead.guidance_scale)
     t = torch.linspace(0, 1, lead.num_steps, device=lead.device, dtype=lead.dtype)
     if lead.sway is not None:
         t = t + lead.sway * (torch.cos(torch.pi / 2 * t) - 1 + t)
     with torch.no_grad():
         x = RungeKutta4ODESolver(function=velocity, initial_value=noise).integrate(t)[-1]
     return [row[None].permute(0, 2, 1) for row in x]
+
+
+class _Velocity:
+    """The DiT's forward as the ODE calls it (`Qwen2_5OmniToken2WavDiTModel.forward`, with or
+    without guidance), its parts that do not change between the solver's calls computed once a
+    window: the speaker encoder on the reference mel, the code embeddings, their concatenation, the
+    rotary embedding and the block mask. The same modules in the same order, so the same numbers:
+    only the repeats are gone (a tiny DiT's call was a third speaker encoder)."""
+
+    def __init__(self, dit: Any, cond: Any, ref_mel: Any, code: Any, guidance: float) -> None:
+        import torch
+
+        self.dit = dit
+        self.guided = guidance >= 1e-5
+        self.guidance = guidance
+        frames = cond.shape[1]
+        embed = dit.input_embed
+        code_embed = dit.text_embed(code, drop_code=False)
+        if self.guided:                         # (input_embed with apply_cfg: the rows, then their null)
+            code_embed = torch.cat([code_embed, dit.text_embed(code, drop_code=True)])
+            cond = torch.cat([cond, torch.zeros_like(cond)])
+            ref_mel = torch.cat([ref_mel, torch.zeros_like(ref_mel)])
+        condition = embed.spk_encoder(ref_mel).unsqueeze(1).repeat(1, frames, 1)
+        self.rest = torch.cat((condition, code_embed, cond), dim=-1)
+        rows = self.rest.shape[0]
+        positions = torch.arange(frames, device=cond.device)[None, :].repeat(rows, 1)
+        self.position_embeddings = dit.rotary_embed(self.rest, positions)
+        self.block_diff = dit._create_block_diff(self.rest[:, :, :1].expand(rows, frames, 1))
+
+    def __call__(self, t: Any, x: Any) -> Any:
+        import torch
+
+        dit = self.dit
+        hidden = torch.cat([x, x], dim=0) if self.guided else x
+        time_embedding = dit.time_embed(t.repeat(hidden.shape[0]) if t.ndim == 0 else t)
+        hidden = dit.input_embed.proj(torch.cat((hidden, self.rest), dim=-1))
+        for block in dit.transformer_blocks:
+            hidden = block(hidden, time_embedding, position_embeddings=self.position_embeddings,
+                           block_diff=self.block_diff)
+        out = dit.proj_out(dit.norm_out(hidden, time_embedding))
+        if not self.guided:
+            return out
+        guided, null = torch.chunk(out, 2, dim=0)
+        return guided + (guided - null) * self.guidance
 
 
 def vocode(decoders: list[StreamingCode2Wav], inputs: list[Any]) -> list[Any]:

@@ -20,9 +20,11 @@ random-weight talker never says its end code by itself), `repetition_penalty` (1
 `[4, 8, 16, 25]`) and yields `{"audio": bytes}` chunks: a WAV header (24 kHz, 16-bit mono, the
 length "to the end of the file", as streaming servers write it) with the first PCM, then PCM, so
 the `audio` output is a WAV file that plays while it grows. Parameters: `speaker`, `num_steps`
-(the DiT's ODE steps, 10), `guidance_scale` (0.5), `context_blocks` (2), `lookahead_blocks` (1),
-`chunk_blocks` (1), `seed` (0), `code_offset` (0: the id of code 0 among its input's ids; a codec
-LM's `token_ids` start after its text tokens, e.g. the tiny `tts` model's `codec_offset`, 1000).
+(the DiT's ODE steps, 10), `guidance_scale` (0.5), `ramp` (codes each window makes final, the last
+repeating: [6, 12, 24, 48]), `first_lookahead_codes` (4), `context_blocks` (2), `lookahead_blocks` (1),
+`chunk_blocks` (fixed windows of that many blocks instead of the ramp), `seed` (0), `code_offset`
+(0: the id of code 0 among its input's ids; a codec LM's `token_ids` start after its text tokens,
+e.g. the tiny `tts` model's `codec_offset`, 1000).
 """
 
 from __future__ import annotations
@@ -227,10 +229,15 @@ class _TalkerJob:
         return self.session.ready() or (self.text_over and not self.session.text_ended)
 
 
+CODES_PER_STEP = 4      # a talker step's forwards for a session whose inputs are there: up to 4 codes a segment
+
+
 class Talker:
     """The talker stage as sessions (`sessions = "omnid.omni.stages:Talker"`): every live job's
     next code from one batched forward per step (`TalkerBatch`), the codes each as its session
-    alone would give. Inputs and parameters as `talker`'s."""
+    alone would give; a session whose next inputs are already there (the thinker ahead, or done)
+    makes up to `CODES_PER_STEP` codes a step, one segment (fewer steps and segments a code).
+    Inputs and parameters as `talker`'s."""
 
     def __init__(self, load: Any) -> None:
         from omnid.omni.talker_batch import TalkerBatch
@@ -275,13 +282,27 @@ class Talker:
                 results[i] = self._code(job, s.pick())
             elif (step := s.next_input()) is not None:
                 decode.append((i, job, step[0], step[1]))
-        if decode:
+        codes: dict[int, list[int]] = {}
+        for round_ in range(CODES_PER_STEP):    # (the sessions whose next input is here go on, one forward a code)
+            if not decode:
+                break
             logits = self.batch.decode([int(job.slot or 0) for _, job, _, _ in decode],
                                        torch.stack([row for _, _, row, _ in decode]), [p for _, _, _, p in decode])
+            again: list[tuple[int, _TalkerJob, Any, int]] = []
             for (i, job, _, _), row in zip(decode, logits):
-                assert job.session is not None
-                job.session.take_logits(row)
-                results[i] = self._code(job, job.session.pick())
+                s = job.session
+                assert s is not None
+                s.take_logits(row)
+                code = s.pick()
+                if code is not None:
+                    codes.setdefault(i, []).append(code)
+                    if round_ + 1 < CODES_PER_STEP and s.has_input() and (step := s.next_input()) is not None:
+                        again.append((i, job, step[0], step[1]))
+                elif i not in codes:
+                    results[i] = self._code(job, None)
+            decode = again
+        for job_i, job_codes in codes.items():
+            results[job_i] = {"codes": torch.tensor(job_codes, dtype=torch.int64)}
         return results
 
     def _start(self, job: _TalkerJob) -> None:
@@ -344,9 +365,23 @@ def _decoder(model: Any, speakers: dict[str, Any], inputs: dict[str, Any], param
         raise ValueError("code2wav needs input 'codes' (the talker's codec tokens)")
     return StreamingCode2Wav(
         model, _speaker(speakers, params), num_steps=int(params.get("num_steps", 10)),
-        guidance_scale=float(params.get("guidance_scale", 0.5)), chunk_blocks=int(params.get("chunk_blocks", 1)),
+        guidance_scale=float(params.get("guidance_scale", 0.5)),
+        chunk_blocks=None if params.get("chunk_blocks") is None else int(params["chunk_blocks"]),
+        ramp=_ramp(params.get("ramp")),
+        first_lookahead_codes=None if params.get("first_lookahead_codes") is None
+        else int(params["first_lookahead_codes"]),
         context_blocks=int(params.get("context_blocks", 2)), lookahead_blocks=int(params.get("lookahead_blocks", 1)),
         seed=int(params.get("seed", 0)))
+
+
+def _ramp(value: Any) -> tuple[int, ...] | None:
+    """code2wav's `ramp`: codes made final by each window, the last repeating (a list of positive ints)."""
+    if value is None:
+        return None
+    sizes = value if isinstance(value, (list, tuple)) else [value]
+    if not sizes or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
+        raise ValueError(f"ramp must be a list of positive integers (codes a window makes final), not {value!r}")
+    return tuple(sizes)
 
 
 def _codec_codes(window: Any, offset: int, n_codes: int) -> list[int]:
@@ -405,6 +440,15 @@ class _Code2WavJob:
         self.n_codes = n_codes
         self.header = wav_header()
         self.window: Window | None = None
+        self.opened = time.monotonic()
+        self.first_out: float | None = None     # when its first audio went out
+        self.audio_s = 0.0                      # the audio it has given
+
+    @property
+    def deadline(self) -> float:
+        """When its listener runs out of audio (played from its first packet on): the job whose
+        audio is due first decodes first; one with none yet is due since it opened."""
+        return self.opened if self.first_out is None else self.first_out + self.audio_s
 
     def absorb(self) -> None:
         while self.codes_in.ready():
@@ -419,14 +463,19 @@ class _Code2WavJob:
 
     def chunk(self, pcm: Any) -> dict[str, Any]:
         audio, self.header = self.header + pcm16(pcm), b""
+        if self.first_out is None:
+            self.first_out = time.monotonic()
+        self.audio_s += len(pcm) / SAMPLE_RATE
         return {"audio": audio}
 
 
 class Code2Wav:
-    """The code2wav stage as sessions (`sessions = "omnid.omni.stages:Code2Wav"`): each step, every
-    live job with a block ready decodes it, the jobs whose windows match (`ode_key`) in one batched
-    DiT ODE, and their vocoder inputs of one length in one BigVGAN call; each job's audio is what its
-    decoder alone gives (within float rounding). Inputs and parameters as `code2wav`'s."""
+    """The code2wav stage as sessions (`sessions = "omnid.omni.stages:Code2Wav"`): each step decodes
+    the ready windows of the job whose audio is due first (`deadline`: a listener's clock) and of
+    every job whose window matches it (`ode_key`), in one batched DiT ODE, and their vocoder inputs
+    of one length in one BigVGAN call; the other jobs' windows wait for the next step (so a new
+    job's small first window is not queued behind the others' big ones). Each job's audio is what
+    its decoder alone gives (within float rounding). Inputs and parameters as `code2wav`'s."""
 
     def __init__(self, load: Any) -> None:
         _loader("token2wav")(load)              # (logs "omni part loaded", as the load hooks do)
@@ -455,9 +504,10 @@ class Code2Wav:
             elif job.decoder.finished:
                 results[i] = Done({"audio": job.header} if job.header else None)   # (no codes: an empty WAV)
         vocoder_in: dict[int, list[tuple[int, Any, tuple[int, int]]]] = {}
-        for members in groups.values():
-            decoded = mels([(jobs[i].decoder, jobs[i].window.start, jobs[i].window.codes)  # type: ignore[union-attr]
-                            for i in members])
+        due = sorted(groups.values(), key=lambda members: min(jobs[i].deadline for i in members))
+        for members in due[:1]:
+            decoded = mels([(jobs[i].decoder, jobs[i].window.start // jobs[i].decoder.block,  # type: ignore[union-attr]
+                             jobs[i].window.codes) for i in members])                    # type: ignore[union-attr]
             for i, mel in zip(members, decoded):
                 job = jobs[i]
                 assert job.window is not None

@@ -140,6 +140,10 @@ class TalkerSession:
         """Whether its next code needs a forward (every code but the first, which the prefill gave)."""
         return bool(self.codes)
 
+    def has_input(self) -> bool:
+        """Whether `next_input` has its thinker vector (or needs none: the text has ended)."""
+        return not self.done and bool(self.codes) and (bool(self._replies) or self.text_ended)
+
     def next_input(self) -> tuple[Any, int] | None:
         """The next decode step's input row (the talker's input width, before its projection) and
         its position, taking the next thinker vector; None when that vector is not here yet."""

@@ -47,15 +47,18 @@ from omnid.supervisor.metrics import Metrics
 from omnid.retention import Retention
 from omnid.store import JobStore, StateDirBusy
 from omnid.supervisor import resources
+from omnid.supervisor.http import trace_context
 from omnid.supervisor.http.access import Access
 from omnid.supervisor.http.api import Api, DaemonInfo, error
 from omnid.supervisor.live import Live
 from omnid.supervisor.http.openai_api import OpenAiApi
+from omnid.supervisor.http.realtime import RealtimeApi
 from omnid.supervisor.reload import Reloader
 from omnid.supervisor.jobs.scheduler import Scheduler
 from omnid.supervisor.workers.stage import StageHandle
 from omnid.supervisor.workers.stage_group import StageGroup
 from omnid.supervisor.workers.stage_logs import DaemonLogHandler, install_daemon_log, remove_daemon_log
+from omnid.tracing import Tracing
 from omnid.vocabulary import DaemonState, ErrorCode, WorkerState
 
 log = structlog.get_logger("omnid.daemon")
@@ -133,6 +136,7 @@ class Daemon:
         self._load_locks: dict[int, asyncio.Lock] = {}
         self._log_file: DaemonLogHandler | None = None  # our records into <state_dir>/logs/omnid.log too
         self._uses_ray = False                      # some stage is placed on Ray: disconnect at exit
+        self.tracing: Tracing | None = None         # `[daemon] tracing`: this process's exporter (omnid.tracing)
         self.keys: KeyStore | None = None           # the TCP listener's API keys (<state_dir>/api_keys.json)
         self._tcp_sites: dict[tuple[str, int], web.TCPSite] = {}   # daemon.listen's, open now
         self._inherited_tcp: set[tuple[str, int]] = set()           # systemd's TCP sockets' addresses
@@ -159,6 +163,14 @@ class Daemon:
         if self.reloader is not None:
             await self.reloader.reload()
             await self._listen_as_configured()      # a reload may change daemon.listen
+
+    async def _reload_asked(self) -> str:
+        """POST /v1/reload: what SIGHUP does, answered with what happened."""
+        if self.reloader is None or self._stop.is_set():
+            return "reload refused: the daemon is starting or stopping"
+        status = await self.reloader.reload()
+        await self._listen_as_configured()
+        return status
 
     @property
     def config(self) -> Config:
@@ -256,22 +268,28 @@ class Daemon:
 
         self.stages = {name: make_stage(None, name) for name in self.config.stages}
         metrics = Metrics(self.stages)
+        if self.config.daemon.tracing is not None:     # OpenTelemetry is imported only then (omnid.tracing)
+            self.tracing = Tracing(self.config.daemon.tracing, self.config.daemon.tracing.service_name)
         self.scheduler = Scheduler(self.live, store, self.stages,
-                                   lambda address: P.socket_path(self.data_dir, address), metrics)
+                                   lambda address: P.socket_path(self.data_dir, address), metrics, self.tracing)
         self.scheduler.restore(store.unfinished())     # what the last daemon accepted and did not finish
         sched = self.scheduler
         self._retention = Retention(self.config.daemon, store,
                                     lambda: set(sched.live) | {job for _, job in sched.stopping})
         api = Api(self.live, store, self.scheduler, self.stages, metrics, self.info)
         OpenAiApi(api).mount(api.app)       # /v1/models, /v1/chat/completions, ... on the same socket
+        RealtimeApi(api).mount(api.app)     # /v1/realtime: OpenAI's Realtime API, a WebSocket session
         try:
             self.keys = KeyStore(key_path(self.config.daemon.state_dir))
         except KeyFileError as e:
             raise StartupError(str(e)) from None
         Access(api, self.keys).mount(api.app)   # the TCP listener's door: API keys (innermost middleware)
+        if self.tracing is not None:
+            trace_context.mount(api.app)        # callers' traceparent joined; answers name the job's trace
         self._watch_resources(api, metrics)
         self.reloader = Reloader(self.live, self.stages, self.scheduler, make_stage, self.device_locks,
                                  self._load_locks)
+        api.reload = self._reload_asked         # POST /v1/reload (an admin action)
         return api
 
     def _watch_resources(self, api: Api, metrics: Metrics) -> None:
@@ -481,6 +499,8 @@ class Daemon:
                 pass
         if self.store is not None:
             self.store.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()             # what is queued goes out (bounded by the export timeout)
         log.info("stopped")
         remove_daemon_log(self._log_file)
         self._log_file = None

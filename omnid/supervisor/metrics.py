@@ -186,6 +186,12 @@ class Metrics:
         self.registry.register(_StageCollector(stages))
         self._resources = _ResourceCollector()
         self.registry.register(self._resources)
+        _waits = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+        self.stage_wait = Histogram("omnid_stage_queue_wait_seconds", "A job's input entering a stage's queue to "
+                                    "the stage starting it", ["stage"], buckets=_waits, registry=self.registry)
+        self.handoff_s = Histogram("omnid_edge_handoff_seconds", "An upstream stage's outputs being there (its "
+                                   "end; its first segment on a streaming edge) to the downstream admitting them",
+                                   ["src", "dst"], buckets=_waits, registry=self.registry)
         self.refused = Counter("omnid_jobs_refused", "Submits refused for want of a resource (507 disk_full)",
                                ["reason"], registry=self.registry)
 
@@ -193,8 +199,17 @@ class Metrics:
         """Report these resources too (the daemon, once it has made them)."""
         self._resources.disk, self._resources.guard = disk, guard
 
-    def job_started(self, pipeline: str, waited_s: float) -> None:
-        self.queue_wait.labels(pipeline).observe(waited_s)
+    def job_started(self, pipeline: str, waited_s: float, trace_id: str | None = None) -> None:
+        self.queue_wait.labels(pipeline).observe(waited_s, _exemplar(trace_id))
+
+    def stage_queue_wait(self, stage: str, seconds: float, trace_id: str | None = None) -> None:
+        """A job's input entered the stage's queue -> the stage started it."""
+        self.stage_wait.labels(stage).observe(seconds, _exemplar(trace_id))
+
+    def handoff(self, src: str, dst: str, seconds: float, trace_id: str | None = None) -> None:
+        """An upstream's outputs were there (its end; its first segment on a streaming edge) -> the
+        downstream admitted them."""
+        self.handoff_s.labels(src, dst).observe(seconds, _exemplar(trace_id))
 
     def stage_finished(self, stage: str, seconds: float) -> None:
         self.stage_duration.labels(stage).observe(seconds)
@@ -202,8 +217,8 @@ class Metrics:
     def segments_streamed(self, stage: str, count: int) -> None:
         self.segments.labels(stage).inc(count)
 
-    def first_segment(self, pipeline: str, seconds: float) -> None:
-        self.first_segment_s.labels(pipeline).observe(seconds)
+    def first_segment(self, pipeline: str, seconds: float, trace_id: str | None = None) -> None:
+        self.first_segment_s.labels(pipeline).observe(seconds, _exemplar(trace_id))
 
     def first_audio(self, pipeline: str, seconds: float) -> None:
         self.first_audio_s.labels(pipeline).observe(seconds)
@@ -217,6 +232,12 @@ class Metrics:
     def job_submitted(self, pipeline: str) -> None:
         self.submitted.labels(pipeline).inc()
 
-    def job_finished(self, pipeline: str, state: str, seconds: float) -> None:
+    def job_finished(self, pipeline: str, state: str, seconds: float, trace_id: str | None = None) -> None:
         self.finished.labels(pipeline, state).inc()
-        self.duration.labels(pipeline).observe(seconds)
+        self.duration.labels(pipeline).observe(seconds, _exemplar(trace_id))
+
+
+def _exemplar(trace_id: str | None) -> dict[str, str] | None:
+    """A histogram sample's exemplar: the trace of a job it counts (shown in the OpenMetrics format,
+    `Accept: application/openmetrics-text`)."""
+    return {"trace_id": trace_id} if trace_id else None

@@ -40,7 +40,7 @@ log = structlog.get_logger("omnid.reload")
 
 # Only a restart can change these (the socket is open, the state dir and lock files are held).
 FIXED_DAEMON_KEYS = ("socket", "state_dir", "lock_dir", "socket_mode", "socket_group", "max_request_bytes",
-                     "ray_address")
+                     "ray_address", "tracing")
 
 
 class Reloader:

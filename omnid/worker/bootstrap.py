@@ -81,6 +81,8 @@ class Start:
         except BaseException:
             traceback.print_exc()
             os._exit(1)
+        if worker.tracer is not None:
+            worker.tracer.shutdown()        # its last spans go out (bounded by the export timeout)
         self.stopped(worker)
         os._exit(0)
 
@@ -150,18 +152,19 @@ class LocalStart(Start):
         self.listener.start()
 
 
+# Offline, quiet libraries: every worker's environment defaults (the fork server's too: omnid.worker.preload).
+QUIET_ENV = (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"),
+             ("TRANSFORMERS_VERBOSITY", "error"), ("DIFFUSERS_VERBOSITY", "error"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"))
+
+
 def setup_environment(spec: P.WorkerSpec) -> None:
     """Device visibility and quiet, offline libraries, before any heavy import."""
     stage = spec.config.stages[spec.stage].for_replica(spec.replica)
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in stage.devices)
     for var in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):   # systemd talks to the supervisor only
         os.environ.pop(var, None)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    for k, v in QUIET_ENV:
+        os.environ.setdefault(k, v)
     for k, v in capabilities(stage.engine).worker_env:
         os.environ.setdefault(k, v)
     for k, v in stage.env.items():

@@ -105,7 +105,8 @@ class Handoff:
                 self.post(P.Failed(job=ctx.job, error=clip(str(e)), code=ErrorCode.EDGE_FAILED))
                 return None
             handoffs.append((edge.dst, WorkItem(job=ctx.job, pipeline=item.pipeline, src=self.stage,
-                                                inputs=inputs, params=item.params, routes=item.routes)))
+                                                inputs=inputs, params=item.params, routes=item.routes,
+                                                rank=item.rank, trace=item.trace)))
         return handoffs
 
     def hand_off(self, job: WorkerJob, handoffs: list[tuple[str, WorkItem]], on_wait: Callable[[], None],
@@ -186,7 +187,7 @@ class Handoff:
         except EdgeError as e:
             return str(e)
         window = WorkItem(job=item.job, pipeline=item.pipeline, src=self.stage, inputs=inputs,
-                          params=item.params, window=index, last=last, routes=item.routes)
+                          params=item.params, window=index, last=last, routes=item.routes, rank=item.rank, trace=item.trace)
         line = job.unsent.get(edge.dst)
         if line is None:
             line = job.unsent[edge.dst] = deque()

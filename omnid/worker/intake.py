@@ -16,12 +16,14 @@ from collections.abc import Callable
 from omnid import protocol as P
 from omnid.config import PipelineConfig
 from omnid.dataplane.wire import Closing, WorkItem
+from omnid.fair_queue import RankedQueue
 from omnid.worker.jobs import JobTable
 from omnid.worker.windows import EdgeStream
 
 
 class Intake:
-    """The input queue, its counts, and the admission of each item into it.
+    """The input queue, its counts, and the admission of each item into it. The queue is taken
+    in rank order (`omnid.fair_queue.RankedQueue`), not in arrival order.
 
     `send` tells the supervisor at once (`Admitted`); `wakeup` wakes the busy loop; `pipeline` finds
     a job's pipeline by its key (it may wait for a reload), for a streamed job's first window, which
@@ -29,7 +31,7 @@ class Intake:
 
     def __init__(self, stage: str, capacity: int, jobs: JobTable, send: Callable[[object], None],
                  wakeup: threading.Event, shutting_down: threading.Event,
-                 pipeline: Callable[[str], PipelineConfig]) -> None:
+                 pipeline: Callable[[str], PipelineConfig], max_wait_s: Callable[[], float] = lambda: 0.0) -> None:
         self.stage = stage
         self.capacity = capacity
         self.jobs = jobs
@@ -37,7 +39,10 @@ class Intake:
         self.wakeup = wakeup
         self.shutting_down = shutting_down
         self.pipeline = pipeline
-        self.queue: queue.Queue[WorkItem] = queue.Queue(maxsize=capacity)
+        # Taken by rank (priority, fair share between owners), with a bound on waiting (omnid/fair_queue.py):
+        # a job that comes later with a higher priority goes ahead of those admitted before it.
+        self.queue: RankedQueue[WorkItem] = RankedQueue(capacity, lambda item: item.rank,
+                                                        lambda item: item.since, max_wait_s)
         # Counts for the heartbeat's `QueueStats` (each written by one kind of thread, read by any).
         self.enqueued = self.dequeued = self.dropped = 0
 
@@ -57,28 +62,36 @@ class Intake:
         """
         if item.window is not None:
             return self._admit_window(item)
+        ticket: int | None = None       # in the queue (seen by `take`), waiting for a place
         while True:
             if self.shutting_down.is_set():
-                raise Closing()         # not admitted, not dropped: the sender tries our successor
+                if ticket is None or self.queue.withdraw(ticket):
+                    raise Closing()     # not admitted, not dropped: the sender tries our successor
+                break                   # taken already: it is ours
             if self.jobs.is_dead(item.job):
-                self.dropped += 1
-                return False
-            with self.jobs.lock:
-                job = self.jobs.get(item.job)
-                if job is not None and item.src in job.received:
-                    return True            # a resend of a part we hold already: admitted once
-            try:
-                self.queue.put(item, timeout=0.1)
-            except queue.Full:
-                continue
-            with self.jobs.lock:
-                if self.jobs.is_dead(item.job):     # cancelled while we waited for room: it is dropped
-                    return False                    # when dequeued; keep no state for it
-                self.jobs.entry(item.job).received.add(item.src)
-            self.enqueued += 1
-            self.send(P.Admitted(job=item.job, src=item.src, depth=self.queue.qsize()))
-            self.wakeup.set()
-            return True
+                if ticket is None or self.queue.withdraw(ticket):
+                    self.dropped += 1
+                    return False
+                break
+            if ticket is None:
+                with self.jobs.lock:
+                    job = self.jobs.get(item.job)
+                    if job is not None and item.src in job.received:
+                        return True            # a resend of a part we hold already: admitted once
+                # In at once, in rank order: a more urgent job waiting here for a place is taken
+                # before the less urgent ones admitted earlier; the sender waits for the place.
+                ticket = self.queue.offer(item)
+                self.wakeup.set()
+            if self.queue.admitted(ticket, timeout=0.1):
+                break
+        with self.jobs.lock:
+            if self.jobs.is_dead(item.job):     # cancelled while we waited for room: it is dropped
+                return False                    # when dequeued; keep no state for it
+            self.jobs.entry(item.job).received.add(item.src)
+        self.enqueued += 1
+        self.send(P.Admitted(job=item.job, src=item.src, depth=self.queue.qsize()))
+        self.wakeup.set()
+        return True
 
     def _admit_window(self, item: WorkItem) -> bool | None:
         """A window of a streamed job (a data-conn thread); answers at once, None when there is no room.

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnid import protocol as P
 from omnid.config import PipelineConfig
@@ -48,6 +48,9 @@ from omnid.worker.intake import Intake
 from omnid.worker.jobs import JobTable, WorkerJob
 from omnid.worker.outputs import Sink, WriteOutputs
 from omnid.worker.reporter import ControlChannel, Reporter, clip
+
+if TYPE_CHECKING:
+    from omnid.worker.tracing import StageTracer
 
 
 class Wakeup(threading.Event):
@@ -81,13 +84,21 @@ class StageWorker:
         self.conn = conn
         self.running: dict[str, WorkerJob] = {}     # main: the jobs whose request is in the engine
         reporter = Reporter(conn, self._flush_live)
-        self.send, self.post, self.flush = reporter.send, reporter.post, reporter.flush
+        self.send: Callable[[object], None] = reporter.send
+        self.post: Callable[[object], None] = reporter.post
+        self.flush = reporter.flush
+        self.tracer: StageTracer | None = None      # `[daemon] tracing`: this stage's spans of its jobs
+        if spec.config.daemon.tracing is not None:
+            from omnid.worker.tracing import StageTracer, engine_environment
+            engine_environment(spec.config.daemon.tracing, spec.stage)
+            self.tracer = StageTracer(spec.config.daemon.tracing, spec.stage, spec.replica)
+            self.send, self.post = self.tracer.watch(reporter.send), self.tracer.watch(reporter.post)
         self.jobs = JobTable()                  # what the worker knows of each job (and its lock)
         self.wakeup = Wakeup(self._wake_engine)  # a window, an input or a cancel arrived: the loop looks again
         self.shutting_down = threading.Event()
         self._reconfigured = threading.Condition()   # `config` replaced by a reload
         self.intake = Intake(self.stage.name, self.stage.queue_capacity, self.jobs, self.send, self.wakeup,
-                             self.shutting_down, self._pipeline)
+                             self.shutting_down, self._pipeline, lambda: self.config.daemon.max_wait_s)
         self.listener: Listener | None = None
         make_sender: Callable[[], DataTransport] = transport or (
             lambda: Sender(spec.socket_for, spec.config.daemon.shm_min_bytes))
@@ -121,6 +132,8 @@ class StageWorker:
 
     def admit(self, item: WorkItem) -> bool | None:
         """Data-plane callback (a data-conn thread): `Intake.admit`."""
+        if self.tracer is not None:
+            self.tracer.arrived(item)
         return self.intake.admit(item)
 
     # ------------------------------------------------------------------ control thread
@@ -141,6 +154,8 @@ class StageWorker:
                 handler(msg)
 
     def on_cancel(self, msg: P.Cancel) -> None:
+        if self.tracer is not None:
+            self.tracer.cancelled(msg.job, msg.reason)
         with self.jobs.lock:
             job = self.jobs.end(msg.job, msg.reason)
             for stream in job.streams.values() if job is not None else ():
@@ -148,6 +163,8 @@ class StageWorker:
         self.wakeup.set()
 
     def on_forget(self, msg: P.Forget) -> None:
+        if self.tracer is not None:
+            self.tracer.forgotten(msg.job)
         with self.jobs.lock:
             job = self.jobs.forget(msg.job)
             for stream in job.streams.values() if job is not None else ():
@@ -350,8 +367,10 @@ class StageWorker:
 
         entry.ctx = RequestContext(
             job=job, stage=self.stage.name, inputs=inputs, params=dict(item.params.get(self.stage.name, {})),
+            priority=item.priority,
             _emit=self.post, _is_cancelled=lambda: self.jobs.is_dead(job), _on_segment=on_segment,
             _is_held=lambda: self.handoff.held(self.running.get(job), streaming, self.stage.queue_capacity),
+            trace_headers=self.tracer.headers(job) if self.tracer is not None else None,
             wants=self.stage.tensor_outputs & (pipeline.asks(self.stage.name) | frozenset(self.stage.outputs)))
         return entry
 

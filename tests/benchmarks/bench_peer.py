@@ -129,7 +129,7 @@ def _omnid_round(ctx: Ctx, concurrency: int, tag: str) -> dict[str, Any]:
                      env={"VLLM_CPU_KVCACHE_SPACE": ENV["VLLM_CPU_KVCACHE_SPACE"]})
     d = start_daemon({"chat": stage}, {"chat": {"stages": ["chat"]}}, {"listen": [f"127.0.0.1:{port}"]})
     try:
-        key = str(d.client.add_key("bench")["key"])
+        key = str(d.client.add_key("bench", 0)["key"])
         return _client(ctx, port, concurrency, key, tag)
     finally:
         kill_daemon(d)

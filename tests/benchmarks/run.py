@@ -36,10 +36,13 @@ import bench_engines  # noqa: E402
 import bench_lora  # noqa: E402
 import bench_omni  # noqa: E402
 import bench_peer  # noqa: E402
+import bench_priorities  # noqa: E402
 import bench_ray  # noqa: E402
+import bench_realtime  # noqa: E402
 import bench_resources  # noqa: E402
 import bench_streaming  # noqa: E402
 import bench_tensors  # noqa: E402
+import bench_tracing  # noqa: E402
 
 
 @dataclass
@@ -58,6 +61,7 @@ BENCHES: list[Bench] = [
           ["streaming: submit -> 1st consumer segment, window 8", "streaming: submit -> job end, window 8"],
           (200, 90), ("engines",)),
     Bench("omni", "streaming", bench_omni.bench_omni, bench_omni.FIGURES, (900, 600), ()),
+    Bench("realtime", "streaming", bench_realtime.bench_realtime, bench_realtime.FIGURES, (900, 700), ()),
     Bench("tap_cost", "streaming", bench_tensors.bench_tap_cost,
           [f"vLLM decode step, {bench_tensors.BATCH} jobs: hidden-state tap + token_ids on"], (150, 90), ()),
     Bench("tensor_streams", "streaming", bench_tensors.bench_tensor_streams,
@@ -107,8 +111,13 @@ BENCHES: list[Bench] = [
            "256 MiB fp16 hand-off, Ray-placed -> local (across raylets)"],
           (240, 150), ()),
     Bench("peer", "engines", bench_peer.bench_peer, bench_peer.FIGURES, (3600, 1500), ()),  # 4 or 12 server starts
+    Bench("tracing", "control", bench_tracing.bench_tracing, bench_tracing.FIGURES, (420, 240), ()),
     Bench("held_streams", "control", bench_resources.bench_held_streams,
           ["GET /v1/health p50 with N event streams held"], (90, 45), ("control",)),
+    Bench("fair_wait", "priorities", bench_priorities.bench_fair_wait, [bench_priorities.FIGURES[0]], (120, 90), ()),
+    Bench("priority_ttft", "priorities", bench_priorities.bench_priority_ttft, [bench_priorities.FIGURES[1]],
+          (300, 240), ()),
+    Bench("fair_post", "priorities", bench_priorities.bench_fair_post, [bench_priorities.FIGURES[2]], (150, 100), ()),
     Bench("supervisor_rss", "control", bench_control.bench_supervisor_rss,
           ["supervisor RSS after N no-op jobs"], (150, 45), ("control",)),
 ]

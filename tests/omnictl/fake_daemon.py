@@ -75,6 +75,8 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.KEY_EXISTS: 409,
     ErrorCode.INSUFFICIENT_STORAGE: 507,    # the state dir is under daemon.min_free_mb
     ErrorCode.TOO_MANY_CONNECTIONS: 503,    # past the open-files limit's room
+    ErrorCode.PRIORITY_NOT_ALLOWED: 403,    # more urgent than the owner's max_priority (omnid/fair_queue.py)
+    ErrorCode.OWNER_QUEUE_FULL: 429,        # the owner's max_queued jobs queued already
 }
 # Codes the real API also answers with another status: unknown_pipeline is a 400 in a job
 # (POST /v1/jobs) and a 404 as the path's resource (GET /v1/pipelines/{name}).

@@ -28,6 +28,7 @@ API_STRINGS: dict[type, list[str]] = {
                 "daemon_restarted", "wake_failed",
                 "invalid_api_key", "rate_limited", "unknown_key", "key_exists", "socket_only",
                 "model_not_found", "model_not_supported", "no_image",
+                "priority_not_allowed", "owner_queue_full",
                 "unknown_adapter", "adapter_exists", "invalid_adapter"],
 }
 
@@ -71,7 +72,7 @@ def a_record() -> JobRecord:
 
 
 DOC_KEYS = ["id", "pipeline", "state", "owner_uid", "created_at", "started_at", "finished_at", "timeout_s",
-            "inputs", "params", "stages", "outputs", "error"]
+            "inputs", "params", "stages", "outputs", "error", "priority", "key"]
 
 
 def test_to_doc_key_order_is_the_apis() -> None:

@@ -18,7 +18,9 @@ Nothing here blocks but a key lookup (one `stat` of the key file, see omnid/keys
 - The key's name is bound into the log context of the request (structlog contextvars), so every
   audit line it causes names the key. A key itself is never logged.
 - `POST /v1/keys`, `GET /v1/keys`, `DELETE /v1/keys/{name}`: root or `daemon.admin_group`, on the
-  socket only (a key cannot mint keys).
+  socket only (a key cannot mint keys). Root must name the key's `uid` (no key is root by default).
+- Over TCP only a key made with `admin` may do the admin actions (restart, sleep, wake a stage,
+  reload, logs, others' jobs), whatever its uid (api.py's `admin`); others get 403 `not_admin`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from omnid.keys import ApiKey, KeyFileError, KeyStore
 from omnid.supervisor.http.api import RETRY_AFTER_S, error
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.http.http_common import json_body
+from omnid.supervisor.http import realtime_events
 from omnid.supervisor.http.openai_api import OPENAI_PATHS, OpenAiError
 from omnid.vocabulary import ErrorCode
 
@@ -46,6 +49,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("omnid.access")
 
 KEY_NAME = "api_key"            # request[KEY_NAME]: the name of the key a TCP request came with
+KEY_ADMIN = "api_key_admin"     # request[KEY_ADMIN]: the key was made with --admin (api.py's `admin`)
 TCP = "tcp"                     # request[TCP]: True for a request that came over TCP
 _SUBMITS = {"/v1/jobs", "/v1/chat/completions", "/v1/completions", "/v1/images/generations", "/v1/audio/speech"}
 _BEARER = re.compile(r"^\s*bearer\s+(\S+)\s*$", re.IGNORECASE)
@@ -99,16 +103,25 @@ class Access:
         if request.path == "/metrics" and cfg.metrics_without_key:
             return await handler(request)            # (it reads no uid)
         key = self._identify(request)
+        if key is None and realtime_events.is_upgrade(request):      # a WebSocket: an error event and a close
+            return await realtime_events.refuse(request, str(ErrorCode.INVALID_API_KEY), "no API key, or not one "
+                                                "of this daemon's: send it as \"Authorization: Bearer KEY\"",
+                                                realtime_events.CLOSE_POLICY, "invalid_request_error", 401)
         if key is None:
             return _refuse(request, 401, ErrorCode.INVALID_API_KEY, "no API key, or not one of this daemon's: "
                            "send it as \"Authorization: Bearer KEY\" (omnictl key add NAME makes one)",
                            {"WWW-Authenticate": 'Bearer realm="omnid"'})
         request["uid"] = key.uid
         request[KEY_NAME] = key.name
+        request[KEY_ADMIN] = key.admin
         with structlog.contextvars.bound_contextvars(key=key.name):
             wait = self._over_rate(key)
             if wait is not None:
                 log.info("refused", why="rate", rps=key.rps, method=request.method, path=request.path)
+                if realtime_events.is_upgrade(request):
+                    return await realtime_events.refuse(request, str(ErrorCode.RATE_LIMITED), f"key {key.name!r} "
+                                                        f"may make {key.rps:g} request(s) per second",
+                                                        realtime_events.CLOSE_TRY_LATER, "rate_limit_error", 429)
                 return _refuse(request, 429, ErrorCode.RATE_LIMITED, f"key {key.name!r} may make {key.rps:g} "
                                "request(s) per second", {"Retry-After": str(wait)})
             if request.method != "POST" or request.path not in _SUBMITS:
@@ -208,13 +221,20 @@ class Access:
         body = await json_body(request)
         if not isinstance(body, dict):
             raise Refused(400, ErrorCode.INVALID_REQUEST, "the request body must be a JSON object")
-        unknown = set(body) - {"name", "uid", "max_jobs", "rps"}
+        unknown = set(body) - {"name", "uid", "max_jobs", "rps", "admin"}
         if unknown:
             raise Refused(400, ErrorCode.INVALID_REQUEST, f"unknown field(s) {', '.join(sorted(unknown))}; "
-                          "a key has name, uid, max_jobs, rps")
+                          "a key has name, uid, max_jobs, rps, admin")
         name = body.get("name")
         if not isinstance(name, str):
             raise Refused(400, ErrorCode.INVALID_REQUEST, "\"name\" must name the key")
+        if caller == 0 and "uid" not in body:
+            # A key is never root by default: root says whom it stands for.
+            raise Refused(400, ErrorCode.INVALID_REQUEST, "root must say which user the key acts as: \"uid\" "
+                          "(omnictl key add NAME --uid UID); admin actions over TCP need --admin, not uid 0")
+        admin = body.get("admin", False)
+        if not isinstance(admin, bool):
+            raise Refused(400, ErrorCode.INVALID_REQUEST, "\"admin\" must be true or false")
         uid = body.get("uid", caller)
         if isinstance(uid, bool) or not isinstance(uid, int) or not 0 <= uid <= MAX_UID:
             raise Refused(400, ErrorCode.INVALID_REQUEST, f"\"uid\" must be a user id from 0 to {MAX_UID}")
@@ -229,12 +249,13 @@ class Access:
                                 or not 0.001 <= rps <= 1_000_000):
             raise Refused(400, ErrorCode.INVALID_REQUEST, "\"rps\" must be a number from 0.001 to 1000000")
         try:
-            key, secret = self.keys.add(name, uid, max_jobs, None if rps is None else float(rps))
+            key, secret = self.keys.add(name, uid, max_jobs, None if rps is None else float(rps), admin)
         except ValueError as e:
             if any(k.name == name for k in self.keys.all()):
                 raise Refused(409, ErrorCode.KEY_EXISTS, str(e)) from None
             raise Refused(400, ErrorCode.INVALID_REQUEST, str(e)) from None
-        log.info("audit", action="key_add", uid=caller, name=key.name, key_uid=key.uid, max_jobs=max_jobs, rps=rps)
+        log.info("audit", action="key_add", uid=caller, name=key.name, key_uid=key.uid, max_jobs=max_jobs, rps=rps,
+                 admin=admin)
         return web.json_response({**key.to_doc(), "key": secret}, status=201)
 
     async def remove_key(self, request: web.Request) -> web.Response:

@@ -19,11 +19,13 @@ import base64
 import binascii
 import difflib
 import json
+from dataclasses import replace
 from typing import Any
 
 from omnid import media
 from omnid.config import TENSOR_PROMPTS, Config, PipelineConfig, StageConfig
 from omnid.engines.capabilities import capabilities, job_param_problem, values_problem
+from omnid.fair_queue import PRIORITY_LIMIT
 from omnid.params import merged, plain_value
 from omnid.lora import adapter_problem
 from omnid.store import JobStore
@@ -34,7 +36,7 @@ from omnid.vocabulary import ErrorCode, JobState
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 SUMMARY_CHARS = 1000          # how much of a long text input the job document shows
-JOB_KEYS = frozenset({"pipeline", "inputs", "params", "timeout_s"})
+JOB_KEYS = frozenset({"pipeline", "inputs", "params", "timeout_s", "priority"})
 
 
 def job_submission(config: Config, body: Any, owner_uid: int) -> Submission:
@@ -60,7 +62,29 @@ def job_submission(config: Config, body: Any, owner_uid: int) -> Submission:
             raise Refused(400, ErrorCode.INVALID_REQUEST, f"\"timeout_s\" must be a number of seconds in "
                           f"(0, {MAX_TIMEOUT_S:.0f}], not {timeout!r}")
         timeout = float(timeout)
-    return Submission(pipeline, found, params, summary, owner_uid, timeout)
+    return Submission(pipeline, found, params, summary, owner_uid, timeout, priority=priority(body.get("priority")))
+
+
+def priority(raw: Any, field: str = "priority") -> int:
+    """A job's `priority`: an integer, lower runs earlier, 0 when not given (as vLLM's)."""
+    if raw is None:
+        return 0
+    if isinstance(raw, bool) or not isinstance(raw, int) or not -PRIORITY_LIMIT <= raw <= PRIORITY_LIMIT:
+        raise Refused(400, ErrorCode.INVALID_REQUEST, f"\"{field}\" must be an integer from {-PRIORITY_LIMIT} to "
+                      f"{PRIORITY_LIMIT} (lower runs earlier; 0 by default), not {raw!r}", input=field)
+    return raw
+
+
+def owned(config: Config, sub: Submission, key: str | None, socket: bool) -> Submission:
+    """The submission with its owner's policy (`[daemon.owners]`): its fair-share weight and queued
+    bound; 403 `priority_not_allowed` when it asks for a priority more urgent than the owner's `max_priority`."""
+    weight, top, queued = config.daemon.owner_policy(sub.owner_uid, key, socket)
+    if top is not None and sub.priority < top:
+        who = f"key {key!r}" if key else f"uid {sub.owner_uid}"
+        raise Refused(403, ErrorCode.PRIORITY_NOT_ALLOWED, f"priority {sub.priority} is more urgent than {who} may "
+                      f"ask: its max_priority is {top} (daemon.owners; lower runs earlier)",
+                      input="priority", max_priority=top)
+    return replace(sub, key=key, weight=weight, max_queued=queued)
 
 
 def find_pipeline(config: Config, name: str, in_path: bool = False) -> PipelineConfig:

@@ -39,7 +39,7 @@ from aiohttp import web
 from omnid.config import Config
 from omnid.supervisor.metrics import Metrics
 from omnid.store import JobStore, StoreWriteFailed
-from omnid.supervisor.http import admission
+from omnid.supervisor.http import admission, trace_context
 from omnid.supervisor.http.adapters import Adapters
 from omnid.lora import describe as lora_view
 from omnid.supervisor.workers import stage_logs
@@ -156,6 +156,7 @@ class Api:
         self.info = info
         self._tasks: set[asyncio.Task[None]] = set()     # stage restarts in progress
         self.disk: DiskWatch | None = None               # the state dir's space (the daemon sets it)
+        self.reload: Callable[[], Awaitable[str]] | None = None     # SIGHUP's reload (the daemon sets it)
         app = web.Application(middlewares=[errors_middleware], client_max_size=config.daemon.max_request_bytes)
         app[MAX_BYTES_KEY] = config.daemon.max_request_bytes
         app.add_routes([
@@ -173,6 +174,7 @@ class Api:
             web.post("/v1/stages/{name}/restart", self.restart_stage),
             web.post("/v1/stages/{name}/sleep", self.sleep_stage),
             web.post("/v1/stages/{name}/wake", self.wake_stage),
+            web.post("/v1/reload", self.reload_config),
             web.get("/v1/stages/{name}/logs", self.stage_logs),
             web.get("/v1/logs", self.daemon_logs),
             web.get("/v1/health", self.health),
@@ -198,8 +200,12 @@ class Api:
         if job is None:
             raise Refused(404, ErrorCode.UNKNOWN_JOB, f"no job {ref!r}")
         uid = request["uid"]
-        if uid != 0 and job.owner_uid != uid:
-            raise Refused(403, ErrorCode.NOT_YOURS, f"job {job.id} belongs to another user")
+        if not self.privileged(request) and job.owner_uid != uid:
+            if request.get("tcp"):
+                log.info("audit", action="refused", why="not_yours", uid=uid, job=job.id, method=request.method,
+                         path=request.path)
+            raise Refused(403, ErrorCode.NOT_YOURS, f"job {job.id} belongs to another user"
+                          + (" (over TCP, only a key made with --admin acts on others' jobs)" if request.get("tcp") else ""))
         return job
 
     @property
@@ -210,23 +216,33 @@ class Api:
 
     async def submit(self, request: web.Request) -> web.Response:
         sub = admission.job_submission(self.config, await json_body(request), request["uid"])
+        sub = admission.owned(self.config, sub, request.get("api_key"), not request.get("tcp"))
         job = self.take(sub, "the daemon is stopping: it finishes the jobs it is running and keeps the "
-                        "queued ones for its next start; submit again once it is back")
-        log.info("audit", action="submit", uid=request["uid"], job=job.id, pipeline=sub.pipeline.name)
-        return web.json_response({**job.to_doc(), "links": job_links(job.id)}, status=201,
+                        "queued ones for its next start; submit again once it is back", request)
+        log.info("audit", action="submit", uid=request["uid"], job=job.id, pipeline=sub.pipeline.name,
+                 priority=sub.priority)
+        trace = trace_context.trace_id(request)     # `[daemon] tracing`: the job's trace
+        return web.json_response({**job.to_doc(), "links": job_links(job.id), **({"trace_id": trace} if trace else {})},
+                                 status=201,
                                  headers={"Location": f"/v1/jobs/{job.id}"})
 
-    def take(self, sub: Submission, draining: str) -> JobRecord:
+    def take(self, sub: Submission, draining: str, request: web.Request | None = None) -> JobRecord:
         """A submission that passed admission, made a job of the caller's (every submit path's last
         step): 503 while the daemon stops (`draining`: why, as the path says it), 507 while the disk is
-        short, the scheduler's own refusals. The job is in the database when this returns."""
+        short, the scheduler's own refusals. The job is in the database when this returns. With
+        tracing on, the `request`'s trace context (W3C traceparent) is the job's parent, and its
+        answer names the job's trace (`trace_context`)."""
         if self.info.stopping:
             raise Refused(503, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
         if self.info.draining:
             raise Refused(503, ErrorCode.DRAINING, draining)
         self.check_disk()
+        if request is not None and self.scheduler.tracing is not None:
+            sub = trace_context.joined(sub, request)
         job = self.scheduler.submit(sub)
         self.store.flush()              # a 201 means the job is in the database
+        if request is not None and (live := self.scheduler.live.get(job.id)) is not None and live.trace is not None:
+            trace_context.answered(request, live.trace.traceparent)
         return job
 
     def check_disk(self) -> None:
@@ -260,13 +276,19 @@ class Api:
         except ValueError:
             raise Refused(400, ErrorCode.INVALID_REQUEST, "limit must be an integer from 1 to 1000") from None
         uid = request["uid"]
-        jobs = self.store.list(None if uid == 0 else uid, state, pipeline, limit)
+        jobs = self.store.list(None if self.privileged(request) else uid, state, pipeline, limit)
         # A live job's stored row lags its record (progress is not written on every step).
         live = self.scheduler.live
         return web.json_response({"jobs": [(live[j.id].record if j.id in live else j).to_doc() for j in jobs]})
 
     async def get_job(self, request: web.Request) -> web.Response:
-        return web.json_response(self._job(request).to_doc())
+        """A job; a queued one says where it waits (`queue`: per stage, its place and what is ahead)."""
+        job = self._job(request)
+        doc = job.to_doc()
+        places = self.scheduler.queue_places(job.id)
+        if places:
+            doc["queue"] = places
+        return web.json_response(doc)
 
     async def events(self, request: web.Request) -> web.StreamResponse:
         job = self._job(request)
@@ -288,7 +310,8 @@ class Api:
         if job.terminal:
             return web.json_response(job.to_doc())
         cancelled = self.scheduler.cancel(job.id) or self._job(request)
-        log.info("audit", action="cancel", uid=request["uid"], job=job.id, pipeline=job.pipeline)
+        log.info("audit", action="cancel", uid=request["uid"], job=job.id, pipeline=job.pipeline,
+                 owner_uid=job.owner_uid, **({"admin": True} if job.owner_uid != request["uid"] else {}))
         return web.json_response(cancelled.to_doc())
 
     async def delete(self, request: web.Request) -> web.Response:
@@ -348,7 +371,7 @@ class Api:
         """Replace a stage's workers (one given up after a crash loop too), one replica after the
         other; root or the admin group. A sleeping stage is woken instead. 202 at once: the stage's
         state in `GET /v1/stages` says when it is ready."""
-        self.check_admin(request["uid"])
+        self.admin(request, "restart_stage")
         group = self._stage(request)
         self._background(group.restart(f"asked for by uid {request['uid']}", self.config.daemon.drain_timeout_s))
         log.info("audit", action="restart_stage", uid=request["uid"], stage=group.name)
@@ -357,7 +380,7 @@ class Api:
     async def sleep_stage(self, request: web.Request) -> web.Response:
         """Stop a stage's workers now, releasing their memory and GPUs, until a job (or `wake`) needs
         it; root or the admin group. 409 while it has work; 202 at once (`sleeping` in its state soon)."""
-        self.check_admin(request["uid"])
+        self.admin(request, "sleep_stage")
         group = self._stage(request)
         if self.scheduler.has_work(group.name):
             raise Refused(409, ErrorCode.STAGE_BUSY, f"stage {group.name!r} has jobs in progress; put it to sleep "
@@ -374,7 +397,7 @@ class Api:
     async def wake_stage(self, request: web.Request) -> web.Response:
         """Load a sleeping stage's workers again (before its next job: no wait then); root or the
         admin group. 202 at once; 200 when it is awake already."""
-        self.check_admin(request["uid"])
+        self.admin(request, "wake_stage")
         group = self._stage(request)
         awake = not group.resting
         if not awake:
@@ -383,6 +406,38 @@ class Api:
         log.info("audit", action="wake_stage", uid=request["uid"], stage=group.name)
         return web.json_response({"waking": group.name, "already": awake, "stage": group.snapshot()},
                                  status=200 if awake else 202)
+
+    def admin(self, request: web.Request, action: str) -> None:
+        """An admin action: on the socket root or `daemon.admin_group`; over TCP only a key made with
+        `--admin` (whatever its uid). A refusal is a 403 `not_admin`, audited with the key."""
+        if request.get("tcp"):
+            if request.get("api_key_admin"):
+                return
+            log.info("audit", action="refused", why="not_admin", wanted=action, uid=request["uid"],
+                     method=request.method, path=request.path)
+            raise Refused(403, ErrorCode.NOT_ADMIN, f"{action}: over TCP only a key made with --admin may do this "
+                          "(omnictl key add NAME --uid UID --admin, on the socket)")
+        try:
+            self.check_admin(request["uid"])
+        except Refused:
+            log.info("audit", action="refused", why="not_admin", wanted=action, uid=request["uid"],
+                     method=request.method, path=request.path)
+            raise
+
+    @staticmethod
+    def privileged(request: web.Request) -> bool:
+        """The caller may read and cancel every owner's jobs: root on the socket; an admin key over TCP
+        (a key's uid 0 alone is not enough)."""
+        return bool(request.get("api_key_admin")) if request.get("tcp") else request["uid"] == 0
+
+    async def reload_config(self, request: web.Request) -> web.Response:
+        """Read the config file again and apply it, as SIGHUP does; an admin action. 200 with what happened."""
+        self.admin(request, "reload")
+        if self.reload is None:
+            raise Refused(503, ErrorCode.SHUTTING_DOWN, "the daemon cannot reload now")
+        log.info("audit", action="reload", uid=request["uid"])
+        status = await self.reload()
+        return web.json_response({"status": status, "reloaded": not status.startswith("reload ")})
 
     def check_admin(self, uid: int) -> None:
         if uid == 0:
@@ -404,7 +459,7 @@ class Api:
     async def stage_logs(self, request: web.Request) -> web.StreamResponse:
         """A stage worker's stdout and stderr (root or daemon.admin_group): `TIME LINE` text lines,
         `?since=` (10m, 1h, ISO 8601, Unix time), `?tail=N`, `?follow=1` (sent as they come)."""
-        self.check_admin(request["uid"])
+        self.admin(request, "stage_logs")
         group = self._stage(request)
         raw = request.query.get("replica", "0")
         if not raw.isdigit() or int(raw) >= max(group.stage.replicas, len(group.replicas)):
@@ -416,7 +471,7 @@ class Api:
 
     async def daemon_logs(self, request: web.Request) -> web.StreamResponse:
         """The daemon's own records (root or daemon.admin_group); the query as for a stage's logs."""
-        self.check_admin(request["uid"])
+        self.admin(request, "daemon_logs")
         return await self._send_log(request, stage_logs.daemon_log_path(self.config.daemon.state_dir))
 
     async def _send_log(self, request: web.Request, path: Path) -> web.StreamResponse:
@@ -455,7 +510,9 @@ class Api:
             body.setdefault("reasons", []).append(str(ErrorCode.DISK_FULL))
 
     async def get_metrics(self, request: web.Request) -> web.Response:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-        data = generate_latest(self.metrics.registry)
-        return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        from prometheus_client.exposition import choose_encoder
+        # The OpenMetrics format when asked for (Accept: application/openmetrics-text): with the
+        # histograms' exemplars, the trace ids of jobs they counted (`[daemon] tracing`).
+        encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+        return web.Response(body=encode(self.metrics.registry), headers={"Content-Type": content_type})
 

@@ -66,10 +66,11 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("omnid.openai")
 
-OPENAI_PATHS = ("/v1/models", "/v1/chat/", "/v1/completions", "/v1/images/", "/v1/audio/")
+OPENAI_PATHS = ("/v1/models", "/v1/chat/", "/v1/completions", "/v1/images/", "/v1/audio/", "/v1/realtime")
 JOB_HEADER = "X-Omnid-Job"
 _MODEL_KEY = "openai_model"             # request key: the body's `model` (a `PIPELINE:ADAPTER` sets the adapter)
 _JOB_KEY = "openai_job"                 # request keys: the job, for the answer's X-Omnid-Job header,
+_PRIORITY_KEY = "openai_priority"        # request[...]: the body's `priority`, for the job it makes
 _CONTENT_TYPE_KEY = "openai_ctype"      # and what a streamed output of unknown type is sent as
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 _SIZE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
@@ -593,8 +594,10 @@ class OpenAiApi:
         if chosen is not None:
             stage, adapter = chosen
             params = {**params, stage: {**params.get(stage, {}), "adapter": adapter}}
-        job = self.api.take(Submission(p, inputs, params, summary, request["uid"]),
-                            "the daemon is stopping; try again once it is back")
+        sub = admission.owned(self.api.config, Submission(p, inputs, params, summary, request["uid"],
+                                                          priority=request.get(_PRIORITY_KEY, 0)),
+                              request.get("api_key"), not request.get("tcp"))
+        job = self.api.take(sub, "the daemon is stopping; try again once it is back", request)
         request[_JOB_KEY] = job.id
         log.info("audit", action="submit", uid=request["uid"], job=job.id, pipeline=p.name, via=request.path)
         return job
@@ -694,6 +697,8 @@ async def _body(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise _bad(None, "the request body must be a JSON object")
     request[_MODEL_KEY] = body.get("model")
+    # vLLM's extra field `priority` (lower runs earlier): the job's, on every path that makes one
+    request[_PRIORITY_KEY] = admission.priority(body.get("priority"))
     return body
 
 

@@ -139,6 +139,21 @@ _INPUT_VALUE = {"anyOf": [PLAIN_VALUE_SCHEMA, _FILE_INPUT, _SAMPLES_INPUT,
                           {"type": "array", "items": {"anyOf": [_FILE_INPUT, _SAMPLES_INPUT]}, "minItems": 1}]}
 
 
+# A job's priority (omnid/fair_queue.py): lower runs earlier; 0 by default; past the owner's max_priority: 403
+PRIORITY = {"type": "integer", "minimum": -1_000_000, "maximum": 1_000_000,
+            "description": "lower runs earlier (0 by default, as in vLLM); more urgent than the owner's "
+                           "max_priority (daemon.owners; 0 unless configured, root on the socket: any): 403 "
+                           "priority_not_allowed"}
+# Where a queued job waits, per stage (GET /v1/jobs/{id}; omnictl status JOB)
+QUEUE_PLACE = {"type": "object", "description": "a queued job's place in each stage's queue that holds it (or "
+               "whose feeder does): position 1 is next; ahead, by priority; running there now",
+               "additionalProperties": {"type": "object", "properties": {
+                   "position": {"type": "integer"}, "ahead": {"type": "integer"},
+                   "ahead_by_priority": {"type": "object", "additionalProperties": {"type": "integer"}},
+                   "running": {"type": "integer"}, "priority": {"type": "integer"}},
+                   "required": ["position", "ahead", "ahead_by_priority", "running", "priority"]}}
+
+
 def _job_request(config: Config) -> dict[str, Any]:
     """`POST /v1/jobs`'s body: one alternative per pipeline, with each stage's params schema."""
     timeout = _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 7 * 24 * 3600})
@@ -155,7 +170,7 @@ def _job_request(config: Config) -> dict[str, Any]:
                                                                  config.stages[name].defaults), config.stages[name])
                        for name in pipeline.stages}, extra=False)
         variants.append(_obj({"pipeline": {"const": pipeline.name}, "inputs": inputs, "params": params,
-                              "timeout_s": timeout}, ["pipeline", *(["inputs"] if needs_prompt else [])],
+                              "timeout_s": timeout, "priority": _nullable(PRIORITY)}, ["pipeline", *(["inputs"] if needs_prompt else [])],
                              extra=False) | {"title": pipeline.name})
     return {"oneOf": variants} if variants else _obj({"pipeline": _STR}, ["pipeline"])
 
@@ -194,6 +209,8 @@ def schemas(config: Config) -> dict[str, Any]:
         "stages": {"type": "object", "additionalProperties": _ref("StageRun")},
         "outputs": {"type": "array", "items": _ref("Output")},
         "error": _nullable(_ref("JobError")),
+        "priority": {"type": "integer", "description": "lower runs earlier"},
+        "key": {**_nullable(_STR), "description": "the API key it came with (TCP); fair share's owner"},
     }
     # window: -1 (full trigger), N (segments per window) or a schedule [N1, N2, ...] (the last repeats)
     window = {"oneOf": [_INT, {"type": "array", "items": _INT, "minItems": 1}]}
@@ -253,8 +270,10 @@ def schemas(config: Config) -> dict[str, Any]:
                                      ["code", "message"])},
                       ["error"], extra=False),
         "JobRequest": _job_request(config),
-        "Job": _obj(job_keys, job_keys, extra=False),
-        "NewJob": _obj({**job_keys, "links": _obj({k: _STR for k in JOB_LINKS}, list(JOB_LINKS), extra=False)},
+        "Job": _obj({**job_keys, "queue": QUEUE_PLACE}, job_keys, extra=False),
+        "NewJob": _obj({**job_keys, "links": _obj({k: _STR for k in JOB_LINKS}, list(JOB_LINKS), extra=False),
+                        "trace_id": {**_STR, "description": "the job's trace ([daemon] tracing on): the caller's "
+                                     "traceparent's, else a new one"}},
                        [*job_keys, "links"], extra=False),
         "JobList": _obj({"jobs": {"type": "array", "items": _ref("Job")}}, ["jobs"], extra=False),
         "StageRun": stage_run,
@@ -264,7 +283,9 @@ def schemas(config: Config) -> dict[str, Any]:
                        "error": _nullable(_ref("JobError")), "done": _INT, "total": _nullable(_INT), "index": _INT,
                        "is_last": _BOOL, "text": _STR, "audio_s": _NUM, "code": _enum(ErrorCode), "message": _STR,
                        "elapsed_s": _nullable(_NUM), "wake_s": _nullable(_NUM),
-                       "usage": {"type": "object", "additionalProperties": _INT}}, ["type", "job", "ts"]),
+                       "usage": {"type": "object", "additionalProperties": _INT},
+                       "trace_id": {**_STR, "description": "state queued, with tracing on: the job's trace"}},
+                      ["type", "job", "ts"]),
         "Deleted": _obj({"deleted": _STR}, ["deleted"], extra=False),
         "Edge": edge,
         "Pipeline": _obj(pipeline_keys, pipeline_keys),
@@ -333,21 +354,33 @@ _LOG_QUERY = [
 _LOG_STREAM = {"x-omnid-stream": "with follow=1 or follow=true: chunked text/plain that the server never ends; "
                                  "read it line by line and hang up when done"}
 
+# W3C Trace Context ([daemon] tracing): the caller's context, joined by every path that makes a job;
+# the job's own, in the answer.
+_TRACE_PARAMETERS = [
+    {"name": "traceparent", "in": "header", "required": False, "schema": _STR,
+     "description": "W3C Trace Context: with tracing on, the job's span is this span's child (ignored when not valid)"},
+    {"name": "tracestate", "in": "header", "required": False, "schema": _STR,
+     "description": "W3C Trace Context: carried with traceparent"}]
+_TRACE_RESPONSE = {"traceresponse": {"schema": _STR, "description": "with tracing on: the job's span, "
+                                     "00-<trace id>-<span id>-<flags> (W3C Trace Context level 2)"}}
+
 # (method, path) -> operation, for the routes this module knows. Routes it does not know are
 # documented from their handler (see `openapi_document`).
 OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/v1/jobs"): _op(
         "Submit a job", {"201": {**_json(_ref("NewJob"), "the job, queued (it is in the database), with its "
                                                            "paths; its inputs as a short summary"),
-                                 "headers": {"Location": {"schema": _STR, "description": "/v1/jobs/{id}"}}}},
+                                 "headers": {"Location": {"schema": _STR, "description": "/v1/jobs/{id}"},
+                                             **_TRACE_RESPONSE}}},
         requestBody={"required": True, "content": {"application/json": {"schema": _ref("JobRequest")}}}),
     ("GET", "/v1/jobs"): _op(
-        "The caller's jobs (root: everyone's), newest first", {"200": _json(_ref("JobList"), "the jobs")},
+        "The caller's jobs (root, or an admin key over TCP: everyone's), newest first", {"200": _json(_ref("JobList"), "the jobs")},
         parameters=[_query("state", _enum(JobState), "only jobs in this state"),
                     _query("pipeline", _STR, "only jobs of this pipeline"),
                     _query("limit", {"type": "integer", "minimum": 1, "maximum": 1000, "default": 50},
                            "how many")]),
-    ("GET", "/v1/jobs/{id}"): _op("One job", {"200": _json(_ref("Job"), "the job")}, parameters=[_JOB_ID]),
+    ("GET", "/v1/jobs/{id}"): _op("One job; a queued one with `queue`: its place in each stage's queue and what is "
+                                  "ahead of it", {"200": _json(_ref("Job"), "the job")}, parameters=[_JOB_ID]),
     ("GET", "/v1/jobs/{id}/events"): _op(
         "The job's events from its start, live, ending after its terminal state",
         {"200": {"description": "NDJSON: one Event object per line",
@@ -371,15 +404,15 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("GET", "/v1/stages"): _op("Every stage's worker", {"200": _json(_ref("StageList"), "the stages")}),
     ("POST", "/v1/stages/{name}/restart"): _op(
         "Replace a stage's workers, one replica after the other; wake it if it sleeps (root or "
-        "daemon.admin_group)", {"202": _json(_ref("Restarting"), "restarting")},
+        "daemon.admin_group; over TCP a key made with admin, else 403 not_admin)", {"202": _json(_ref("Restarting"), "restarting")},
         parameters=[_path_param("name", "the stage's name")]),
     ("POST", "/v1/stages/{name}/sleep"): _op(
         "Stop a stage's workers until a job needs it, freeing their memory and GPUs (root or "
-        "daemon.admin_group); 409 stage_busy while it has jobs",
+        "daemon.admin_group; over TCP an admin key); 409 stage_busy while it has jobs",
         {"202": _json(_ref("Sleeping"), "going to sleep"), "200": _json(_ref("Sleeping"), "asleep already")},
         parameters=[_path_param("name", "the stage's name")]),
     ("POST", "/v1/stages/{name}/wake"): _op(
-        "Load a sleeping stage's workers again (root or daemon.admin_group)",
+        "Load a sleeping stage's workers again (root or daemon.admin_group; over TCP an admin key)",
         {"202": _json(_ref("Waking"), "waking"), "200": _json(_ref("Waking"), "awake already")},
         parameters=[_path_param("name", "the stage's name")]),
     ("GET", "/v1/stages/{name}/logs"): _op(
@@ -410,6 +443,10 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
                                 "stream that the server never ends (new lines as they come)",
                  "content": {"text/plain": {"schema": _STR}}, **_LOG_STREAM}},
         parameters=_LOG_QUERY),
+    ("POST", "/v1/reload"): _op(
+        "Read the config file again and apply it, as SIGHUP does (root or daemon.admin_group; over TCP an "
+        "admin key, else 403 not_admin); reloaded false when it was refused (the previous config still serves)",
+        {"200": _json(_ref("Reloaded"), "what happened")}),
     ("GET", "/v1/health"): _op("Alive: pid, uptime, version, live jobs", {"200": _json(_ref("Health"), "alive")}),
     ("GET", "/v1/ready"): _op("Every stage takes jobs: warm, degraded (some replicas down) or sleeping (200), "
                               "or not (503)",
@@ -443,6 +480,8 @@ def _with_resource_refusals(method: str, path: str, op: dict[str, Any]) -> dict[
         extra["507"] = {"$ref": "#/components/responses/InsufficientStorage"}
     if "503" not in op["responses"]:
         extra["503"] = {"$ref": "#/components/responses/TooManyConnections"}
+    if (method, path) in _SUBMIT_PATHS and method == "POST":     # a caller's trace context, joined
+        op = {**op, "parameters": [*op.get("parameters", []), *_TRACE_PARAMETERS]}
     return {**op, "responses": {**op["responses"], **extra}}
 
 
@@ -503,7 +542,7 @@ def _chat_request(config: Config) -> dict[str, Any]:
         "messages": {"type": "array", "items": message, "minItems": 1},
         "n": _maybe({"const": 1}), "stream": _maybe(_BOOL),
         "stream_options": _maybe(_obj({"include_usage": _maybe(_BOOL)})),
-        **_sampling_fields(),
+        **_sampling_fields(), "priority": _maybe(PRIORITY),
         "tools": _maybe(empty_list), "functions": _maybe(empty_list), "function_call": _maybe({"const": "none"}),
         "tool_choice": _maybe(_enum(("none", "auto"))), "logprobs": _maybe({"const": False}),
         "top_logprobs": _NULL, "logit_bias": _maybe({"type": "object", "maxProperties": 0}),
@@ -534,7 +573,7 @@ def _image_request(config: Config) -> dict[str, Any]:
     return _obj({
         "model": _models(config, "image"), "prompt": {"type": "string", "minLength": 1},
         "n": _maybe({"const": 1}), "size": _maybe(size), "response_format": _maybe({"const": "b64_json"}),
-        "output_format": _maybe({"const": "png"}),
+        "output_format": _maybe({"const": "png"}), "priority": _maybe(PRIORITY),
     }, ["model", "prompt"])
 
 
@@ -543,6 +582,7 @@ def _speech_request(config: Config) -> dict[str, Any]:
         "model": _models(config, "audio"), "input": {"type": "string", "minLength": 1},
         "voice": {"description": "given to a last stage that has `voice` in its defaults"},
         "response_format": _maybe(_enum(("wav", "pcm"))), "stream_format": _maybe(_enum(("audio", "sse"))),
+        "priority": _maybe(PRIORITY),
     }, ["model", "input"])
 
 
@@ -560,15 +600,19 @@ def _openai_schemas() -> dict[str, Any]:
         "ModelList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}},
                           ["object", "data"]),
         "ApiKey": _obj({"name": _STR, "uid": _INT, "created": _NUM, "hint": _STR, "max_jobs": _nullable(_INT),
-                        "rps": _nullable(_NUM)}, ["name", "uid", "created", "hint", "max_jobs", "rps"]),
+                        "rps": _nullable(_NUM), "admin": _BOOL},
+                       ["name", "uid", "created", "hint", "max_jobs", "rps", "admin"]),
         "NewApiKey": {"allOf": [_ref("ApiKey"), _obj({"key": {**_STR, "description": "the key, shown this once"}},
                                                      ["key"])]},
         "ApiKeyList": _obj({"keys": {"type": "array", "items": _ref("ApiKey")}, "file": _STR}, ["keys", "file"]),
         "KeyRequest": _obj({"name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"},
                             "uid": {"type": "integer", "minimum": 0, "maximum": 2**32 - 2},
                             "max_jobs": _nullable({"type": "integer", "minimum": 1, "maximum": 1_000_000}),
-                            "rps": _nullable({"type": "number", "minimum": 0.001, "maximum": 1_000_000})},
-                           ["name"], extra=False),
+                            "rps": _nullable({"type": "number", "minimum": 0.001, "maximum": 1_000_000}),
+                            "admin": {**_BOOL, "description": "the key may do the admin actions over TCP"}},
+                           ["name"], extra=False) | {"description": "root must give uid (no key is root by "
+                                                                    "default)"},
+        "Reloaded": _obj({"status": _STR, "reloaded": _BOOL}, ["status", "reloaded"]),
     }
 
 
@@ -608,6 +652,14 @@ def config_operations(config: Config) -> dict[tuple[str, str], dict[str, Any]]:
             {"200": {"description": "a WAV file, sent as it is produced",
                      "content": {"audio/wav": {"schema": {"type": "string", "format": "binary"}}}}},
             requestBody=_body(_speech_request(config))),
+        ("GET", "/v1/realtime"): _openai_op(
+            "OpenAI's Realtime API: a WebSocket session holding a conversation with a pipeline (each response "
+            "one job)",
+            {"101": {"description": "switched to a WebSocket: OpenAI's realtime client and server events (JSON "
+                                    "text frames); a refusal (unknown model, too many sessions, a wrong key) is "
+                                    "an `error` event and a close"}},
+            parameters=[{**_query("model", {**_STR, "enum": sorted(config.pipelines)}, "the pipeline to talk to"),
+                         "required": True}]),
         ("GET", "/v1/keys"): _op("The API keys of the TCP listener (root or daemon.admin_group, on the socket only)",
                                  {"200": _json(_ref("ApiKeyList"), "the keys, never their secrets")}),
         ("POST", "/v1/keys"): _op(

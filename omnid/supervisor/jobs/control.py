@@ -32,6 +32,9 @@ class JobControl(Protocol):
     def finish(self, job: LiveJob, state: JobState, error: dict[str, Any] | None = None) -> None:
         """Move a live job to a terminal state (once), stop its work, clean every worker."""
 
+    def rank(self, job: LiveJob) -> None:
+        """Give the job its place in the queues (priority, fair share between owners: omnid/fair_queue.py)."""
+
 
 class SleepControl(JobControl, Protocol):
     """What the sleep tender needs of the scheduler besides: the jobs still stopping in a worker,

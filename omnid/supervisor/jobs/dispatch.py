@@ -11,6 +11,7 @@ and upstream workers and the feeder send there from then on.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -75,13 +76,15 @@ class Dispatch:
     # ------------------------------------------------------------------ the jobs' own inputs
 
     def feed(self, jobs: list[LiveJob], stage: str, front: bool = False) -> None:
-        """Send jobs' own inputs, in this order, to one of their pipelines' first stages (each to
-        its replica there)."""
+        """Send jobs' own inputs to one of their pipelines' first stages (each to its replica there);
+        each feeder sends them in their rank's order (omnid/fair_queue.py)."""
         by_replica: dict[int, list[WorkItem]] = {}
         for job in jobs:
+            since = job.since.setdefault(stage, time.time())     # a resend keeps its place (and its wait)
             by_replica.setdefault(job.route(stage), []).append(
                 WorkItem(job=job.id, pipeline=job.key, src=None, inputs=job.inputs, params=job.record.params,
-                         routes=job.routes))
+                         routes=job.routes, rank=job.rank, since=since,
+                         trace=job.trace.headers if job.trace is not None else None))
         for replica, items in by_replica.items():
             self._feeder(stage, replica).push(items, front=front)
 
@@ -91,7 +94,7 @@ class Dispatch:
         if feeder is None:
             feeder = self.feeders[address] = Feeder(
                 address, Sender(self._data_socket, self._live.config.daemon.shm_min_bytes), self.is_live,
-                lambda job: self._address(job, stage))
+                lambda job: self._address(job, stage), lambda: self._live.config.daemon.max_wait_s)
         return feeder
 
     def is_live(self, job_id: str) -> bool:

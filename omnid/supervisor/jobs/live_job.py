@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from omnid.config import PipelineConfig
 from omnid.store import JobStore
 from omnid.vocabulary import EventType, JobRecord, StageRun
+
+if TYPE_CHECKING:
+    from omnid.supervisor.jobs.tracing import JobTrace
 
 # What a subscriber receives: an event; None once the stream is over; LAGGED when it fell more
 # than SUBSCRIBER_BACKLOG events behind (its queue was dropped: it reads the rest from the store).
@@ -46,11 +50,17 @@ class EventStream:
         self._store = store
         self._seq = seq                     # events so far (a job restored after a restart has some)
         self._subscribers: set[EventQueue] = set()
+        self.observer: Callable[[dict[str, Any]], None] | None = None   # the job's trace (tracing on)
 
     def emit(self, type_: EventType, **fields: Any) -> None:
         event = {"type": str(type_), "job": self.job_id, "ts": time.time(), **fields}
         self._seq += 1
         self._store.append_event(self.job_id, self._seq, event)
+        if self.observer is not None:
+            try:
+                self.observer(event)
+            except Exception:               # a trace never costs a job anything
+                self.observer = None
         for q in list(self._subscribers):
             if not _offer(q, event):
                 self._subscribers.discard(q)
@@ -92,6 +102,13 @@ class LiveJob:
         self.audio_s = 0.0
         self.audio_plays_until = 0.0
         self.underruns = 0
+        # Its place in every stage's queue (omnid/fair_queue.py): (priority, fair-share tag, admission
+        # order), given at admission (or a restart's restore); `since`: when it began to wait, per stage.
+        self.rank: tuple[int, float, int] = (record.priority, 0.0, 0)
+        self.since: dict[str, float] = {}
+        self.trace: JobTrace | None = None      # its spans (`[daemon] tracing`)
+        self.admitted_at: dict[str, float] = {}         # stage -> when its input first entered the stage's queue
+        self.first_segment_at: dict[str, float] = {}    # stage -> when it streamed its first segment
 
     @property
     def id(self) -> str:

@@ -3,7 +3,8 @@
 Runs in the supervisor's event-loop thread, once, while the daemon builds its parts (before the
 stage workers start): the store's unfinished jobs become live jobs of the scheduler again, or fail.
 
-Queued jobs are queued again, in their order. A job that was running runs again from the start if
+Queued jobs are queued again, in their order: each keeps its priority, and is given its fair-share
+tag again, oldest first (omnid/fair_queue.py). A job that was running runs again from the start if
 its pipeline's `retries` allow another attempt (its state stays `running`), else it fails saying the
 daemon was interrupted. Their timeouts start again (`Scheduler.arm_restored`, once the stages are
 up): the time the daemon was down is not theirs.
@@ -52,6 +53,7 @@ def take_back(jobs: JobControl, dispatch: Dispatch, pipelines: Mapping[str, Pipe
             jobs.finish(job, JobState.FAILED, {"code": str(ErrorCode.DAEMON_RESTARTED), "message": problem})
             continue
         record.stages = {s: StageRun() for s in pipeline.stages}
+        jobs.rank(job)                  # its priority kept, its fair-share tag given again, oldest first
         dispatch.route(job)
         if was_running:
             job.attempts += 1

@@ -21,12 +21,14 @@ To add a worker message: define it in `omnid.protocol`, write `on_<message>` her
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import secrets
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -35,6 +37,7 @@ from omnid.config import Config
 from omnid.supervisor.metrics import Metrics
 from omnid.store import JobStore, StoreWriteFailed, Unfinished
 from omnid.supervisor.jobs.dispatch import Dispatch
+from omnid.fair_queue import FairShare, positions
 from omnid.supervisor.errors import STORAGE_RETRY_AFTER_S, Refused
 from omnid.supervisor.live import Live
 from omnid.supervisor.jobs.live_job import EventQueue, LiveJob
@@ -46,7 +49,23 @@ from omnid.supervisor.jobs.stage_sleep import SleepTender
 from omnid.supervisor.jobs.submission import Submission
 from omnid.vocabulary import ErrorCode, EventType, JobRecord, JobState, StageRun, StageRunState, WorkerState
 
+if TYPE_CHECKING:
+    from omnid.tracing import Tracing
+
 log = structlog.get_logger("omnid.scheduler")
+
+
+PLACES_TTL_S = 0.2      # how old the snapshot of a stage's order that `queue_places` reads may be
+
+
+@dataclass
+class _Order:
+    """A stage's waiting jobs in the order it takes them, at `at` (monotonic)."""
+
+    at: float
+    index: dict[str, int]                   # job -> its index (0: next)
+    by_priority: dict[int, list[int]]       # priority -> the indices of the jobs of it, ascending
+    running: int
 
 
 def new_job_id() -> str:
@@ -59,14 +78,18 @@ class Scheduler:
     and woken for their jobs: stage_sleep.py), `recovery` (dead workers: recovery.py)."""
 
     def __init__(self, live: Config | Live, store: JobStore, stages: Mapping[str, StageGroup],
-                 data_socket: Callable[[str], Path], metrics: Metrics | None = None) -> None:
+                 data_socket: Callable[[str], Path], metrics: Metrics | None = None,
+                 tracing: Tracing | None = None) -> None:
         self.in_force = Live.of(live)       # the config in force (a reload switches it)
+        self.tracing = tracing              # `[daemon] tracing`: each new job's spans (jobs/tracing.py)
         self.store = store
         self.stages = stages
         self.metrics = metrics
         self.live: dict[str, LiveJob] = {}
         self._unarmed: list[LiveJob] = []       # restored jobs whose timers wait for the stages
         self.stopping: dict[tuple[str, str], asyncio.TimerHandle] = {}   # (worker address, job) -> grace kill
+        self.fair = FairShare()             # each job's place in the queues (omnid/fair_queue.py)
+        self._orders: dict[str, _Order] = {}    # per stage: its waiting jobs' order, a short-lived snapshot
         self.dispatch = Dispatch(self.in_force, self.live, stages, data_socket)
         self.recovery = Recovery(self, self.dispatch)
         self.loop = asyncio.get_running_loop()
@@ -105,16 +128,30 @@ class Scheduler:
         if queued >= limit:
             raise Refused(429, ErrorCode.QUEUE_FULL, f"pipeline {pipeline_name!r} already has {queued} queued "
                           f"jobs (max_queued_jobs = {limit}); try again later", queued=queued)
+        if sub.max_queued is not None:
+            mine = sum(1 for j in self.live.values() if j.record.state is JobState.QUEUED
+                       and j.record.owner_uid == sub.owner_uid and j.record.key == sub.key)
+            if mine >= sub.max_queued:
+                raise Refused(429, ErrorCode.OWNER_QUEUE_FULL, f"{sub.owner.replace(':', ' ', 1)} has {mine} queued "
+                              f"jobs already (daemon.owners max_queued = {sub.max_queued}); try again once some "
+                              f"have started", queued=mine)
         timeout = sub.timeout_s or pipeline.timeout_s or self.config.daemon.default_timeout_s
         record = JobRecord(id=new_job_id(), pipeline=pipeline_name, owner_uid=sub.owner_uid, created_at=time.time(),
                            timeout_s=timeout, inputs=sub.summary, params=sub.params,
-                           stages={s: StageRun() for s in pipeline.stages})
+                           stages={s: StageRun() for s in pipeline.stages}, priority=sub.priority, key=sub.key)
         job = LiveJob(record, pipeline, sub.inputs, self.store)     # (its key: the pipeline's own)
+        job.rank = self.fair.rank(sub.priority, sub.owner, sub.weight, self.config.daemon.fair_share)
         self.dispatch.route(job)
         self.live[job.id] = job
         self.store.save(record)
         self.store.keep_inputs(job.id, sub.inputs)
-        job.events.emit(EventType.STATE, state=str(JobState.QUEUED))
+        if self.tracing is not None:
+            from omnid.supervisor.jobs.tracing import JobTrace
+            job.trace = JobTrace(self.tracing, record, sub.trace, sub.received_at)
+            job.events.observer = job.trace.on_event
+            job.events.emit(EventType.STATE, state=str(JobState.QUEUED), trace_id=job.trace.trace_id)
+        else:
+            job.events.emit(EventType.STATE, state=str(JobState.QUEUED))
         try:
             self.store.commit()         # accepted once it is on disk: a 201 promises it (a full disk: not)
         except StoreWriteFailed as e:
@@ -129,6 +166,59 @@ class Scheduler:
         for src in pipeline.sources:
             self.dispatch.feed([job], src)
         return record
+
+    def rank(self, job: LiveJob) -> None:
+        """A restored job's place in the queues: its priority, and a fair-share tag by its owner's
+        weight in the config in force (restore gives them oldest first)."""
+        record = job.record
+        weight, _top, _queued = self.config.daemon.owner_policy(record.owner_uid, record.key, record.key is None)
+        owner = f"key:{record.key}" if record.key else f"uid:{record.owner_uid}"
+        job.rank = self.fair.rank(record.priority, owner, weight, self.config.daemon.fair_share)
+
+    def queue_places(self, job_id: str) -> dict[str, dict[str, Any]]:
+        """Where a live job waits: per stage whose queue holds it (or whose feeder does), its place
+        (1: next), how many wait ahead of it (by priority) and how many that stage is running now.
+        The order is the queues' own (omnid/fair_queue.py: rank, then the bound on waiting), as
+        of a snapshot at most PLACES_TTL_S old (a stage's order is sorted once per snapshot, not per
+        request: GET /v1/jobs/{id} stays cheap with thousands queued)."""
+        job = self.live.get(job_id)
+        if job is None or all(r.state not in (StageRunState.PENDING, StageRunState.QUEUED)
+                              for r in job.record.stages.values()):
+            return {}
+        places: dict[str, dict[str, Any]] = {}
+        for stage in job.pipeline.stages:
+            if not self._waits_at(job, stage):
+                continue
+            snap = self._stage_order(stage)
+            index = snap.index.get(job_id)
+            if index is None:                   # came after the snapshot: behind everything in it
+                index = len(snap.index)
+            by_priority = {str(p): n for p, at in snap.by_priority.items() if (n := bisect.bisect_left(at, index))}
+            places[stage] = {"position": index + 1, "ahead": index, "ahead_by_priority": by_priority,
+                             "running": snap.running, "priority": job.record.priority}
+        return places
+
+    def _stage_order(self, stage: str) -> _Order:
+        now = time.monotonic()
+        snap = self._orders.get(stage)
+        if snap is not None and now - snap.at < PLACES_TTL_S:
+            return snap
+        wall, max_wait = time.time(), self.config.daemon.max_wait_s
+        waiting = [j for j in self.live.values() if stage in j.record.stages and self._waits_at(j, stage)]
+        order = positions([(j.id, j.rank, j.since.get(stage, j.record.created_at)) for j in waiting], wall, max_wait)
+        by_priority: dict[int, list[int]] = {}
+        for i, jid in enumerate(order):
+            by_priority.setdefault(self.live[jid].record.priority, []).append(i)
+        running = sum(1 for j in self.live.values() if stage in j.record.stages
+                      and j.stage(stage).state is StageRunState.RUNNING)
+        snap = self._orders[stage] = _Order(now, {jid: i for i, jid in enumerate(order)}, by_priority, running)
+        return snap
+
+    @staticmethod
+    def _waits_at(job: LiveJob, stage: str) -> bool:
+        """The job waits in the stage's queue (admitted there), or in its feeder (a first stage)."""
+        state = job.stage(stage).state
+        return state is StageRunState.QUEUED or (state is StageRunState.PENDING and stage in job.pipeline.sources)
 
     # ------------------------------------------------------------------ sleeping stages (stage_sleep.py)
 
@@ -206,19 +296,34 @@ class Scheduler:
     # ------------------------------------------------------------------ one handler per job message
 
     def on_admitted(self, job: LiveJob, stage: str, msg: P.Admitted) -> None:
-        if any(e.src == msg.src and e.window > 0 for e in job.pipeline.incoming(stage)):
+        streamed = any(e.src == msg.src and e.window > 0 for e in job.pipeline.incoming(stage))
+        if streamed:
             job.streamed = True             # its first window is there: it cannot be re-sent
+        now = time.time()
+        job.admitted_at.setdefault(stage, now)
+        if msg.src is not None and self.metrics:
+            # The hand-off: from the upstream's output being there (its first segment on a streaming
+            # edge, its end otherwise) to this stage admitting it (watermark waits included).
+            src_run = job.record.stages.get(msg.src)
+            ready = job.first_segment_at.get(msg.src) if streamed else (src_run.finished_at if src_run else None)
+            if ready is not None:
+                self.metrics.handoff(msg.src, stage, max(0.0, now - ready), self._trace_id(job))
         run = job.stage(stage)
         if run.state in (StageRunState.PENDING, StageRunState.QUEUED):
             run.set_state(StageRunState.QUEUED, time.time())
+            job.since.setdefault(stage, time.time())
 
     def on_started(self, job: LiveJob, stage: str, msg: P.Started) -> None:
         now = time.time()
+        self.fair.started(job.rank)
         job.stage(stage).set_state(StageRunState.RUNNING, now)
+        admitted = job.admitted_at.get(stage)
+        if admitted is not None and self.metrics:
+            self.metrics.stage_queue_wait(stage, max(0.0, now - admitted), self._trace_id(job))
         job.events.emit(EventType.STAGE_STARTED, stage=stage)
         if job.record.state is JobState.QUEUED:
             if self.metrics:
-                self.metrics.job_started(job.pipeline.name, now - job.record.created_at)
+                self.metrics.job_started(job.pipeline.name, now - job.record.created_at, self._trace_id(job))
             job.record.set_state(JobState.RUNNING, now)
             job.events.emit(EventType.STATE, state=str(JobState.RUNNING))
             self.store.save(job.record)
@@ -227,14 +332,21 @@ class Scheduler:
         job.stage(stage).progress = {"done": msg.done, "total": msg.total}
         job.events.emit(EventType.PROGRESS, stage=stage, done=msg.done, total=msg.total)
 
+    @staticmethod
+    def _trace_id(job: LiveJob) -> str | None:
+        """The job's trace id for a histogram's exemplar (a sampled trace only: one a receiver has)."""
+        return job.trace.trace_id if job.trace is not None and job.trace.sampled else None
+
     def on_segment(self, job: LiveJob, stage: str, msg: P.Segment) -> None:
+        job.first_segment_at.setdefault(stage, time.time())
         job.stage(stage).segments += msg.count
         if self.metrics:
             self.metrics.segments_streamed(stage, msg.count)
         if job.first_output_segment is None and stage in job.pipeline.sinks:
             job.first_output_segment = time.time()
             if self.metrics:
-                self.metrics.first_segment(job.pipeline.name, job.first_output_segment - job.record.created_at)
+                self.metrics.first_segment(job.pipeline.name, job.first_output_segment - job.record.created_at,
+                                           self._trace_id(job))
         fields: dict[str, Any] = {"stage": stage, "index": msg.index, "is_last": msg.is_last}
         if msg.text is not None:
             fields["text"] = msg.text
@@ -340,7 +452,7 @@ class Scheduler:
         self.recovery.forget(job.id)
         self.store.drop_inputs(job.id)
         if self.metrics:
-            self.metrics.job_finished(job.pipeline.name, state, now - record.created_at)
+            self.metrics.job_finished(job.pipeline.name, state, now - record.created_at, self._trace_id(job))
             if state is JobState.SUCCEEDED and job.audio_s > 0:
                 self.metrics.real_time_factor(job.pipeline.name, (now - record.created_at) / job.audio_s)
         log.info("job finished", job=job.id, pipeline=job.pipeline.name, state=str(state),
@@ -424,6 +536,8 @@ class Scheduler:
         for job in self.live.values():
             if job.timer is not None:
                 job.timer.cancel()
+            if job.trace is not None:
+                job.trace.abandon()
             job.events.close()
         self.store.flush()
         self.dispatch.stop()

@@ -24,3 +24,14 @@ class Submission:
     summary: dict[str, Any]                 # the inputs as the job document shows them
     owner_uid: int                          # whose job it is (the caller's uid; a key's, on the TCP listener)
     timeout_s: float | None = None          # None: the pipeline's, else the daemon's default
+    trace: dict[str, str] | None = None     # the caller's W3C trace context (traceparent, tracestate), if any
+    received_at: float | None = None        # when the request came (the trace's `admission` span starts there)
+    priority: int = 0                       # lower runs earlier (omnid/fair_queue.py), within the owner's max_priority
+    key: str | None = None                  # the API key it came with (TCP): the owner fair share counts
+    weight: float = 1.0                     # the owner's share within a priority level
+    max_queued: int | None = None           # the owner's bound on its queued jobs
+
+    @property
+    def owner(self) -> str:
+        """Who fair share counts: the key, else the uid."""
+        return f"key:{self.key}" if self.key else f"uid:{self.owner_uid}"

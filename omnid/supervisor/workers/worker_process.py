@@ -9,16 +9,29 @@ the kernel's parent-death signal is tied to it); `end` only awaits, polling the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import multiprocessing
 import os
 import signal
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from omnid import protocol as P
+from omnid.supervisor.workers.fork_servers import ServerProcess, server_for
 
 _SPAWN = multiprocessing.get_context("spawn")
+
+
+def forked(spec: P.WorkerSpec) -> bool:
+    """Whether this worker is forked from its engine's fork server (fork_servers.py), with the
+    engine's libraries imported already: a CPU stage with no `env` of its own. Spawned bare
+    otherwise: a GPU stage (its devices must be set before CUDA is looked at), a stage whose `env`
+    a library may read as it is imported, every stage with `preload_workers = false`."""
+    stage = spec.config.stages[spec.stage].for_replica(spec.replica)
+    return spec.config.daemon.preload_workers and not stage.devices and not stage.env
 
 
 def kill_group(pid: int | None) -> None:
@@ -35,13 +48,18 @@ class WorkerProcess:
     """One worker process, made and not started yet; `start` starts it."""
 
     def __init__(self, spec: P.WorkerSpec, label: str) -> None:
-        self.control, self._child = _SPAWN.Pipe(duplex=True)
+        make: Callable[..., BaseProcess] = _SPAWN.Process
+        if forked(spec):
+            engine = spec.config.stages[spec.stage].engine
+            make = functools.partial(ServerProcess, engine=engine)
+            spec = dataclasses.replace(spec, parent_pid=server_for(engine).start())
+        self.control, self._child = multiprocessing.Pipe(duplex=True)
         # The worker's fds 1 and 2: an OS pipe whose write end goes over as a Connection (passed as an
-        # fd by the spawn method, like the control pipe's end); the handle stores and forwards its lines.
-        self.log_read, self._log_write = _SPAWN.Pipe(duplex=False)
+        # fd by the start method, like the control pipe's end); the handle stores and forwards its lines.
+        self.log_read, self._log_write = multiprocessing.Pipe(duplex=False)
         from omnid.worker.bootstrap import worker_main
-        self.process: BaseProcess = _SPAWN.Process(target=worker_main, args=(spec, self._child, self._log_write),
-                                                   name=f"omnid-stage-{label}", daemon=False)
+        self.process = make(target=worker_main, args=(spec, self._child, self._log_write),
+                            name=f"omnid-stage-{label}", daemon=False)
 
     def start(self) -> tuple[BaseProcess, Connection, Connection]:
         """Start it: (the process, our end of its control pipe, the read end of its stdout/stderr).

@@ -48,6 +48,9 @@ class Jobs:
         self.live.pop(job.id, None)
         self.finished.append((job.id, state, error))
 
+    def rank(self, job: LiveJob) -> None:
+        job.rank = (job.record.priority, 0.0, len(self.live))
+
 
 class Dispatch:
     def __init__(self) -> None:

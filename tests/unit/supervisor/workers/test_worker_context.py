@@ -1,0 +1,28 @@
+"""Which start method a stage's worker gets: forked from the preloaded fork server (a CPU stage with
+no `env` of its own), or spawned bare (a GPU stage, a stage with an `env`, preload_workers = false)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omnid import protocol as P
+from omnid.config import parse
+from omnid.supervisor.workers.worker_process import forked
+
+
+def _spec(tmp_path: Path, stage: str, preload: bool = True) -> P.WorkerSpec:
+    raw = {"daemon": {"socket": str(tmp_path / "s.sock"), "state_dir": str(tmp_path / "st"),
+                      "lock_dir": str(tmp_path / "l"), "preload_workers": preload},
+           "stages": {"cpu": {"engine": "python", "function": "json:dumps"},
+                      "gpu": {"engine": "python", "function": "json:dumps", "devices": [0]},
+                      "env": {"engine": "python", "function": "json:dumps", "env": {"X": "1"}}},
+           "pipelines": {"p": {"stages": ["cpu"]}}}
+    config = parse(raw, base=tmp_path)
+    return P.WorkerSpec(stage=stage, config=config, data_dir=tmp_path, jobs_dir=tmp_path, parent_pid=1)
+
+
+def test_a_cpu_stage_is_forked_from_the_server_and_others_are_spawned(tmp_path: Path) -> None:
+    assert forked(_spec(tmp_path, "cpu"))
+    assert not forked(_spec(tmp_path, "gpu"))
+    assert not forked(_spec(tmp_path, "env"))
+    assert not forked(_spec(tmp_path, "cpu", preload=False))

@@ -1,0 +1,109 @@
+"""omnid/fair_queue.py: ranks (priority, fair share by weight) and the ranked, bounded queue."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from omnid.fair_queue import FairShare, RankedQueue, positions
+
+Item = tuple[str, tuple[int, float, int], float]      # (name, rank, since)
+
+
+def ranked(maxsize: int = 0, max_wait_s: float = 0.0) -> RankedQueue[Item]:
+    return RankedQueue(maxsize, lambda i: i[1], lambda i: i[2], lambda: max_wait_s)
+
+
+def test_priority_levels_are_strict_and_ties_go_in_admission_order() -> None:
+    fair = FairShare()
+    q = ranked()
+    for name, prio in [("a", 0), ("b", 5), ("c", -1), ("d", 0), ("e", -2)]:
+        q.put((name, fair.rank(prio, "uid:0", 1.0), time.time()))
+    assert [q.get()[0] for _ in range(5)] == ["e", "c", "a", "d", "b"]
+
+
+def test_fair_share_serves_owners_in_proportion_to_their_weights() -> None:
+    fair = FairShare()
+    q = ranked()
+    for owner, weight, n in [("A", 1.0, 300), ("B", 2.0, 300), ("C", 3.0, 300)]:     # A queued all first
+        for _ in range(n):
+            q.put((owner, fair.rank(0, owner, weight), time.time()))
+    taken = []
+    for _ in range(300):
+        item = q.get()
+        fair.started(item[1])
+        taken.append(item[0])
+    counts = Counter(taken)
+    assert counts["A"] == pytest.approx(50, abs=2) and counts["B"] == pytest.approx(100, abs=2) \
+        and counts["C"] == pytest.approx(150, abs=2), counts
+
+
+def test_a_newcomer_goes_next_not_behind_another_owners_backlog() -> None:
+    fair = FairShare()
+    q = ranked()
+    for _ in range(200):
+        q.put(("A", fair.rank(0, "A", 1.0), time.time()))
+    for _ in range(3):
+        fair.started(q.get()[1])
+    q.put(("B", fair.rank(0, "B", 1.0), time.time()))
+    order = [q.get()[0] for _ in range(3)]
+    assert "B" in order[:2], order
+
+
+def test_fair_share_off_is_arrival_order_within_a_level() -> None:
+    fair = FairShare()
+    q = ranked()
+    for i in range(5):
+        q.put(("A" if i < 4 else "B", fair.rank(0, "A" if i < 4 else "B", 1.0, fair=False), time.time()))
+    assert [q.get()[0] for _ in range(5)] == ["A", "A", "A", "A", "B"]
+
+
+def test_a_job_that_waited_max_wait_s_goes_before_more_urgent_ones() -> None:
+    q = ranked(max_wait_s=10.0)
+    now = time.time()
+    q.put(("old-low", (5, 0.0, 1), now - 11))
+    q.put(("urgent", (-5, 0.0, 2), now))
+    assert q.get()[0] == "old-low"
+    assert positions([("x", (5, 0.0, 1), now - 11), ("y", (-5, 0.0, 2), now)], now, 10.0) == ["x", "y"]
+    assert positions([("x", (5, 0.0, 1), now - 1), ("y", (-5, 0.0, 2), now)], now, 10.0) == ["y", "x"]
+
+
+def test_the_bound_is_on_places_and_an_item_waiting_for_one_is_taken_by_rank() -> None:
+    q = ranked(maxsize=1)
+    q.put(("low", (5, 0.0, 1), 0.0))
+    with pytest.raises(queue.Full):
+        q.put_nowait(("x", (0, 0.0, 2), 0.0))
+    with pytest.raises(queue.Full):
+        q.put(("x", (0, 0.0, 2), 0.0), timeout=0.05)
+    assert q.qsize() == 1
+    ticket = q.offer(("urgent", (-1, 0.0, 3), 0.0))        # its sender waits for a place ...
+    assert not q.admitted(ticket, timeout=0.01)
+    assert q.get()[0] == "urgent"                            # ... but it is taken first
+    assert q.admitted(ticket, timeout=0)
+    t2 = q.offer(("later", (9, 0.0, 4), 0.0))
+    assert q.withdraw(t2) and not q.withdraw(t2)
+    assert q.get()[0] == "low"
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.01)
+
+
+def test_a_waiting_sender_gets_its_place_when_one_is_freed() -> None:
+    q = ranked(maxsize=1)
+    q.put(("a", (0, 0.0, 1), 0.0))
+    done = threading.Event()
+
+    def sender() -> None:
+        q.put(("b", (0, 0.0, 2), 0.0), timeout=5)
+        done.set()
+    t = threading.Thread(target=sender)
+    t.start()
+    time.sleep(0.05)
+    assert not done.is_set()
+    assert q.get()[0] == "a"
+    assert done.wait(2)
+    t.join()
+    assert q.get()[0] == "b"

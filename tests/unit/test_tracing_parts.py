@@ -1,0 +1,168 @@
+"""Tracing's parts in process: the `[daemon] tracing` table's checks, the W3C traceparent's, a job's
+spans as its events drive them (timeout, retry, worker death), a stage's spans as its messages drive
+them, and `omnictl trace`'s timeline. The spans are read from an in-memory exporter added to the
+real provider (the OTLP exporter beside it points at a port nothing listens on)."""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import FIXTURES
+from omnictl.timeline import timeline, waterfall
+from omnid import config as C
+from omnid import protocol as P
+from omnid.config_types import TracingConfig
+from omnid.dataplane.wire import WorkItem
+from omnid.tracing import Tracing, trace_headers, trace_id_of, valid_traceparent
+from omnid.vocabulary import JobRecord, StageRun
+
+pytest.importorskip("opentelemetry.sdk.trace")
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
+
+NOWHERE = TracingConfig(otlp_endpoint="http://127.0.0.1:9", sample=1.0, service_name="t")
+PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def config(tracing: Any) -> dict[str, Any]:
+    return {"daemon": {"tracing": tracing},
+            "stages": {"a": {"engine": "python", "function": "teststages:echo", "python_path": [str(FIXTURES)]}},
+            "pipelines": {"p": {"stages": ["a"]}}}
+
+
+def test_the_tracing_table(tmp_path: Path) -> None:
+    assert C.parse(copy.deepcopy(config({})), base=tmp_path).daemon.tracing == TracingConfig()
+    cfg = C.parse(config({"otlp_endpoint": "http://collector:4318/", "sample": 0.25, "service_name": "gpu1"}),
+                  base=tmp_path).daemon.tracing
+    assert cfg == TracingConfig("http://collector:4318/", 0.25, "gpu1")
+    assert cfg.traces_url == "http://collector:4318/v1/traces"
+    assert TracingConfig("http://c:4318/v1/traces").traces_url == "http://c:4318/v1/traces"
+    plain = {**config({}), "daemon": {}}
+    assert C.parse(plain, base=tmp_path).daemon.tracing is None          # off unless asked for
+
+
+@pytest.mark.parametrize("tracing, path, fragment", [
+    ({"otlp_endpoint": "collector:4318"}, "daemon.tracing.otlp_endpoint", "http(s) URL"),
+    ({"otlp_endpoint": 4318}, "daemon.tracing.otlp_endpoint", "must be a string"),
+    ({"sample": 1.5}, "daemon.tracing.sample", "between 0 and 1"),
+    ({"sample": "all"}, "daemon.tracing.sample", "must be"),
+    ({"service_name": " "}, "daemon.tracing.service_name", "must not be empty"),
+    ({"endpoint": "http://x:1"}, "daemon.tracing.endpoint", "unknown key"),
+    ("http://x:4318", "daemon.tracing", "must be a table"),
+])
+def test_the_tracing_tables_problems(tmp_path: Path, tracing: Any, path: str, fragment: str) -> None:
+    with pytest.raises(C.ConfigError) as err:
+        C.parse(config(tracing), base=tmp_path)
+    found = [p.message for p in err.value.problems if p.path == path]
+    assert any(fragment in m for m in found), [str(p) for p in err.value.problems]
+
+
+def test_traceparent() -> None:
+    assert valid_traceparent(PARENT) == PARENT
+    assert valid_traceparent(PARENT.upper()) == PARENT
+    assert trace_id_of(PARENT) == "4bf92f3577b34da6a3ce929d0e0e4736"
+    for bad in ("", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7", "ff-" + PARENT[3:],
+                "00-" + "0" * 32 + "-00f067aa0ba902b7-01", "00-4bf92f3577b34da6a3ce929d0e0e4736-" + "0" * 16 + "-01",
+                PARENT + "-extra", "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01", "garbage"):
+        assert valid_traceparent(bad) is None, bad
+    assert valid_traceparent("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-later") is not None
+    assert trace_headers(PARENT, "k=v") == {"traceparent": PARENT, "tracestate": "k=v"}
+    assert trace_headers(None, "k=v") is None and trace_headers(PARENT, "x" * 600) == {"traceparent": PARENT}
+
+
+@pytest.fixture
+def spans() -> Any:
+    tracing = Tracing(NOWHERE, "t")
+    memory = InMemorySpanExporter()
+    tracing.provider.add_span_processor(SimpleSpanProcessor(memory))
+    yield tracing, memory
+    tracing.shutdown()
+
+
+def record() -> JobRecord:
+    return JobRecord(id="j1", pipeline="p", owner_uid=0, created_at=time.time(), timeout_s=5.0, inputs={},
+                     params={}, stages={"a": StageRun()})
+
+
+def ev(kind: str, **fields: Any) -> dict[str, Any]:
+    return {"type": kind, "job": "j1", "ts": time.time(), **fields}
+
+
+def test_a_job_that_timed_out_after_a_retry(spans: Any) -> None:
+    from omnid.supervisor.jobs.tracing import JobTrace
+    tracing, memory = spans
+    rec = record()
+    trace = JobTrace(tracing, rec, {"traceparent": PARENT}, rec.created_at - 0.01)
+    assert trace.trace_id == trace_id_of(PARENT) and trace.traceparent.startswith(f"00-{trace.trace_id}-")
+    trace.on_event(ev("state", state="queued"))
+    trace.on_event(ev("stage_started", stage="a"))
+    trace.on_event(ev("state", state="running"))
+    trace.on_event(ev("error", stage="a", code="worker_died", message="stage 'a' died (signal 9); retrying (attempt 2)"))
+    trace.on_event(ev("state", state="timed_out", error={"code": "timed_out", "message": "timed out after 5 s"}))
+    by = {s.name: s for s in memory.get_finished_spans()}
+    assert set(by) == {"omnid.job", "admission", "queued", "running"}
+    job = by["omnid.job"]
+    assert format(job.parent.span_id, "016x") == "00f067aa0ba902b7"
+    assert [e.name for e in job.events] == ["worker died", "retry", "timeout"]
+    assert job.events[-1].attributes["omnid.reason"] == "timed out after 5 s"
+    assert job.attributes["omnid.outcome"] == "timed_out" and not job.status.is_ok
+    assert job.end_time == job.events[-1].timestamp
+    for name in ("admission", "queued", "running"):
+        assert by[name].parent.span_id == job.context.span_id
+    assert by["queued"].end_time == by["running"].start_time
+
+
+def test_a_stages_spans_follow_its_messages(spans: Any) -> None:
+    from omnid.worker.tracing import StageTracer
+    tracing, memory = spans
+    job_span = tracing.tracer.start_span("omnid.job")
+    headers = tracing.headers(job_span)
+    tracer = StageTracer(NOWHERE, "a", 0, tracing)
+    sent: list[object] = []
+    post = tracer.watch(sent.append)
+    tracer.arrived(WorkItem(job="j1", pipeline="p", src="up", inputs={}, window=0, last=False, trace=headers))
+    tracer.arrived(WorkItem(job="j1", pipeline="p", src="up", inputs={}, window=1, last=True, trace=headers))
+    assert tracer.headers("j1")["traceparent"].startswith(f"00-{format(job_span.get_span_context().trace_id, '032x')}-")
+    post(P.Started(job="j1"))
+    post(P.Batch((P.Segment(job="j1", index=0, is_last=False), P.Segment(job="j1", index=1, is_last=True))))
+    post(P.Finished(job="j1", elapsed_s=0.1))
+    post(P.Delivered(job="j1", dst="down"))
+    tracer.forgotten("j1")
+    assert len(sent) == 4                               # every message still goes
+    by = {s.name: s for s in memory.get_finished_spans()}
+    stage = by["stage a"]
+    assert stage.parent.span_id == job_span.get_span_context().span_id
+    assert [e.name for e in stage.events] == ["window in", "window in", "first segment", "last segment"]
+    assert by["waiting for input"].parent.span_id == stage.context.span_id
+    assert by["hand-off to down"].parent.span_id == stage.context.span_id
+    assert by["hand-off to down"].start_time == stage.end_time
+    assert tracer.headers("j1") is None
+
+
+def test_omnictl_trace_rows() -> None:
+    job = {"id": "j1", "pipeline": "p", "state": "succeeded", "created_at": 100.0, "started_at": 100.1,
+           "finished_at": 102.0, "stages": {"a": {"state": "succeeded", "finished_at": 101.0},
+                                            "b": {"state": "succeeded", "finished_at": 102.0}}}
+    events = [{"type": "state", "state": "queued", "ts": 100.0, "trace_id": "ab" * 16},
+              {"type": "stage_started", "stage": "a", "ts": 100.1},
+              {"type": "segment", "stage": "a", "ts": 100.3}, {"type": "segment", "stage": "a", "ts": 100.9},
+              {"type": "stage_finished", "stage": "a", "ts": 101.0},
+              {"type": "stage_started", "stage": "b", "ts": 100.5},
+              {"type": "stage_finished", "stage": "b", "ts": 102.0}]
+    doc = timeline(job, events, [{"from": "a", "to": "b", "window": 2}])
+    rows = {r["name"]: r for r in doc["rows"]}
+    assert doc["trace_id"] == "ab" * 16 and doc["duration_s"] == 2.0
+    assert rows["a"]["wait_from"] == 0.0 and rows["a"]["start"] == pytest.approx(0.1)
+    assert rows["a"]["first_segment"] == pytest.approx(0.3) and rows["a"]["segments"] == 2
+    assert rows["a -> b"]["start"] == pytest.approx(0.3) and rows["a -> b"]["end"] == pytest.approx(0.5)
+    assert rows["b"]["wait_from"] == pytest.approx(0.3)
+    whole = timeline(job, events, [{"from": "a", "to": "b", "window": 0}])
+    assert {r["name"]: r for r in whole["rows"]}["a -> b"]["start"] == pytest.approx(1.0)
+    text = waterfall(doc, 80)
+    assert text.splitlines()[0] == f"job j1  p  succeeded  2.00s  trace {'ab' * 16}"
+    assert all(len(line) <= 80 for line in text.splitlines()[:-1])
