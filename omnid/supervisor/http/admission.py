@@ -69,6 +69,8 @@ def priority(raw: Any, field: str = "priority") -> int:
     """A job's `priority`: an integer, lower runs earlier, 0 when not given (as vLLM's)."""
     if raw is None:
         return 0
+    if isinstance(raw, float) and raw.is_integer():
+        raw = int(raw)          # JSON's integers: -3.0 is one (JSON Schema's "integer" says so too)
     if isinstance(raw, bool) or not isinstance(raw, int) or not -PRIORITY_LIMIT <= raw <= PRIORITY_LIMIT:
         raise Refused(400, ErrorCode.INVALID_REQUEST, f"\"{field}\" must be an integer from {-PRIORITY_LIMIT} to "
                       f"{PRIORITY_LIMIT} (lower runs earlier; 0 by default), not {raw!r}", input=field)

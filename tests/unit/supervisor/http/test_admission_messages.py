@@ -43,3 +43,17 @@ def test_a_missing_prompt_says_what_the_job_gave_and_a_near_miss(config: Config)
     e = refused(config, {"colour": "red"})
     assert e.message.endswith("the job's inputs are 'colour'"), e.message
     assert refused(config, {}).message.endswith("; the job has no inputs")
+
+
+def test_a_priority_is_an_integer_and_an_integral_number_is_one() -> None:
+    """JSON Schema's "integer" takes -3.0 (schemathesis sends it): so does the door; 0.5, "1" and
+    true are refused with a 400 naming the field."""
+    from omnid.supervisor.errors import Refused
+    from omnid.supervisor.http.admission import priority
+
+    assert priority(None) == 0 and priority(-3) == -3 and priority(-3623.0) == -3623
+    assert isinstance(priority(2.0), int)
+    for bad in (0.5, "1", True, 10 ** 9):
+        with pytest.raises(Refused) as e:
+            priority(bad)
+        assert e.value.status == 400 and "priority" in str(e.value)
