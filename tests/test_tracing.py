@@ -293,7 +293,7 @@ def test_streamed_three_stage_job_is_one_trace_under_the_callers_span(traced: Ru
 
 
 def test_openai_chat_over_tcp_joins_the_callers_trace(traced: RunningDaemon, receiver: Receiver) -> None:
-    done = omnictl(traced, "key", "add", "tracer")
+    done = omnictl(traced, "key", "add", "tracer", "--uid", str(os.getuid()))
     assert done.returncode == 0, done.stderr
     key = done.stdout.strip().splitlines()[-1]
     parent, trace_id, caller_span = new_parent()

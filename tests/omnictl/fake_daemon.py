@@ -77,11 +77,16 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.TOO_MANY_CONNECTIONS: 503,    # past the open-files limit's room
     ErrorCode.PRIORITY_NOT_ALLOWED: 403,    # more urgent than the owner's max_priority (omnid/fair_queue.py)
     ErrorCode.OWNER_QUEUE_FULL: 429,        # the owner's max_queued jobs queued already
+    ErrorCode.UNKNOWN_ADAPTER: 404,         # DELETE /v1/stages/{name}/adapters/{adapter}: no such adapter
+    ErrorCode.ADAPTER_EXISTS: 409,          # POST /v1/stages/{name}/adapters: the name is taken
+    ErrorCode.INVALID_ADAPTER: 400,         # ... the folder holds no adapter for this stage's model
 }
 # Codes the real API also answers with another status: unknown_pipeline is a 400 in a job
 # (POST /v1/jobs) and a 404 as the path's resource (GET /v1/pipelines/{name}).
 # stage_failed is a 409 for `POST /v1/stages/{name}/sleep` (restart it instead).
-ALSO_STATUS: dict[ErrorCode, set[int]] = {ErrorCode.UNKNOWN_PIPELINE: {404}, ErrorCode.STAGE_FAILED: {409}}
+# invalid_adapter is a 409 for a stage with no `lora` table.
+ALSO_STATUS: dict[ErrorCode, set[int]] = {ErrorCode.UNKNOWN_PIPELINE: {404}, ErrorCode.STAGE_FAILED: {409},
+                                          ErrorCode.INVALID_ADAPTER: {409}}
 
 # /v1/jobs/{id} and everything under it: the real API answers unknown_job for an id it does not know.
 _JOB_PATH = re.compile(r"^/v1/jobs/([^/]+)(?:/.*)?$")
