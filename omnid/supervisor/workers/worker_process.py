@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from omnid import protocol as P
+from omnid.engines.capabilities import capabilities
 from omnid.supervisor.workers.fork_servers import ServerProcess, server_for
 
 _SPAWN = multiprocessing.get_context("spawn")
@@ -27,11 +28,14 @@ _SPAWN = multiprocessing.get_context("spawn")
 
 def forked(spec: P.WorkerSpec) -> bool:
     """Whether this worker is forked from its engine's fork server (fork_servers.py), with the
-    engine's libraries imported already: a CPU stage with no `env` of its own. Spawned bare
-    otherwise: a GPU stage (its devices must be set before CUDA is looked at), a stage whose `env`
-    a library may read as it is imported, every stage with `preload_workers = false`."""
+    engine's libraries imported already: a CPU stage with no `env` of its own (or of an engine that
+    preloads nothing). Spawned bare otherwise: a GPU stage (its devices must be set before CUDA is
+    looked at), a stage whose `env` a preloaded library may have read as it was imported, every
+    stage with `preload_workers = false`."""
     stage = spec.config.stages[spec.stage].for_replica(spec.replica)
-    return spec.config.daemon.preload_workers and not stage.devices and not stage.env
+    # (an engine that preloads nothing, python's, imports nothing a stage's `env` could be late for)
+    late_env = bool(stage.env) and bool(capabilities(stage.engine).preload)
+    return spec.config.daemon.preload_workers and not stage.devices and not late_env
 
 
 def kill_group(pid: int | None) -> None:

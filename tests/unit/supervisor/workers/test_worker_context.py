@@ -11,11 +11,15 @@ from omnid.supervisor.workers.worker_process import forked
 
 
 def _spec(tmp_path: Path, stage: str, preload: bool = True) -> P.WorkerSpec:
+    (tmp_path / "llm").mkdir(exist_ok=True)
+    (tmp_path / "llm" / "config.json").write_text("{}")       # (a model folder, as the config checks it)
     raw = {"daemon": {"socket": str(tmp_path / "s.sock"), "state_dir": str(tmp_path / "st"),
                       "lock_dir": str(tmp_path / "l"), "preload_workers": preload},
            "stages": {"cpu": {"engine": "python", "function": "json:dumps"},
                       "gpu": {"engine": "python", "function": "json:dumps", "devices": [0]},
-                      "env": {"engine": "python", "function": "json:dumps", "env": {"X": "1"}}},
+                      "env": {"engine": "python", "function": "json:dumps", "env": {"X": "1"}},
+                      "llm": {"engine": "vllm", "model": str(tmp_path / "llm")},
+                      "llm_env": {"engine": "vllm", "model": str(tmp_path / "llm"), "env": {"X": "1"}}},
            "pipelines": {"p": {"stages": ["cpu"]}}}
     config = parse(raw, base=tmp_path)
     return P.WorkerSpec(stage=stage, config=config, data_dir=tmp_path, jobs_dir=tmp_path, parent_pid=1)
@@ -24,5 +28,7 @@ def _spec(tmp_path: Path, stage: str, preload: bool = True) -> P.WorkerSpec:
 def test_a_cpu_stage_is_forked_from_the_server_and_others_are_spawned(tmp_path: Path) -> None:
     assert forked(_spec(tmp_path, "cpu"))
     assert not forked(_spec(tmp_path, "gpu"))
-    assert not forked(_spec(tmp_path, "env"))
+    assert forked(_spec(tmp_path, "env"))          # python preloads nothing an env could be late for
+    assert forked(_spec(tmp_path, "llm"))
+    assert not forked(_spec(tmp_path, "llm_env"))  # vLLM read its env as the server imported it
     assert not forked(_spec(tmp_path, "cpu", preload=False))
