@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 from aiohttp import web
@@ -35,7 +35,7 @@ from omnid.supervisor.http.http_common import json_body
 from omnid.vocabulary import ErrorCode
 
 if TYPE_CHECKING:
-    from omnid.supervisor.http.api import Api
+    from omnid.supervisor.live import Live
     from omnid.supervisor.workers.stage_group import StageGroup
 
 log = structlog.get_logger("omnid.adapters")
@@ -50,10 +50,23 @@ def with_stage(config: Config, stage: StageConfig) -> Config:
     return dataclasses.replace(config, stages=stages)
 
 
+class AdapterApi(Protocol):
+    """What the handlers need of the socket API (http/api.py's `Api` fills it; it is never imported here)."""
+
+    live: Live
+
+    @property
+    def config(self) -> Config: ...
+
+    def _stage(self, request: web.Request) -> StageGroup: ...
+
+    def check_admin(self, uid: int) -> None: ...
+
+
 class Adapters:
     """The handlers; they read and change the config in force through the API's `Live`."""
 
-    def __init__(self, api: Api) -> None:
+    def __init__(self, api: AdapterApi) -> None:
         self.api = api
 
     def routes(self) -> list[web.RouteDef]:
