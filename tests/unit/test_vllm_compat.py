@@ -73,3 +73,32 @@ def test_a_dead_engine_is_known_by_its_class_and_only_where_vllm_is_loaded(monke
     monkeypatch.setitem(sys.modules, "vllm.v1.engine.exceptions", fake)
     assert vllm_compat.is_engine_dead(EngineDeadError("x")) and vllm_compat.is_engine_dead(Sticky("y"))
     assert not vllm_compat.is_engine_dead(Lookalike("z")) and not vllm_compat.is_engine_dead(ValueError())
+
+
+_AMX_PERM = r"""
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+def tiles():                                    # arch_prctl(ARCH_GET_XCOMP_PERM): bit 18, XTILEDATA
+    mask = ctypes.c_uint64(0)
+    assert libc.syscall(158, 0x1022, ctypes.byref(mask)) == 0, ctypes.get_errno()
+    return bool(mask.value >> 18 & 1)
+import torch
+before = tiles()
+from omnid.engines import vllm_compat
+print(before, vllm_compat.allow_amx(), tiles())
+"""
+
+
+def test_a_process_that_runs_vllm_on_an_amx_cpu_is_given_the_tiles() -> None:
+    """vLLM's CPU attention runs AMX tile instructions where the CPU has AMX, and never asks Linux for
+    the tile state: without `allow_amx` the engine core dies of SIGILL on its first long prefill."""
+    import platform
+    import subprocess
+    import sys
+
+    torch = pytest.importorskip("torch")
+    if platform.machine() != "x86_64" or not torch.cpu._is_amx_tile_supported():
+        pytest.skip("this CPU has no AMX")
+    out = subprocess.run([sys.executable, "-c", _AMX_PERM], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True", "True"], out.stdout
