@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import inject
 import psutil
 import pytest
 
@@ -538,23 +539,17 @@ def watch_descriptors(watcher: int, child: int) -> list[int]:
 
 
 def close_in(pid: int, fds: list[int], keep_numbers: bool = False) -> None:
-    """Close descriptors inside a live process (gdb), as a double close in its own code would.
-    `keep_numbers`: put /dev/null in their place instead (the file goes, the number stays taken:
-    an event loop's own map of descriptors stays true)."""
+    """Close descriptors inside a live process (ptrace: tests/inject.py), as a double close in its
+    own code would. `keep_numbers`: put /dev/null in their place instead (the file goes, the number
+    stays taken: an event loop's own map of descriptors stays true)."""
     if keep_numbers:
-        calls = ["-ex", "set $null = (int)open(\"/dev/null\", 0)"]
-        calls += [arg for fd in fds for arg in ("-ex", f"call (int)dup2($null, {fd})")]
-        calls += ["-ex", "call (int)close($null)"]
+        (null,) = inject.syscalls(pid, [(inject.SYS_OPENAT, inject.AT_FDCWD, ("str", 0), os.O_RDONLY)],
+                                  strings=(b"/dev/null",))
+        assert null >= 0, f"open(/dev/null) in {pid}: {os.strerror(-null)}"
+        results = inject.syscalls(pid, [*((inject.SYS_DUP2, null, fd) for fd in fds), (inject.SYS_CLOSE, null)])
     else:
-        calls = [arg for fd in fds for arg in ("-ex", f"call (int)close({fd})")]
-    # libc's symbols only: reading every library's (a vLLM worker maps hundreds) kept the process
-    # stopped for tens of seconds on a loaded machine, past the supervisor's heartbeat timeout.
-    quick = ["-iex", "set auto-solib-add off", "-ex", "sharedlibrary libc\\.so"]
-    out = subprocess.run(["gdb", "-nx", "-batch", *quick[:2], "-p", str(pid), *quick[2:], *calls],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr[-2000:]
-    results = re.findall(r"^\$\d+ = (-?\d+)$", out.stdout, re.M)
-    assert len(results) == len(calls) // 2 - (1 if keep_numbers else 0) and "-1" not in results, out.stdout[-2000:]
+        results = inject.syscalls(pid, [(inject.SYS_CLOSE, fd) for fd in fds])
+    assert all(r >= 0 for r in results), (pid, fds, results)
 
 
 # ------------------------------------------------------------------------- the longest files first

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import psutil
+import inject
 import pytest
 
 from conftest import (MODELS, TERMINAL, TINY_LLM_ARGS, RunningDaemon, close_in, module_daemon, short_tmpdir,
@@ -47,7 +47,7 @@ def d() -> Iterator[RunningDaemon]:
         subprocess.run([sys.executable, "-m", "omnid.tinymodels", str(MODELS)], check=True)
     stages = {"inline": llm_stage("inline"), "proc": llm_stage("process")}
     pipelines = {"inline": {"stages": ["inline"]}, "proc": {"stages": ["proc"]}}
-    # (a worker stopped under gdb sends no heartbeat: the false-wake test's gdb call is not a hang)
+    # (a worker stopped under ptrace sends no heartbeat: the false-wake test's injected close is not a hang)
     with module_daemon(short_tmpdir(), stages, pipelines, {"cancel_grace_s": 5.0, "heartbeat_timeout_s": 90.0}) as rd:
         yield rd
 
@@ -123,7 +123,7 @@ def burner(seconds: float) -> list[subprocess.Popen[bytes]]:
     return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(os.cpu_count() or 2)]
 
 
-@pytest.mark.skipif(shutil.which("gdb") is None, reason="needs gdb, to close a descriptor inside the worker")
+@pytest.mark.skipif(not inject.supported(), reason="needs x86-64 Linux, to close a descriptor inside a process (ptrace)")
 def test_a_wake_that_is_no_exit_never_ends_a_live_core_under_load(d: RunningDaemon) -> None:
     (core,) = core_pids(d, "proc")
     worker = d.stage_pid("proc")
