@@ -48,7 +48,7 @@ models: setup .models/.built
 # again; the ones there are skipped.
 MODELS_MISSING := $(if $(and $(wildcard .models/llm-loras/.omnid-tiny-ok),$(wildcard .models/sd-loras/.omnid-tiny-ok)),,models-missing)
 .PHONY: models-missing
-.models/.built: omnid/tinymodels.py $(MODELS_MISSING)
+.models/.built: $(wildcard omnid/tinymodels/*.py) $(MODELS_MISSING)
 	$(PY) -m omnid.tinymodels .models
 	touch $@
 

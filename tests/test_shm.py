@@ -1,5 +1,5 @@
 """Large values between stages through shared memory, end to end: real daemons, real workers, real
-SIGKILLs (the in-process tests of the pool and codec are tests/unit/test_shm.py).
+SIGKILLs (the in-process tests of the pool and codec are tests/unit/dataplane/test_shm_pool.py).
 
 What is checked, and how:
 - a value's contents arrive exactly (CRC-32 of its bytes, dtype, shape), built on the receiving

@@ -29,7 +29,7 @@ from omnid.vocabulary import ErrorCode
 from omnid.worker.jobs import ENDED_JOBS_KEPT, JobTable
 from omnid.worker.main import StageWorker
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 
 
 class FakeControl:

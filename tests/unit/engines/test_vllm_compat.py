@@ -12,7 +12,7 @@ from omnid.engines.vllm_compat import SUPPORTED, _release, support_problem
 
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("text, release", [("0.32.0", (0, 32, 0)), ("0.32.0+cpu", (0, 32, 0)),

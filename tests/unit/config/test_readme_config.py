@@ -15,7 +15,7 @@ import pytest
 
 from omnid import config as C
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[3] / "README.md"
 ROW = re.compile(r"^\| `([a-z_]+)` \| (.+?) \| .+ \|$")
 
 

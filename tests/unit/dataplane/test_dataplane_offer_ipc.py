@@ -1,6 +1,6 @@
 """An offered window (`Sender.offer`, a `window = N` edge) whose CUDA tensor the receiver cannot open
 by CUDA IPC is offered again, staged through the receiver's pool, and admitted: the same fallback
-as `send`'s (tests/unit/test_cuda_ipc.py), on the path that never waits.
+as `send`'s (tests/unit/dataplane/test_cuda_ipc.py), on the path that never waits.
 
 On the CPU, with real sockets and a real pool; where CUDA itself would start, a stand-in driver
 lends marked CPU tensors by a key and, like a receiver that sees the GPU but cannot open the

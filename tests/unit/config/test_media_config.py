@@ -21,7 +21,7 @@ from omnid.engines.vllm_engine import engine_args
 from omnid.store import _decode_inputs, _encode_inputs
 from omnid.supervisor.http.openai_api import OpenAiError, _messages
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture

@@ -1,0 +1,123 @@
+"""The config parser's tools: a `Problem` (one error, at its key path), `ConfigError` (all of them),
+and `_Checker`, which reads untrusted TOML values and collects every problem instead of stopping at
+the first; with the small value helpers the tables share (type names, paths, `module:function`
+references).
+
+Standard library only; the tables' parsers (daemon.py, stages.py, pipelines.py) build on it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One configuration error, located by its key path."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; `problems` lists every reason."""
+
+    def __init__(self, source: str, problems: list[Problem]) -> None:
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  {p}" for p in problems)
+        super().__init__(f"{source}: {len(problems)} problem(s)\n{lines}")
+
+
+class _Checker:
+    """Collects problems while reading untrusted TOML data."""
+
+    def __init__(self) -> None:
+        self.problems: list[Problem] = []
+
+    def add(self, path: str, message: str) -> None:
+        self.problems.append(Problem(path, message))
+
+    def table(self, data: Any, path: str) -> dict[str, Any]:
+        if not isinstance(data, dict):
+            self.add(path, f"must be a table, not {_typename(data)}")
+            return {}
+        return data
+
+    def unknown(self, data: Mapping[str, Any], allowed: Iterable[str], path: str) -> None:
+        allowed = set(allowed)
+        for key in data:
+            if key not in allowed:
+                self.add(f"{path}.{key}" if path else key,
+                         f"unknown key (known: {', '.join(sorted(allowed))})")
+
+    def get(self, data: Mapping[str, Any], key: str, path: str, kind: type | tuple[type, ...],
+            default: Any = None, *, required: bool = False) -> Any:
+        full = f"{path}.{key}" if path else key
+        if key not in data:
+            if required:
+                self.add(full, "is required")
+            return default
+        value = data[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        # bool is an int in Python; a TOML `true` is never a valid number here.
+        if isinstance(value, bool) and bool not in kinds:
+            self.add(full, f"must be {_kindname(kinds)}, not a boolean")
+            return default
+        if not isinstance(value, kinds):
+            self.add(full, f"must be {_kindname(kinds)}, not {_typename(value)}")
+            return default
+        return value
+
+    def positive(self, data: Mapping[str, Any], key: str, path: str, default: float | None,
+                 *, integer: bool = False, allow_zero: bool = False) -> Any:
+        value = self.get(data, key, path, int if integer else (int, float), default)
+        if value is not default and (value < 0 or (value == 0 and not allow_zero)):
+            self.add(f"{path}.{key}", f"must be {'>= 0' if allow_zero else '> 0'}, not {value}")
+            return default
+        return value
+
+
+def _typename(value: Any) -> str:
+    return {dict: "a table", list: "an array", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
+
+
+def _kindname(kinds: tuple[type, ...]) -> str:
+    names = {dict: "a table", list: "an array", str: "a string", bool: "a boolean",
+             int: "an integer", float: "a number"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def _resolve(base: Path, value: str) -> Path:
+    p = Path(os.path.expandvars(os.path.expanduser(value)))
+    return p if p.is_absolute() else (base / p)
+
+
+def _check_callable_ref(c: _Checker, ref: str, path: str, python_path: tuple[Path, ...]) -> None:
+    """`package.module:function`: check the form, and that the module can be found."""
+    module, sep, func = ref.partition(":")
+    if not sep or not module or not func or not func.isidentifier() or \
+            not all(part.isidentifier() for part in module.split(".")):
+        c.add(path, f"must be \"package.module:function\", not {ref!r}")
+        return
+    saved = list(sys.path)
+    sys.path[:0] = [str(p) for p in python_path]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    finally:
+        sys.path[:] = saved
+    if not found:
+        where = " (searched python_path and sys.path)" if python_path else ""
+        c.add(path, f"module {module!r} cannot be found{where}")
