@@ -77,6 +77,14 @@ class RequestContext:
     # A streamed WAV output's bytes per second, by output name, from its first chunk's header.
     _wav: dict[str, int] = field(default_factory=dict, repr=False)
 
+    def attach(self, *, emit: Callable[[P.Progress | P.Segment], None], is_cancelled: Callable[[], bool],
+               is_held: Callable[[], bool], on_segment: Callable[[dict[str, Any], bool], str | None]) -> None:
+        """The worker's hooks (omnid/worker: the job's, set before its engine sees it): where its
+        progress and segment events go, whether its job was cancelled, whether its streamed output
+        waits for room downstream, and what each segment feeds. Without them a context reports
+        nowhere and is never cancelled nor held (a test's, a script's)."""
+        self._emit, self._is_cancelled, self._is_held, self._on_segment = emit, is_cancelled, is_held, on_segment
+
     def cancelled(self) -> bool:
         return self._is_cancelled()
 

@@ -22,21 +22,21 @@ sets `include_prompt`). An input `messages` (a chat, as JSON text) replaces
 Media inputs (`image`, `audio`, `video`; `omnid.media`) go to vLLM as `multi_modal_data`, in a
 prompt the model's own processor renders with its chat template: a `{"type": "image"}` part per
 item, where the template writes the model's placeholder, which vLLM's processing expands into the
-item's tokens. They are decoded here, in `add` (audio resampled to the rate of the model's feature
-extractor); a bad one fails its job alone.
+item's tokens. They are decoded in `add` (audio resampled to the rate of the model's feature
+extractor); a bad one fails its job alone. How each kind of input becomes vLLM's prompt (a chat,
+tensors, media) is vllm_prompt.py's; the tensors' checks and the outputs' shapes, vllm_tensors.py's.
 """
 
 from __future__ import annotations
 
 import atexit
 import itertools
-import json
 import logging
 import os
 import queue
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +50,9 @@ from omnid.engines import vllm_compat
 from omnid.engines.capabilities import VLLM, check_param
 from omnid.engines.base import Engine, RequestContext
 from omnid.engines.vllm_tap import TAP_CLASS, TAP_ERROR, unpack
-from omnid.engines.vllm_tensors import TensorInputError, prompt_embeds, prompt_token_ids, step_tensors, whole_tensors
+from omnid.engines.vllm_prompt import (DEFAULT_AUDIO_RATE, chat_prompt, load_processor, media_chat, media_inputs,
+                                       tensor_prompt)
+from omnid.engines.vllm_tensors import TensorInputError, step_tensors, whole_tensors
 
 
 @dataclass
@@ -229,22 +231,6 @@ def cpu_threads(stage: StageConfig, args: dict[str, Any], environ: Any) -> int |
     return max(1, cpus - 1)
 
 
-def chat_prompt(tokenizer: Any, model: object, messages: Any) -> dict[str, Any]:
-    """`messages` (a list of {"role", "content"}, or that list as JSON text) rendered with the
-    tokenizer's chat template, as token ids (the template writes its own special tokens)."""
-    if isinstance(messages, str):
-        messages = json.loads(messages)
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise ValueError("\"messages\" must be a list of {\"role\", \"content\"} objects")
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"the tokenizer of {model} has no chat template: send a \"prompt\"")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return {"prompt_token_ids": list(tokenizer.encode(text, add_special_tokens=False))}
-
-
-DEFAULT_AUDIO_RATE = 16000      # when the processor does not say (Whisper-style encoders take 16 kHz)
-
-
 PROGRESS_EVERY = 8      # tokens between two progress reports (and one at the end)
 
 
@@ -302,9 +288,10 @@ class VllmEngine(Engine):
         self._by_job: dict[str, str] = {}
         self.media = stage.media
         self._processor: Any = None         # the model's processor: media prompts, its chat template
-        self._audio_rate = DEFAULT_AUDIO_RATE
         if self.media.kinds:
-            self._processor = self._load_processor()
+            self._processor, rate = load_processor(stage)
+            if rate is not None:
+                self._audio_rate = rate
         self._render = vllm_compat.renderer(self.engine)
         # A chat template writes its own special tokens: a rendered chat is tokenized without them.
         self._render_chat = vllm_compat.renderer(self.engine, chat=True)
@@ -433,23 +420,6 @@ class VllmEngine(Engine):
             except Exception:
                 pass
 
-    def _load_processor(self) -> Any:
-        """The model's processor (its chat template writes the media placeholders), and the audio
-        rate its feature extractor wants."""
-        from transformers import AutoProcessor
-
-        processor = AutoProcessor.from_pretrained(str(self.stage.model),
-                                                  trust_remote_code=bool(self.stage.args.get("trust_remote_code")))
-        template = getattr(processor, "chat_template", None) or \
-            getattr(getattr(processor, "tokenizer", None), "chat_template", None)
-        if not template:
-            raise RuntimeError(f"stage {self.stage.name!r} takes {', '.join(self.media.kinds)} inputs, but the "
-                               f"processor of {self.stage.model} has no chat template to place them with")
-        rate = getattr(getattr(processor, "feature_extractor", None), "sampling_rate", None)
-        if isinstance(rate, int) and rate > 0:
-            self._audio_rate = rate
-        return processor
-
     def info(self) -> dict[str, Any]:
         cfg = self.engine.model_config
         info: dict[str, Any] = {"model": str(self.stage.model), "vllm": self._version,
@@ -474,21 +444,8 @@ class VllmEngine(Engine):
                 info["audio_rate"] = self._audio_rate
         return info
 
-    def _tensor_prompt(self, inputs: dict[str, Any]) -> dict[str, Any] | None:
-        """The job's prompt_embeds or prompt_token_ids as vLLM takes them, or None if it gives neither;
-        TensorInputError says what is wrong with one."""
-        if inputs.get("prompt_embeds") is not None:
-            if not self.stage.takes_embeds:
-                raise TensorInputError(f"stage {self.stage.name!r} takes no prompt_embeds: set prompt_embeds = "
-                                       "true in its config (vLLM's enable_prompt_embeds)")
-            return {"prompt_embeds": prompt_embeds(inputs["prompt_embeds"], self._hidden, self._max_len,
-                                                   self.engine.model_config.dtype)}
-        if inputs.get("prompt_token_ids") is not None:
-            vocab = int(self.engine.model_config.get_vocab_size())
-            return {"prompt_token_ids": prompt_token_ids(inputs["prompt_token_ids"], vocab, self._max_len)}
-        return None
-
     _prioritized = False        # scheduling_policy = "priority" (set at load)
+    _audio_rate = DEFAULT_AUDIO_RATE    # the rate its media's audio is resampled to (the processor's, at load)
 
     def _priority(self, ctx: RequestContext) -> dict[str, int]:
         """The job's priority for `add_request` (0.28 and 0.32 take it alike); none under "fcfs",
@@ -499,18 +456,18 @@ class VllmEngine(Engine):
         prompt = ctx.inputs.get("prompt")
         messages = ctx.inputs.get("messages")
         try:
-            tensor_prompt = self._tensor_prompt(ctx.inputs)
-            media = self._media(ctx.inputs)
+            tensors = tensor_prompt(ctx.inputs, self.stage, self.engine, self._hidden, self._max_len)
+            media = media_inputs(ctx.inputs, self.stage, self._audio_rate)
         except (M.MediaError, TensorInputError) as e:
             ctx.fail(str(e), REJECTED)
             return
         except Exception as e:          # a decoder's own failure: this job's input, not the engine
             ctx.fail(f"an input cannot be read: {type(e).__name__}: {e}", REJECTED)
             return
-        if tensor_prompt is not None and media:
+        if tensors is not None and media:
             ctx.fail("media inputs go with a text prompt or messages, not with prompt_token_ids or prompt_embeds", REJECTED)
             return
-        if messages is not None or tensor_prompt is not None or (prompt is None and media):
+        if messages is not None or tensors is not None or (prompt is None and media):
             prompt = ""                 # a chat (rendered with the chat template), tensors, or media alone
         if not isinstance(prompt, str):
             ctx.fail(f"a vllm stage needs a text input \"prompt\" (or \"messages\", \"prompt_token_ids\", "
@@ -534,10 +491,10 @@ class VllmEngine(Engine):
         text = str(template).replace("{prompt}", prompt) if template else prompt
         params.setdefault("max_tokens", self.default_max_tokens)
         try:
-            if tensor_prompt is not None:
-                rendered = tensor_prompt
+            if tensors is not None:
+                rendered = tensors
             elif media or (messages is not None and self._processor is not None):
-                rendered = self._media_prompt(messages, text, media)
+                rendered = self._render_chat(media_chat(self._processor, self.stage.name, messages, text, media))
             elif messages is not None:
                 rendered = self._render(chat_prompt(self.engine.get_tokenizer(), self.stage.model, messages))
             else:
@@ -562,7 +519,7 @@ class VllmEngine(Engine):
             ctx.fail(str(e) if isinstance(e, M.MediaError) else f"{type(e).__name__}: {e}", _rejected(e))
             return
         prefix = prompt if include_prompt else ""
-        given = next(iter(tensor_prompt.values())) if tensor_prompt is not None else ()
+        given = next(iter(tensors.values())) if tensors is not None else ()
         req = self._requests[request_id] = _Request(ctx, prefix, int(params["max_tokens"]), prompt_len=len(given),
                                                     internal_id=str(internal_id or request_id),
                                                     lora_id=lora.lora_int_id if lora is not None else 0)
@@ -570,62 +527,6 @@ class VllmEngine(Engine):
         if tapped:
             self._watching.add(req.internal_id)
             self._by_internal[req.internal_id] = request_id
-
-    def _media(self, inputs: dict[str, Any]) -> dict[str, list[Any]]:
-        """The job's media inputs, decoded as vLLM takes them, by kind; MediaError names the input.
-
-        The door checked a job's own files already; this is the check of what arrives through an
-        edge (an upstream stage's image, say), and the decoding of everything.
-        """
-        found: dict[str, list[Any]] = {}
-        for kind in M.MEDIA_KINDS:
-            if inputs.get(kind) is None:
-                continue
-            items = M.as_items(kind, inputs[kind])
-            allowed = self.media.count(kind)
-            if not allowed:
-                takes = ", ".join(self.media.kinds) or "none"
-                raise M.MediaError(f"input {kind!r}: stage {self.stage.name!r} takes no {kind} input "
-                                   f"(the media its model takes: {takes})")
-            if len(items) > allowed:
-                raise M.MediaError(f"input {kind!r}: {len(items)} items, but stage {self.stage.name!r} takes at "
-                                   f"most {allowed} per job (media.{kind})")
-            decoded = []
-            for index, item in enumerate(items):
-                try:
-                    decoded.append(self._decode(kind, item))
-                except M.MediaError as e:
-                    where = f" (item {index + 1} of {len(items)})" if len(items) > 1 else ""
-                    raise M.MediaError(f"input {kind!r}{where}: {e}") from None
-            if decoded:
-                found[kind] = decoded
-        return found
-
-    def _decode(self, kind: str, item: Any) -> Any:
-        if kind == "image":
-            return M.load_image(item, self.media)
-        if kind == "audio":
-            return (M.load_audio(item, self.media, self._audio_rate), self._audio_rate)
-        return M.load_video(item, self.media)
-
-    def _media_prompt(self, messages: Any, text: str, media: dict[str, list[Any]]) -> Any:
-        """A prompt with its media: the chat (one user message of the media and `text`, or the job's
-        `messages`) rendered by the model's processor's chat template, and the decoded items."""
-        if self._processor is None:
-            raise M.MediaError(f"stage {self.stage.name!r} takes no media inputs")
-        if isinstance(messages, str):
-            messages = json.loads(messages)
-        if messages is not None and (not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages)):
-            raise ValueError("\"messages\" must be a list of {\"role\", \"content\"} objects")
-        counts = {kind: len(items) for kind, items in media.items()}
-        chat = M.chat_for_media(messages, text, counts)
-        rendered = self._processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-        if isinstance(rendered, list):      # (some processors answer a batch of one)
-            rendered = rendered[0]
-        prompt: dict[str, Any] = {"prompt": rendered}
-        if media:
-            prompt["multi_modal_data"] = media
-        return self._render_chat(prompt)
 
     def step(self) -> None:
         if self._core_outputs is not None and not self._wait_for_core():

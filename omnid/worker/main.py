@@ -365,13 +365,14 @@ class StageWorker:
                 live_outputs.append(pipeline.kept(self.stage.name, outputs))
             return None
 
-        entry.ctx = RequestContext(
+        ctx = RequestContext(
             job=job, stage=self.stage.name, inputs=inputs, params=dict(item.params.get(self.stage.name, {})),
             priority=item.priority,
-            _emit=self.post, _is_cancelled=lambda: self.jobs.is_dead(job), _on_segment=on_segment,
-            _is_held=lambda: self.handoff.held(self.running.get(job), streaming, self.stage.queue_capacity),
             trace_headers=self.tracer.headers(job) if self.tracer is not None else None,
             wants=self.stage.tensor_outputs & (pipeline.asks(self.stage.name) | frozenset(self.stage.outputs)))
+        ctx.attach(emit=self.post, is_cancelled=lambda: self.jobs.is_dead(job), on_segment=on_segment,
+                   is_held=lambda: self.handoff.held(self.running.get(job), streaming, self.stage.queue_capacity))
+        entry.ctx = ctx
         return entry
 
     def _complete(self, job: WorkerJob) -> None:

@@ -1,9 +1,9 @@
 """What the scheduler's parts need of it: the live jobs, the stages, the store, and ending a job.
 
 The scheduler (scheduler.py) owns the live jobs and composes the parts that act on them: `Recovery`
-(recovery.py), `take_back` (restore.py) and `SleepTender` (stage_sleep.py). Each part declares here
-what it uses of its owner, and the scheduler provides it: the parts import this module, never the
-scheduler, so no import runs back up. Type declarations only; runs wherever its users run (the
+(recovery.py), `take_back` (restore.py), `SleepTender` (stage_sleep.py) and `Ending` (ending.py).
+Each part declares here what it uses of its owner, and the scheduler provides it: the parts import
+this module, never the scheduler, so no import runs back up. Type declarations only; runs wherever its users run (the
 supervisor's event-loop thread).
 """
 
@@ -19,6 +19,7 @@ from omnid.vocabulary import JobState
 
 if TYPE_CHECKING:
     from omnid.config import Config
+    from omnid.supervisor.metrics import Metrics
     from omnid.supervisor.workers.stage_group import StageGroup
 
 
@@ -43,6 +44,25 @@ class SleepControl(JobControl, Protocol):
     @property
     def stopping(self) -> Mapping[tuple[str, str], object]:
         """(worker address, job) of each cancelled job whose stage has not stopped it yet."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    @property
+    def config(self) -> Config: ...
+
+
+class EndControl(Protocol):
+    """What ending a job needs of the scheduler: the live jobs (it removes the one that ends), the
+    stages (told to drop it), the store, the metrics, the event loop its timers run on, and the
+    config in force (the grace a cancelled job's worker gets)."""
+
+    live: dict[str, LiveJob]
+    stages: Mapping[str, StageGroup]
+    store: JobStore
+
+    @property
+    def metrics(self) -> Metrics | None: ...
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop: ...

@@ -6,13 +6,14 @@ transactions; control messages to workers are non-blocking sends; the jobs' inpu
 
 The scheduler never touches payloads between stages: workers hand them to each other over the
 data plane. It follows each job through the workers' messages, one handler per message type
-(`_HANDLERS`: `on_admitted`, `on_started`, ...), and owns the decisions: a job's state, its
-deadline, cancellation (with a grace period after which a worker that ignores it is killed and
-restarted), and cleaning every worker's per-job state (`Forget`) once a job is over. What happens
-when a worker dies is `Recovery`'s (recovery.py); which replica serves a job, and the feeding of its
-own inputs, `Dispatch`'s (dispatch.py); idle stages' sleep and wake, `SleepTender`'s (stage_sleep.py);
-the jobs a previous daemon left, `take_back`'s (restore.py). Those parts know the scheduler only by
-what they declare of it (control.py). The config in force is `Live`'s (live.py).
+(`_HANDLERS`: `on_admitted`, `on_started`, ...), and owns the decisions: a job's admission and its
+state. A job's end (its deadline, a cancel with a grace period after which a worker that ignores it
+is killed and restarted, the terminal state, and cleaning every worker's per-job state with
+`Forget`) is `Ending`'s (ending.py). What happens when a worker dies is `Recovery`'s (recovery.py);
+which replica serves a job, and the feeding of its own inputs, `Dispatch`'s (dispatch.py); idle
+stages' sleep and wake, `SleepTender`'s (stage_sleep.py); the jobs a previous daemon left,
+`take_back`'s (restore.py). Those parts know the scheduler only by what they declare of it
+(control.py). The config in force is `Live`'s (live.py).
 
 To add a worker message: define it in `omnid.protocol`, write `on_<message>` here, and list it in
 `_HANDLERS`. To add a job state: `omnid.vocabulary.JobState`.
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import json
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -37,6 +37,7 @@ from omnid.config import Config
 from omnid.supervisor.metrics import Metrics
 from omnid.store import JobStore, StoreWriteFailed, Unfinished
 from omnid.supervisor.jobs.dispatch import Dispatch
+from omnid.supervisor.jobs.ending import Ending, exemplar
 from omnid.fair_queue import FairShare, positions
 from omnid.supervisor.errors import STORAGE_RETRY_AFTER_S, Refused
 from omnid.supervisor.live import Live
@@ -75,7 +76,8 @@ def new_job_id() -> str:
 class Scheduler:
     """Owns the live jobs; the `StageListener` of every stage handle. Its parts: `dispatch` (each
     job's replicas, and its inputs to the first stages: dispatch.py), `sleeper` (idle stages to sleep,
-    and woken for their jobs: stage_sleep.py), `recovery` (dead workers: recovery.py)."""
+    and woken for their jobs: stage_sleep.py), `recovery` (dead workers: recovery.py), `ending`
+    (deadlines, cancels, a job's end: ending.py)."""
 
     def __init__(self, live: Config | Live, store: JobStore, stages: Mapping[str, StageGroup],
                  data_socket: Callable[[str], Path], metrics: Metrics | None = None,
@@ -87,12 +89,12 @@ class Scheduler:
         self.metrics = metrics
         self.live: dict[str, LiveJob] = {}
         self._unarmed: list[LiveJob] = []       # restored jobs whose timers wait for the stages
-        self.stopping: dict[tuple[str, str], asyncio.TimerHandle] = {}   # (worker address, job) -> grace kill
         self.fair = FairShare()             # each job's place in the queues (omnid/fair_queue.py)
         self._orders: dict[str, _Order] = {}    # per stage: its waiting jobs' order, a short-lived snapshot
         self.dispatch = Dispatch(self.in_force, self.live, stages, data_socket)
         self.recovery = Recovery(self, self.dispatch)
         self.loop = asyncio.get_running_loop()
+        self.ending = Ending(self, self.recovery.forget)
         self.sleeper = SleepTender(self, self.recovery.worker_slept)
         for group in stages.values():
             group.attach(self)
@@ -159,7 +161,7 @@ class Scheduler:
             self.store.discard(job.id)
             raise Refused(507, ErrorCode.INSUFFICIENT_STORAGE, f"the job could not be written to disk, so it was "
                           f"not accepted: {e}", retry_after_s=STORAGE_RETRY_AFTER_S) from None
-        job.timer = self.loop.call_later(timeout, self._timed_out, job.id)
+        self.ending.arm(job)
         if self.metrics:
             self.metrics.job_submitted(pipeline_name)
         self.sleeper.wake_for(job)
@@ -241,7 +243,7 @@ class Scheduler:
         """The stages are up: restored jobs' timeouts start now (loading models is not their time)."""
         for job in self._unarmed:
             if job.id in self.live and job.timer is None:
-                job.timer = self.loop.call_later(job.record.timeout_s, self._timed_out, job.id)
+                self.ending.arm(job)
         self._unarmed = []
 
     # ------------------------------------------------------------------ events to clients
@@ -274,9 +276,7 @@ class Scheduler:
         job_id: str = getattr(msg, "job")
         address = P.address(handle.name, handle.replica)
         if isinstance(msg, (P.Stopped, P.Failed, P.Finished)):
-            timer = self.stopping.pop((address, job_id), None)
-            if timer is not None:
-                timer.cancel()
+            self.ending.stopped(address, job_id)
         job = self.live.get(job_id)
         if job is None or handle.name not in job.record.stages or job.route(handle.name) != handle.replica:
             return                          # a late word about a job that is over (or moved): nothing to do
@@ -284,9 +284,7 @@ class Scheduler:
 
     def on_exit(self, handle: StageHandle, reason: str) -> None:
         """A stage worker died (it will be restarted)."""
-        address = P.address(handle.name, handle.replica)
-        for key in [k for k in self.stopping if k[0] == address]:
-            self.stopping.pop(key).cancel()
+        self.ending.worker_gone(P.address(handle.name, handle.replica))
         self.recovery.worker_died(handle, reason)
 
     def on_failed(self, handle: StageHandle, error: str) -> None:
@@ -307,7 +305,7 @@ class Scheduler:
             src_run = job.record.stages.get(msg.src)
             ready = job.first_segment_at.get(msg.src) if streamed else (src_run.finished_at if src_run else None)
             if ready is not None:
-                self.metrics.handoff(msg.src, stage, max(0.0, now - ready), self._trace_id(job))
+                self.metrics.handoff(msg.src, stage, max(0.0, now - ready), exemplar(job))
         run = job.stage(stage)
         if run.state in (StageRunState.PENDING, StageRunState.QUEUED):
             run.set_state(StageRunState.QUEUED, time.time())
@@ -319,11 +317,11 @@ class Scheduler:
         job.stage(stage).set_state(StageRunState.RUNNING, now)
         admitted = job.admitted_at.get(stage)
         if admitted is not None and self.metrics:
-            self.metrics.stage_queue_wait(stage, max(0.0, now - admitted), self._trace_id(job))
+            self.metrics.stage_queue_wait(stage, max(0.0, now - admitted), exemplar(job))
         job.events.emit(EventType.STAGE_STARTED, stage=stage)
         if job.record.state is JobState.QUEUED:
             if self.metrics:
-                self.metrics.job_started(job.pipeline.name, now - job.record.created_at, self._trace_id(job))
+                self.metrics.job_started(job.pipeline.name, now - job.record.created_at, exemplar(job))
             job.record.set_state(JobState.RUNNING, now)
             job.events.emit(EventType.STATE, state=str(JobState.RUNNING))
             self.store.save(job.record)
@@ -331,11 +329,6 @@ class Scheduler:
     def on_progress(self, job: LiveJob, stage: str, msg: P.Progress) -> None:
         job.stage(stage).progress = {"done": msg.done, "total": msg.total}
         job.events.emit(EventType.PROGRESS, stage=stage, done=msg.done, total=msg.total)
-
-    @staticmethod
-    def _trace_id(job: LiveJob) -> str | None:
-        """The job's trace id for a histogram's exemplar (a sampled trace only: one a receiver has)."""
-        return job.trace.trace_id if job.trace is not None and job.trace.sampled else None
 
     def on_segment(self, job: LiveJob, stage: str, msg: P.Segment) -> None:
         job.first_segment_at.setdefault(stage, time.time())
@@ -346,7 +339,7 @@ class Scheduler:
             job.first_output_segment = time.time()
             if self.metrics:
                 self.metrics.first_segment(job.pipeline.name, job.first_output_segment - job.record.created_at,
-                                           self._trace_id(job))
+                                           exemplar(job))
         fields: dict[str, Any] = {"stage": stage, "index": msg.index, "is_last": msg.is_last}
         if msg.text is not None:
             fields["text"] = msg.text
@@ -412,97 +405,20 @@ class Scheduler:
         self.finish(job, JobState.FAILED, {"code": str(ErrorCode.STAGE_FAILED), "stage": stage,
                                            "message": f"stage {stage!r} stopped the job without a cancel"})
 
-    # ------------------------------------------------------------------ ending jobs
+    # ------------------------------------------------------------------ ending jobs (ending.py)
 
     def finish(self, job: LiveJob, state: JobState, error: dict[str, Any] | None = None) -> None:
         """Move a live job to a terminal state (once), stop its work, clean every worker."""
-        if job.id not in self.live:
-            return
-        del self.live[job.id]
-        if job.timer is not None:
-            job.timer.cancel()
-        now = time.time()
-        record = job.record
-        record.set_state(state, now, error)
-        busy_stages = []
-        for name, run in record.stages.items():
-            if run.state.busy:              # queued: its Started may be on the way
-                busy_stages.append(name)
-            if run.state.open and state is not JobState.SUCCEEDED:
-                run.set_state(StageRunState.CANCELLED, now)
-        if state is JobState.SUCCEEDED:
-            self._write_manifest(record)
-        self.store.save(record)
-        fields: dict[str, Any] = {"state": str(state)}
-        if error:
-            fields["error"] = error
-        job.events.emit(EventType.STATE, **fields)
-        job.events.close()
-        for name in job.pipeline.stages:
-            h = self.stages.get(name)
-            if h is None:                   # a stage the config no longer has (a job restored after a change)
-                continue
-            if state is not JobState.SUCCEEDED:
-                h.send(P.Cancel(job.id, reason=str(state)))
-            h.send(P.Forget(job.id))
-        grace = self.config.daemon.cancel_grace_s
-        for name in busy_stages:
-            address = P.address(name, job.route(name))
-            self.stopping[(address, job.id)] = self.loop.call_later(grace, self._grace_expired, address, job.id)
-        self.recovery.forget(job.id)
-        self.store.drop_inputs(job.id)
-        if self.metrics:
-            self.metrics.job_finished(job.pipeline.name, state, now - record.created_at, self._trace_id(job))
-            if state is JobState.SUCCEEDED and job.audio_s > 0:
-                self.metrics.real_time_factor(job.pipeline.name, (now - record.created_at) / job.audio_s)
-        log.info("job finished", job=job.id, pipeline=job.pipeline.name, state=str(state),
-                 error=error["message"] if error else None)
-
-    def _write_manifest(self, record: JobRecord) -> None:
-        folder = self.store.job_dir(record.id)
-        folder.mkdir(parents=True, exist_ok=True)
-        manifest = {"id": record.id, "pipeline": record.pipeline, "created_at": record.created_at,
-                    "finished_at": record.finished_at, "inputs": record.inputs, "params": record.params,
-                    "outputs": record.outputs}
-        tmp = folder / ".manifest.json.tmp"
-        tmp.write_text(json.dumps(manifest, indent=2))
-        tmp.replace(folder / "manifest.json")
-
-    def _grace_expired(self, address: str, job_id: str) -> None:
-        self.stopping.pop((address, job_id), None)
-        stage, replica = P.parse_address(address)
-        group = self.stages.get(stage)
-        h = group.replica(replica) if group is not None else None
-        if h is not None and job_id in h.running:
-            h.kill(f"job {job_id} did not stop within {self.config.daemon.cancel_grace_s:g} s of its cancel",
-                   counts=False)
+        self.ending.finish(job, state, error)
 
     def cancel(self, job_id: str, reason: JobState = JobState.CANCELLED) -> JobRecord | None:
         """Cancel a live job (idempotent); None when it is not live. `reason`: CANCELLED or TIMED_OUT."""
-        job = self.live.get(job_id)
-        if job is None:
-            return None
-        where = self._where(job)
-        if reason is JobState.CANCELLED:
-            message = "cancelled by request"
-        else:
-            message = f"timed out after {job.record.timeout_s:g} s" + \
-                (f" while {where[1]} stage {where[0]!r}" if where else "")
-        self.finish(job, reason, {"code": str(reason), "stage": where[0] if where else None, "message": message})
-        return job.record
+        return self.ending.cancel(job_id, reason)
 
-    def _where(self, job: LiveJob) -> tuple[str, str] | None:
-        """Where the job is, for a timeout's message: (stage, 'running in' / 'queued for' / 'waiting for')."""
-        for wanted, verb in ((StageRunState.RUNNING, "running in"), (StageRunState.QUEUED, "queued for")):
-            for s in job.pipeline.stages:
-                if job.stage(s).state is wanted:
-                    return s, verb
-        if job.pipeline.sources:
-            return job.pipeline.sources[0], "waiting for"
-        return None
-
-    def _timed_out(self, job_id: str) -> None:
-        self.cancel(job_id, reason=JobState.TIMED_OUT)
+    @property
+    def stopping(self) -> Mapping[tuple[str, str], asyncio.TimerHandle]:
+        """(worker address, job) of each cancelled job whose stage has not stopped it yet: its grace kill."""
+        return self.ending.stopping
 
     # ------------------------------------------------------------------ shutdown
 

@@ -3,13 +3,14 @@
 Runs in the supervisor process's event-loop thread (the main thread: the kernel's
 parent-death signal is tied to the thread that forked, so workers must be spawned
 from a thread that lives as long as the daemon). Nothing here blocks: the worker's
-control pipe (`ControlPipe`) and its process sentinel are watched with
+control pipe (`ControlPipe`) and its process's exit (`Liveness`) are watched with
 `loop.add_reader`, so a worker that dies, during its load or later, is noticed at
 once; `start` and `stop` only await (device load locks, READY, the worker's exit).
 
 `StageHandle` keeps the life cycle and composes its parts: `WorkerProcess` (the
 process's spawn, its pipes and its end: worker_process.py), `ControlPipe` (the
-control pipe's I/O), `RestartPolicy` (whether and when to restart), `MemoryWatch`
+control pipe's I/O), `Liveness` (its exit noticed at once, a hung worker killed:
+liveness.py), `RestartPolicy` (whether and when to restart), `MemoryWatch`
 (its RSS against `max_rss_mb`, and the OOM killer's traces: memory_watch.py),
 `ProcessSampler` (RSS and CPU for snapshots). Its config is the workers' config in
 force (`Live.worker`, live.py). It tells what happens to one `StageListener` (the
@@ -36,10 +37,10 @@ import structlog
 from omnid import protocol as P
 from omnid.config import Config, StageConfig
 from omnid.process_stats import ProcessSampler
-from omnid.procwatch import PidFd, exit_of
 from omnid.supervisor.workers import worker_process
 from omnid.supervisor.workers.control_pipe import ControlPipe
 from omnid.supervisor.live import Follower, Live
+from omnid.supervisor.workers.liveness import Liveness
 from omnid.supervisor.workers.memory_watch import MemoryWatch
 from omnid.supervisor.workers.restart_policy import GiveUp, RestartPolicy
 from omnid.supervisor.workers.stage_logs import PipeReader, log_file, stage_log_path
@@ -142,9 +143,7 @@ class StageHandle(Follower):
         self._stopping = False
         self._restart_task: asyncio.Task[None] | None = None
         self._restarting = asyncio.Lock()   # `restart` (asked for: reload, omnictl stage restart)
-        self._pidfd: PidFd | None = None     # this incarnation's pidfd, where the kernel has them
-        self._watched_fd: int | None = None # the descriptor whose wake means "look for its exit"
-        self._handled: BaseProcess | None = None    # the incarnation whose exit was handled
+        self.liveness = Liveness(self, self._on_exit_status)    # its exit, at once; its heartbeats
 
     def attach(self, listener: StageListener) -> None:
         """From now on, tell `listener` what the worker says and does."""
@@ -212,7 +211,7 @@ class StageHandle(Follower):
         self._sampler.reset()
         self.memory.spawned(proc.pid)
         self._pipe = ControlPipe(parent, self._on_message)
-        self._watch(proc)
+        self.liveness.watch(proc)
         log.info("stage worker spawned", stage=self.label, pid=proc.pid, devices=list(self.stage.devices),
                  restarts=self.restarts)
 
@@ -291,54 +290,6 @@ class StageHandle(Follower):
 
     # ------------------------------------------------------------------ death and restart
 
-    def _watch(self, proc: BaseProcess) -> None:
-        """Wake when the worker exits: its pidfd (readable exactly then), else its sentinel."""
-        self._pidfd = PidFd(proc.pid) if proc.pid is not None else None
-        fd = self._pidfd.fd if self._pidfd is not None and self._pidfd.fd is not None else proc.sentinel
-        self._watched_fd = fd
-        asyncio.get_running_loop().add_reader(fd, self._on_wake)
-
-    def _unwatch(self) -> None:
-        fd, self._watched_fd = self._watched_fd, None
-        if fd is not None:
-            asyncio.get_running_loop().remove_reader(fd)
-        if self._pidfd is not None:
-            self._pidfd.close()
-            self._pidfd = None
-
-    def _on_wake(self) -> None:
-        proc = self.process
-        fd, self._watched_fd = self._watched_fd, None
-        if fd is not None:
-            asyncio.get_running_loop().remove_reader(fd)
-        if proc is None:
-            return
-        self._reap(proc, time.monotonic() + 5.0)
-
-    def _reap(self, proc: BaseProcess, deadline: float) -> None:
-        """The sentinel fires as the worker closes its fds; its exit status follows within
-        moments. Poll for it without blocking the event loop. Dead means an exit status: a wake
-        without one (a descriptor closed and reused) is logged and waited out."""
-        if proc is not self.process or self._handled is proc:
-            return                      # handled already (the heartbeat check found its exit)
-        if exit_of(proc) is None:
-            if time.monotonic() < deadline:
-                asyncio.get_running_loop().call_later(0.005, self._reap, proc, deadline)
-                return
-            log.warning("the stage worker's exit watch woke, but the worker has not exited; watching on",
-                        stage=self.label, pid=proc.pid)
-            if self._pidfd is not None:
-                self._pidfd.reopen()
-                fd = self._pidfd.fd
-            else:
-                fd = None
-            if fd is not None:
-                self._watched_fd = fd
-                asyncio.get_running_loop().add_reader(fd, self._on_wake)
-            return                      # (without a pidfd: `check_heartbeat` looks every second)
-        proc.join(timeout=0)            # multiprocessing reaps it and keeps its exit code
-        self._on_exit_status(proc)
-
     def _close_log_pipe(self) -> None:
         """Store and forward what the worker wrote before it exited, then stop reading its pipe."""
         log_pipe, self._log_pipe = self._log_pipe, None
@@ -348,8 +299,7 @@ class StageHandle(Follower):
             self._root_cause = log_pipe.causes.root_cause()
 
     def _on_exit_status(self, proc: BaseProcess) -> None:
-        self._handled = proc
-        self._unwatch()
+        """The worker exited (`liveness` read its exit status; it stopped watching it)."""
         pipe, self._pipe = self._pipe, None
         if pipe is not None:
             pipe.drain()                # what it said before dying (LoadFailed, Failed ...)
@@ -492,12 +442,8 @@ class StageHandle(Follower):
                     pass
 
     def check_heartbeat(self) -> None:
-        timeout = self.config.daemon.heartbeat_timeout_s
-        if self.state.warm and self.alive and time.monotonic() - self.last_heartbeat > timeout:
-            self.kill(f"hung: no heartbeat for {timeout:g} s")
-        proc = self.process
-        if proc is not None and self._handled is not proc and exit_of(proc) is not None:
-            self._on_exit_status(proc)      # an exit whose wake was lost (its descriptor closed under us)
+        """Once a second: a hung worker killed, a lost exit handled (liveness.py), its memory watched."""
+        self.liveness.check()
         self.memory.tend()
 
     async def stop(self, grace: float) -> None:
