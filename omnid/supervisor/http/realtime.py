@@ -6,7 +6,7 @@ mounts it: `RealtimeApi(api).mount(api.app)`), on the socket and on the TCP list
 access.py, checks the key before this sees the request). Nothing here blocks: a session is two
 coroutines, the handler reading the client's events and, while a response runs, one task that
 follows its job (the scheduler's event queue, as the OpenAI paths do: openai_api.py) and reads its
-speech from the job's live WAV stream (`_LiveAudio`).
+speech from the job's live WAV stream (`LiveAudio`).
 
 - The events are OpenAI's published ones (the `RealtimeClientEvent*` and `RealtimeServerEvent*`
   components of openai/openai-openapi; realtime_events.py writes the server's): `session.update`,
@@ -55,8 +55,11 @@ from omnid.supervisor.http import admission, prompt_length
 from omnid.supervisor.http import realtime_events as E
 from omnid.supervisor.http.access import KEY_NAME
 from omnid.supervisor.http.http_common import follow_batches
-from omnid.supervisor.http.openai_api import (OpenAiApi, OpenAiError, _find, _Generation, _generation, _LiveAudio,
-                                              _media_inputs, _sampling, _succeeded, _take, _usage)
+from omnid.supervisor.http.live_audio import LiveAudio
+from omnid.supervisor.http.openai_errors import OpenAiError
+from omnid.supervisor.http.openai_jobs import Generation, OpenAiJobs, generation, succeeded, take, usage
+from omnid.supervisor.http.openai_models import find_pipeline
+from omnid.supervisor.http.openai_requests import media_inputs, sampling
 from omnid.vocabulary import ErrorCode, JobRecord
 
 if TYPE_CHECKING:
@@ -123,7 +126,7 @@ class _Response:
     id: str
     item: _Item
     job: JobRecord
-    gen: _Generation
+    gen: Generation
     audio: bool                         # speech goes out (else the text alone)
     metadata: dict[str, str]
     voice: str
@@ -142,7 +145,7 @@ class RealtimeApi:
 
     def __init__(self, api: Api) -> None:
         self.api = api
-        self.openai = OpenAiApi(api)            # its job submission and answers' machinery
+        self.jobs = OpenAiJobs(api)              # the OpenAI paths' job submission
         self.sessions: dict[str, _Session] = {}
         self.rates: dict[str, int] = {}         # the PCM rate each pipeline's speech came at, last time
 
@@ -158,7 +161,7 @@ class RealtimeApi:
         cfg = self.api.config.daemon
         owner = str(request.get(KEY_NAME) or f"uid {request['uid']}")
         try:
-            p = _find(self.api.config, request.query.get("model"))
+            p = find_pipeline(self.api.config, request.query.get("model"))
         except OpenAiError as e:
             return await E.refuse(request, e.code or "model_not_found", e.message, E.CLOSE_POLICY, status=e.status)
         if admission.text_stage(self.api.config, p) is None:
@@ -578,8 +581,8 @@ class _Session:
         if not any(i.role == "user" for i in self.items):
             raise EventError("invalid_value", "the conversation has no user turn yet: conversation.item.create or "
                              "input_audio_buffer.commit first")
-        gen = _generation(self.config, self.p)
-        params = _sampling(self.config, self.p, {"max_tokens": max_tokens} if max_tokens else {},
+        gen = generation(self.config, self.p)
+        params = sampling(self.config, self.p, {"max_tokens": max_tokens} if max_tokens else {},
                            {"include_prompt": False})
         if gen.token_stage is not None:
             stage = self.config.stages[gen.token_stage]
@@ -599,10 +602,10 @@ class _Session:
         finally:
             self.instructions = saved
         if parts:
-            inputs, summary = _media_inputs(self.config, self.p, json.dumps(messages), parts)
+            inputs, summary = media_inputs(self.config, self.p, json.dumps(messages), parts)
         else:
             inputs, summary = admission.inputs(self.config, {"messages": json.dumps(messages)}, self.p)
-        job = self.rt.openai._submit(self.request, self.p, inputs, params, summary)
+        job = self.rt.jobs.submit(self.request, self.p, inputs, params, summary)
         self.responses += 1
         item = _Item(_new_id("item"), "assistant", spoken="audio" in modalities, status="in_progress")
         resp = _Response(_new_id("resp"), item, job, gen, "audio" in modalities,
@@ -627,7 +630,7 @@ class _Session:
             if error is not None:
                 details["error"] = error
             doc["status_details"] = details
-            u = _usage(r.gen)
+            u = usage(r.gen)
             doc["usage"] = {"total_tokens": u["total_tokens"], "input_tokens": u["prompt_tokens"],
                             "output_tokens": u["completion_tokens"],
                             "input_token_details": {"text_tokens": u["prompt_tokens"]},
@@ -638,7 +641,7 @@ class _Session:
         """The response's events as its job makes them; then its last ones (unless cancelled: the
         canceller sends those)."""
         head = r.head()
-        reader = _LiveAudio(self.rt.api.store.job_dir(r.job.id)) if r.audio else None
+        reader = LiveAudio(self.rt.api.store.job_dir(r.job.id)) if r.audio else None
         error: OpenAiError | None = None
         try:
             await self.send(E.event("response.output_item.added", response_id=r.id, output_index=0,
@@ -674,21 +677,21 @@ class _Session:
         await self.send(E.event("conversation.item.added", previous_item_id=previous,
                                 item={**item.doc(), "content": []}))
 
-    async def _deltas(self, r: _Response, reader: _LiveAudio | None) -> AsyncIterator[tuple[str, bytes]]:
+    async def _deltas(self, r: _Response, reader: LiveAudio | None) -> AsyncIterator[tuple[str, bytes]]:
         """What the job made since the last delta: its text joined, its speech read (at most
         MAX_DELTA_BYTES at a time); after its end, the rest. OpenAiError if it ended badly."""
         async with aclosing(follow_batches(self.request, self.rt.api.scheduler, r.job.id)) as batches:
             async for batch in batches:
-                texts = [t for ev in batch if (t := _take(ev, r.gen))]
+                texts = [t for ev in batch if (t := take(ev, r.gen))]
                 pcm = reader.read() if reader is not None else b""
                 if texts:
                     r.gen.pieces.extend(texts)
                 yield "".join(texts), pcm
         while reader is not None and (pcm := reader.read()):
             yield "", pcm
-        _succeeded(self.rt.api.scheduler, r.job.id)
+        succeeded(self.rt.api.scheduler, r.job.id)
 
-    async def _audio_delta(self, r: _Response, reader: _LiveAudio | None, pcm: bytes) -> None:
+    async def _audio_delta(self, r: _Response, reader: LiveAudio | None, pcm: bytes) -> None:
         if r.pcm_bytes == 0 and reader is not None and len(reader.header) >= 28:
             rate = int.from_bytes(reader.header[24:28], "little")
             r.rate = rate
