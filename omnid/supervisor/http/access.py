@@ -40,7 +40,7 @@ from omnid.supervisor.http.api import RETRY_AFTER_S, error
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.http.http_common import json_body
 from omnid.supervisor.http import realtime_events
-from omnid.supervisor.http.openai_api import OPENAI_PATHS, OpenAiError
+from omnid.supervisor.http.openai_errors import OPENAI_PATHS, OpenAiError
 from omnid.vocabulary import ErrorCode
 
 if TYPE_CHECKING:

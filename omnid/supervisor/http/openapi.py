@@ -6,26 +6,27 @@ the config and the app's router, no I/O, nothing blocks. Both documents are buil
 things the server checks with: the parameter rules of `omnid.params` (each rule describes itself),
 the engines' declarations (`omnid.engines.capabilities`: their input needs, as admission.py
 enforces them, and their outputs) and the words of `omnid.vocabulary`, so
-the description cannot drift from the behaviour. The routes are read from the app's router at
-request time: an endpoint added anywhere (another module's routes too) is in the document; one
-this module has no schema for is still listed, described by its handler's docstring.
+the description cannot drift from the behaviour. The documents the API answers (the component
+schemas) are openapi_schemas.py's; here are the operations: each route's summary, parameters, body
+and answers. The routes are read from the app's router at request time: an endpoint added anywhere
+(another module's routes too) is in the document; one this module has no schema for is still
+listed, described by its handler's docstring.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 from aiohttp import web
 
 from omnid.config import Config, PipelineConfig, StageConfig
-from omnid.engines.capabilities import (CAPABILITIES, capabilities, describe_stage_params, engines_that, param_schema,
-                                        stage_params_schema)
-from omnid.media import IMAGE_FORMATS, MEDIA_KINDS
-from omnid.params import PLAIN_VALUE_SCHEMA
+from omnid.engines.capabilities import capabilities, describe_stage_params, engines_that, param_schema
+from omnid.media import IMAGE_FORMATS
 from omnid.lora import describe as describe_lora, pipeline_adapters
+from omnid.supervisor.http.openapi_schemas import (BOOL, INT, LORA, PRIORITY, STR, enum, name_adapters, obj,
+                                                   openai_schemas, ref, schemas)
 from omnid.supervisor.workers.stage_logs import SINCE_PATTERN
-from omnid.vocabulary import JOB_LINKS, ErrorCode, EventType, JobState, StageRunState, WorkerState
+from omnid.vocabulary import ErrorCode, JobState
 
 # A first stage whose engine needs a text input "prompt" (`Capabilities.text_prompt`: the API refuses
 # a job without it, 400 missing_input) is described; a python stage's function reads whatever inputs it
@@ -82,241 +83,10 @@ def describe_pipeline(config: Config, pipeline: PipelineConfig) -> dict[str, Any
     doc["inputs"] = {s.name: _stage_inputs(s) for s in stages if s.name in pipeline.sources}
     doc["params"] = {s.name: {"engine": s.engine, **describe_stage_params(s.engine, s.defaults)} for s in stages}
     for s in stages:
-        _name_adapters(doc["params"][s.name]["params"], s)
+        name_adapters(doc["params"][s.name]["params"], s)
     doc["outputs"] = {s.name: _stage_outputs(s) for s in stages if s.name in pipeline.sinks}
     doc["adapters"] = {s.name: describe_lora(s) for s in stages if s.lora is not None}
     return doc
-
-
-def _name_adapters(params: dict[str, Any], stage: StageConfig) -> dict[str, Any]:
-    """A stage's `adapter` and `adapters` parameters (in a description or a schema's properties) with
-    the names of its adapters in force."""
-    if stage.lora is None:
-        return params
-    names = sorted(stage.adapters)
-    if isinstance(params.get("adapter"), dict):
-        params["adapter"] = {**params["adapter"], "enum": names}
-    if isinstance(params.get("adapters"), dict):
-        params["adapters"] = {**params["adapters"], "propertyNames": {"enum": names}}
-    return params
-
-
-# ------------------------------------------------------------------ schemas
-
-
-def _enum(values: Iterable[str]) -> dict[str, Any]:
-    return {"type": "string", "enum": [str(v) for v in values]}
-
-
-def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-def _ref(name: str) -> dict[str, Any]:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def _obj(properties: Mapping[str, Any], required: Iterable[str] = (), extra: bool = True) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "object", "properties": dict(properties), "required": list(required)}
-    if not extra:
-        schema["additionalProperties"] = False
-    return schema
-
-
-_NUM = {"type": "number"}
-_INT = {"type": "integer"}
-_STR = {"type": "string"}
-_BOOL = {"type": "boolean"}
-_INPUT_NAME = {"type": "string", "minLength": 1, "maxLength": 128}
-# base64 as `base64.b64decode(validate=True)` takes it: the standard alphabet, padded
-_B64 = {"type": "string", "contentEncoding": "base64",
-        "pattern": "^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"}
-_FILE_INPUT = _obj({"b64": _B64, "filename": _nullable(_STR)},
-                   ["b64"], extra=False)
-_SAMPLES_INPUT = _obj({"samples": {"type": "array", "items": _NUM, "minItems": 1},
-                       "rate": {"type": "integer", "minimum": 1, "maximum": 768000}}, ["samples", "rate"], extra=False)
-_INPUT_VALUE = {"anyOf": [PLAIN_VALUE_SCHEMA, _FILE_INPUT, _SAMPLES_INPUT,
-                          {"type": "array", "items": {"anyOf": [_FILE_INPUT, _SAMPLES_INPUT]}, "minItems": 1}]}
-
-
-# A job's priority (omnid/fair_queue.py): lower runs earlier; 0 by default; past the owner's max_priority: 403
-PRIORITY = {"type": "integer", "minimum": -1_000_000, "maximum": 1_000_000,
-            "description": "lower runs earlier (0 by default, as in vLLM); more urgent than the owner's "
-                           "max_priority (daemon.owners; 0 unless configured, root on the socket: any): 403 "
-                           "priority_not_allowed"}
-# Where a queued job waits, per stage (GET /v1/jobs/{id}; omnictl status JOB)
-QUEUE_PLACE = {"type": "object", "description": "a queued job's place in each stage's queue that holds it (or "
-               "whose feeder does): position 1 is next; ahead, by priority; running there now",
-               "additionalProperties": {"type": "object", "properties": {
-                   "position": {"type": "integer"}, "ahead": {"type": "integer"},
-                   "ahead_by_priority": {"type": "object", "additionalProperties": {"type": "integer"}},
-                   "running": {"type": "integer"}, "priority": {"type": "integer"}},
-                   "required": ["position", "ahead", "ahead_by_priority", "running", "priority"]}}
-
-
-def _job_request(config: Config) -> dict[str, Any]:
-    """`POST /v1/jobs`'s body: one alternative per pipeline, with each stage's params schema."""
-    timeout = _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 7 * 24 * 3600})
-    variants = []
-    for pipeline in config.pipelines.values():
-        sources = [config.stages[s] for s in pipeline.sources]
-        # (a vllm stage that takes media may get media alone; `messages` is the other alternative)
-        needs_prompt = any(capabilities(s.engine).text_prompt and not (capabilities(s.engine).media and s.media.kinds)
-                           for s in sources)
-        inputs = {"type": "object", "additionalProperties": _INPUT_VALUE, "propertyNames": _INPUT_NAME,
-                  "properties": {"prompt": _STR} if needs_prompt else {},
-                  "required": ["prompt"] if needs_prompt else []}
-        params = _obj({name: _adapter_schema(stage_params_schema(config.stages[name].engine,
-                                                                 config.stages[name].defaults), config.stages[name])
-                       for name in pipeline.stages}, extra=False)
-        variants.append(_obj({"pipeline": {"const": pipeline.name}, "inputs": inputs, "params": params,
-                              "timeout_s": timeout, "priority": _nullable(PRIORITY)}, ["pipeline", *(["inputs"] if needs_prompt else [])],
-                             extra=False) | {"title": pipeline.name})
-    return {"oneOf": variants} if variants else _obj({"pipeline": _STR}, ["pipeline"])
-
-
-def _adapter_schema(schema: dict[str, Any], stage: StageConfig) -> dict[str, Any]:
-    if isinstance(schema.get("properties"), dict):
-        schema["properties"] = _name_adapters(dict(schema["properties"]), stage)
-    return schema
-
-
-_LORA = _nullable(_obj({"base": _nullable(_STR), "max_loras": _INT, "max_lora_rank": _INT,
-                        "adapters": {"type": "array", "items": _obj({"name": _STR, "path": _STR}, ["name", "path"])}},
-                       ["base", "adapters", "max_loras", "max_lora_rank"]))
-
-
-def schemas(config: Config) -> dict[str, Any]:
-    """`components.schemas`: every document the API answers, and the job request."""
-    stage_run = _obj({
-        "state": _enum(StageRunState),
-        "progress": _nullable(_obj({"done": _INT, "total": _nullable(_INT)}, ["done"])),
-        "started_at": _nullable(_NUM), "finished_at": _nullable(_NUM), "elapsed_s": _nullable(_NUM),
-        "segments": _INT, "replica": _nullable(_INT),
-    }, ["state", "progress", "started_at", "finished_at", "elapsed_s", "segments", "replica"], extra=False)
-    output = _obj({"name": _STR, "file": _STR, "kind": _STR, "content_type": _STR, "size": _INT,
-                   "stage": _STR}, ["name", "file", "kind", "content_type"])
-    job_error = _obj({"code": _enum(ErrorCode), "message": _STR, "stage": _nullable(_STR)}, ["code", "message"])
-    file_summary = _obj({"filename": _nullable(_STR), "size": _INT, "format": _STR, "width": _INT, "height": _INT,
-                         "seconds": _NUM, "rate": _INT, "channels": _INT, "samples": _INT}, ["size"])
-    input_summary = {"anyOf": [PLAIN_VALUE_SCHEMA, file_summary, {"type": "array", "items": file_summary}]}
-    job_keys = {
-        "id": _STR, "pipeline": _STR, "state": _enum(JobState), "owner_uid": _INT,
-        "created_at": _NUM, "started_at": _nullable(_NUM), "finished_at": _nullable(_NUM), "timeout_s": _NUM,
-        "inputs": {"type": "object", "additionalProperties": input_summary},
-        "params": {"type": "object", "additionalProperties": {"type": "object",
-                                                              "additionalProperties": PLAIN_VALUE_SCHEMA}},
-        "stages": {"type": "object", "additionalProperties": _ref("StageRun")},
-        "outputs": {"type": "array", "items": _ref("Output")},
-        "error": _nullable(_ref("JobError")),
-        "priority": {"type": "integer", "description": "lower runs earlier"},
-        "key": {**_nullable(_STR), "description": "the API key it came with (TCP); fair share's owner"},
-    }
-    # window: -1 (full trigger), N (segments per window) or a schedule [N1, N2, ...] (the last repeats)
-    window = {"oneOf": [_INT, {"type": "array", "items": _INT, "minItems": 1}]}
-    edge = _obj({"from": _STR, "to": _STR, "window": window, "map": _nullable({"type": "object"}),
-                 "transform": _nullable(_STR)}, ["from", "to", "window"])
-    pipeline_keys = {"name": _STR, "stages": {"type": "array", "items": _STR},
-                     "edges": {"type": "array", "items": _ref("Edge")},
-                     "sources": {"type": "array", "items": _STR}, "sinks": {"type": "array", "items": _STR},
-                     "timeout_s": _nullable(_NUM), "retries": _INT,
-                     "kept_outputs": {"type": "object", "additionalProperties": {"type": "array", "items": _STR},
-                                      "description": "the config's `outputs`: outputs of stages that are not "
-                                                     "last kept as the job's too"}}
-    param_doc = {"type": "object", "properties": {"default": PLAIN_VALUE_SCHEMA}}
-    described = {
-        **pipeline_keys,
-        "inputs": {"type": "object", "additionalProperties": _obj(
-            {"known": _BOOL, "engine": _STR, "note": _STR,
-             "media": _obj({**{k: _INT for k in MEDIA_KINDS}, "max_bytes": _INT, "max_pixels": _INT,
-                            "max_audio_s": _NUM, "max_video_frames": _INT}, [*MEDIA_KINDS]),
-             "inputs": {"type": "object", "additionalProperties": _obj(
-                 {"type": _STR, "required": _BOOL, "description": _STR}, ["type", "required"])}},
-            ["known", "engine", "inputs"])},
-        "params": {"type": "object", "additionalProperties": _obj(
-            {"engine": _STR, "accepts": _STR, "params": {"type": "object", "additionalProperties": param_doc}},
-            ["engine", "accepts", "params"])},
-        "outputs": {"type": "object", "additionalProperties": _obj(
-            {"known": _BOOL, "engine": _STR, "note": _STR,
-             "outputs": {"type": "array", "items": _obj({"name": _STR, "kind": _STR, "file": _STR,
-                                                         "content_type": _STR, "description": _STR},
-                                                        ["name", "kind", "content_type"])}},
-            ["known", "engine", "outputs"])},
-        "adapters": {"type": "object", "additionalProperties": _LORA,
-                     "description": "the LoRA adapters of its stages that have a lora table, and their base model"},
-    }
-    stage_keys = {
-        "name": _STR, "engine": _enum(CAPABILITIES), "state": _enum(WorkerState),
-        "pid": _nullable(_INT), "devices": {"type": "array", "items": _INT}, "queue_depth": _INT,
-        "queue_capacity": _INT, "max_inflight": _INT, "running": {"type": "array", "items": _STR},
-        "jobs_done": _INT, "restarts": _INT, "rss_bytes": _nullable(_INT), "cpu_percent": _nullable(_NUM),
-        "gpu_memory_bytes": _nullable(_INT), "uptime_s": _nullable(_NUM), "load_s": _nullable(_NUM),
-        "last_error": _nullable(_STR), "model": _nullable(_STR), "function": _nullable(_STR), "lazy": _BOOL,
-        "placement": _enum(("local", "ray", "mixed")), "node": _nullable(_STR),
-        "ray": {"type": ["object", "null"]},     # a Ray-placed worker: node_id, node_ip, node_name, host, actor_id
-        "info": {"type": "object", "description": "what the loaded engine reports: for a vLLM stage its model, "
-                 "dtype, max_model_len, compiled (torch.compile'd or eager), vllm (the vLLM version its worker "
-                 "runs), engine_core, threads; tensors and media where configured"},
-    }
-    replica_keys = {**stage_keys, "replica": _INT, "label": _STR, "retiring": _BOOL}
-    stage_keys = {**stage_keys, "replica_count": _INT, "down": {"type": "array", "items": _STR},
-                  "idle_unload_s": _nullable(_NUM), "idle_s": _nullable(_NUM), "slept_at": _nullable(_NUM),
-                  "wake_s": _nullable(_NUM), "lora": _LORA,
-                  "replicas": {"type": "array", "items": _obj(replica_keys, ["name", "replica", "state", "pid"])}}
-    return {
-        "Error": _obj({"error": _obj({"code": _enum(ErrorCode), "message": _STR,
-                                      "input": {**_STR, "description": "the input a 400 invalid_media or "
-                                                                       "media_not_accepted is about"}},
-                                     ["code", "message"])},
-                      ["error"], extra=False),
-        "JobRequest": _job_request(config),
-        "Job": _obj({**job_keys, "queue": QUEUE_PLACE}, job_keys, extra=False),
-        "NewJob": _obj({**job_keys, "links": _obj({k: _STR for k in JOB_LINKS}, list(JOB_LINKS), extra=False),
-                        "trace_id": {**_STR, "description": "the job's trace ([daemon] tracing on): the caller's "
-                                     "traceparent's, else a new one"}},
-                       [*job_keys, "links"], extra=False),
-        "JobList": _obj({"jobs": {"type": "array", "items": _ref("Job")}}, ["jobs"], extra=False),
-        "StageRun": stage_run,
-        "Output": output,
-        "JobError": job_error,
-        "Event": _obj({"type": _enum(EventType), "job": _STR, "ts": _NUM, "stage": _STR, "state": _enum(JobState),
-                       "error": _nullable(_ref("JobError")), "done": _INT, "total": _nullable(_INT), "index": _INT,
-                       "is_last": _BOOL, "text": _STR, "audio_s": _NUM, "code": _enum(ErrorCode), "message": _STR,
-                       "elapsed_s": _nullable(_NUM), "wake_s": _nullable(_NUM),
-                       "usage": {"type": "object", "additionalProperties": _INT},
-                       "trace_id": {**_STR, "description": "state queued, with tracing on: the job's trace"}},
-                      ["type", "job", "ts"]),
-        "Deleted": _obj({"deleted": _STR}, ["deleted"], extra=False),
-        "Edge": edge,
-        "Pipeline": _obj(pipeline_keys, pipeline_keys),
-        "PipelineList": _obj({"pipelines": {"type": "array", "items": _ref("Pipeline")}}, ["pipelines"]),
-        "PipelineDescription": _obj(described, [*pipeline_keys, "inputs", "params", "outputs"]),
-        "Stage": _obj(stage_keys, ["name", "engine", "state", "pid"]),
-        "StageList": _obj({"stages": {"type": "array", "items": _ref("Stage")}}, ["stages"]),
-        "Restarting": _obj({"restarting": _STR, "stage": _ref("Stage")}, ["restarting", "stage"]),
-        "Sleeping": _obj({"sleeping": _STR, "already": _BOOL, "stage": _ref("Stage")}, ["sleeping", "stage"]),
-        "Waking": _obj({"waking": _STR, "already": _BOOL, "stage": _ref("Stage")}, ["waking", "stage"]),
-        "StageAdapters": _obj({"stage": _STR, "lora": _LORA}, ["stage", "lora"]),
-        "AdapterRequest": _obj({"name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"},
-                                "path": {**_STR, "minLength": 1, "description": "the adapter's folder (relative: "
-                                         "to the config file's folder)"}}, ["name", "path"], extra=False),
-        "Health": _obj({"status": {"const": "ok"}, "pid": _INT, "uptime_s": _NUM, "version": _STR,
-                        "live_jobs": _INT, "stopping_jobs": _INT},
-                       ["status", "pid", "uptime_s", "version", "live_jobs"]),
-        "Ready": _obj({"ready": _BOOL, "stages": {"type": "object", "additionalProperties": _enum(WorkerState)},
-                       "not_ready": {"type": "array", "items": _STR}, "draining": _BOOL,
-                       "lazy": {"type": "array", "items": _STR,
-                                "description": "python stages with `lazy = true`: ready before their function "
-                                               "has loaded what it needs (it does so on its first job)"},
-                       "reasons": {"type": "array", "items": {"enum": [str(ErrorCode.DISK_FULL)]},
-                                   "description": "why not ready besides the stages: disk_full"},
-                       "disk": _obj({"full": _BOOL, "reason": {"type": ["string", "null"]}, "free_mb": _INT,
-                                     "min_free_mb": _INT, "free_inodes": {"type": ["integer", "null"]},
-                                     "min_free_inodes": _INT, "ballast_mb": _INT}, ["full", "free_mb"]),
-                       "replicas_down": {"type": "object", "additionalProperties": {
-                           "type": "object", "additionalProperties": _enum(WorkerState)}}},
-                      ["ready", "stages", "not_ready"]),
-    }
 
 
 # ------------------------------------------------------------------ operations
@@ -327,12 +97,12 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 
 
 _ERROR = {"$ref": "#/components/responses/Error"}
-_JOB_ID = {"name": "id", "in": "path", "required": True, "schema": _STR,
+_JOB_ID = {"name": "id", "in": "path", "required": True, "schema": STR,
            "description": "a job id, or a unique prefix of at least 4 characters"}
 
 
 def _path_param(name: str, description: str) -> dict[str, Any]:
-    return {"name": name, "in": "path", "required": True, "schema": _STR, "description": description}
+    return {"name": name, "in": "path", "required": True, "schema": STR, "description": description}
 
 
 def _query(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
@@ -347,7 +117,7 @@ _LOG_QUERY = [
     _query("since", {"type": "string", "pattern": SINCE_PATTERN},
            "only lines since: a duration ago (10m, 1h, 2d), an ISO 8601 time or a Unix time (empty: all)"),
     _query("tail", {"type": "integer", "minimum": 0, "maximum": 100000}, "only the last N lines"),
-    _query("follow", _enum(("1", "true", "0", "false")), "1 or true: the answer is a stream that does not end: new "
+    _query("follow", enum(("1", "true", "0", "false")), "1 or true: the answer is a stream that does not end: new "
            "lines are sent as they are written until the caller hangs up or the daemon stops"),
 ]
 # A followed log: the 200 answer is chunked text that ends only when the caller hangs up.
@@ -357,102 +127,102 @@ _LOG_STREAM = {"x-omnid-stream": "with follow=1 or follow=true: chunked text/pla
 # W3C Trace Context ([daemon] tracing): the caller's context, joined by every path that makes a job;
 # the job's own, in the answer.
 _TRACE_PARAMETERS = [
-    {"name": "traceparent", "in": "header", "required": False, "schema": _STR,
+    {"name": "traceparent", "in": "header", "required": False, "schema": STR,
      "description": "W3C Trace Context: with tracing on, the job's span is this span's child (ignored when not valid)"},
-    {"name": "tracestate", "in": "header", "required": False, "schema": _STR,
+    {"name": "tracestate", "in": "header", "required": False, "schema": STR,
      "description": "W3C Trace Context: carried with traceparent"}]
-_TRACE_RESPONSE = {"traceresponse": {"schema": _STR, "description": "with tracing on: the job's span, "
+_TRACE_RESPONSE = {"traceresponse": {"schema": STR, "description": "with tracing on: the job's span, "
                                      "00-<trace id>-<span id>-<flags> (W3C Trace Context level 2)"}}
 
 # (method, path) -> operation, for the routes this module knows. Routes it does not know are
 # documented from their handler (see `openapi_document`).
 OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/v1/jobs"): _op(
-        "Submit a job", {"201": {**_json(_ref("NewJob"), "the job, queued (it is in the database), with its "
+        "Submit a job", {"201": {**_json(ref("NewJob"), "the job, queued (it is in the database), with its "
                                                            "paths; its inputs as a short summary"),
-                                 "headers": {"Location": {"schema": _STR, "description": "/v1/jobs/{id}"},
+                                 "headers": {"Location": {"schema": STR, "description": "/v1/jobs/{id}"},
                                              **_TRACE_RESPONSE}}},
-        requestBody={"required": True, "content": {"application/json": {"schema": _ref("JobRequest")}}}),
+        requestBody={"required": True, "content": {"application/json": {"schema": ref("JobRequest")}}}),
     ("GET", "/v1/jobs"): _op(
-        "The caller's jobs (root, or an admin key over TCP: everyone's), newest first", {"200": _json(_ref("JobList"), "the jobs")},
-        parameters=[_query("state", _enum(JobState), "only jobs in this state"),
-                    _query("pipeline", _STR, "only jobs of this pipeline"),
+        "The caller's jobs (root, or an admin key over TCP: everyone's), newest first", {"200": _json(ref("JobList"), "the jobs")},
+        parameters=[_query("state", enum(JobState), "only jobs in this state"),
+                    _query("pipeline", STR, "only jobs of this pipeline"),
                     _query("limit", {"type": "integer", "minimum": 1, "maximum": 1000, "default": 50},
                            "how many")]),
     ("GET", "/v1/jobs/{id}"): _op("One job; a queued one with `queue`: its place in each stage's queue and what is "
-                                  "ahead of it", {"200": _json(_ref("Job"), "the job")}, parameters=[_JOB_ID]),
+                                  "ahead of it", {"200": _json(ref("Job"), "the job")}, parameters=[_JOB_ID]),
     ("GET", "/v1/jobs/{id}/events"): _op(
         "The job's events from its start, live, ending after its terminal state",
         {"200": {"description": "NDJSON: one Event object per line",
-                 "content": {"application/x-ndjson": {"schema": _ref("Event")}}}}, parameters=[_JOB_ID]),
+                 "content": {"application/x-ndjson": {"schema": ref("Event")}}}}, parameters=[_JOB_ID]),
     ("POST", "/v1/jobs/{id}/cancel"): _op(
-        "Cancel a queued or running job (idempotent)", {"200": _json(_ref("Job"), "the job")}, parameters=[_JOB_ID]),
+        "Cancel a queued or running job (idempotent)", {"200": _json(ref("Job"), "the job")}, parameters=[_JOB_ID]),
     ("DELETE", "/v1/jobs/{id}"): _op(
-        "Forget a finished job and its files (409 while it runs)", {"200": _json(_ref("Deleted"), "deleted")},
+        "Forget a finished job and its files (409 while it runs)", {"200": _json(ref("Deleted"), "deleted")},
         parameters=[_JOB_ID]),
     ("GET", "/v1/jobs/{id}/outputs/{name}"): _op(
         "One output's bytes, with its content type; ?stream=1: a live job's output as it is produced",
         {"200": {"description": "the output's bytes, as its content type says (image/png, audio/wav, text/plain, "
                                 "application/json, ...)", "content": {"*/*": {"schema": {}}}}},
         parameters=[_JOB_ID, _path_param("name", "the output's name or file name"),
-                    _query("stream", _enum(("1", "true", "0", "false")), "stream a live job's output")]),
-    ("GET", "/v1/pipelines"): _op("Every pipeline", {"200": _json(_ref("PipelineList"), "the pipelines")}),
+                    _query("stream", enum(("1", "true", "0", "false")), "stream a live job's output")]),
+    ("GET", "/v1/pipelines"): _op("Every pipeline", {"200": _json(ref("PipelineList"), "the pipelines")}),
     ("GET", "/v1/pipelines/{name}"): _op(
         "One pipeline: its inputs, each stage's parameters (types, limits, defaults), edges and outputs",
-        {"200": _json(_ref("PipelineDescription"), "the pipeline")},
+        {"200": _json(ref("PipelineDescription"), "the pipeline")},
         parameters=[_path_param("name", "the pipeline's name")]),
-    ("GET", "/v1/stages"): _op("Every stage's worker", {"200": _json(_ref("StageList"), "the stages")}),
+    ("GET", "/v1/stages"): _op("Every stage's worker", {"200": _json(ref("StageList"), "the stages")}),
     ("POST", "/v1/stages/{name}/restart"): _op(
         "Replace a stage's workers, one replica after the other; wake it if it sleeps (root or "
-        "daemon.admin_group; over TCP a key made with admin, else 403 not_admin)", {"202": _json(_ref("Restarting"), "restarting")},
+        "daemon.admin_group; over TCP a key made with admin, else 403 not_admin)", {"202": _json(ref("Restarting"), "restarting")},
         parameters=[_path_param("name", "the stage's name")]),
     ("POST", "/v1/stages/{name}/sleep"): _op(
         "Stop a stage's workers until a job needs it, freeing their memory and GPUs (root or "
         "daemon.admin_group; over TCP an admin key); 409 stage_busy while it has jobs",
-        {"202": _json(_ref("Sleeping"), "going to sleep"), "200": _json(_ref("Sleeping"), "asleep already")},
+        {"202": _json(ref("Sleeping"), "going to sleep"), "200": _json(ref("Sleeping"), "asleep already")},
         parameters=[_path_param("name", "the stage's name")]),
     ("POST", "/v1/stages/{name}/wake"): _op(
         "Load a sleeping stage's workers again (root or daemon.admin_group; over TCP an admin key)",
-        {"202": _json(_ref("Waking"), "waking"), "200": _json(_ref("Waking"), "awake already")},
+        {"202": _json(ref("Waking"), "waking"), "200": _json(ref("Waking"), "awake already")},
         parameters=[_path_param("name", "the stage's name")]),
     ("GET", "/v1/stages/{name}/logs"): _op(
         "A stage worker's stdout and stderr, one `TIME LINE` per line (root or daemon.admin_group)",
         {"200": {"description": "text lines, each prefixed with the UTC time it was read; with follow, a stream "
                                 "that the server never ends (new lines as they come)",
-                 "content": {"text/plain": {"schema": _STR}}, **_LOG_STREAM}},
+                 "content": {"text/plain": {"schema": STR}}, **_LOG_STREAM}},
         parameters=[_path_param("name", "the stage's name"), *_LOG_QUERY,
                     _query("replica", {"type": "integer", "minimum": 0}, "which replica (0 by default)")]),
     ("GET", "/v1/stages/{name}/adapters"): _op(
-        "A stage's LoRA adapters in force and their base model", {"200": _json(_ref("StageAdapters"), "the adapters")},
+        "A stage's LoRA adapters in force and their base model", {"200": _json(ref("StageAdapters"), "the adapters")},
         parameters=[_path_param("name", "the stage's name")]),
     ("POST", "/v1/stages/{name}/adapters"): _op(
         "Add a LoRA adapter to a running stage (root or daemon.admin_group): new jobs may name it at once; "
         "400 invalid_adapter (no LoRA there, a rank above max_lora_rank, made for another model), 409 "
-        "adapter_exists, or 409 invalid_adapter for a stage that takes none (no lora table)", {"201": _json(_obj({"stage": _STR, "added": _STR, "rank": _INT, "lora": _LORA},
+        "adapter_exists, or 409 invalid_adapter for a stage that takes none (no lora table)", {"201": _json(obj({"stage": STR, "added": STR, "rank": INT, "lora": LORA},
                                              ["stage", "added", "lora"]), "added")},
         parameters=[_path_param("name", "the stage's name")], requestBody={"required": True, "content": {
-            "application/json": {"schema": _ref("AdapterRequest")}}}),
+            "application/json": {"schema": ref("AdapterRequest")}}}),
     ("DELETE", "/v1/stages/{name}/adapters/{adapter}"): _op(
         "Remove a LoRA adapter (root or daemon.admin_group): new jobs may no longer name it; running ones "
-        "finish with it", {"200": _json(_obj({"stage": _STR, "removed": _STR, "lora": _LORA},
-                                             ["stage", "removed", "lora"]), "removed")},
+        "finish with it", {"200": _json(obj({"stage": STR, "removed": STR, "lora": LORA},
+                                            ["stage", "removed", "lora"]), "removed")},
         parameters=[_path_param("name", "the stage's name"), _path_param("adapter", "the adapter's name")]),
     ("GET", "/v1/logs"): _op(
         "The daemon's own records, one `TIME LINE` per line (root or daemon.admin_group)",
         {"200": {"description": "text lines, each prefixed with the UTC time it was written; with follow, a "
                                 "stream that the server never ends (new lines as they come)",
-                 "content": {"text/plain": {"schema": _STR}}, **_LOG_STREAM}},
+                 "content": {"text/plain": {"schema": STR}}, **_LOG_STREAM}},
         parameters=_LOG_QUERY),
     ("POST", "/v1/reload"): _op(
         "Read the config file again and apply it, as SIGHUP does (root or daemon.admin_group; over TCP an "
         "admin key, else 403 not_admin); reloaded false when it was refused (the previous config still serves)",
-        {"200": _json(_ref("Reloaded"), "what happened")}),
-    ("GET", "/v1/health"): _op("Alive: pid, uptime, version, live jobs", {"200": _json(_ref("Health"), "alive")}),
+        {"200": _json(ref("Reloaded"), "what happened")}),
+    ("GET", "/v1/health"): _op("Alive: pid, uptime, version, live jobs", {"200": _json(ref("Health"), "alive")}),
     ("GET", "/v1/ready"): _op("Every stage takes jobs: warm, degraded (some replicas down) or sleeping (200), "
                               "or not (503)",
-                              {"200": _json(_ref("Ready"), "ready"), "503": _json(_ref("Ready"), "not ready")}),
+                              {"200": _json(ref("Ready"), "ready"), "503": _json(ref("Ready"), "not ready")}),
     ("GET", "/metrics"): _op("Prometheus metrics", {"200": {"description": "Prometheus text exposition",
-                                                            "content": {"text/plain": {"schema": _STR}}}}),
+                                                            "content": {"text/plain": {"schema": STR}}}}),
     ("GET", "/v1/openapi.json"): _op("This document", {"200": _json({"type": "object"}, "OpenAPI 3.1")}),
 }
 _METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
@@ -460,12 +230,12 @@ _METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
 # When the machine runs short (omnid.supervisor.resources): every submit path (the OpenAI ones too,
 # in OpenAI's error shape there) and DELETE may answer 507; any request may answer 503
 # too_many_connections past the open-files limit.
-_RETRY_AFTER = {"Retry-After": {"schema": _INT, "description": "seconds to wait before trying again"}}
+_RETRY_AFTER = {"Retry-After": {"schema": INT, "description": "seconds to wait before trying again"}}
 RESOURCE_RESPONSES: dict[str, Any] = {
-    "InsufficientStorage": {**_json(_ref("Error"), f"{ErrorCode.INSUFFICIENT_STORAGE}: the state dir is under "
+    "InsufficientStorage": {**_json(ref("Error"), f"{ErrorCode.INSUFFICIENT_STORAGE}: the state dir is under "
                                     "daemon.min_free_mb (or min_free_inodes), or the job store cannot write; "
                                     "the job was not accepted"), "headers": _RETRY_AFTER},
-    "TooManyConnections": {**_json(_ref("Error"), f"{ErrorCode.TOO_MANY_CONNECTIONS}: more client connections "
+    "TooManyConnections": {**_json(ref("Error"), f"{ErrorCode.TOO_MANY_CONNECTIONS}: more client connections "
                                    "than the daemon's open-files limit leaves room for (the connection is closed)"),
                            "headers": _RETRY_AFTER},
 }
@@ -495,7 +265,6 @@ _NULL = {"type": "null"}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _SAMPLING = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
              "frequency_penalty", "top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos")
-_OPENAI_CODES = sorted({*map(str, ErrorCode), *map(str, JobState)})
 
 
 def _maybe(schema: dict[str, Any]) -> dict[str, Any]:
@@ -530,37 +299,37 @@ def _sampling_fields() -> dict[str, Any]:
 
 
 def _chat_request(config: Config) -> dict[str, Any]:
-    text_part = _obj({"type": {"const": "text"}, "text": _STR}, ["type", "text"])
-    content = {"anyOf": [_STR, {"type": "array", "items": text_part}]}
+    text_part = obj({"type": {"const": "text"}, "text": STR}, ["type", "text"])
+    content = {"anyOf": [STR, {"type": "array", "items": text_part}]}
     message = {"anyOf": [
-        _obj({"role": {"enum": list(_ROLES)}, "content": content}, ["role", "content"]),
-        _obj({"role": {"const": "assistant"}, "content": _NULL}, ["role"]),
+        obj({"role": {"enum": list(_ROLES)}, "content": content}, ["role", "content"]),
+        obj({"role": {"const": "assistant"}, "content": _NULL}, ["role"]),
     ]}
     empty_list = {"type": "array", "maxItems": 0}
-    return _obj({
+    return obj({
         "model": _models(config, "text"),
         "messages": {"type": "array", "items": message, "minItems": 1},
-        "n": _maybe({"const": 1}), "stream": _maybe(_BOOL),
-        "stream_options": _maybe(_obj({"include_usage": _maybe(_BOOL)})),
+        "n": _maybe({"const": 1}), "stream": _maybe(BOOL),
+        "stream_options": _maybe(obj({"include_usage": _maybe(BOOL)})),
         **_sampling_fields(), "priority": _maybe(PRIORITY),
         "tools": _maybe(empty_list), "functions": _maybe(empty_list), "function_call": _maybe({"const": "none"}),
-        "tool_choice": _maybe(_enum(("none", "auto"))), "logprobs": _maybe({"const": False}),
+        "tool_choice": _maybe(enum(("none", "auto"))), "logprobs": _maybe({"const": False}),
         "top_logprobs": _NULL, "logit_bias": _maybe({"type": "object", "maxProperties": 0}),
-        "response_format": _maybe(_obj({"type": {"const": "text"}}, ["type"])),
-        "modalities": _maybe({"type": "array", "items": _enum(("text", "audio"))}),
-        "audio": _maybe(_obj({"voice": {"anyOf": [_STR, {"type": "object"}]},
-                              "format": _enum(("wav", "pcm16"))}, ["voice", "format"])),
+        "response_format": _maybe(obj({"type": {"const": "text"}}, ["type"])),
+        "modalities": _maybe({"type": "array", "items": enum(("text", "audio"))}),
+        "audio": _maybe(obj({"voice": {"anyOf": [STR, {"type": "object"}]},
+                             "format": enum(("wav", "pcm16"))}, ["voice", "format"])),
     }, ["model", "messages"]) | {"description": "stream_options only with stream: true; audio with modalities "
                                  "[\"text\", \"audio\"] (and only then), on a pipeline that ends in audio"}
 
 
 def _completion_request(config: Config) -> dict[str, Any]:
-    return _obj({
+    return obj({
         "model": _models(config, "text"),
-        "prompt": {"anyOf": [_STR, {"type": "array", "items": _STR, "minItems": 1, "maxItems": 1}]},
-        "n": _maybe({"const": 1}), "stream": _maybe(_BOOL),
-        "stream_options": _maybe(_obj({"include_usage": _maybe(_BOOL)})),
-        "echo": _maybe(_BOOL), "suffix": _NULL, "logprobs": _NULL, "best_of": _maybe({"const": 1}),
+        "prompt": {"anyOf": [STR, {"type": "array", "items": STR, "minItems": 1, "maxItems": 1}]},
+        "n": _maybe({"const": 1}), "stream": _maybe(BOOL),
+        "stream_options": _maybe(obj({"include_usage": _maybe(BOOL)})),
+        "echo": _maybe(BOOL), "suffix": _NULL, "logprobs": _NULL, "best_of": _maybe({"const": 1}),
         **_sampling_fields(),
     }, ["model", "prompt"]) | {"description": "stream_options only with stream: true"}
 
@@ -570,7 +339,7 @@ def _image_request(config: Config) -> dict[str, Any]:
     drawn = any(capabilities(st.engine).image_size for st in config.stages.values())
     size = {"anyOf": [{"const": "auto"}, {"type": "string", "pattern": f"^(?:{sides})x(?:{sides})$"}]} if drawn \
         else {"const": "auto"}
-    return _obj({
+    return obj({
         "model": _models(config, "image"), "prompt": {"type": "string", "minLength": 1},
         "n": _maybe({"const": 1}), "size": _maybe(size), "response_format": _maybe({"const": "b64_json"}),
         "output_format": _maybe({"const": "png"}), "priority": _maybe(PRIORITY),
@@ -578,49 +347,19 @@ def _image_request(config: Config) -> dict[str, Any]:
 
 
 def _speech_request(config: Config) -> dict[str, Any]:
-    return _obj({
+    return obj({
         "model": _models(config, "audio"), "input": {"type": "string", "minLength": 1},
         "voice": {"description": "given to a last stage that has `voice` in its defaults"},
-        "response_format": _maybe(_enum(("wav", "pcm"))), "stream_format": _maybe(_enum(("audio", "sse"))),
+        "response_format": _maybe(enum(("wav", "pcm"))), "stream_format": _maybe(enum(("audio", "sse"))),
         "priority": _maybe(PRIORITY),
     }, ["model", "input"])
-
-
-def _openai_schemas() -> dict[str, Any]:
-    return {
-        "OpenAIError": _obj({"error": _obj({
-            "message": _STR, "type": _enum(("invalid_request_error", "authentication_error", "permission_error",
-                                            "rate_limit_error", "server_error")),
-            "param": _nullable(_STR), "code": {"anyOf": [_enum(_OPENAI_CODES), _NULL]}},
-            ["message", "type", "param", "code"])}, ["error"]),
-        "Model": _obj({"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR,
-                       "parent": {**_STR, "description": "a LoRA adapter's model (PIPELINE:ADAPTER): its pipeline"},
-                       "root": {**_STR, "description": "a LoRA adapter's model: the adapter's folder"},
-                       "omnid": {"type": "object"}}, ["id", "object", "created", "owned_by"]),
-        "ModelList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}},
-                          ["object", "data"]),
-        "ApiKey": _obj({"name": _STR, "uid": _INT, "created": _NUM, "hint": _STR, "max_jobs": _nullable(_INT),
-                        "rps": _nullable(_NUM), "admin": _BOOL},
-                       ["name", "uid", "created", "hint", "max_jobs", "rps", "admin"]),
-        "NewApiKey": {"allOf": [_ref("ApiKey"), _obj({"key": {**_STR, "description": "the key, shown this once"}},
-                                                     ["key"])]},
-        "ApiKeyList": _obj({"keys": {"type": "array", "items": _ref("ApiKey")}, "file": _STR}, ["keys", "file"]),
-        "KeyRequest": _obj({"name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"},
-                            "uid": {"type": "integer", "minimum": 0, "maximum": 2**32 - 2},
-                            "max_jobs": _nullable({"type": "integer", "minimum": 1, "maximum": 1_000_000}),
-                            "rps": _nullable({"type": "number", "minimum": 0.001, "maximum": 1_000_000}),
-                            "admin": {**_BOOL, "description": "the key may do the admin actions over TCP"}},
-                           ["name"], extra=False) | {"description": "root must give uid (no key is root by "
-                                                                    "default)"},
-        "Reloaded": _obj({"status": _STR, "reloaded": _BOOL}, ["status", "reloaded"]),
-    }
 
 
 def config_operations(config: Config) -> dict[tuple[str, str], dict[str, Any]]:
     """The operations whose description depends on the config: the OpenAI paths (their models),
     a stage log's replicas, and the key commands."""
     json_or_sse = {"application/json": {"schema": {"type": "object"}},
-                   "text/event-stream": {"schema": {**_STR, "description": "with stream: true, server-sent events "
+                   "text/event-stream": {"schema": {**STR, "description": "with stream: true, server-sent events "
                                                                            "ending with data: [DONE]"}}}
     replicas = max((st.replicas for st in config.stages.values()), default=1)
     stage_logs = dict(OPERATIONS[("GET", "/v1/stages/{name}/logs")])
@@ -629,10 +368,10 @@ def config_operations(config: Config) -> dict[tuple[str, str], dict[str, Any]]:
         "which replica (0 by default); less than the stage's `replicas`")]
     return {
         ("GET", "/v1/stages/{name}/logs"): stage_logs,
-        ("GET", "/v1/models"): _openai_op("The pipelines, as OpenAI models", {"200": _json(_ref("ModelList"),
+        ("GET", "/v1/models"): _openai_op("The pipelines, as OpenAI models", {"200": _json(ref("ModelList"),
                                                                                           "the models")}),
         ("GET", "/v1/models/{model}"): _openai_op(
-            "One pipeline as a model (404 model_not_found)", {"200": _json(_ref("Model"), "the model")},
+            "One pipeline as a model (404 model_not_found)", {"200": _json(ref("Model"), "the model")},
             parameters=[_path_param("model", "a pipeline's name")]),
         ("POST", "/v1/chat/completions"): _openai_op(
             "A chat, answered by a text-ending pipeline (one job)", {"200": {"description": "a chat.completion, "
@@ -644,8 +383,8 @@ def config_operations(config: Config) -> dict[tuple[str, str], dict[str, Any]]:
             requestBody=_body(_completion_request(config))),
         ("POST", "/v1/images/generations"): _openai_op(
             "An image, drawn by an image-ending pipeline (one job)",
-            {"200": _json(_obj({"created": _INT, "data": {"type": "array", "items": _obj(
-                {"b64_json": _STR, "revised_prompt": _STR}, ["b64_json"])}}, ["created", "data"]), "the image")},
+            {"200": _json(obj({"created": INT, "data": {"type": "array", "items": obj(
+                {"b64_json": STR, "revised_prompt": STR}, ["b64_json"])}}, ["created", "data"]), "the image")},
             requestBody=_body(_image_request(config))),
         ("POST", "/v1/audio/speech"): _openai_op(
             "Speech, by an audio-ending pipeline (one job), streamed as it is produced",
@@ -658,15 +397,15 @@ def config_operations(config: Config) -> dict[tuple[str, str], dict[str, Any]]:
             {"101": {"description": "switched to a WebSocket: OpenAI's realtime client and server events (JSON "
                                     "text frames); a refusal (unknown model, too many sessions, a wrong key) is "
                                     "an `error` event and a close"}},
-            parameters=[{**_query("model", {**_STR, "enum": sorted(config.pipelines)}, "the pipeline to talk to"),
+            parameters=[{**_query("model", {**STR, "enum": sorted(config.pipelines)}, "the pipeline to talk to"),
                          "required": True}]),
         ("GET", "/v1/keys"): _op("The API keys of the TCP listener (root or daemon.admin_group, on the socket only)",
-                                 {"200": _json(_ref("ApiKeyList"), "the keys, never their secrets")}),
+                                 {"200": _json(ref("ApiKeyList"), "the keys, never their secrets")}),
         ("POST", "/v1/keys"): _op(
             "A new API key (root or daemon.admin_group, on the socket only); the answer shows it this once",
-            {"201": _json(_ref("NewApiKey"), "the key")}, requestBody=_body(_ref("KeyRequest"))),
+            {"201": _json(ref("NewApiKey"), "the key")}, requestBody=_body(ref("KeyRequest"))),
         ("DELETE", "/v1/keys/{name}"): _op(
-            "Remove an API key: its next request gets 401", {"200": _json(_obj({"removed": _STR}, ["removed"]),
+            "Remove an API key: its next request gets 401", {"200": _json(obj({"removed": STR}, ["removed"]),
                                                                           "removed")},
             parameters=[_path_param("name", "the key's name")]),
     }
@@ -713,9 +452,9 @@ def openapi_document(app: web.Application, config: Config, version: str) -> dict
         "servers": [{"url": "http://omnid", "description": "the daemon's Unix socket (curl --unix-socket PATH)"}],
         "paths": paths,
         "components": {
-            "schemas": {**schemas(config), **_openai_schemas()},
-            "responses": {"Error": _json(_ref("Error"), "refused: {\"error\": {\"code\", \"message\"}}"),
-                          "OpenAIError": _json(_ref("OpenAIError"), "refused, in OpenAI's shape: {\"error\": "
+            "schemas": {**schemas(config), **openai_schemas()},
+            "responses": {"Error": _json(ref("Error"), "refused: {\"error\": {\"code\", \"message\"}}"),
+                          "OpenAIError": _json(ref("OpenAIError"), "refused, in OpenAI's shape: {\"error\": "
                                                "{\"message\", \"type\", \"param\", \"code\"}}"),
                           **RESOURCE_RESPONSES},
         },

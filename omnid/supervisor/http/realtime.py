@@ -4,9 +4,10 @@ conversation, each response of it an ordinary omnid job.
 Runs in the supervisor's event-loop thread, inside the socket API's aiohttp application (the daemon
 mounts it: `RealtimeApi(api).mount(api.app)`), on the socket and on the TCP listener (whose door,
 access.py, checks the key before this sees the request). Nothing here blocks: a session is two
-coroutines, the handler reading the client's events and, while a response runs, one task that
-follows its job (the scheduler's event queue, as the OpenAI paths do: openai_api.py) and reads its
-speech from the job's live WAV stream (`_LiveAudio`).
+coroutines, the handler here reading the client's events and, while a response runs, one task that
+follows its job (realtime_responses.py: the scheduler's event queue, as the OpenAI paths do:
+openai_jobs.py) and reads its speech from the job's live WAV stream (live_audio.py). The session's
+conversation is realtime_conversation.py's, its settings realtime_settings.py's.
 
 - The events are OpenAI's published ones (the `RealtimeClientEvent*` and `RealtimeServerEvent*`
   components of openai/openai-openapi; realtime_events.py writes the server's): `session.update`,
@@ -34,16 +35,8 @@ speech from the job's live WAV stream (`_LiveAudio`).
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import io
-import itertools
 import json
-import time
-import wave
-from collections.abc import AsyncIterator
-from contextlib import aclosing, suppress
-from dataclasses import dataclass, field
+from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -51,90 +44,22 @@ from aiohttp import WSMsgType, web
 
 from omnid.config import PipelineConfig
 from omnid.supervisor.errors import Refused
-from omnid.supervisor.http import admission, prompt_length
+from omnid.supervisor.http import admission
 from omnid.supervisor.http import realtime_events as E
 from omnid.supervisor.http.access import KEY_NAME
-from omnid.supervisor.http.http_common import follow_batches
-from omnid.supervisor.http.openai_api import (OpenAiApi, OpenAiError, _find, _Generation, _generation, _LiveAudio,
-                                              _media_inputs, _sampling, _succeeded, _take, _usage)
-from omnid.vocabulary import ErrorCode, JobRecord
+from omnid.supervisor.http.openai_errors import OpenAiError
+from omnid.supervisor.http.openai_jobs import OpenAiJobs
+from omnid.supervisor.http.openai_models import find_pipeline
+from omnid.supervisor.http.realtime_conversation import Conversation, Item
+from omnid.supervisor.http.realtime_events import EventError, new_id
+from omnid.supervisor.http.realtime_responses import Responses
+from omnid.supervisor.http.realtime_settings import SessionSettings
+from omnid.vocabulary import ErrorCode
 
 if TYPE_CHECKING:
     from omnid.supervisor.http.api import Api
 
 log = structlog.get_logger("omnid.realtime")
-
-MAX_DELTA_BYTES = 96 * 1024             # PCM per audio delta at most (a slow reader's backlog goes in several)
-MAX_ITEMS = 1024                        # a conversation's items kept at most (the oldest go first)
-INPUT_RATE = E.OPENAI_RATE              # input_audio_buffer: PCM16 mono at OpenAI's 24 kHz
-TOKENS_PER_MESSAGE = 8                  # a chat template's tokens around one message, at most (tiny and real)
-AUDIO_TOKENS_PER_S = 50                 # what one second of input audio may cost in the prompt (Whisper: 25)
-_FORMAT = {"type": "audio/pcm", "rate": E.OPENAI_RATE}
-_SESSION_KEYS = {"type", "model", "output_modalities", "instructions", "audio", "max_output_tokens", "tools",
-                 "tool_choice", "tracing", "include", "truncation"}
-_RESPONSE_KEYS = {"output_modalities", "instructions", "audio", "max_output_tokens", "metadata", "conversation",
-                  "tools", "tool_choice"}
-_seq = itertools.count(1)
-
-
-class EventError(Exception):
-    """A client event refused: said to the client as an `error` event; the session goes on."""
-
-    def __init__(self, code: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.code, self.message, self.param = code, message, param
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{int(time.time() * 1000):x}{next(_seq):04x}"
-
-
-@dataclass
-class _Item:
-    """One conversation item: a message, its text (a user's audio as a WAV besides)."""
-
-    id: str
-    role: str                           # user, assistant, system
-    text: str = ""
-    audio: bytes | None = None          # a user's audio turn: WAV (PCM16 mono, 24 kHz)
-    audio_ms: int = 0                   # its length; an assistant's: the speech sent
-    spoken: bool = False                # an assistant's answer in audio (its text is the transcript)
-    status: str = "completed"
-    tokens: int | None = None           # its text's tokens (counted once)
-
-    def doc(self) -> dict[str, Any]:
-        """The item as OpenAI's RealtimeConversationItem (no audio data)."""
-        if self.role == "assistant":
-            part = {"type": "output_audio", "transcript": self.text} if self.spoken \
-                else {"type": "output_text", "text": self.text}
-            content = [part]
-        elif self.audio is not None:
-            content = [{"type": "input_audio"}] + ([{"type": "input_text", "text": self.text}] if self.text else [])
-        else:
-            content = [{"type": "input_text", "text": self.text}]
-        return {"id": self.id, "object": "realtime.item", "type": "message", "status": self.status,
-                "role": self.role, "content": content}
-
-
-@dataclass
-class _Response:
-    """A response under way: its job, what it sent."""
-
-    id: str
-    item: _Item
-    job: JobRecord
-    gen: _Generation
-    audio: bool                         # speech goes out (else the text alone)
-    metadata: dict[str, str]
-    voice: str
-    task: asyncio.Task[None] | None = None
-    finishing: bool = False             # its job ended: it is sending its last events
-    pcm_bytes: int = 0
-    rate: int = E.OPENAI_RATE
-    created: float = field(default_factory=time.monotonic)
-
-    def head(self) -> dict[str, Any]:
-        return {"response_id": self.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}
 
 
 class RealtimeApi:
@@ -142,7 +67,7 @@ class RealtimeApi:
 
     def __init__(self, api: Api) -> None:
         self.api = api
-        self.openai = OpenAiApi(api)            # its job submission and answers' machinery
+        self.jobs = OpenAiJobs(api)              # the OpenAI paths' job submission
         self.sessions: dict[str, _Session] = {}
         self.rates: dict[str, int] = {}         # the PCM rate each pipeline's speech came at, last time
 
@@ -158,7 +83,7 @@ class RealtimeApi:
         cfg = self.api.config.daemon
         owner = str(request.get(KEY_NAME) or f"uid {request['uid']}")
         try:
-            p = _find(self.api.config, request.query.get("model"))
+            p = find_pipeline(self.api.config, request.query.get("model"))
         except OpenAiError as e:
             return await E.refuse(request, e.code or "model_not_found", e.message, E.CLOSE_POLICY, status=e.status)
         if admission.text_stage(self.api.config, p) is None:
@@ -191,34 +116,32 @@ class RealtimeApi:
             del self.sessions[session.id]
             await session.end()
             log.info("audit", action="realtime_close", uid=request["uid"], session=session.id,
-                     responses=session.responses, why=session.closed_why)
+                     responses=session.runner.count, why=session.closed_why)
         return ws
 
 
 class _Session:
-    """One client's session: its settings, its conversation, its response under way."""
+    """One client's session: its socket, its settings, its conversation, its response under way;
+    the client's events, each handled in turn (`_HANDLERS`)."""
 
     def __init__(self, rt: RealtimeApi, request: web.Request, ws: web.WebSocketResponse, p: PipelineConfig,
                  owner: str) -> None:
         self.rt, self.request, self.ws, self.p, self.owner = rt, request, ws, p, owner
-        self.id = _new_id("sess")
+        self.id = new_id("sess")
         self.config = rt.api.config
-        self.items: list[_Item] = []
-        self.buffer = bytearray()               # input audio, PCM16 24 kHz mono, until committed
-        self.current: _Response | None = None
-        self.responses = 0
         self.closed_why = "the client closed"
         media = admission.media_stage(self.config, p)
-        self.media = media.media if media is not None else None
+        self.conversation = Conversation(self.config, p, media.media if media is not None else None)
         produces = admission.answers(self.config, rt.api.store, p)
-        self.speaks = produces is None or "audio" in produces
-        self.modalities = ["audio"] if self.speaks else ["text"]
-        self.instructions = ""
-        self.voice = "alloy"
-        self.max_tokens: int | None = None
-        self.rate = rt.rates.get(p.name, E.OPENAI_RATE)
+        self.settings = SessionSettings(p.name, speaks=produces is None or "audio" in produces,
+                                        rate=rt.rates.get(p.name, E.OPENAI_RATE))
+        self.runner = Responses(self, rt.jobs, p, rt.rates)
 
     # ------------------------------------------------------------------ the socket
+
+    @property
+    def closed(self) -> bool:
+        return self.ws.closed
 
     async def send(self, ev: dict[str, Any]) -> None:
         """One event (a frame is written whole; a full socket waits here)."""
@@ -227,13 +150,13 @@ class _Session:
 
     async def close(self, code: int, why: str) -> None:
         self.closed_why = why
-        await self.cancel_response(None)
+        await self.runner.cancel(None)
         with suppress(ConnectionError, RuntimeError):
             await self.ws.close(code=code, message=E.reason(why))
 
     async def end(self) -> None:
         """The socket is gone: a response under way is cancelled, its job with it."""
-        await self.cancel_response(None)
+        await self.runner.cancel(None)
 
     async def run(self) -> None:
         idle = self.config.daemon.realtime_idle_timeout_s
@@ -242,7 +165,7 @@ class _Session:
             try:
                 msg = await self.ws.receive(timeout=idle)
             except asyncio.TimeoutError:
-                if self.current is not None:
+                if self.runner.current is not None:
                     continue                # a response is still being answered: not idle
                 await self.send(E.error("idle_timeout", f"no event for {idle:g} s "
                                         "(daemon.realtime_idle_timeout_s): the session is closed"))
@@ -290,261 +213,61 @@ class _Session:
                                     client_event, "rate_limit_error" if e.status == 429 else
                                     "server_error" if e.status >= 500 else "invalid_request_error"))
 
+
     # ------------------------------------------------------------------ the session
 
     def session_doc(self) -> dict[str, Any]:
-        fmt = {"type": "audio/pcm", "rate": self.rate}
-        return {"type": "realtime", "object": "realtime.session", "id": self.id, "model": self.p.name,
-                "output_modalities": list(self.modalities), "instructions": self.instructions,
-                "max_output_tokens": self.max_tokens if self.max_tokens is not None else "inf",
-                "tools": [], "tool_choice": "auto",
-                "audio": {"input": {"format": dict(_FORMAT), "turn_detection": None},
-                          "output": {"format": fmt, "voice": self.voice}}}
+        return self.settings.doc(self.id)
 
     async def on_session_update(self, ev: dict[str, Any]) -> None:
-        s = ev.get("session")
-        if not isinstance(s, dict):
-            raise EventError("invalid_value", "session.update needs \"session\": an object", "session")
-        unknown = sorted(set(s) - _SESSION_KEYS)
-        if unknown:
-            raise EventError("unknown_parameter", f"session.{unknown[0]} is not supported here", f"session.{unknown[0]}")
-        if s.get("type", "realtime") != "realtime":
-            raise EventError("invalid_value", "session.type must be \"realtime\" (transcription sessions are not "
-                             "supported)", "session.type")
-        if s.get("model") not in (None, self.p.name):
-            raise EventError("invalid_value", f"the session's model is {self.p.name!r} (the URL's); it cannot change",
-                             "session.model")
-        modalities = self._modalities(s.get("output_modalities"), "session.output_modalities")
-        instructions = s.get("instructions")
-        if instructions is not None and not isinstance(instructions, str):
-            raise EventError("invalid_type", "session.instructions must be a string", "session.instructions")
-        voice = self._audio(s.get("audio"), "session.audio", input_too=True)
-        max_tokens = self._max_tokens(s.get("max_output_tokens"), "session.max_output_tokens")
-        if s.get("tools") not in (None, []) or s.get("tool_choice") not in (None, "auto", "none"):
-            raise EventError("unsupported", "tools are not supported", "session.tools")
-        if modalities is not None:
-            self.modalities = modalities
-        if instructions is not None:
-            self.instructions = instructions
-        if voice is not None:
-            self.voice = voice
-        if "max_output_tokens" in s:
-            self.max_tokens = max_tokens
+        self.settings.update(ev.get("session"))
         await self.send(E.event("session.updated", session=self.session_doc()))
-
-    def _modalities(self, raw: Any, param: str) -> list[str] | None:
-        if raw is None:
-            return None
-        if not isinstance(raw, list) or not raw or any(m not in ("text", "audio") for m in raw):
-            raise EventError("invalid_value", f"{param} must be [\"audio\"] or [\"text\"]", param)
-        if "audio" in raw and not self.speaks:
-            raise EventError("invalid_value", f"model {self.p.name!r} does not speak: its output_modalities can "
-                             "only be [\"text\"]", param)
-        return ["audio"] if "audio" in raw else ["text"]
-
-    def _audio(self, raw: Any, param: str, input_too: bool) -> str | None:
-        """The `audio` settings (formats checked: PCM16 only, at the rates omnid gives and takes); the voice."""
-        if raw is None:
-            return None
-        if not isinstance(raw, dict):
-            raise EventError("invalid_type", f"{param} must be an object", param)
-        voice = None
-        for side, fields in (("input", {"format", "turn_detection", "transcription", "noise_reduction"}),
-                             ("output", {"format", "voice", "speed"})):
-            part = raw.get(side)
-            if part is None:
-                continue
-            if not isinstance(part, dict) or (side == "input" and not input_too):
-                raise EventError("invalid_value", f"{param}.{side} must be an object", f"{param}.{side}")
-            unknown = sorted(set(part) - fields)
-            if unknown:
-                raise EventError("unknown_parameter", f"{param}.{side}.{unknown[0]} is not supported",
-                                 f"{param}.{side}.{unknown[0]}")
-            fmt = part.get("format")
-            rate = INPUT_RATE if side == "input" else self.rate
-            if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "audio/pcm"
-                                    or fmt.get("rate", rate) != rate):
-                raise EventError("invalid_value", f"{param}.{side}.format: omnid {'takes' if side == 'input' else 'gives'}"
-                                 f" {{\"type\": \"audio/pcm\", \"rate\": {rate}}} (PCM16 mono) only",
-                                 f"{param}.{side}.format")
-            if part.get("turn_detection") is not None:
-                raise EventError("unsupported", f"{param}.input.turn_detection must be null: omnid has no voice "
-                                 "activity detection; commit the input audio buffer yourself",
-                                 f"{param}.input.turn_detection")
-            if part.get("transcription") is not None or part.get("noise_reduction") is not None:
-                raise EventError("unsupported", "input transcription and noise reduction are not supported",
-                                 f"{param}.input")
-            v = part.get("voice")
-            if isinstance(v, dict):
-                v = v.get("id")
-            if v is not None and (not isinstance(v, str) or not v):
-                raise EventError("invalid_value", f"{param}.output.voice must be a voice's name", f"{param}.output.voice")
-            voice = v if v is not None else voice
-        return voice
-
-    def _max_tokens(self, raw: Any, param: str) -> int | None:
-        if raw is None or raw == "inf":
-            return None
-        if isinstance(raw, bool) or not isinstance(raw, int) or not 1 <= raw <= 4096:
-            raise EventError("invalid_value", f"{param} must be an integer from 1 to 4096, or \"inf\"", param)
-        return raw
 
     # ------------------------------------------------------------------ the conversation
 
-    async def add(self, item: _Item) -> None:
+    async def add(self, item: Item) -> None:
         """An item into the conversation (a user's turn while a response runs interrupts it)."""
-        if item.role == "user" and self.current is not None:
-            await self.cancel_response("turn_detected")
-        previous = self.items[-1].id if self.items else None
-        self.items.append(item)
-        del self.items[:-MAX_ITEMS]
+        if item.role == "user" and self.runner.current is not None:
+            await self.runner.cancel("turn_detected")
+        previous = self.conversation.append(item)
         doc = item.doc()
         await self.send(E.event("conversation.item.added", previous_item_id=previous, item=doc))
         await self.send(E.event("conversation.item.done", previous_item_id=previous, item=doc))
 
     async def on_item_create(self, ev: dict[str, Any]) -> None:
-        item = ev.get("item")
-        if not isinstance(item, dict):
-            raise EventError("invalid_value", "conversation.item.create needs \"item\": an object", "item")
-        if item.get("type", "message") != "message":
-            raise EventError("unsupported", f"item.type {item.get('type')!r} is not supported: messages only",
-                             "item.type")
-        role = item.get("role")
-        if role not in ("user", "assistant", "system"):
-            raise EventError("invalid_value", "item.role must be user, assistant or system", "item.role")
-        if ev.get("previous_item_id") not in (None, self.items[-1].id if self.items else None, "root"):
-            raise EventError("unsupported", "items are added at the end of the conversation only", "previous_item_id")
-        content = item.get("content")
-        if not isinstance(content, list) or not content:
-            raise EventError("invalid_value", "item.content must be a non-empty array of content parts", "item.content")
-        texts: list[str] = []
-        audio: bytes | None = None
-        for i, part in enumerate(content):
-            at = f"item.content[{i}]"
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in ("input_text", "text", "output_text") and isinstance(part.get("text"), str):
-                texts.append(part["text"])
-            elif kind == "input_audio" and role == "user" and isinstance(part.get("audio"), str):
-                if audio is not None:
-                    raise EventError("invalid_value", "one input_audio part per item", at)
-                audio = self._pcm_in(_b64(part["audio"], at), at)
-            elif kind == "output_audio" and role == "assistant" and isinstance(part.get("transcript"), str):
-                texts.append(part["transcript"])
-            else:
-                raise EventError("invalid_value", f"{at}: a {role} message's parts are input_text (text)"
-                                 + (" or input_audio (base64 PCM16, 24 kHz mono)" if role == "user" else ""), at)
-        given = item.get("id")
-        if given is not None and (not isinstance(given, str) or not given or len(given) > 64
-                                  or any(i.id == given for i in self.items)):
-            raise EventError("invalid_value", "item.id must be a new string of up to 64 characters", "item.id")
-        new = _Item(given or _new_id("item"), str(role), "\n".join(texts), spoken=False)
-        if audio is not None:
-            new.audio, new.audio_ms = _wav(audio), len(audio) * 1000 // (2 * INPUT_RATE)
-        await self.add(new)
-
-    def _pcm_in(self, pcm: bytes, param: str) -> bytes:
-        if self.media is None or not self.media.count("audio"):
-            raise EventError("audio_not_accepted", f"model {self.p.name!r} takes no audio (its first stage's model "
-                             "takes none)", param)
-        if len(pcm) % 2:
-            raise EventError("invalid_value", "PCM16 audio is an even number of bytes", param)
-        return pcm
+        await self.add(self.conversation.new_item(ev))
 
     async def on_buffer_append(self, ev: dict[str, Any]) -> None:
-        pcm = self._pcm_in(_b64(ev.get("audio"), "audio"), "audio")
-        limit = int(self.media.max_audio_s * INPUT_RATE) * 2 if self.media is not None else 0
-        if len(self.buffer) + len(pcm) > limit:
-            raise EventError("input_audio_buffer_too_large", f"the input audio buffer would hold more than "
-                             f"{limit // (2 * INPUT_RATE)} s (the stage's media.max_audio_s); commit or clear it",
-                             "audio")
-        self.buffer += pcm
+        self.conversation.buffer_append(ev.get("audio"))
 
     async def on_buffer_commit(self, ev: dict[str, Any]) -> None:
-        if not self.buffer:
-            raise EventError("input_audio_buffer_commit_empty", "the input audio buffer is empty: append audio first")
-        pcm, self.buffer = bytes(self.buffer), bytearray()
-        item = _Item(_new_id("item"), "user", audio=_wav(pcm), audio_ms=len(pcm) * 1000 // (2 * INPUT_RATE))
-        previous = self.items[-1].id if self.items else None
-        await self.send(E.event("input_audio_buffer.committed", previous_item_id=previous, item_id=item.id))
+        item = self.conversation.commit()
+        await self.send(E.event("input_audio_buffer.committed", previous_item_id=self.conversation.last_id,
+                                item_id=item.id))
         await self.add(item)
 
     async def on_buffer_clear(self, ev: dict[str, Any]) -> None:
-        self.buffer = bytearray()
+        self.conversation.buffer = bytearray()
         await self.send(E.event("input_audio_buffer.cleared"))
-
-    def _item(self, ev: dict[str, Any]) -> _Item:
-        item_id = ev.get("item_id")
-        found = next((i for i in self.items if i.id == item_id), None)
-        if found is None:
-            raise EventError("item_not_found", f"no item {item_id!r} in this conversation", "item_id")
-        return found
 
     async def on_item_truncate(self, ev: dict[str, Any]) -> None:
         """The client played `audio_end_ms` of an assistant's speech: its transcript is cut to the
         words heard (in proportion to the speech sent), and that is what the history keeps."""
-        item = self._item(ev)
-        end = ev.get("audio_end_ms")
-        if item.role != "assistant" or not item.spoken:
-            raise EventError("invalid_value", "only an assistant's audio can be truncated", "item_id")
-        if ev.get("content_index", 0) != 0:
-            raise EventError("invalid_value", "content_index must be 0", "content_index")
-        if isinstance(end, bool) or not isinstance(end, int) or not 0 <= end <= item.audio_ms:
-            raise EventError("invalid_value", f"audio_end_ms must be from 0 to {item.audio_ms} (the audio's "
-                             "length)", "audio_end_ms")
-        if self.current is not None and self.current.item is item:
-            await self.cancel_response("client_cancelled")
-        words = item.text.split(" ")
-        keep = len(words) * end // item.audio_ms if item.audio_ms else 0
-        item.text, item.tokens, item.audio_ms = " ".join(words[:keep]), None, end
-        item.status = "incomplete"
+        item, end = self.conversation.truncation(ev)
+        if self.runner.current is not None and self.runner.current.item is item:
+            await self.runner.cancel("client_cancelled")
+        self.conversation.truncate(item, end)
         await self.send(E.event("conversation.item.truncated", item_id=item.id, content_index=0, audio_end_ms=end))
 
     async def on_item_delete(self, ev: dict[str, Any]) -> None:
-        item = self._item(ev)
-        if self.current is not None and self.current.item is item:
-            await self.cancel_response("client_cancelled")
-        self.items.remove(item)
+        item = self.conversation.find(ev.get("item_id"))
+        if self.runner.current is not None and self.runner.current.item is item:
+            await self.runner.cancel("client_cancelled")
+        self.conversation.items.remove(item)
         await self.send(E.event("conversation.item.deleted", item_id=item.id))
 
     async def on_item_retrieve(self, ev: dict[str, Any]) -> None:
-        await self.send(E.event("conversation.item.retrieved", item=self._item(ev).doc()))
-
-    def prompt(self, reserve: int) -> tuple[list[dict[str, Any]], list[tuple[str, bytes, str]], int]:
-        """The conversation as chat messages and their audio, newest first kept: the oldest turns are
-        dropped until it fits the token stage's context less `reserve` (the answer's tokens), and audio
-        beyond what the first stage takes per job (its media count) is dropped from older turns. Also
-        how many items were dropped."""
-        stage_name = admission.token_stage(self.config, self.p)
-        window = prompt_length.window_of(self.config.stages[stage_name]) if stage_name else None
-        budget = window.max_len - reserve if window is not None else None
-        audio_left = self.media.count("audio") if self.media is not None else 0
-        chosen: list[tuple[_Item, bool]] = []
-        used = 0
-        if self.instructions:
-            used += TOKENS_PER_MESSAGE + (prompt_length.count(window, self.instructions)[0] if window else 0)
-        for item in reversed(self.items):
-            with_audio = item.audio is not None and audio_left > 0
-            if item.audio is not None and not with_audio and not item.text:
-                continue
-            if item.tokens is None:
-                item.tokens = prompt_length.count(window, item.text)[0] if window is not None and item.text else 0
-            cost = TOKENS_PER_MESSAGE + item.tokens + (item.audio_ms * AUDIO_TOKENS_PER_S // 1000 if with_audio else 0)
-            if budget is not None and used + cost > budget and chosen:
-                break
-            used += cost
-            audio_left -= with_audio
-            chosen.append((item, with_audio))
-        dropped = len(self.items) - len(chosen)
-        messages: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        parts: list[tuple[str, bytes, str]] = []
-        for item, with_audio in reversed(chosen):
-            if with_audio and item.audio is not None:
-                content: Any = [{"type": "audio"}] + ([{"type": "text", "text": item.text}] if item.text else [])
-                parts.append(("audio", item.audio, f"item {item.id}"))
-            else:
-                content = item.text
-            messages.append({"role": item.role, "content": content})
-        return messages, parts, dropped
+        await self.send(E.event("conversation.item.retrieved", item=self.conversation.find(ev.get("item_id")).doc()))
 
     # ------------------------------------------------------------------ responses
 
@@ -552,208 +275,22 @@ class _Session:
         r = ev.get("response") or {}
         if not isinstance(r, dict):
             raise EventError("invalid_value", "response must be an object", "response")
-        if self.current is not None:
-            raise EventError("conversation_already_has_active_response", f"response {self.current.id} is under way: "
-                             "cancel it first (response.cancel) or wait for its response.done")
-        unknown = sorted(set(r) - _RESPONSE_KEYS)
-        if unknown:
-            raise EventError("unknown_parameter", f"response.{unknown[0]} is not supported here", f"response.{unknown[0]}")
-        if r.get("conversation", "auto") != "auto":
-            raise EventError("unsupported", "responses are in the session's conversation only (conversation \"auto\")",
-                             "response.conversation")
-        if r.get("tools") not in (None, []) or r.get("tool_choice") not in (None, "auto", "none"):
-            raise EventError("unsupported", "tools are not supported", "response.tools")
-        modalities = self._modalities(r.get("output_modalities"), "response.output_modalities") or self.modalities
-        voice = self._audio(r.get("audio"), "response.audio", input_too=False) or self.voice
-        max_tokens = self._max_tokens(r.get("max_output_tokens"), "response.max_output_tokens") \
-            if "max_output_tokens" in r else self.max_tokens
-        metadata = r.get("metadata") or {}
-        if not isinstance(metadata, dict) or len(metadata) > 15 or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-            raise EventError("invalid_value", "response.metadata holds up to 15 string keys and values",
-                             "response.metadata")
-        instructions = r.get("instructions")
-        if instructions is not None and not isinstance(instructions, str):
-            raise EventError("invalid_type", "response.instructions must be a string", "response.instructions")
-        if not any(i.role == "user" for i in self.items):
+        if self.runner.current is not None:
+            raise EventError("conversation_already_has_active_response", f"response {self.runner.current.id} is "
+                             "under way: cancel it first (response.cancel) or wait for its response.done")
+        opts = self.settings.response_options(r)
+        if not any(i.role == "user" for i in self.conversation.items):
             raise EventError("invalid_value", "the conversation has no user turn yet: conversation.item.create or "
                              "input_audio_buffer.commit first")
-        gen = _generation(self.config, self.p)
-        params = _sampling(self.config, self.p, {"max_tokens": max_tokens} if max_tokens else {},
-                           {"include_prompt": False})
-        if gen.token_stage is not None:
-            stage = self.config.stages[gen.token_stage]
-            reserve = max_tokens or int(params.get(gen.token_stage, {}).get("max_tokens")
-                                        or stage.defaults.get("max_tokens") or 16)
-        else:
-            reserve = 0
-        for s in self.p.stages:          # the voice, to a stage that declares one in its defaults
-            for key in ("voice", "speaker"):
-                if key in self.config.stages[s].defaults:
-                    params.setdefault(s, {})[key] = voice
-        saved = self.instructions
-        if instructions is not None:
-            self.instructions = instructions
-        try:
-            messages, parts, dropped = self.prompt(reserve)
-        finally:
-            self.instructions = saved
-        if parts:
-            inputs, summary = _media_inputs(self.config, self.p, json.dumps(messages), parts)
-        else:
-            inputs, summary = admission.inputs(self.config, {"messages": json.dumps(messages)}, self.p)
-        job = self.rt.openai._submit(self.request, self.p, inputs, params, summary)
-        self.responses += 1
-        item = _Item(_new_id("item"), "assistant", spoken="audio" in modalities, status="in_progress")
-        resp = _Response(_new_id("resp"), item, job, gen, "audio" in modalities,
-                         {**metadata, "omnid_job": job.id}, voice)
-        self.current = resp
-        if dropped:
-            log.debug("realtime prompt trimmed", session=self.id, dropped=dropped, job=job.id)
-        await self.send(E.event("response.created", response=self.response_doc(resp, "in_progress")))
-        resp.task = asyncio.get_running_loop().create_task(self._answer(resp), name=f"realtime-{resp.id}")
-
-    def response_doc(self, r: _Response, status: str, reason: str | None = None,
-                     error: dict[str, Any] | None = None) -> dict[str, Any]:
-        doc: dict[str, Any] = {
-            "id": r.id, "object": "realtime.response", "status": status, "conversation_id": self.id,
-            "output_modalities": ["audio"] if r.audio else ["text"], "metadata": r.metadata,
-            "output": [] if status == "in_progress" else [r.item.doc()],
-            "audio": {"output": {"format": {"type": "audio/pcm", "rate": r.rate}, "voice": r.voice}}}
-        if status != "in_progress":
-            details: dict[str, Any] = {"type": status}
-            if reason is not None:
-                details["reason"] = reason
-            if error is not None:
-                details["error"] = error
-            doc["status_details"] = details
-            u = _usage(r.gen)
-            doc["usage"] = {"total_tokens": u["total_tokens"], "input_tokens": u["prompt_tokens"],
-                            "output_tokens": u["completion_tokens"],
-                            "input_token_details": {"text_tokens": u["prompt_tokens"]},
-                            "output_token_details": {"text_tokens": u["completion_tokens"]}}
-        return doc
-
-    async def _answer(self, r: _Response) -> None:
-        """The response's events as its job makes them; then its last ones (unless cancelled: the
-        canceller sends those)."""
-        head = r.head()
-        reader = _LiveAudio(self.rt.api.store.job_dir(r.job.id)) if r.audio else None
-        error: OpenAiError | None = None
-        try:
-            await self.send(E.event("response.output_item.added", response_id=r.id, output_index=0,
-                                    item={**r.item.doc(), "content": []}))
-            await self._item_added(r.item)
-            part = {"type": "audio", "transcript": ""} if r.audio else {"type": "text", "text": ""}
-            await self.send(E.event("response.content_part.added", **head, part=part))
-            async for text, pcm in self._deltas(r, reader):
-                if text:
-                    r.item.text += text
-                    await self.send(E.event("response.output_audio_transcript.delta" if r.audio
-                                            else "response.output_text.delta", **head, delta=text))
-                if pcm:
-                    await self._audio_delta(r, reader, pcm)
-        except OpenAiError as e:
-            error = e
-        except ConnectionError as e:
-            log.debug("realtime client went away", session=self.id, job=r.job.id, error=str(e))
-            return
-        finally:
-            if reader is not None:
-                reader.close()
-        r.finishing = True
-        if error is not None:
-            await self.send(E.error(error.code or "job_failed", error.message, type_=error.type))
-        await self.finish(r, "failed" if error is not None else "completed", None,
-                          {"type": error.type, "code": error.code or "job_failed"} if error is not None else None)
-
-    async def _item_added(self, item: _Item) -> None:
-        previous = self.items[-1].id if self.items else None
-        self.items.append(item)
-        del self.items[:-MAX_ITEMS]
-        await self.send(E.event("conversation.item.added", previous_item_id=previous,
-                                item={**item.doc(), "content": []}))
-
-    async def _deltas(self, r: _Response, reader: _LiveAudio | None) -> AsyncIterator[tuple[str, bytes]]:
-        """What the job made since the last delta: its text joined, its speech read (at most
-        MAX_DELTA_BYTES at a time); after its end, the rest. OpenAiError if it ended badly."""
-        async with aclosing(follow_batches(self.request, self.rt.api.scheduler, r.job.id)) as batches:
-            async for batch in batches:
-                texts = [t for ev in batch if (t := _take(ev, r.gen))]
-                pcm = reader.read() if reader is not None else b""
-                if texts:
-                    r.gen.pieces.extend(texts)
-                yield "".join(texts), pcm
-        while reader is not None and (pcm := reader.read()):
-            yield "", pcm
-        _succeeded(self.rt.api.scheduler, r.job.id)
-
-    async def _audio_delta(self, r: _Response, reader: _LiveAudio | None, pcm: bytes) -> None:
-        if r.pcm_bytes == 0 and reader is not None and len(reader.header) >= 28:
-            rate = int.from_bytes(reader.header[24:28], "little")
-            r.rate = rate
-            self.rt.rates[self.p.name] = rate
-            if rate != self.rate:               # say it before the first delta at another rate
-                self.rate = rate
-                await self.send(E.event("session.updated", session=self.session_doc()))
-        for at in range(0, len(pcm), MAX_DELTA_BYTES):
-            chunk = pcm[at:at + MAX_DELTA_BYTES]
-            r.pcm_bytes += len(chunk)
-            r.item.audio_ms = r.pcm_bytes * 1000 // (2 * r.rate)
-            await self.send(E.event("response.output_audio.delta", **r.head(),
-                                    delta=base64.b64encode(chunk).decode("ascii")))
-
-    async def finish(self, r: _Response, status: str, reason: str | None, error: dict[str, Any] | None) -> None:
-        """A response's last events: its text (or transcript) done, its part and item done, `response.done`."""
-        head = r.head()
-        r.item.status = "completed" if status == "completed" else "incomplete"
-        if self.current is r:
-            self.current = None
-        if r.audio:
-            if r.pcm_bytes:
-                await self.send(E.event("response.output_audio.done", **head))
-            await self.send(E.event("response.output_audio_transcript.done", **head, transcript=r.item.text))
-            part = {"type": "audio", "transcript": r.item.text}
-        else:
-            await self.send(E.event("response.output_text.done", **head, text=r.item.text))
-            part = {"type": "text", "text": r.item.text}
-        await self.send(E.event("response.content_part.done", **head, part=part))
-        await self.send(E.event("response.output_item.done", response_id=r.id, output_index=0, item=r.item.doc()))
-        await self.send(E.event("conversation.item.done", item=r.item.doc()))
-        await self.send(E.event("response.done", response=self.response_doc(r, status, reason, error)))
-
-    async def cancel_response(self, reason: str | None) -> bool:
-        """Stop the response under way: its task (no delta after this), its job in every stage, then
-        its last events with `cancelled` (`reason` None: the socket is gone, nothing is sent)."""
-        r = self.current
-        if r is None:
-            return False
-        if r.finishing:                     # its job ended: its last events are going out
-            if r.task is not None:
-                with suppress(asyncio.CancelledError, ConnectionError):
-                    await r.task
-            return False
-        self.current = None
-        if r.task is not None and not r.task.done():
-            r.task.cancel()
-            with suppress(asyncio.CancelledError, ConnectionError):
-                await r.task
-        if r.job.id in self.rt.api.scheduler.live:
-            self.rt.api.scheduler.cancel(r.job.id)
-            log.info("audit", action="cancel", uid=self.request["uid"], job=r.job.id, session=self.id,
-                     why=reason or "the session ended", via=self.request.path)
-        if reason is not None and not self.ws.closed:
-            if r.item not in self.items:
-                await self._item_added(r.item)
-            await self.finish(r, "cancelled", reason, None)
-        return True
+        await self.runner.start(opts)
 
     async def on_response_cancel(self, ev: dict[str, Any]) -> None:
         wanted = ev.get("response_id")
-        if self.current is None or (wanted is not None and wanted != self.current.id):
+        current = self.runner.current
+        if current is None or (wanted is not None and wanted != current.id):
             raise EventError("response_cancel_not_active", "there is no response under way to cancel"
                              + (f" with id {wanted!r}" if wanted is not None else ""), "response_id")
-        if not await self.cancel_response("client_cancelled"):
+        if not await self.runner.cancel("client_cancelled"):
             raise EventError("response_cancel_not_active", "the response had ended already", "response_id")
 
 
@@ -769,23 +306,3 @@ _HANDLERS = {
     "response.create": _Session.on_response_create,
     "response.cancel": _Session.on_response_cancel,
 }
-
-
-def _b64(value: Any, param: str) -> bytes:
-    if not isinstance(value, str):
-        raise EventError("invalid_value", f"{param} must be base64 text", param)
-    try:
-        return base64.b64decode(value, validate=True)
-    except (ValueError, binascii.Error):
-        raise EventError("invalid_value", f"{param} is not valid base64", param) from None
-
-
-def _wav(pcm: bytes) -> bytes:
-    """PCM16 mono at 24 kHz as a WAV file (what a job's `audio` input takes)."""
-    out = io.BytesIO()
-    with wave.open(out, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(INPUT_RATE)
-        w.writeframes(pcm)
-    return out.getvalue()

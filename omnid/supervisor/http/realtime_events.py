@@ -1,14 +1,17 @@
 """The OpenAI Realtime API's server events, as omnid writes them (the `RealtimeServerEvent*`
-components of openai/openai-openapi), and a refusal at the door said as one.
+components of openai/openai-openapi), a client event refused (`EventError`, said as an `error`
+event), the ids of a session's things, and a refusal at the door said as one.
 
-Standard library and aiohttp only; no state but a counter. The session itself is realtime.py's;
-the TCP door (access.py) uses `refuse` to answer a WebSocket upgrade without a valid key.
+Standard library and aiohttp only; no state but two counters. The session itself is realtime.py's
+(its conversation realtime_conversation.py's, its responses realtime_responses.py's); the TCP door
+(access.py) uses `refuse` to answer a WebSocket upgrade without a valid key.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import time
 from typing import Any
 
 from aiohttp import web
@@ -25,10 +28,24 @@ CLOSE_INTERNAL = 1011                   # the daemon failed
 CLOSE_TRY_LATER = 1013                  # too many sessions, rate limited, draining
 
 _ids = itertools.count(1)
+_seq = itertools.count(1)
+
+
+class EventError(Exception):
+    """A client event refused: said to the client as an `error` event; the session goes on."""
+
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.param = code, message, param
 
 
 def event_id() -> str:
     return f"event_{next(_ids)}"
+
+
+def new_id(prefix: str) -> str:
+    """A new id of a session's thing (`sess`, `item`, `resp`): the time, and a counter."""
+    return f"{prefix}_{int(time.time() * 1000):x}{next(_seq):04x}"
 
 
 def event(kind: str, **fields: Any) -> dict[str, Any]:

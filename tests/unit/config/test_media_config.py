@@ -19,7 +19,8 @@ from omnid import config as C
 from omnid.media import MediaLimits
 from omnid.engines.vllm_engine import engine_args
 from omnid.store import _decode_inputs, _encode_inputs
-from omnid.supervisor.http.openai_api import OpenAiError, _messages
+from omnid.supervisor.http.openai_errors import OpenAiError
+from omnid.supervisor.http.openai_requests import chat_messages
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -130,7 +131,7 @@ def data_url(data: bytes, ctype: str = "image/png") -> str:
 
 
 def test_content_parts_become_media_inputs_in_order() -> None:
-    messages, media = _messages([
+    messages, media = chat_messages([
         {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
         {"role": "user", "content": [{"type": "text", "text": "compare"},
                                      {"type": "image_url", "image_url": {"url": data_url(b"one")}},
@@ -158,7 +159,7 @@ def test_content_parts_become_media_inputs_in_order() -> None:
 ])
 def test_bad_content_parts_name_their_place(part: dict[str, Any], words: str) -> None:
     with pytest.raises(OpenAiError) as e:
-        _messages([{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}])
+        chat_messages([{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}])
     assert e.value.status == 400 and e.value.param == "messages[0].content[1]"
     assert words in e.value.message
 

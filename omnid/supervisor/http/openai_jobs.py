@@ -1,0 +1,224 @@
+"""An OpenAI request's job: submitted as the caller's ordinary job, followed for its answer's text
+(counting its tokens), streamed as server-sent chunks, and cancelled when its answer is over
+before it ended (the caller went away); its outputs read once it succeeded.
+
+Runs in the supervisor's event-loop thread, for the OpenAI handlers (openai_api.py, openai_audio.py)
+and the realtime session (realtime_responses.py). It waits on the job's event queue (an asyncio
+queue; whether the caller hung up is looked at after every event and after every quiet
+DISCONNECT_POLL_S, so a hang-up cancels the job however fast its events flow) and reads small output
+files in the loop's default executor; nothing blocks. Every answer on the OpenAI paths names its
+job in `X-Omnid-Job` (`on_prepare`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from aiohttp import web
+
+from omnid.config import Config, PipelineConfig
+from omnid.store import JobStore
+from omnid.supervisor.http import admission
+from omnid.supervisor.http.http_common import follow_batches, sse_done, sse_send
+from omnid.supervisor.http.openai_errors import OPENAI_PATHS, OpenAiError, bad, error_event
+from omnid.supervisor.http.openai_models import adapter_choice
+from omnid.supervisor.http.openai_requests import MODEL_KEY, PRIORITY_KEY
+from omnid.supervisor.jobs.submission import Submission
+from omnid.vocabulary import ErrorCode, EventType, JobRecord, JobState
+
+if TYPE_CHECKING:
+    from omnid.supervisor.http.api import Api
+    from omnid.supervisor.jobs.scheduler import Scheduler
+
+log = structlog.get_logger("omnid.openai")
+
+JOB_HEADER = "X-Omnid-Job"
+JOB_KEY = "openai_job"                  # request keys: the job, for the answer's X-Omnid-Job header,
+CONTENT_TYPE_KEY = "openai_ctype"       # and what a streamed output of unknown type is sent as
+
+
+async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer on these paths names its job; a streamed output of unknown type gets its type."""
+    if not request.path.startswith(OPENAI_PATHS):
+        return
+    job = request.get(JOB_KEY)
+    if job is not None:
+        response.headers[JOB_HEADER] = str(job)
+    ctype = request.get(CONTENT_TYPE_KEY)
+    if ctype is not None and response.content_type == "application/octet-stream":
+        response.content_type = str(ctype)
+
+
+@dataclass
+class Generation:
+    """What a text job produced so far, from its events."""
+
+    text_stage: str                 # whose segments are the answer
+    token_stage: str | None         # the vLLM stage whose progress counts the tokens
+    pieces: list[str] = field(default_factory=list)
+    segments: int = 0
+    tokens: int | None = None
+    max_tokens: int | None = None
+    prompt_tokens: int = 0          # what the vLLM stage counted (its stage_finished event's usage)
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.tokens if self.tokens is not None else self.segments
+
+    @property
+    def finish_reason(self) -> str:
+        return "length" if self.max_tokens is not None and self.completion_tokens >= self.max_tokens else "stop"
+
+
+def generation(config: Config, p: PipelineConfig) -> Generation:
+    """A text job's answer so far: its text stage's segments, its token stage's counts."""
+    text = admission.text_stage(config, p)
+    if text is None:
+        raise bad("model", f"model {p.name!r} does not end in text", str(ErrorCode.MODEL_NOT_SUPPORTED))
+    return Generation(text, admission.token_stage(config, p))
+
+
+def take(ev: dict[str, Any], gen: Generation) -> str | None:
+    """What one event says of the generation: its counts into `gen`, a text segment's text out."""
+    stage = ev.get("stage")
+    if ev["type"] == EventType.PROGRESS and stage == gen.token_stage:
+        gen.tokens, gen.max_tokens = int(ev["done"]), int(ev["total"])
+    elif ev["type"] == EventType.STAGE_FINISHED and stage == gen.token_stage and ev.get("usage"):
+        gen.prompt_tokens = int(ev["usage"].get("prompt_tokens") or 0)
+    elif ev["type"] == EventType.SEGMENT and stage == gen.text_stage:
+        gen.segments += 1
+        return ev.get("text") or None
+    return None
+
+
+def usage(gen: Generation) -> dict[str, int]:
+    """The vLLM stage's own count of the prompt's tokens (0 when the answer came from no vLLM stage)."""
+    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
+            "total_tokens": gen.prompt_tokens + gen.completion_tokens}
+
+
+def pick(outputs: list[dict[str, Any]], kind: str, name: str, stage: str | None) -> dict[str, Any] | None:
+    """The output of `kind` named `name` (else the first of that kind), of `stage` if given."""
+    mine = [o for o in outputs if o["kind"] == kind and (stage is None or o.get("stage") == stage)]
+    return next((o for o in mine if o["name"] == name), mine[0] if mine and stage is not None else None)
+
+
+def succeeded(scheduler: Scheduler, job_id: str) -> JobRecord:
+    """The ended job's record; OpenAiError when it did not succeed."""
+    record = scheduler.job(job_id)
+    if record is None:
+        raise OpenAiError(500, f"job {job_id} was deleted before it was answered", code="unknown_job",
+                          retry=False)
+    if record.state is not JobState.SUCCEEDED:
+        err = record.error or {}
+        if err.get("code") == ErrorCode.INPUT_REJECTED:     # the request's fault, found by the engine
+            raise OpenAiError(400, f"the model refused the request: {err.get('message') or 'no reason given'}",
+                              code=str(ErrorCode.INPUT_REJECTED), retry=False)
+        raise OpenAiError(504 if record.state is JobState.TIMED_OUT else 500,
+                          f"job {job_id} {record.state}: {err.get('message') or 'no reason given'}",
+                          code=str(err.get("code") or record.state), retry=False)
+    return record
+
+
+async def read_output(store: JobStore, record: JobRecord, out: dict[str, Any]) -> bytes:
+    """One output's bytes (in the loop's default executor); 410 when its file is gone."""
+    path = store.job_dir(record.id) / out["file"]
+    try:
+        return await asyncio.get_running_loop().run_in_executor(None, path.read_bytes)
+    except FileNotFoundError:
+        raise OpenAiError(410, f"output {out['name']!r} of job {record.id} is no longer on disk",
+                          code=str(ErrorCode.OUTPUT_GONE)) from None
+
+
+class Opening:
+    """A stream's opening chunk (a chat's role chunk), held until the first chunk that follows it:
+    `take()` gives it once, in a list to splat into `sse_send`, then nothing."""
+
+    def __init__(self, chunk: dict[str, Any] | None) -> None:
+        self._chunk = chunk
+
+    def take(self) -> list[dict[str, Any]]:
+        chunk, self._chunk = self._chunk, None
+        return [chunk] if chunk is not None else []
+
+
+class OpenAiJobs:
+    """The jobs of the OpenAI paths, on the `Api`'s collaborators (config, store, scheduler)."""
+
+    def __init__(self, api: Api) -> None:
+        self.api = api
+
+    def submit(self, request: web.Request, p: PipelineConfig, inputs: dict[str, Any],
+               params: dict[str, dict[str, Any]], summary: dict[str, Any]) -> JobRecord:
+        """An ordinary job of the caller's (what `POST /v1/jobs` does after its checks); a `model`
+        `PIPELINE:ADAPTER` sets the pipeline's adapter stage's `adapter`."""
+        chosen = adapter_choice(self.api.config, request.get(MODEL_KEY))
+        if chosen is not None:
+            stage, adapter = chosen
+            params = {**params, stage: {**params.get(stage, {}), "adapter": adapter}}
+        sub = admission.owned(self.api.config, Submission(p, inputs, params, summary, request["uid"],
+                                                          priority=request.get(PRIORITY_KEY, 0)),
+                              request.get("api_key"), not request.get("tcp"))
+        job = self.api.take(sub, "the daemon is stopping; try again once it is back", request)
+        request[JOB_KEY] = job.id
+        log.info("audit", action="submit", uid=request["uid"], job=job.id, pipeline=p.name, via=request.path)
+        return job
+
+    def abandon(self, request: web.Request, job_id: str) -> None:
+        """The answer is over (sent, failed, or its caller went away): a job still live is cancelled."""
+        if job_id in self.api.scheduler.live:
+            self.api.scheduler.cancel(job_id)
+            log.info("audit", action="cancel", uid=request["uid"], job=job_id, why="the caller went away",
+                     via=request.path)
+
+    async def deltas(self, request: web.Request, job: JobRecord, gen: Generation,
+                     on_event: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[str]:
+        """The answer's text as its segments come, what arrived at once joined (one SSE write);
+        raises OpenAiError if the job ends badly. A last stage that streamed no text is answered
+        with its `text` output once the job ended. `on_event` is awaited at every arrival (an audio
+        chat sends the speech made meanwhile)."""
+        async with aclosing(follow_batches(request, self.api.scheduler, job.id)) as batches:
+            async for batch in batches:
+                if on_event is not None:
+                    await on_event()
+                texts = [text for ev in batch if (text := take(ev, gen))]
+                if texts:
+                    text = "".join(texts)
+                    gen.pieces.append(text)
+                    yield text
+        record = succeeded(self.api.scheduler, job.id)
+        if not gen.pieces:
+            text_out = pick(record.outputs, "text", "text", gen.text_stage)
+            if text_out is not None:
+                text = (await read_output(self.api.store, record, text_out)).decode("utf-8", errors="replace")
+                if text:
+                    gen.pieces.append(text)
+                    yield text
+
+    async def sse_answer(self, request: web.Request, resp: web.StreamResponse, job: JobRecord, gen: Generation,
+                         usage_head: dict[str, Any] | None, piece: Callable[[str], dict[str, Any]],
+                         last: Callable[[], dict[str, Any]],
+                         on_event: Callable[[], Awaitable[None]] | None = None,
+                         opening: Opening | None = None) -> None:
+        """A streamed answer's tail: a chunk per piece of text (`on_event` awaited at every event and
+        once more at the end), the `last` chunk and the usage chunk (when `usage_head`), or the job's
+        error said in the stream as OpenAI's servers do; then `[DONE]`. `opening` (a chat's role
+        chunk) goes out with the first of them, in the same write."""
+        opening = opening or Opening(None)
+        try:
+            async for text in self.deltas(request, job, gen, on_event=on_event):
+                await sse_send(resp, *opening.take(), piece(text))
+            if on_event is not None:
+                await on_event()                # the rest, once the job has ended
+        except OpenAiError as e:
+            await sse_send(resp, *opening.take(), error_event(e))
+        else:
+            await sse_send(resp, *opening.take(), last())
+            if usage_head is not None:
+                await sse_send(resp, {**usage_head, "choices": [], "usage": usage(gen)})
+        await sse_done(resp)

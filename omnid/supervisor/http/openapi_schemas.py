@@ -1,0 +1,286 @@
+"""The OpenAPI document's component schemas: every document the API answers (a job, its events,
+a pipeline and its description, a stage, health and readiness, the keys, the OpenAI paths' models and
+errors), the job request with each pipeline's inputs and each stage's params, and the small JSON
+Schema builders they are written with.
+
+Pure functions of the config, called by openapi.py as it builds `GET /v1/openapi.json` (in the
+supervisor's event-loop thread); no I/O. Each schema is built from what the server checks with (the
+parameter rules of `omnid.params`, the engines' declarations, the words of `omnid.vocabulary`), so
+the description cannot drift from the behaviour.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from omnid.config import Config, StageConfig
+from omnid.engines.capabilities import CAPABILITIES, capabilities, stage_params_schema
+from omnid.media import MEDIA_KINDS
+from omnid.params import PLAIN_VALUE_SCHEMA
+from omnid.vocabulary import JOB_LINKS, ErrorCode, EventType, JobState, StageRunState, WorkerState
+
+
+# ------------------------------------------------------------------ the builders
+
+
+def enum(values: Iterable[str]) -> dict[str, Any]:
+    return {"type": "string", "enum": [str(v) for v in values]}
+
+
+def nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def obj(properties: Mapping[str, Any], required: Iterable[str] = (), extra: bool = True) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object", "properties": dict(properties), "required": list(required)}
+    if not extra:
+        schema["additionalProperties"] = False
+    return schema
+
+
+NUM = {"type": "number"}
+INT = {"type": "integer"}
+STR = {"type": "string"}
+BOOL = {"type": "boolean"}
+_INPUT_NAME = {"type": "string", "minLength": 1, "maxLength": 128}
+# base64 as `base64.b64decode(validate=True)` takes it: the standard alphabet, padded
+_B64 = {"type": "string", "contentEncoding": "base64",
+        "pattern": "^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"}
+_FILE_INPUT = obj({"b64": _B64, "filename": nullable(STR)},
+                  ["b64"], extra=False)
+_SAMPLES_INPUT = obj({"samples": {"type": "array", "items": NUM, "minItems": 1},
+                      "rate": {"type": "integer", "minimum": 1, "maximum": 768000}}, ["samples", "rate"], extra=False)
+_INPUT_VALUE = {"anyOf": [PLAIN_VALUE_SCHEMA, _FILE_INPUT, _SAMPLES_INPUT,
+                          {"type": "array", "items": {"anyOf": [_FILE_INPUT, _SAMPLES_INPUT]}, "minItems": 1}]}
+
+
+# A job's priority (omnid/fair_queue.py): lower runs earlier; 0 by default; past the owner's max_priority: 403
+PRIORITY = {"type": "integer", "minimum": -1_000_000, "maximum": 1_000_000,
+            "description": "lower runs earlier (0 by default, as in vLLM); more urgent than the owner's "
+                           "max_priority (daemon.owners; 0 unless configured, root on the socket: any): 403 "
+                           "priority_not_allowed"}
+# Where a queued job waits, per stage (GET /v1/jobs/{id}; omnictl status JOB)
+QUEUE_PLACE = {"type": "object", "description": "a queued job's place in each stage's queue that holds it (or "
+               "whose feeder does): position 1 is next; ahead, by priority; running there now",
+               "additionalProperties": {"type": "object", "properties": {
+                   "position": {"type": "integer"}, "ahead": {"type": "integer"},
+                   "ahead_by_priority": {"type": "object", "additionalProperties": {"type": "integer"}},
+                   "running": {"type": "integer"}, "priority": {"type": "integer"}},
+                   "required": ["position", "ahead", "ahead_by_priority", "running", "priority"]}}
+
+
+def _job_request(config: Config) -> dict[str, Any]:
+    """`POST /v1/jobs`'s body: one alternative per pipeline, with each stage's params schema."""
+    timeout = nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 7 * 24 * 3600})
+    variants = []
+    for pipeline in config.pipelines.values():
+        sources = [config.stages[s] for s in pipeline.sources]
+        # (a vllm stage that takes media may get media alone; `messages` is the other alternative)
+        needs_prompt = any(capabilities(s.engine).text_prompt and not (capabilities(s.engine).media and s.media.kinds)
+                           for s in sources)
+        inputs = {"type": "object", "additionalProperties": _INPUT_VALUE, "propertyNames": _INPUT_NAME,
+                  "properties": {"prompt": STR} if needs_prompt else {},
+                  "required": ["prompt"] if needs_prompt else []}
+        params = obj({name: _adapter_schema(stage_params_schema(config.stages[name].engine,
+                                                                config.stages[name].defaults), config.stages[name])
+                      for name in pipeline.stages}, extra=False)
+        variants.append(obj({"pipeline": {"const": pipeline.name}, "inputs": inputs, "params": params,
+                             "timeout_s": timeout, "priority": nullable(PRIORITY)}, ["pipeline", *(["inputs"] if needs_prompt else [])],
+                            extra=False) | {"title": pipeline.name})
+    return {"oneOf": variants} if variants else obj({"pipeline": STR}, ["pipeline"])
+
+
+def name_adapters(params: dict[str, Any], stage: StageConfig) -> dict[str, Any]:
+    """A stage's `adapter` and `adapters` parameters (in a description or a schema's properties) with
+    the names of its adapters in force."""
+    if stage.lora is None:
+        return params
+    names = sorted(stage.adapters)
+    if isinstance(params.get("adapter"), dict):
+        params["adapter"] = {**params["adapter"], "enum": names}
+    if isinstance(params.get("adapters"), dict):
+        params["adapters"] = {**params["adapters"], "propertyNames": {"enum": names}}
+    return params
+
+
+def _adapter_schema(schema: dict[str, Any], stage: StageConfig) -> dict[str, Any]:
+    if isinstance(schema.get("properties"), dict):
+        schema["properties"] = name_adapters(dict(schema["properties"]), stage)
+    return schema
+
+
+LORA = nullable(obj({"base": nullable(STR), "max_loras": INT, "max_lora_rank": INT,
+                     "adapters": {"type": "array", "items": obj({"name": STR, "path": STR}, ["name", "path"])}},
+                    ["base", "adapters", "max_loras", "max_lora_rank"]))
+
+
+def schemas(config: Config) -> dict[str, Any]:
+    """`components.schemas`: every document the API answers, and the job request."""
+    stage_run = obj({
+        "state": enum(StageRunState),
+        "progress": nullable(obj({"done": INT, "total": nullable(INT)}, ["done"])),
+        "started_at": nullable(NUM), "finished_at": nullable(NUM), "elapsed_s": nullable(NUM),
+        "segments": INT, "replica": nullable(INT),
+    }, ["state", "progress", "started_at", "finished_at", "elapsed_s", "segments", "replica"], extra=False)
+    output = obj({"name": STR, "file": STR, "kind": STR, "content_type": STR, "size": INT,
+                  "stage": STR}, ["name", "file", "kind", "content_type"])
+    job_error = obj({"code": enum(ErrorCode), "message": STR, "stage": nullable(STR)}, ["code", "message"])
+    file_summary = obj({"filename": nullable(STR), "size": INT, "format": STR, "width": INT, "height": INT,
+                        "seconds": NUM, "rate": INT, "channels": INT, "samples": INT}, ["size"])
+    input_summary = {"anyOf": [PLAIN_VALUE_SCHEMA, file_summary, {"type": "array", "items": file_summary}]}
+    job_keys = {
+        "id": STR, "pipeline": STR, "state": enum(JobState), "owner_uid": INT,
+        "created_at": NUM, "started_at": nullable(NUM), "finished_at": nullable(NUM), "timeout_s": NUM,
+        "inputs": {"type": "object", "additionalProperties": input_summary},
+        "params": {"type": "object", "additionalProperties": {"type": "object",
+                                                              "additionalProperties": PLAIN_VALUE_SCHEMA}},
+        "stages": {"type": "object", "additionalProperties": ref("StageRun")},
+        "outputs": {"type": "array", "items": ref("Output")},
+        "error": nullable(ref("JobError")),
+        "priority": {"type": "integer", "description": "lower runs earlier"},
+        "key": {**nullable(STR), "description": "the API key it came with (TCP); fair share's owner"},
+    }
+    # window: -1 (full trigger), N (segments per window) or a schedule [N1, N2, ...] (the last repeats)
+    window = {"oneOf": [INT, {"type": "array", "items": INT, "minItems": 1}]}
+    edge = obj({"from": STR, "to": STR, "window": window, "map": nullable({"type": "object"}),
+                "transform": nullable(STR)}, ["from", "to", "window"])
+    pipeline_keys = {"name": STR, "stages": {"type": "array", "items": STR},
+                     "edges": {"type": "array", "items": ref("Edge")},
+                     "sources": {"type": "array", "items": STR}, "sinks": {"type": "array", "items": STR},
+                     "timeout_s": nullable(NUM), "retries": INT,
+                     "kept_outputs": {"type": "object", "additionalProperties": {"type": "array", "items": STR},
+                                      "description": "the config's `outputs`: outputs of stages that are not "
+                                                     "last kept as the job's too"}}
+    param_doc = {"type": "object", "properties": {"default": PLAIN_VALUE_SCHEMA}}
+    described = {
+        **pipeline_keys,
+        "inputs": {"type": "object", "additionalProperties": obj(
+            {"known": BOOL, "engine": STR, "note": STR,
+             "media": obj({**{k: INT for k in MEDIA_KINDS}, "max_bytes": INT, "max_pixels": INT,
+                           "max_audio_s": NUM, "max_video_frames": INT}, [*MEDIA_KINDS]),
+             "inputs": {"type": "object", "additionalProperties": obj(
+                 {"type": STR, "required": BOOL, "description": STR}, ["type", "required"])}},
+            ["known", "engine", "inputs"])},
+        "params": {"type": "object", "additionalProperties": obj(
+            {"engine": STR, "accepts": STR, "params": {"type": "object", "additionalProperties": param_doc}},
+            ["engine", "accepts", "params"])},
+        "outputs": {"type": "object", "additionalProperties": obj(
+            {"known": BOOL, "engine": STR, "note": STR,
+             "outputs": {"type": "array", "items": obj({"name": STR, "kind": STR, "file": STR,
+                                                        "content_type": STR, "description": STR},
+                                                       ["name", "kind", "content_type"])}},
+            ["known", "engine", "outputs"])},
+        "adapters": {"type": "object", "additionalProperties": LORA,
+                     "description": "the LoRA adapters of its stages that have a lora table, and their base model"},
+    }
+    stage_keys = {
+        "name": STR, "engine": enum(CAPABILITIES), "state": enum(WorkerState),
+        "pid": nullable(INT), "devices": {"type": "array", "items": INT}, "queue_depth": INT,
+        "queue_capacity": INT, "max_inflight": INT, "running": {"type": "array", "items": STR},
+        "jobs_done": INT, "restarts": INT, "rss_bytes": nullable(INT), "cpu_percent": nullable(NUM),
+        "gpu_memory_bytes": nullable(INT), "uptime_s": nullable(NUM), "load_s": nullable(NUM),
+        "last_error": nullable(STR), "model": nullable(STR), "function": nullable(STR), "lazy": BOOL,
+        "placement": enum(("local", "ray", "mixed")), "node": nullable(STR),
+        "ray": {"type": ["object", "null"]},     # a Ray-placed worker: node_id, node_ip, node_name, host, actor_id
+        "info": {"type": "object", "description": "what the loaded engine reports: for a vLLM stage its model, "
+                 "dtype, max_model_len, compiled (torch.compile'd or eager), vllm (the vLLM version its worker "
+                 "runs), engine_core, threads; tensors and media where configured"},
+    }
+    replica_keys = {**stage_keys, "replica": INT, "label": STR, "retiring": BOOL}
+    stage_keys = {**stage_keys, "replica_count": INT, "down": {"type": "array", "items": STR},
+                  "idle_unload_s": nullable(NUM), "idle_s": nullable(NUM), "slept_at": nullable(NUM),
+                  "wake_s": nullable(NUM), "lora": LORA,
+                  "replicas": {"type": "array", "items": obj(replica_keys, ["name", "replica", "state", "pid"])}}
+    return {
+        "Error": obj({"error": obj({"code": enum(ErrorCode), "message": STR,
+                                    "input": {**STR, "description": "the input a 400 invalid_media or "
+                                                                       "media_not_accepted is about"}},
+                                   ["code", "message"])},
+                     ["error"], extra=False),
+        "JobRequest": _job_request(config),
+        "Job": obj({**job_keys, "queue": QUEUE_PLACE}, job_keys, extra=False),
+        "NewJob": obj({**job_keys, "links": obj({k: STR for k in JOB_LINKS}, list(JOB_LINKS), extra=False),
+                       "trace_id": {**STR, "description": "the job's trace ([daemon] tracing on): the caller's "
+                                    "traceparent's, else a new one"}},
+                      [*job_keys, "links"], extra=False),
+        "JobList": obj({"jobs": {"type": "array", "items": ref("Job")}}, ["jobs"], extra=False),
+        "StageRun": stage_run,
+        "Output": output,
+        "JobError": job_error,
+        "Event": obj({"type": enum(EventType), "job": STR, "ts": NUM, "stage": STR, "state": enum(JobState),
+                      "error": nullable(ref("JobError")), "done": INT, "total": nullable(INT), "index": INT,
+                      "is_last": BOOL, "text": STR, "audio_s": NUM, "code": enum(ErrorCode), "message": STR,
+                      "elapsed_s": nullable(NUM), "wake_s": nullable(NUM),
+                      "usage": {"type": "object", "additionalProperties": INT},
+                      "trace_id": {**STR, "description": "state queued, with tracing on: the job's trace"}},
+                     ["type", "job", "ts"]),
+        "Deleted": obj({"deleted": STR}, ["deleted"], extra=False),
+        "Edge": edge,
+        "Pipeline": obj(pipeline_keys, pipeline_keys),
+        "PipelineList": obj({"pipelines": {"type": "array", "items": ref("Pipeline")}}, ["pipelines"]),
+        "PipelineDescription": obj(described, [*pipeline_keys, "inputs", "params", "outputs"]),
+        "Stage": obj(stage_keys, ["name", "engine", "state", "pid"]),
+        "StageList": obj({"stages": {"type": "array", "items": ref("Stage")}}, ["stages"]),
+        "Restarting": obj({"restarting": STR, "stage": ref("Stage")}, ["restarting", "stage"]),
+        "Sleeping": obj({"sleeping": STR, "already": BOOL, "stage": ref("Stage")}, ["sleeping", "stage"]),
+        "Waking": obj({"waking": STR, "already": BOOL, "stage": ref("Stage")}, ["waking", "stage"]),
+        "StageAdapters": obj({"stage": STR, "lora": LORA}, ["stage", "lora"]),
+        "AdapterRequest": obj({"name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"},
+                               "path": {**STR, "minLength": 1, "description": "the adapter's folder (relative: "
+                                        "to the config file's folder)"}}, ["name", "path"], extra=False),
+        "Health": obj({"status": {"const": "ok"}, "pid": INT, "uptime_s": NUM, "version": STR,
+                       "live_jobs": INT, "stopping_jobs": INT},
+                      ["status", "pid", "uptime_s", "version", "live_jobs"]),
+        "Ready": obj({"ready": BOOL, "stages": {"type": "object", "additionalProperties": enum(WorkerState)},
+                      "not_ready": {"type": "array", "items": STR}, "draining": BOOL,
+                      "lazy": {"type": "array", "items": STR,
+                               "description": "python stages with `lazy = true`: ready before their function "
+                                               "has loaded what it needs (it does so on its first job)"},
+                      "reasons": {"type": "array", "items": {"enum": [str(ErrorCode.DISK_FULL)]},
+                                  "description": "why not ready besides the stages: disk_full"},
+                      "disk": obj({"full": BOOL, "reason": {"type": ["string", "null"]}, "free_mb": INT,
+                                   "min_free_mb": INT, "free_inodes": {"type": ["integer", "null"]},
+                                   "min_free_inodes": INT, "ballast_mb": INT}, ["full", "free_mb"]),
+                      "replicas_down": {"type": "object", "additionalProperties": {
+                           "type": "object", "additionalProperties": enum(WorkerState)}}},
+                     ["ready", "stages", "not_ready"]),
+    }
+
+
+_OPENAI_CODES = sorted({*map(str, ErrorCode), *map(str, JobState)})
+
+
+def openai_schemas() -> dict[str, Any]:
+    """The OpenAI paths' errors and models, and the keys' documents (`/v1/keys`)."""
+    return {
+        "OpenAIError": obj({"error": obj({
+            "message": STR, "type": enum(("invalid_request_error", "authentication_error", "permission_error",
+                                          "rate_limit_error", "server_error")),
+            "param": nullable(STR), "code": {"anyOf": [enum(_OPENAI_CODES), {"type": "null"}]}},
+            ["message", "type", "param", "code"])}, ["error"]),
+        "Model": obj({"id": STR, "object": {"const": "model"}, "created": INT, "owned_by": STR,
+                      "parent": {**STR, "description": "a LoRA adapter's model (PIPELINE:ADAPTER): its pipeline"},
+                      "root": {**STR, "description": "a LoRA adapter's model: the adapter's folder"},
+                      "omnid": {"type": "object"}}, ["id", "object", "created", "owned_by"]),
+        "ModelList": obj({"object": {"const": "list"}, "data": {"type": "array", "items": ref("Model")}},
+                         ["object", "data"]),
+        "ApiKey": obj({"name": STR, "uid": INT, "created": NUM, "hint": STR, "max_jobs": nullable(INT),
+                       "rps": nullable(NUM), "admin": BOOL},
+                      ["name", "uid", "created", "hint", "max_jobs", "rps", "admin"]),
+        "NewApiKey": {"allOf": [ref("ApiKey"), obj({"key": {**STR, "description": "the key, shown this once"}},
+                                                   ["key"])]},
+        "ApiKeyList": obj({"keys": {"type": "array", "items": ref("ApiKey")}, "file": STR}, ["keys", "file"]),
+        "KeyRequest": obj({"name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"},
+                           "uid": {"type": "integer", "minimum": 0, "maximum": 2**32 - 2},
+                           "max_jobs": nullable({"type": "integer", "minimum": 1, "maximum": 1_000_000}),
+                           "rps": nullable({"type": "number", "minimum": 0.001, "maximum": 1_000_000}),
+                           "admin": {**BOOL, "description": "the key may do the admin actions over TCP"}},
+                          ["name"], extra=False) | {"description": "root must give uid (no key is root by "
+                                                                    "default)"},
+        "Reloaded": obj({"status": STR, "reloaded": BOOL}, ["status", "reloaded"]),
+    }
