@@ -157,7 +157,7 @@ class OpenAiJobs:
                params: dict[str, dict[str, Any]], summary: dict[str, Any]) -> JobRecord:
         """An ordinary job of the caller's (what `POST /v1/jobs` does after its checks); a `model`
         `PIPELINE:ADAPTER` sets the pipeline's adapter stage's `adapter`."""
-        chosen = adapter_choice(self.api.config, request.get(MODEL_KEY))
+        chosen = adapter_choice(self.api.config, p, request.get(MODEL_KEY))
         if chosen is not None:
             stage, adapter = chosen
             params = {**params, stage: {**params.get(stage, {}), "adapter": adapter}}

@@ -73,13 +73,13 @@ def pipeline_for(config: Config, store: JobStore, body: dict[str, Any], *kinds: 
 # `adapter` set.
 
 
-def adapter_choice(config: Config, model: Any) -> tuple[str, str] | None:
-    """(stage, adapter) that a `model` of `PIPELINE:ADAPTER` asks for; None for a plain pipeline."""
-    if not isinstance(model, str) or model in config.pipelines or ":" not in model:
+def adapter_choice(config: Config, p: PipelineConfig, model: Any) -> tuple[str, str] | None:
+    """(stage, adapter) that a `model` of `PIPELINE:ADAPTER` asks for, `p` being the pipeline
+    `find_pipeline` gave for it (not looked up again); None for the plain pipeline."""
+    if not isinstance(model, str) or model == p.name or ":" not in model:
         return None
     base, _, adapter = model.rpartition(":")
-    p = config.pipelines.get(base)
-    stage = adapter_stage(config, p) if p is not None else None
+    stage = adapter_stage(config, p) if base == p.name else None
     if stage is None or adapter not in config.stages[stage].adapters:
         return None
     return stage, adapter

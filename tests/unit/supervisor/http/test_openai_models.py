@@ -45,8 +45,9 @@ def test_a_model_is_a_pipeline_or_one_of_its_adapters() -> None:
     cfg = config()
     assert find_pipeline(cfg, "chat").name == "chat"
     assert find_pipeline(cfg, "chat:pirate").name == "chat"
-    assert adapter_choice(cfg, "chat:pirate") == ("gen", "pirate")
-    assert adapter_choice(cfg, "chat") is None and adapter_choice(cfg, "chat:nope") is None
+    chat = cfg.pipelines["chat"]
+    assert adapter_choice(cfg, chat, "chat:pirate") == ("gen", "pirate")
+    assert adapter_choice(cfg, chat, "chat") is None and adapter_choice(cfg, chat, "chat:nope") is None
     assert adapter_model(cfg, 7.5, cfg.pipelines["chat"], "pirate") == {
         "id": "chat:pirate", "object": "model", "created": 7, "owned_by": "omnid", "parent": "chat",
         "root": str(D / "pirate"), "omnid": {"stage": "gen", "adapter": "pirate", "base": str(D)}}
