@@ -57,6 +57,23 @@ def _config() -> tuple[dict[str, Any], dict[str, Any]]:
                     "tts": tts_pipe([4, 8, 16, 25]), "tts25": tts_pipe(25)}
 
 
+def listen(packets: list[tuple[float, float]]) -> tuple[int, float]:
+    """The listener's clock over (arrival, audio seconds) packets: it plays from the first packet on,
+    each packet as long as its audio; a packet that comes after the audio before it has finished
+    playing is late (an underrun), and the clock waits for it. (late packets, seconds waited)"""
+    late, waited, clock = 0, 0.0, None
+    for ts, seconds in packets:
+        if clock is not None and ts > clock:
+            late += 1
+            waited += ts - clock
+        clock = (max(clock, ts) if clock is not None else ts) + seconds
+    return late, waited
+
+
+def underruns(packets: list[tuple[float, float]]) -> int:
+    return listen(packets)[0]
+
+
 def _run(d: Any, pipeline: str, prompt: str, tokens: int = TOKENS) -> dict[str, Any]:
     params = {} if pipeline.startswith("tts") else {"thinker": {"max_tokens": tokens}}
     r = d.run(pipeline, {"prompt": prompt}, params, timeout=300).check()
@@ -65,15 +82,7 @@ def _run(d: Any, pipeline: str, prompt: str, tokens: int = TOKENS) -> dict[str, 
     packets = [(float(e["ts"]), float(e.get("audio_s") or 0.0)) for e in segments]
     end = float(r.events[-1]["ts"])
     finished = {e["stage"]: float(e["elapsed_s"]) for e in r.all(type="stage_finished")}
-    # the listener's clock: it plays from the first packet on, each packet as long as its audio
-    # (the daemon's `audio_s` on each segment); a packet that comes after the audio before it has
-    # finished playing is late (an underrun), and the clock waits for it
-    underruns, clock = 0, None
-    for ts, seconds in packets:
-        if clock is not None and ts > clock:
-            underruns += 1
-        clock = (max(clock, ts) if clock is not None else ts) + seconds
-    return {"ttfp": packets[0][0] - r.t0 if packets else None, "underruns": underruns, "total": end - r.t0,
+    return {"ttfp": packets[0][0] - r.t0 if packets else None, "underruns": underruns(packets), "waited": listen(packets)[1], "total": end - r.t0,
             "audio_s": sum(seconds for _, seconds in packets), "stages": finished, "packets": len(packets)}
 
 

@@ -7,6 +7,9 @@ socket (aiohttp), adds the user's line, then times `response.create` -> the firs
 streamed audio chat (`POST /v1/chat/completions`, `modalities: ["text", "audio"]`, pcm16): POST ->
 its first chunk with audio. Then a long answer is cancelled at its first audio delta:
 `response.cancel` sent -> the last delta the client receives (0 when none follows the cancel).
+Last, 8 sessions speak at once, and the time their listeners wait (bench_omni's listener's clock, per
+second of audio) is held to 8 omni jobs' over the jobs API in the same run: the session adds no
+lateness of its own.
 """
 
 from __future__ import annotations
@@ -16,12 +19,16 @@ import json
 import time
 from typing import Any
 
+import base64
+
 import bench_tensors
-from _harness import BENCH_DAEMON, Ctx, Row, at_most, kill_daemon, p50
-from bench_omni import _config
+from _harness import BENCH_DAEMON, Ctx, Row, at_most, in_threads, kill_daemon, p50, raise_first
+from bench_omni import _config, _run, listen
 
 TOKENS = 24
-FIGURES = ["realtime: response.create -> 1st audio delta", "realtime: response.cancel -> last delta received"]
+SESSIONS = 8
+FIGURES = ["realtime: response.create -> 1st audio delta", "realtime: response.cancel -> last delta received",
+           f"realtime: listener's wait per audio second, {SESSIONS} sessions speaking at once"]
 
 
 async def _session(socket: str, text: str, max_tokens: int, cancel: bool) -> dict[str, float]:
@@ -64,6 +71,36 @@ async def _session(socket: str, text: str, max_tokens: int, cancel: bool) -> dic
         else:
             await until("response.done")
         return out
+
+
+async def _speak(socket: str, text: str, max_tokens: int) -> list[tuple[float, float]]:
+    """One session's answer as the listener hears it: (arrival, audio seconds) per audio delta."""
+    import aiohttp
+
+    packets: list[tuple[float, float]] = []
+    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=socket)) as http, \
+            http.ws_connect("http://omnid/v1/realtime?model=omni", max_msg_size=0) as ws:
+        rate = 24000
+        await ws.send_str(json.dumps({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}}))
+        await ws.send_str(json.dumps({"type": "response.create", "response": {"max_output_tokens": max_tokens}}))
+        while True:
+            msg = await ws.receive(timeout=300)
+            if msg.type != aiohttp.WSMsgType.TEXT:
+                raise RuntimeError(f"the session closed before response.done: {ws.close_code}")
+            ev = json.loads(msg.data)
+            if ev["type"] == "error":
+                raise RuntimeError(f"error event: {ev['error']}")
+            if ev["type"] in ("session.created", "session.updated"):
+                rate = int(((ev["session"].get("audio") or {}).get("output") or {}).get("format", {}).get("rate") or rate)
+            elif ev["type"] == "response.output_audio.delta":
+                packets.append((time.monotonic(), len(base64.b64decode(ev["delta"])) / 2 / rate))
+            elif ev["type"] == "response.done":
+                return packets
+
+
+async def _speak_at_once(socket: str, n: int) -> list[list[tuple[float, float]]]:
+    return list(await asyncio.gather(*(_speak(socket, f"the prompt number {i}", TOKENS) for i in range(n))))
 
 
 def _audio_chat(socket: str, text: str, max_tokens: int) -> float:
@@ -114,13 +151,41 @@ def bench_realtime(ctx: Ctx) -> list[Row]:
             c = asyncio.run(_session(socket, f"a long story {i}", 200, True))
             cancels.append(c["cancel_to_last"])
             dones.append(c["cancel_to_done"])
+        # the anchor in the same run: as many omni jobs at once over the jobs API, as bench_omni times them
+        spoken: list[list[tuple[float, float]]] = []
+        jobs: list[dict[str, Any]] = []
+        waves = ctx.n(3, 1)
+        for i in range(waves):                      # (each side first in turn)
+            ctx.check(f"{SESSIONS} sessions, wave {i}")
+            ctx.log(f"wave {i}: {SESSIONS} sessions speaking at once, and {SESSIONS} omni jobs")
+            for side in ((0, 1) if i % 2 == 0 else (1, 0)):
+                if side == 0:
+                    spoken += asyncio.run(_speak_at_once(socket, SESSIONS))
+                else:
+                    wave = in_threads(SESSIONS, lambda k: _run(d, "omni", f"the prompt number {k}"),
+                                      timeout=max(60.0, ctx.left()))
+                    raise_first(wave)
+                    jobs += wave
     finally:
         kill_daemon(d)
     r, a = p50(rt), p50(chat)
+    # Packets are counted differently on each side (a session coalesces what a slow reader has not
+    # taken into one delta), so the figure is the time the listener waits, per second of audio heard.
+    heard = [listen(p) for p in spoken]
+    late_rt, sent_rt = sum(n for n, _ in heard), sum(len(p) for p in spoken)
+    wait_rt = sum(w for _, w in heard) / sum(s for p in spoken for _, s in p)
+    late_jobs, sent_jobs = sum(j["underruns"] for j in jobs), sum(j["packets"] for j in jobs)
+    wait_jobs = sum(j["waited"] for j in jobs) / sum(j["audio_s"] for j in jobs)
+    # (no wait on either side: as good as the anchor; a wait where the jobs had none: no bound)
+    ratio = wait_rt / wait_jobs if wait_jobs else (1.0 if not wait_rt else float("inf"))
     return [
         Row(FIGURES[0], r, "s", "streamed audio chat: POST -> 1st audio chunk", a, "s", r / a, "realtime / chat",
             at_most(1.1, "<= 1.1x"), f"median of {rounds}; same prompt, {TOKENS} text tokens, a fresh session each"),
         Row(FIGURES[1], p50(cancels), "s", "response.cancel -> response.done", p50(dones), "s", None, "",
             at_most(0.1, "<= 100 ms", on="value"), f"median of {rounds}; cancelled at the first audio delta of a "
             f"200-token answer; max {max(cancels) * 1e3:.0f} ms"),
+        Row(FIGURES[2], wait_rt, "s/s", f"{SESSIONS} omni jobs at once (jobs API)", wait_jobs, "s/s", ratio,
+            "realtime / jobs", at_most(1.1, "<= 1.1x"),
+            f"{late_rt} of {sent_rt} deltas late, jobs {late_jobs} of {sent_jobs} packets; played from each "
+            f"stream's first on (bench_omni's clock); {waves} waves, {TOKENS} text tokens each"),
     ]
