@@ -100,7 +100,8 @@ def test_every_registered_route_is_documented(daemon: RunningDaemon, openapi: di
     from omnid.supervisor.http.openai_api import OpenAiApi
     from omnid.supervisor.http.realtime import RealtimeApi
     from omnid.supervisor.http.openapi import openapi_document
-    api = Api(load(daemon.config_path), None, None, {}, None, DaemonInfo(os.getpid(), 0.0, "x"))  # type: ignore[arg-type]
+    from omnid.supervisor.live import Live
+    api = Api(Live(load(daemon.config_path)), None, None, {}, None, DaemonInfo(os.getpid(), 0.0, "x"))  # type: ignore[arg-type]
     OpenAiApi(api).mount(api.app)
     RealtimeApi(api).mount(api.app)
     Access(api, KeyStore(daemon.dir / "no-keys.json")).mount(api.app)

@@ -275,7 +275,7 @@ class Daemon:
         self.scheduler.restore(store.unfinished())     # what the last daemon accepted and did not finish
         sched = self.scheduler
         self._retention = Retention(self.config.daemon, store,
-                                    lambda: set(sched.live) | {job for _, job in sched.stopping})
+                                    lambda: set(sched.live_jobs) | {job for _, job in sched.stopping})
         api = Api(self.live, store, self.scheduler, self.stages, metrics, self.info)
         OpenAiApi(api).mount(api.app)       # /v1/models, /v1/chat/completions, ... on the same socket
         RealtimeApi(api).mount(api.app)     # /v1/realtime: OpenAI's Realtime API, a WebSocket session

@@ -25,11 +25,6 @@ class Live:
         self.worker = config        # what workers run with: also every pipeline definition live jobs may still name
         self.keys: dict[str, str] = {name: name for name in config.pipelines}   # pipeline name -> its key
 
-    @staticmethod
-    def of(config: Config | Live) -> Live:
-        """`config` itself, or a holder of it (a part built alone, as in-process tests do)."""
-        return config if isinstance(config, Live) else Live(config)
-
     def put_to_workers(self, config: Config) -> None:
         """A reload's first step: the workers' config in force (`worker`), before the stages whose
         definition changed get new workers; the public one stays until the `switch`."""
@@ -45,8 +40,8 @@ class Follower:
     """A part whose `config` is the workers' config in force (`Live.worker`), unless it holds its
     own: one made by a reload before the switch, or let go by a reload (`keep`)."""
 
-    def __init__(self, live: Config | Live, config: Config | None = None) -> None:
-        self.live = Live.of(live)
+    def __init__(self, live: Live, config: Config | None = None) -> None:
+        self.live = live
         self._own = config
 
     @property

@@ -232,7 +232,7 @@ class Reloader:
     async def _retire(self, name: str, handle: StageGroup) -> None:
         """A stage removed by a reload: stop its worker once no live job needs it."""
         try:
-            while any(name in job.record.stages for job in self.scheduler.live.values()):
+            while any(name in job.record.stages for job in self.scheduler.live_jobs.values()):
                 await asyncio.sleep(0.2)
             await handle.stop(self.config.daemon.stop_grace_s)
             if self.stages.get(name) is handle:

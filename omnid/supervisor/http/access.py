@@ -127,7 +127,7 @@ class Access:
             if request.method != "POST" or request.path not in _SUBMITS:
                 return await handler(request)
             usage = self._usage_of(key)
-            live = self.api.scheduler.live
+            live = self.api.scheduler.live_jobs
             usage.jobs = {j for j in usage.jobs if j in live}
             if key.max_jobs is not None and usage.inflight + len(usage.jobs) >= key.max_jobs:
                 log.info("refused", why="max_jobs", max_jobs=key.max_jobs, method=request.method, path=request.path)

@@ -145,9 +145,9 @@ async def errors_middleware(request: web.Request,
 
 
 class Api:
-    def __init__(self, config: Config | Live, store: JobStore, scheduler: Scheduler, stages: Mapping[str, StageGroup],
+    def __init__(self, live: Live, store: JobStore, scheduler: Scheduler, stages: Mapping[str, StageGroup],
                  metrics: Metrics, info: DaemonInfo) -> None:
-        self.live = Live.of(config)     # the config in force (`config` reads it; a reload changes it there)
+        self.live = live     # the config in force (`config` reads it; a reload changes it there)
         config = self.live.config
         self.store = store
         self.scheduler = scheduler
@@ -241,7 +241,7 @@ class Api:
             sub = trace_context.joined(sub, request)
         job = self.scheduler.submit(sub)
         self.store.flush()              # a 201 means the job is in the database
-        if request is not None and (live := self.scheduler.live.get(job.id)) is not None and live.trace is not None:
+        if request is not None and (live := self.scheduler.live_jobs.get(job.id)) is not None and live.trace is not None:
             trace_context.answered(request, live.trace.traceparent)
         return job
 
@@ -278,7 +278,7 @@ class Api:
         uid = request["uid"]
         jobs = self.store.list(None if self.privileged(request) else uid, state, pipeline, limit)
         # A live job's stored row lags its record (progress is not written on every step).
-        live = self.scheduler.live
+        live = self.scheduler.live_jobs
         return web.json_response({"jobs": [(live[j.id].record if j.id in live else j).to_doc() for j in jobs]})
 
     async def get_job(self, request: web.Request) -> web.Response:
@@ -480,7 +480,7 @@ class Api:
     async def health(self, request: web.Request) -> web.Response:
         info = self.info
         return web.json_response({"status": "ok", "pid": info.pid, "uptime_s": round(time.time() - info.started, 3),
-                                  "version": info.version, "live_jobs": len(self.scheduler.live),
+                                  "version": info.version, "live_jobs": len(self.scheduler.live_jobs),
                                   "stopping_jobs": len(self.scheduler.stopping)})
 
     async def ready(self, request: web.Request) -> web.Response:

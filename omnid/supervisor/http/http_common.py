@@ -205,7 +205,7 @@ def output_file(store: JobStore, job: JobRecord, name: str) -> web.StreamRespons
 
 def _ended(scheduler: Scheduler, job_id: str) -> JobRecord | None:
     """The job's record once it is no longer live (terminal, or None if deleted meanwhile); None while live."""
-    if job_id in scheduler.live:
+    if job_id in scheduler.live_jobs:
         return None
     found = scheduler.job(job_id)
     if found is None:
@@ -249,7 +249,7 @@ async def stream_output(request: web.Request, store: JobStore, scheduler: Schedu
                     continue
                 if ended:
                     break                          # terminal, and read to the end
-            ended = job.id not in scheduler.live
+            ended = job.id not in scheduler.live_jobs
             if not ended:
                 if gone(request):
                     raise ConnectionResetError("the client went away")

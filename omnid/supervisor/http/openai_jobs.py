@@ -171,7 +171,7 @@ class OpenAiJobs:
 
     def abandon(self, request: web.Request, job_id: str) -> None:
         """The answer is over (sent, failed, or its caller went away): a job still live is cancelled."""
-        if job_id in self.api.scheduler.live:
+        if job_id in self.api.scheduler.live_jobs:
             self.api.scheduler.cancel(job_id)
             log.info("audit", action="cancel", uid=request["uid"], job=job_id, why="the caller went away",
                      via=request.path)

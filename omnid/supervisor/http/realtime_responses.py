@@ -250,7 +250,7 @@ class Responses:
             r.task.cancel()
             with suppress(asyncio.CancelledError, ConnectionError):
                 await r.task
-        if r.job.id in self.jobs.api.scheduler.live:
+        if r.job.id in self.jobs.api.scheduler.live_jobs:
             self.jobs.api.scheduler.cancel(r.job.id)
             log.info("audit", action="cancel", uid=self.session.request["uid"], job=r.job.id,
                      session=self.session.id, why=reason or "the session ended", via=self.session.request.path)

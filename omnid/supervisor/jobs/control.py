@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 class JobControl(Protocol):
     """What recovery and a restart's restore need of the scheduler."""
 
-    live: dict[str, LiveJob]                # the live jobs by id (the parts add and read; `finish` removes)
+    live_jobs: dict[str, LiveJob]                # the live jobs by id (the parts add and read; `finish` removes)
     stages: Mapping[str, StageGroup]
     store: JobStore
 
@@ -57,7 +57,7 @@ class EndControl(Protocol):
     stages (told to drop it), the store, the metrics, the event loop its timers run on, and the
     config in force (the grace a cancelled job's worker gets)."""
 
-    live: dict[str, LiveJob]
+    live_jobs: dict[str, LiveJob]
     stages: Mapping[str, StageGroup]
     store: JobStore
 

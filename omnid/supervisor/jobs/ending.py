@@ -52,9 +52,9 @@ class Ending:
     def finish(self, job: LiveJob, state: JobState, error: dict[str, Any] | None = None) -> None:
         """Move a live job to a terminal state (once), stop its work, clean every worker."""
         jobs = self._jobs
-        if job.id not in jobs.live:
+        if job.id not in jobs.live_jobs:
             return
-        del jobs.live[job.id]
+        del jobs.live_jobs[job.id]
         if job.timer is not None:
             job.timer.cancel()
         now = time.time()
@@ -127,7 +127,7 @@ class Ending:
 
     def cancel(self, job_id: str, reason: JobState = JobState.CANCELLED) -> JobRecord | None:
         """Cancel a live job (idempotent); None when it is not live. `reason`: CANCELLED or TIMED_OUT."""
-        job = self._jobs.live.get(job_id)
+        job = self._jobs.live_jobs.get(job_id)
         if job is None:
             return None
         where = self._where(job)

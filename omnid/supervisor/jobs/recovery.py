@@ -75,7 +75,7 @@ class Recovery:
         if len(self._jobs.stages[name].replicas) > 1:
             reason = f"(replica {handle.replica}) {reason}"
         now = time.time()
-        for job in list(self._jobs.live.values()):
+        for job in list(self._jobs.live_jobs.values()):
             if name not in job.record.stages or job.route(name) != handle.replica:
                 continue
             run = job.stage(name)
@@ -113,7 +113,7 @@ class Recovery:
         that reached it meanwhile is asked for again when it wakes (nothing fails)."""
         name = handle.name
         now = time.time()
-        for job in self._jobs.live.values():
+        for job in self._jobs.live_jobs.values():
             run = job.record.stages.get(name)
             if run is None or job.route(name) != handle.replica:
                 continue
@@ -124,7 +124,7 @@ class Recovery:
     def worker_back(self, handle: StageHandle) -> None:
         """The worker is READY again: ask for the inputs its predecessor lost, oldest job first."""
         pending = self.resend_after_restart.pop(P.address(handle.name, handle.replica), set())
-        live = self._jobs.live
+        live = self._jobs.live_jobs
         jobs = sorted((live[j] for j in pending if j in live), key=lambda j: j.record.created_at)
         fed_by_the_feeder = [job for job in jobs if not job.pipeline.incoming(handle.name)]
         if fed_by_the_feeder:               # ahead of newer jobs, in their own order
@@ -161,7 +161,7 @@ class Recovery:
                   if h is not handle and h.state is not WorkerState.FAILED]
         if others:
             lost = self.resend_after_restart.pop(P.address(name, handle.replica), set())
-            for job in list(self._jobs.live.values()):
+            for job in list(self._jobs.live_jobs.values()):
                 run = job.record.stages.get(name)
                 if run is None or job.route(name) != handle.replica or not run.state.open:
                     continue
@@ -169,7 +169,7 @@ class Recovery:
                 if job.id in lost:
                     self._ask(job, name)
             return
-        for job in list(self._jobs.live.values()):
+        for job in list(self._jobs.live_jobs.values()):
             if name in job.record.stages:
                 msg = f"stage {name!r} has failed: {error}"
                 self._jobs.finish(job, JobState.FAILED,

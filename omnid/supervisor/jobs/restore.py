@@ -40,7 +40,7 @@ def take_back(jobs: JobControl, dispatch: Dispatch, pipelines: Mapping[str, Pipe
         job = LiveJob(record, pipeline or PipelineConfig(record.pipeline, tuple(record.stages), ()),
                       old.inputs or {}, jobs.store, old.events)
         job.attempts = old.attempts
-        jobs.live[job.id] = job
+        jobs.live_jobs[job.id] = job
         problem = None
         if pipeline is None:
             problem = f"the daemon restarted without its pipeline {record.pipeline!r} (the configuration changed)"

@@ -79,19 +79,19 @@ class Scheduler:
     and woken for their jobs: stage_sleep.py), `recovery` (dead workers: recovery.py), `ending`
     (deadlines, cancels, a job's end: ending.py)."""
 
-    def __init__(self, live: Config | Live, store: JobStore, stages: Mapping[str, StageGroup],
+    def __init__(self, live: Live, store: JobStore, stages: Mapping[str, StageGroup],
                  data_socket: Callable[[str], Path], metrics: Metrics | None = None,
                  tracing: Tracing | None = None) -> None:
-        self.in_force = Live.of(live)       # the config in force (a reload switches it)
+        self.in_force = live       # the config in force (a reload switches it)
         self.tracing = tracing              # `[daemon] tracing`: each new job's spans (jobs/tracing.py)
         self.store = store
         self.stages = stages
         self.metrics = metrics
-        self.live: dict[str, LiveJob] = {}
+        self.live_jobs: dict[str, LiveJob] = {}
         self._unarmed: list[LiveJob] = []       # restored jobs whose timers wait for the stages
         self.fair = FairShare()             # each job's place in the queues (omnid/fair_queue.py)
         self._orders: dict[str, _Order] = {}    # per stage: its waiting jobs' order, a short-lived snapshot
-        self.dispatch = Dispatch(self.in_force, self.live, stages, data_socket)
+        self.dispatch = Dispatch(self.in_force, self.live_jobs, stages, data_socket)
         self.recovery = Recovery(self, self.dispatch)
         self.loop = asyncio.get_running_loop()
         self.ending = Ending(self, self.recovery.forget)
@@ -105,11 +105,11 @@ class Scheduler:
         return self.in_force.config
 
     def is_live(self, job_id: str) -> bool:
-        return job_id in self.live
+        return job_id in self.live_jobs
 
     def job(self, job_id: str) -> JobRecord | None:
         """A job's record: the live one, else the stored one."""
-        live = self.live.get(job_id)
+        live = self.live_jobs.get(job_id)
         return live.record if live is not None else self.store.get(job_id)
 
     # ------------------------------------------------------------------ admission
@@ -124,14 +124,14 @@ class Scheduler:
                 raise Refused(503, ErrorCode.STAGE_FAILED, f"stage {name!r} of pipeline {pipeline_name!r} has "
                               f"failed and is not restarted: {h.last_error}. Fix the cause, then restart it "
                               f"(omnictl stage restart {name}, or systemctl restart omnid)", stage=name)
-        queued = sum(1 for j in self.live.values()
+        queued = sum(1 for j in self.live_jobs.values()
                      if j.pipeline.name == pipeline_name and j.record.state is JobState.QUEUED)
         limit = self.config.daemon.max_queued_jobs
         if queued >= limit:
             raise Refused(429, ErrorCode.QUEUE_FULL, f"pipeline {pipeline_name!r} already has {queued} queued "
                           f"jobs (max_queued_jobs = {limit}); try again later", queued=queued)
         if sub.max_queued is not None:
-            mine = sum(1 for j in self.live.values() if j.record.state is JobState.QUEUED
+            mine = sum(1 for j in self.live_jobs.values() if j.record.state is JobState.QUEUED
                        and j.record.owner_uid == sub.owner_uid and j.record.key == sub.key)
             if mine >= sub.max_queued:
                 raise Refused(429, ErrorCode.OWNER_QUEUE_FULL, f"{sub.owner.replace(':', ' ', 1)} has {mine} queued "
@@ -144,7 +144,7 @@ class Scheduler:
         job = LiveJob(record, pipeline, sub.inputs, self.store)     # (its key: the pipeline's own)
         job.rank = self.fair.rank(sub.priority, sub.owner, sub.weight, self.config.daemon.fair_share)
         self.dispatch.route(job)
-        self.live[job.id] = job
+        self.live_jobs[job.id] = job
         self.store.save(record)
         self.store.keep_inputs(job.id, sub.inputs)
         if self.tracing is not None:
@@ -157,7 +157,7 @@ class Scheduler:
         try:
             self.store.commit()         # accepted once it is on disk: a 201 promises it (a full disk: not)
         except StoreWriteFailed as e:
-            del self.live[job.id]       # withdrawn before anything ran it: nobody saw it
+            del self.live_jobs[job.id]       # withdrawn before anything ran it: nobody saw it
             self.store.discard(job.id)
             raise Refused(507, ErrorCode.INSUFFICIENT_STORAGE, f"the job could not be written to disk, so it was "
                           f"not accepted: {e}", retry_after_s=STORAGE_RETRY_AFTER_S) from None
@@ -183,7 +183,7 @@ class Scheduler:
         The order is the queues' own (omnid/fair_queue.py: rank, then the bound on waiting), as
         of a snapshot at most PLACES_TTL_S old (a stage's order is sorted once per snapshot, not per
         request: GET /v1/jobs/{id} stays cheap with thousands queued)."""
-        job = self.live.get(job_id)
+        job = self.live_jobs.get(job_id)
         if job is None or all(r.state not in (StageRunState.PENDING, StageRunState.QUEUED)
                               for r in job.record.stages.values()):
             return {}
@@ -206,12 +206,12 @@ class Scheduler:
         if snap is not None and now - snap.at < PLACES_TTL_S:
             return snap
         wall, max_wait = time.time(), self.config.daemon.max_wait_s
-        waiting = [j for j in self.live.values() if stage in j.record.stages and self._waits_at(j, stage)]
+        waiting = [j for j in self.live_jobs.values() if stage in j.record.stages and self._waits_at(j, stage)]
         order = positions([(j.id, j.rank, j.since.get(stage, j.record.created_at)) for j in waiting], wall, max_wait)
         by_priority: dict[int, list[int]] = {}
         for i, jid in enumerate(order):
-            by_priority.setdefault(self.live[jid].record.priority, []).append(i)
-        running = sum(1 for j in self.live.values() if stage in j.record.stages
+            by_priority.setdefault(self.live_jobs[jid].record.priority, []).append(i)
+        running = sum(1 for j in self.live_jobs.values() if stage in j.record.stages
                       and j.stage(stage).state is StageRunState.RUNNING)
         snap = self._orders[stage] = _Order(now, {jid: i for i, jid in enumerate(order)}, by_priority, running)
         return snap
@@ -242,7 +242,7 @@ class Scheduler:
     def arm_restored(self) -> None:
         """The stages are up: restored jobs' timeouts start now (loading models is not their time)."""
         for job in self._unarmed:
-            if job.id in self.live and job.timer is None:
+            if job.id in self.live_jobs and job.timer is None:
                 self.ending.arm(job)
         self._unarmed = []
 
@@ -255,11 +255,11 @@ class Scheduler:
         The past is read and the queue registered in one step of the loop: nothing is missed or sent twice.
         """
         past = self.store.events(job_id, after)
-        job = self.live.get(job_id)
+        job = self.live_jobs.get(job_id)
         return past, (job.events.subscribe() if job is not None else None)
 
     def unsubscribe(self, job_id: str, q: EventQueue) -> None:
-        job = self.live.get(job_id)
+        job = self.live_jobs.get(job_id)
         if job is not None:
             job.events.unsubscribe(q)
 
@@ -277,7 +277,7 @@ class Scheduler:
         address = P.address(handle.name, handle.replica)
         if isinstance(msg, (P.Stopped, P.Failed, P.Finished)):
             self.ending.stopped(address, job_id)
-        job = self.live.get(job_id)
+        job = self.live_jobs.get(job_id)
         if job is None or handle.name not in job.record.stages or job.route(handle.name) != handle.replica:
             return                          # a late word about a job that is over (or moved): nothing to do
         handler(self, job, handle.name, msg)
@@ -429,9 +429,9 @@ class Scheduler:
         and its inputs stay stored: the next daemon runs it, in its place in line. Returns how many
         jobs were set aside.
         """
-        parked = [job for job in self.live.values() if job.record.state is JobState.QUEUED]
+        parked = [job for job in self.live_jobs.values() if job.record.state is JobState.QUEUED]
         for job in parked:
-            del self.live[job.id]
+            del self.live_jobs[job.id]
             if job.timer is not None:
                 job.timer.cancel()
             for name in job.pipeline.stages:
@@ -444,12 +444,12 @@ class Scheduler:
         return len(parked)
 
     def running(self) -> int:
-        return sum(1 for job in self.live.values() if job.record.state is JobState.RUNNING)
+        return sum(1 for job in self.live_jobs.values() if job.record.state is JobState.RUNNING)
 
     def shutdown(self) -> None:
         """The daemon stops: what is still live stays in the store as it is (queued or running),
         for the next start (`restore`); nothing accepted is failed for the stop."""
-        for job in self.live.values():
+        for job in self.live_jobs.values():
             if job.timer is not None:
                 job.timer.cancel()
             if job.trace is not None:

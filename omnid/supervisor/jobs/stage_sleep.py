@@ -39,7 +39,7 @@ class SleepTender:
         jobs = self._jobs
         busy = {P.parse_address(addr)[0] for addr, _ in jobs.stopping}
         busy.update(name for name, group in jobs.stages.items() if group.running)
-        for job in jobs.live.values():
+        for job in jobs.live_jobs.values():
             busy.update(name for name, run in job.record.stages.items() if run.state.open)
         return busy
 
@@ -56,7 +56,7 @@ class SleepTender:
                 task.add_done_callback(functools.partial(self._woke, job.id, name))
 
     def _woke(self, job_id: str, stage: str, task: asyncio.Task[bool]) -> None:
-        job = self._jobs.live.get(job_id)
+        job = self._jobs.live_jobs.get(job_id)
         if job is None or task.cancelled():     # cancelled: the daemon stops (the job is kept for its next start)
             return
         group = self._jobs.stages[stage]

@@ -46,7 +46,7 @@ class StageGroup(Follower):
     in force (`Live.worker`), unless it holds its own (`Follower`): `config`, for a stage a reload
     adds, until the switch; the one it had, for a stage a reload removed."""
 
-    def __init__(self, live: Config | Live, name: str, make_replica: MakeReplica,
+    def __init__(self, live: Live, name: str, make_replica: MakeReplica,
                  leases: DeviceLeases | None = None, config: Config | None = None) -> None:
         super().__init__(live, config)
         self.name = name

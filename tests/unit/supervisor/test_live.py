@@ -53,7 +53,7 @@ def group_of(live: Live, name: str, config: Config | None = None) -> StageGroup:
 def test_the_holder_is_shared_and_a_config_is_wrapped_once(tmp_path: Path) -> None:
     config = make_config(tmp_path, {"a": 1})
     live = Live(config)
-    assert Live.of(live) is live and Live.of(config).config is config
+    assert live.config is config and live.worker is config
     assert live.keys == {"p": "p"} and live.worker is config
     group = group_of(live, "a")
     new = make_config(tmp_path, {"a": 1}, heartbeat_timeout_s=7)

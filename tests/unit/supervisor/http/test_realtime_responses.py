@@ -39,7 +39,7 @@ def runner() -> tuple[Responses, Session, list[str]]:
     cfg = Config(None, DaemonConfig(socket=D, state_dir=D, lock_dir=D),
                  {"gen": StageConfig("gen", "vllm", model=D)}, {"chat": PipelineConfig("chat", ("gen",), ())})
     cancelled: list[str] = []
-    scheduler = SimpleNamespace(live={"j1": object()}, cancel=cancelled.append)
+    scheduler = SimpleNamespace(live_jobs={"j1": object()}, cancel=cancelled.append)
     session = Session(cfg)
     jobs: Any = SimpleNamespace(api=SimpleNamespace(config=cfg, scheduler=scheduler))
     return Responses(session, jobs, cfg.pipelines["chat"], {}), session, cancelled   # type: ignore[arg-type]

@@ -61,7 +61,7 @@ class Jobs:
     """The scheduler as `EndControl`."""
 
     def __init__(self, folder: Path, grace: float = 0.05) -> None:
-        self.live: dict[str, LiveJob] = {}
+        self.live_jobs: dict[str, LiveJob] = {}
         self.stages: dict[str, Any] = {"a": Stage(), "b": Stage()}
         self.store: Any = Store(folder)
         self.metrics = None
@@ -73,7 +73,7 @@ def live_job(jobs: Jobs, job_id: str, timeout_s: float = 60.0) -> LiveJob:
     record = JobRecord(id=job_id, pipeline="p", owner_uid=0, created_at=0.0, timeout_s=timeout_s, inputs={},
                        params={}, stages={s: StageRun() for s in ("a", "b")})
     job = LiveJob(record, PipelineConfig("p", ("a", "b"), ()), {}, jobs.store)
-    jobs.live[job_id] = job
+    jobs.live_jobs[job_id] = job
     return job
 
 
@@ -85,7 +85,7 @@ def test_a_job_ends_once_and_every_stage_is_told_to_drop_it(tmp_path: Path) -> N
         job.record.stages["a"].set_state(StageRunState.RUNNING, 1.0)
         ending.finish(job, JobState.FAILED, {"code": "x", "message": "boom"})
         ending.finish(job, JobState.SUCCEEDED)      # once only
-        assert job.record.state is JobState.FAILED and "j" not in jobs.live
+        assert job.record.state is JobState.FAILED and "j" not in jobs.live_jobs
         assert {n: r.state for n, r in job.record.stages.items()} == {"a": StageRunState.CANCELLED,
                                                                       "b": StageRunState.CANCELLED}
         for stage in jobs.stages.values():

@@ -39,17 +39,17 @@ class Jobs:
     """The scheduler as `JobControl`: its live jobs, and `finish` recorded."""
 
     def __init__(self) -> None:
-        self.live: dict[str, LiveJob] = {}
+        self.live_jobs: dict[str, LiveJob] = {}
         self.stages: dict[str, Any] = {}
         self.store: Any = Store()
         self.finished: list[tuple[str, JobState, dict[str, Any] | None]] = []
 
     def finish(self, job: LiveJob, state: JobState, error: dict[str, Any] | None = None) -> None:
-        self.live.pop(job.id, None)
+        self.live_jobs.pop(job.id, None)
         self.finished.append((job.id, state, error))
 
     def rank(self, job: LiveJob) -> None:
-        job.rank = (job.record.priority, 0.0, len(self.live))
+        job.rank = (job.record.priority, 0.0, len(self.live_jobs))
 
 
 class Dispatch:
@@ -84,7 +84,7 @@ def restore(*old: Unfinished) -> tuple[Jobs, Dispatch, list[LiveJob]]:
 
 def test_queued_jobs_come_back_queued_in_their_order_and_are_fed_again() -> None:
     jobs, dispatch, back = restore(unfinished("j1"), unfinished("j2"))
-    assert [j.id for j in back] == ["j1", "j2"] and list(jobs.live) == ["j1", "j2"]
+    assert [j.id for j in back] == ["j1", "j2"] and list(jobs.live_jobs) == ["j1", "j2"]
     assert dispatch.routed == ["j1", "j2"] and dispatch.fed == [(["j1", "j2"], "a")]
     assert all(j.record.state is JobState.QUEUED and j.record.stages["a"].state is StageRunState.PENDING
                for j in back)                      # the stages start afresh
@@ -102,7 +102,7 @@ def test_a_running_job_with_a_retry_left_runs_again_and_hears_why() -> None:
 def test_a_running_job_without_a_retry_left_fails_as_interrupted() -> None:
     jobs, dispatch, back = restore(unfinished("r", "retry", JobState.RUNNING, attempts=1),
                                    unfinished("s", "p", JobState.RUNNING))
-    assert back == [] and dispatch.fed == [] and jobs.live == {}
+    assert back == [] and dispatch.fed == [] and jobs.live_jobs == {}
     (r, r_state, r_error), (s, s_state, s_error) = jobs.finished
     assert (r, r_state, s, s_state) == ("r", JobState.FAILED, "s", JobState.FAILED)
     assert r_error is not None and "(retries = 1, all used)" in r_error["message"]

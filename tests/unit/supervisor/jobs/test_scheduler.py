@@ -30,6 +30,7 @@ from omnid.supervisor.jobs import scheduler as scheduler_module
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.jobs.scheduler import Scheduler
 from omnid.supervisor.jobs.submission import Submission
+from omnid.supervisor.live import Live
 from omnid.supervisor.workers.stage_group import StageGroup
 from omnid.vocabulary import ErrorCode, EventType, JobState, StageRunState, WorkerState
 
@@ -97,14 +98,14 @@ class Harness:
         self.config = config
         self.store = JobStore(config.daemon.state_dir)
         # Real stage groups of fake replicas; `stages[name]` is a stage's first replica.
-        self.groups = {name: StageGroup(config, name, lambda c, n, i: FakeStage(n, i)) for name in config.stages}
+        self.groups = {name: StageGroup(Live(config), name, lambda c, n, i: FakeStage(n, i)) for name in config.stages}
         self.stages: dict[str, FakeStage] = {name: g.replicas[0] for name, g in self.groups.items()}  # type: ignore[misc]
         self.fed: queue.Queue[tuple[str, WorkItem]] = queue.Queue()
         self.listeners = [Listener(P.socket_path(tmp, P.address(name, i)), self._admit(P.replica_label(name, i)))
                           for name, st in config.stages.items() for i in range(st.replicas)]
         for listener in self.listeners:
             listener.start()
-        self.sched = Scheduler(config, self.store, self.groups,  # type: ignore[arg-type]
+        self.sched = Scheduler(Live(config), self.store, self.groups,  # type: ignore[arg-type]
                                lambda address: P.socket_path(tmp, address))
 
     def _admit(self, stage: str) -> Callable[[WorkItem], bool]:
@@ -179,7 +180,7 @@ def test_the_scheduler_runs_the_pipeline_its_submission_carries(tmp_path: Path) 
         resolved = dataclasses.replace(h.config.pipelines["p"], stages=("a",), edges=(), key="p~2")
         job = h.sched.submit(Submission(resolved, {"text": "x"}, {}, {"text": "x"}, owner_uid=7, timeout_s=9.0))
         assert list(job.stages) == ["a"] and job.owner_uid == 7 and job.timeout_s == 9.0
-        assert h.sched.live[job.id].pipeline is resolved
+        assert h.sched.live_jobs[job.id].pipeline is resolved
         stage, item = await asyncio.to_thread(h.next_fed)
         assert stage == "a" and item.pipeline == "p~2"
     run(tmp_path, CHAIN, test)
@@ -203,7 +204,7 @@ def test_a_job_runs_through_its_stages_to_success(tmp_path: Path) -> None:
         h.say("b", P.Output(job, "text", "text.txt", "text", "text/plain", 3))
         h.say("b", P.Finished(job, 0.5))
         assert record.state is JobState.SUCCEEDED and record.finished_at is not None
-        assert job not in h.sched.live
+        assert job not in h.sched.live_jobs
         assert record.outputs == [{"name": "text", "file": "text.txt", "kind": "text",
                                    "content_type": "text/plain", "size": 3, "stage": "b"}]
         manifest = json.loads((h.store.job_dir(job) / "manifest.json").read_text())
@@ -374,7 +375,7 @@ def test_late_messages_of_an_ended_job_change_nothing_and_no_state_is_kept(tmp_p
             h.say("a", msg)
         assert h.sched.job(job).to_doc() == before
         assert len(h.events(job)) == n_events
-        assert h.sched.live == {} and h.sched.stopping == {} and h.sched.recovery.pending() == 0
+        assert h.sched.live_jobs == {} and h.sched.stopping == {} and h.sched.recovery.pending() == 0
     run(tmp_path, ONE, test)
 
 
@@ -458,7 +459,7 @@ def test_drain_sets_queued_jobs_aside_and_lets_running_ones_finish(tmp_path: Pat
         running, queued = h.submit(), h.submit()
         h.say("a", P.Started(running))
         assert h.sched.drain() == 1
-        assert set(h.sched.live) == {running} and h.sched.running() == 1
+        assert set(h.sched.live_jobs) == {running} and h.sched.running() == 1
         assert [type(m) for m in h.stages["a"].sent if getattr(m, "job", None) == queued] == [P.Cancel, P.Forget]
         assert h.store.get(queued).state is JobState.QUEUED
         h.say("a", P.Finished(running, 0.1))
@@ -512,7 +513,7 @@ def test_a_subscriber_that_falls_behind_is_dropped_and_catches_up_from_the_store
         for i in range(n):                       # nobody reads q meanwhile
             h.say("a", P.Progress(job, i + 1, n))
         assert q.qsize() == 1 and q.get_nowait() is LAGGED      # bounded: its backlog was dropped
-        assert q not in h.sched.live[job].events._subscribers
+        assert q not in h.sched.live_jobs[job].events._subscribers
         rest, q2 = h.sched.subscribe(job, after=len(past))
         assert [e["done"] for e in rest] == list(range(1, n + 1))  # nothing lost: it is all stored
         assert q2 is not None and q2.empty()

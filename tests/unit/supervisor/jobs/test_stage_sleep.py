@@ -73,7 +73,7 @@ class Jobs:
     """The scheduler as `SleepControl`."""
 
     def __init__(self, groups: list[Group]) -> None:
-        self.live: dict[str, LiveJob] = {}
+        self.live_jobs: dict[str, LiveJob] = {}
         self.stages: dict[str, Any] = {g.name: g for g in groups}
         self.store: Any = Events()
         self.stopping: dict[tuple[str, str], object] = {}
@@ -82,7 +82,7 @@ class Jobs:
         self.finished: list[tuple[str, JobState, dict[str, Any] | None]] = []
 
     def finish(self, job: LiveJob, state: JobState, error: dict[str, Any] | None = None) -> None:
-        self.live.pop(job.id, None)
+        self.live_jobs.pop(job.id, None)
         self.finished.append((job.id, state, error))
 
 
@@ -98,7 +98,7 @@ def live_job(jobs: Jobs, job_id: str, stages: tuple[str, ...]) -> LiveJob:
     record = JobRecord(id=job_id, pipeline="p", owner_uid=0, created_at=0.0, timeout_s=60.0, inputs={}, params={},
                        stages={s: StageRun() for s in stages})
     job = LiveJob(record, PipelineConfig("p", stages, ()), {}, jobs.store)
-    jobs.live[job_id] = job
+    jobs.live_jobs[job_id] = job
     return job
 
 
@@ -146,5 +146,5 @@ def test_a_job_wakes_its_sleeping_stage_and_fails_when_it_cannot_wake() -> None:
         assert [(j, s) for j, s, _ in jobs.finished] == [("doomed", JobState.FAILED)]
         error = jobs.finished[0][2]
         assert error is not None and error["code"] == str(ErrorCode.WAKE_FAILED) and "no GPU" in error["message"]
-        assert "fine" in jobs.live
+        assert "fine" in jobs.live_jobs
     run(main)
