@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import base64
@@ -31,21 +32,30 @@ FIGURES = ["realtime: response.create -> 1st audio delta", "realtime: response.c
            f"realtime: listener's wait per audio second, {SESSIONS} sessions speaking at once"]
 
 
+async def _events(ws: Any, waiting_for: str) -> AsyncIterator[dict[str, Any]]:
+    """A realtime session's server events, parsed, without end; a close or an `error` event raises."""
+    import aiohttp
+
+    while True:
+        msg = await ws.receive(timeout=300)
+        if msg.type != aiohttp.WSMsgType.TEXT:
+            raise RuntimeError(f"the session closed before {waiting_for}: {ws.close_code}")
+        ev = json.loads(msg.data)
+        if ev["type"] == "error":
+            raise RuntimeError(f"error event: {ev['error']}")
+        yield ev
+
+
 async def _session(socket: str, text: str, max_tokens: int, cancel: bool) -> dict[str, float]:
     import aiohttp
 
     async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=socket)) as http, \
             http.ws_connect("http://omnid/v1/realtime?model=omni", max_msg_size=0) as ws:
         async def until(kind: str) -> tuple[dict[str, Any], float]:
-            while True:
-                msg = await ws.receive(timeout=300)
-                if msg.type != aiohttp.WSMsgType.TEXT:
-                    raise RuntimeError(f"the session closed before {kind}: {ws.close_code}")
-                ev = json.loads(msg.data)
-                if ev["type"] == "error":
-                    raise RuntimeError(f"error event: {ev['error']}")
+            async for ev in _events(ws, kind):
                 if ev["type"] == kind:
                     return ev, time.monotonic()
+            raise AssertionError("unreachable: _events never ends")
 
         await until("session.created")
         await ws.send_str(json.dumps({"type": "conversation.item.create", "item": {
@@ -84,19 +94,14 @@ async def _speak(socket: str, text: str, max_tokens: int) -> list[tuple[float, f
         await ws.send_str(json.dumps({"type": "conversation.item.create", "item": {
             "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}}))
         await ws.send_str(json.dumps({"type": "response.create", "response": {"max_output_tokens": max_tokens}}))
-        while True:
-            msg = await ws.receive(timeout=300)
-            if msg.type != aiohttp.WSMsgType.TEXT:
-                raise RuntimeError(f"the session closed before response.done: {ws.close_code}")
-            ev = json.loads(msg.data)
-            if ev["type"] == "error":
-                raise RuntimeError(f"error event: {ev['error']}")
+        async for ev in _events(ws, "response.done"):
             if ev["type"] in ("session.created", "session.updated"):
                 rate = int(((ev["session"].get("audio") or {}).get("output") or {}).get("format", {}).get("rate") or rate)
             elif ev["type"] == "response.output_audio.delta":
                 packets.append((time.monotonic(), len(base64.b64decode(ev["delta"])) / 2 / rate))
             elif ev["type"] == "response.done":
                 return packets
+    raise AssertionError("unreachable: _events never ends")
 
 
 async def _speak_at_once(socket: str, n: int) -> list[list[tuple[float, float]]]:
