@@ -7,9 +7,11 @@ One daemon for the module, three stages:
 - `raiser`: a batch function that raises.
 
 To make "submitted at once" deterministic, a test first starts a `gate` job on `b` (its `hold`
-parameter keeps the batch call going until the gate is cancelled), submits its jobs, waits until
-each is in `b`'s input queue, then cancels the gate: the worker then takes every queued job into
-one batch call.
+parameter keeps the batch call going until the gate is cancelled) and waits until the gate's batch
+call has begun (the call's own line in the gate's log: `Started` alone is not enough, as the worker
+takes whatever else is in its queue into the same call until the call begins). Then it submits its
+jobs, waits until each is in `b`'s input queue, and cancels the gate: the worker then takes every
+queued job into one batch call.
 """
 
 from __future__ import annotations
@@ -56,17 +58,23 @@ def _queued(daemon: RunningDaemon, job: str, stage: str) -> bool:
     return bool(daemon.client.job(job)["stages"][stage]["state"] == "queued")
 
 
-def _gated(daemon: RunningDaemon, jobs: list[tuple[dict[str, Any], dict[str, Any]]],
+def _gated(daemon: RunningDaemon, tmp_path: Path, jobs: list[tuple[dict[str, Any], dict[str, Any]]],
            cancel: tuple[int, ...] = ()) -> list[str]:
     """Submit `jobs` ((inputs, params) each) to `b` while a gate job holds it; cancel the jobs at the
     indices `cancel` while they wait in the queue; then open the gate."""
-    gate = daemon.submit("b", {"text": "gate"}, {"b": {"hold": True}})
-    wait_started(daemon, gate, "b", timeout=60)
-    ids = [daemon.submit("b", inputs, {"b": params}) for inputs, params in jobs]
-    for job in ids:
-        wait_for(lambda: _queued(daemon, job, "b"), 30, f"job {job} in b's queue", every=0.05)
-    for i in cancel:
-        assert daemon.client.cancel(ids[i])["state"] == "cancelled"
+    gate_log = tmp_path / "gate.jsonl"
+    gate = daemon.submit("b", {"text": "gate"}, {"b": {"hold": True, "log": str(gate_log)}})
+    try:
+        wait_started(daemon, gate, "b", timeout=60)
+        wait_for(lambda: any(gate in c["jobs"] for c in _calls(gate_log)), 60, "the gate's batch call", every=0.05)
+        ids = [daemon.submit("b", inputs, {"b": params}) for inputs, params in jobs]
+        for job in ids:
+            wait_for(lambda: _queued(daemon, job, "b"), 30, f"job {job} in b's queue", every=0.05)
+        for i in cancel:
+            assert daemon.client.cancel(ids[i])["state"] == "cancelled"
+    except BaseException:
+        daemon.client.cancel(gate)      # (the next test finds b free)
+        raise
     assert daemon.client.cancel(gate)["state"] == "cancelled"
     return ids
 
@@ -77,7 +85,7 @@ def _text(daemon: RunningDaemon, job: str) -> str:
 
 def test_eight_jobs_at_once_are_one_call_each_its_own_output(daemon: RunningDaemon, tmp_path: Path) -> None:
     log = tmp_path / "calls.jsonl"
-    ids = _gated(daemon, [({"text": f"job {i}"}, {"log": str(log), "tag": f"t{i}"}) for i in range(8)])
+    ids = _gated(daemon, tmp_path, [({"text": f"job {i}"}, {"log": str(log), "tag": f"t{i}"}) for i in range(8)])
     docs = [daemon.wait(job, timeout=60) for job in ids]
     assert [doc["state"] for doc in docs] == ["succeeded"] * 8, [doc["error"] for doc in docs]
     calls = _calls(log)
@@ -114,7 +122,7 @@ def test_jobs_submitted_together_without_a_gate_share_calls(daemon: RunningDaemo
 
 def test_an_exception_in_its_slot_fails_one_job_alone(daemon: RunningDaemon, tmp_path: Path) -> None:
     log = tmp_path / "calls.jsonl"
-    ids = _gated(daemon, [({"text": t}, {"log": str(log)}) for t in ("a", "boom", "c")])
+    ids = _gated(daemon, tmp_path, [({"text": t}, {"log": str(log)}) for t in ("a", "boom", "c")])
     docs = [daemon.wait(job, timeout=60) for job in ids]
     assert [doc["state"] for doc in docs] == ["succeeded", "failed", "succeeded"]
     assert docs[1]["error"]["message"] == "stage 'b': ValueError: cannot shout 'boom'", docs[1]["error"]
@@ -124,7 +132,7 @@ def test_an_exception_in_its_slot_fails_one_job_alone(daemon: RunningDaemon, tmp
 
 def test_a_queued_job_cancelled_before_the_call_is_not_in_it(daemon: RunningDaemon, tmp_path: Path) -> None:
     log = tmp_path / "calls.jsonl"
-    ids = _gated(daemon, [({"text": t}, {"log": str(log)}) for t in ("a", "b", "c")], cancel=(1,))
+    ids = _gated(daemon, tmp_path, [({"text": t}, {"log": str(log)}) for t in ("a", "b", "c")], cancel=(1,))
     docs = [daemon.wait(job, timeout=60) for job in ids]
     assert [doc["state"] for doc in docs] == ["succeeded", "cancelled", "succeeded"]
     calls = _calls(log)
