@@ -1,7 +1,7 @@
 """Tracing's parts in process: the `[daemon] tracing` table's checks, the W3C traceparent's, a job's
 spans as its events drive them (timeout, retry, worker death), a stage's spans as its messages drive
 them, and `omnictl trace`'s timeline. The spans are read from an in-memory exporter added to the
-real provider (the OTLP exporter beside it points at a port nothing listens on)."""
+tracer (the OTLP exporter beside it points at a port nothing listens on)."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_traceparent() -> None:
 def spans() -> Any:
     tracing = Tracing(NOWHERE, "t")
     memory = InMemorySpanExporter()
-    tracing.provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracing.add_processor(SimpleSpanProcessor(memory))
     yield tracing, memory
     tracing.shutdown()
 
@@ -120,14 +120,14 @@ def test_a_job_that_timed_out_after_a_retry(spans: Any) -> None:
 def test_a_stages_spans_follow_its_messages(spans: Any) -> None:
     from omnid.worker.tracing import StageTracer
     tracing, memory = spans
-    job_span = tracing.tracer.start_span("omnid.job")
-    headers = tracing.headers(job_span)
+    job_span = tracing.ref({"traceparent": PARENT})          # the supervisor's job span, named
+    headers = job_span.headers
     tracer = StageTracer(NOWHERE, "a", 0, tracing)
     sent: list[object] = []
     post = tracer.watch(sent.append)
     tracer.arrived(WorkItem(job="j1", pipeline="p", src="up", inputs={}, window=0, last=False, trace=headers))
     tracer.arrived(WorkItem(job="j1", pipeline="p", src="up", inputs={}, window=1, last=True, trace=headers))
-    assert tracer.headers("j1")["traceparent"].startswith(f"00-{format(job_span.get_span_context().trace_id, '032x')}-")
+    assert tracer.headers("j1")["traceparent"].startswith(f"00-{job_span.trace_hex}-")
     post(P.Started(job="j1"))
     post(P.Batch((P.Segment(job="j1", index=0, is_last=False), P.Segment(job="j1", index=1, is_last=True))))
     post(P.Finished(job="j1", elapsed_s=0.1))
@@ -136,7 +136,7 @@ def test_a_stages_spans_follow_its_messages(spans: Any) -> None:
     assert len(sent) == 4                               # every message still goes
     by = {s.name: s for s in memory.get_finished_spans()}
     stage = by["stage a"]
-    assert stage.parent.span_id == job_span.get_span_context().span_id
+    assert stage.parent.span_id == job_span.span_id and stage.context.trace_id == job_span.trace_id
     assert [e.name for e in stage.events] == ["window in", "window in", "first segment", "last segment"]
     assert by["waiting for input"].parent.span_id == stage.context.span_id
     assert by["hand-off to down"].parent.span_id == stage.context.span_id
@@ -166,3 +166,46 @@ def test_omnictl_trace_rows() -> None:
     text = waterfall(doc, 80)
     assert text.splitlines()[0] == f"job j1  p  succeeded  2.00s  trace {'ab' * 16}"
     assert all(len(line) <= 80 for line in text.splitlines()[:-1])
+
+
+def test_a_span_made_whole_is_what_the_receiver_decodes(spans: Any) -> None:
+    """`record` builds the SDK span itself: ids, parent, kind, status, resource, events and
+    attributes (None left out, other values as text) survive OTLP's encoding."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    tracing, memory = spans
+    job = tracing.ref({"traceparent": PARENT, "tracestate": "k=v"})
+    tracing.record(job, "omnid.job", 1_000, 5_000, {"omnid.timeout_s": None, "omnid.path": Path("/x"), "n": 3},
+                   [("cancel", 4_000, {"omnid.reason": "asked", "none": None})], error="cancelled: asked", server=True)
+    (span,) = memory.get_finished_spans()
+    req = ExportTraceServiceRequest()
+    req.ParseFromString(encode_spans([span]).SerializeToString())
+    (rs,) = req.resource_spans
+    assert {a.key: a.value.string_value for a in rs.resource.attributes}["service.name"] == "t"
+    (got,) = rs.scope_spans[0].spans
+    assert got.trace_id.hex() == trace_id_of(PARENT) and got.parent_span_id.hex() == "00f067aa0ba902b7"
+    assert got.span_id == job.span_id.to_bytes(8, "big") and got.trace_state == "k=v"
+    assert (got.start_time_unix_nano, got.end_time_unix_nano, got.kind) == (1_000, 5_000, 2)     # SERVER
+    assert got.status.code == 2 and got.status.message == "cancelled: asked"                     # ERROR
+    assert {a.key: (a.value.string_value or a.value.int_value) for a in got.attributes} == {"omnid.path": "/x", "n": 3}
+    assert [(e.name, e.time_unix_nano, [a.key for a in e.attributes]) for e in got.events] == \
+        [("cancel", 4_000, ["omnid.reason"])]
+
+
+def test_a_trace_not_sampled_makes_no_span() -> None:
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    tracing = Tracing(TracingConfig(otlp_endpoint="http://127.0.0.1:9", sample=0.0, service_name="t"), "t")
+    memory = InMemorySpanExporter()
+    tracing.add_processor(SimpleSpanProcessor(memory))
+    try:
+        root = tracing.ref(None)
+        assert not root.sampled
+        tracing.record(root, "omnid.job", 1, 2)
+        tracing.record(tracing.ref(root), "queued", 1, 2)
+        kept = tracing.ref({"traceparent": PARENT})                  # a caller's sampled trace is followed
+        tracing.record(kept, "omnid.job", 1, 2)
+        assert [s.name for s in memory.get_finished_spans()] == ["omnid.job"]
+        assert memory.get_finished_spans()[0].context.trace_id == int(trace_id_of(PARENT) or "0", 16)
+    finally:
+        tracing.shutdown()
