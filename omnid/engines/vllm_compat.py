@@ -13,7 +13,8 @@ release in between works as the closer one does):
   a request it cannot take (`is_client_error`);
 - the engine core's liveness monitor (`CoreEngineProcManager.monitor_engine_liveness`), which
   omnid replaces where it is there (`core_liveness_hook`);
-- where the client keeps its engine core processes (`core_processes`).
+- where the client keeps its engine core processes (`core_processes`);
+- the stat loggers it is given when it keeps request statistics (`stat_loggers`; the same in both).
 
 The dead engine (`EngineDeadError`, `is_engine_dead`) is one class in every supported release.
 
@@ -153,6 +154,26 @@ def allow_amx() -> bool:
         return False
     init = getattr(torch._C._cpu, "_init_amx", None)
     return bool(init()) if init is not None else False
+
+
+def stat_loggers() -> list[Any]:
+    """The stat loggers an `LLMEngine` with request statistics on (`disable_log_stats = false`, as
+    omnid's tracing turns them on for vLLM's request spans) is given: its Prometheus logger replaced
+    by one that does nothing. vLLM adds a `PrometheusStatLogger` whenever it keeps statistics and no
+    logger of that class is given; it observes a dozen histograms a step and per token, in the
+    worker's main thread (about 4 % of a tiny chat model's CPU, measured), into this process's own
+    registry, which nothing serves (omnid's `/metrics` is the supervisor's). The same in vLLM 0.28
+    and 0.32 (`StatLoggerManager`: a given logger that is a `PrometheusStatLogger` stands for it).
+    Each public method of the class is a no-op here, so a method a later vLLM adds is one too."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    def nothing(*_args: Any, **_kwargs: Any) -> None:
+        return None
+
+    quiet: dict[str, Any] = {name: nothing for name in dir(PrometheusStatLogger)
+                             if not name.startswith("_") and callable(getattr(PrometheusStatLogger, name))}
+    quiet["__init__"] = nothing
+    return [type("UnservedPrometheusStatLogger", (PrometheusStatLogger,), quiet)]
 
 
 def fix_cpu_lora_no_adapter() -> bool:

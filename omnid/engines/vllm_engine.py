@@ -280,7 +280,9 @@ class VllmEngine(Engine):
         why = eager_if_no_room(args, stage.args)
         if why:
             logging.getLogger("omnid.engines.vllm").warning(why)
-        self.engine = LLMEngine.from_engine_args(EngineArgs(**args), enable_multiprocessing=self._own_core)
+        quiet = None if args.get("disable_log_stats", True) else vllm_compat.stat_loggers()
+        self.engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=quiet,
+                                                 enable_multiprocessing=self._own_core)
         self.default_max_tokens = int(stage.defaults.get("max_tokens", 16))
         self._prioritized = args.get("scheduling_policy") == "priority"
         self._ids = itertools.count()

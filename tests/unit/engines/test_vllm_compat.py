@@ -102,3 +102,18 @@ def test_a_process_that_runs_vllm_on_an_amx_cpu_is_given_the_tiles() -> None:
     out = subprocess.run([sys.executable, "-c", _AMX_PERM], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "True", "True"], out.stdout
+
+
+def test_an_engine_keeping_statistics_gets_no_prometheus_logger_of_its_own() -> None:
+    """vLLM's own StatLoggerManager, given `stat_loggers()`: the logger stands for its Prometheus
+    one (none is added), and what the engine calls on it each step does nothing."""
+    pytest.importorskip("vllm")
+    from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerManager
+    manager = StatLoggerManager(vllm_config=None, custom_stat_loggers=vllm_compat.stat_loggers(),  # type: ignore[arg-type]
+                                enable_default_loggers=False)
+    (only,) = manager.stat_loggers
+    assert isinstance(only, PrometheusStatLogger) and type(only) is not PrometheusStatLogger
+    manager.record(scheduler_stats=None, iteration_stats=None)
+    manager.record_sleep_state(1, 1)
+    manager.log_engine_initialized()
+    manager.log()
