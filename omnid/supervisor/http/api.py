@@ -147,7 +147,7 @@ async def errors_middleware(request: web.Request,
 class Api:
     def __init__(self, live: Live, store: JobStore, scheduler: Scheduler, stages: Mapping[str, StageGroup],
                  metrics: Metrics, info: DaemonInfo) -> None:
-        self.live = live     # the config in force (`config` reads it; a reload changes it there)
+        self.live = live  # the config in force (`config` reads it; a reload changes it there)
         config = self.live.config
         self.store = store
         self.scheduler = scheduler

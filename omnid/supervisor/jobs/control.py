@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 class JobControl(Protocol):
     """What recovery and a restart's restore need of the scheduler."""
 
-    live_jobs: dict[str, LiveJob]                # the live jobs by id (the parts add and read; `finish` removes)
+    live_jobs: dict[str, LiveJob]    # the live jobs by id (the parts add and read; `finish` removes)
     stages: Mapping[str, StageGroup]
     store: JobStore
 

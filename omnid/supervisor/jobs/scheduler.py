@@ -82,7 +82,7 @@ class Scheduler:
     def __init__(self, live: Live, store: JobStore, stages: Mapping[str, StageGroup],
                  data_socket: Callable[[str], Path], metrics: Metrics | None = None,
                  tracing: Tracing | None = None) -> None:
-        self.in_force = live       # the config in force (a reload switches it)
+        self.in_force = live                # the config in force (a reload switches it)
         self.tracing = tracing              # `[daemon] tracing`: each new job's spans (jobs/tracing.py)
         self.store = store
         self.stages = stages
@@ -157,7 +157,7 @@ class Scheduler:
         try:
             self.store.commit()         # accepted once it is on disk: a 201 promises it (a full disk: not)
         except StoreWriteFailed as e:
-            del self.live_jobs[job.id]       # withdrawn before anything ran it: nobody saw it
+            del self.live_jobs[job.id]  # withdrawn before anything ran it: nobody saw it
             self.store.discard(job.id)
             raise Refused(507, ErrorCode.INSUFFICIENT_STORAGE, f"the job could not be written to disk, so it was "
                           f"not accepted: {e}", retry_after_s=STORAGE_RETRY_AFTER_S) from None
