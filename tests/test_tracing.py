@@ -290,6 +290,8 @@ def test_streamed_three_stage_job_is_one_trace_under_the_callers_span(traced: Ru
     assert llm["parent"] == think["span_id"]
     assert think["start"] - 50_000_000 <= llm["start"] and llm["end"] <= think["end"] + 50_000_000
     assert llm["attrs"].get("gen_ai.usage.completion_tokens") == 8
+    # ... and goes out through the stage's own exporter (one per worker), not a provider of vLLM's
+    assert (llm["service"], llm["pid"]) == (think["service"], think["pid"])
 
 
 def test_openai_chat_over_tcp_joins_the_callers_trace(traced: RunningDaemon, receiver: Receiver) -> None:

@@ -14,7 +14,8 @@ release in between works as the closer one does):
 - the engine core's liveness monitor (`CoreEngineProcManager.monitor_engine_liveness`), which
   omnid replaces where it is there (`core_liveness_hook`);
 - where the client keeps its engine core processes (`core_processes`);
-- the stat loggers it is given when it keeps request statistics (`stat_loggers`; the same in both).
+- the stat loggers it is given when it keeps request statistics (`stat_loggers`, `drop_logging_stat_logger`;
+  the same in both).
 
 The dead engine (`EngineDeadError`, `is_engine_dead`) is one class in every supported release.
 
@@ -174,6 +175,31 @@ def stat_loggers() -> list[Any]:
                              if not name.startswith("_") and callable(getattr(PrometheusStatLogger, name))}
     quiet["__init__"] = nothing
     return [type("UnservedPrometheusStatLogger", (PrometheusStatLogger,), quiet)]
+
+
+def drop_logging_stat_logger(engine: Any) -> bool:
+    """Take the `LoggingStatLogger` out of an `LLMEngine`'s stat loggers: the periodic "Avg prompt
+    throughput" line of a stage with request statistics on, whose bookkeeping runs each step in the
+    worker's main thread (omnid's tracing turns the statistics on for vLLM's request spans, not for
+    that line). vLLM adds it whenever it keeps statistics and its own logger takes INFO lines, which
+    its logging set-up decides while the engine starts; so it is taken out after. The manager keeps
+    its loggers in a list, a per-engine one (this one) in an adapter's `per_engine_stat_loggers`
+    (the same in vLLM 0.28 and 0.32). True when one was taken out."""
+    from vllm.v1.metrics.loggers import LoggingStatLogger
+
+    loggers = getattr(getattr(engine, "logger_manager", None), "stat_loggers", None)
+    if not isinstance(loggers, list):
+        return False
+
+    def logging_one(logger: Any) -> bool:
+        inner = getattr(logger, "per_engine_stat_loggers", None)
+        return isinstance(logger, LoggingStatLogger) or (
+            isinstance(inner, dict) and any(isinstance(x, LoggingStatLogger) for x in inner.values()))
+
+    kept = [logger for logger in loggers if not logging_one(logger)]
+    dropped = len(kept) < len(loggers)
+    loggers[:] = kept
+    return dropped
 
 
 def fix_cpu_lora_no_adapter() -> bool:

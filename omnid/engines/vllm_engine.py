@@ -257,10 +257,10 @@ class VllmEngine(Engine):
         traces = os.environ.get("OMNID_VLLM_OTLP_TRACES_ENDPOINT")     # `[daemon] tracing` (omnid.worker.tracing)
         if traces and not stage.args.get("disable_log_stats"):
             # vLLM's request spans: its tracing reads the request's stats (kept only with log_stats,
-            # whose periodic log line is pushed out of the way); a stage that turns them off has none.
+            # whose periodic log line is not kept: drop_logging_stat_logger); a stage that turns them
+            # off has none.
             args.setdefault("otlp_traces_endpoint", traces)
             args["disable_log_stats"] = False
-            os.environ.setdefault("VLLM_LOG_STATS_INTERVAL", "86400")
         threads = cpu_threads(stage, args, os.environ)
         if threads is not None:
             os.environ["OMP_NUM_THREADS"] = str(threads)    # the core's process is spawned with it
@@ -283,6 +283,8 @@ class VllmEngine(Engine):
         quiet = None if args.get("disable_log_stats", True) else vllm_compat.stat_loggers()
         self.engine = LLMEngine.from_engine_args(EngineArgs(**args), stat_loggers=quiet,
                                                  enable_multiprocessing=self._own_core)
+        if quiet is not None and "disable_log_stats" not in stage.args:
+            vllm_compat.drop_logging_stat_logger(self.engine)   # statistics for the traces alone: no stats line
         self.default_max_tokens = int(stage.defaults.get("max_tokens", 16))
         self._prioritized = args.get("scheduling_policy") == "priority"
         self._ids = itertools.count()

@@ -6,7 +6,8 @@ input queue, the watermark, a fan-in's other parts); its events: each window of 
 that comes in (`window in`, with its source and index), the `first segment` and the `last segment`
 the stage streams, its hand-offs downstream (`handed off`), and a `cancel` or `timeout` from the
 supervisor, with the reason. A vLLM stage passes the span's context to vLLM's own tracing (the
-request's trace headers), so vLLM's `llm_request` span hangs under it.
+request's trace headers), so vLLM's `llm_request` span hangs under it; that span is made through
+this worker's exporter too (`Tracing.install_global`: the process's OpenTelemetry provider).
 
 The parent context comes with the job's work items (`WorkItem.trace`); the spans follow the
 messages the worker tells the supervisor (`watch` wraps its `Reporter`'s send and post), so they
@@ -53,8 +54,10 @@ class _Part:
 
 
 def engine_environment(cfg: TracingConfig, stage: str) -> None:
-    """What an engine with tracing of its own reads (vLLM's, its own provider in this process):
-    OTLP/HTTP to the same receiver, every second, under `<service_name>:<stage>:vllm`."""
+    """What an engine with tracing of its own reads (vLLM's): where its spans would go. In this
+    process they go through the stage's own exporter (`StageTracer`: the API's global provider); in
+    an engine core's process of its own, vLLM's provider there sends its start-up spans (OTLP/HTTP to
+    the same receiver, under `<service_name>:<stage>:vllm`)."""
     os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
     os.environ.setdefault("OTEL_SERVICE_NAME", f"{cfg.service_name}:{stage}:vllm")
     os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", "1000")
@@ -62,11 +65,14 @@ def engine_environment(cfg: TracingConfig, stage: str) -> None:
 
 
 class StageTracer:
-    """`tracing`: the exporter to use (a test's); else this worker's own, made here."""
+    """`tracing`: the exporter to use (a test's); else this worker's own, made here and made the
+    process's OpenTelemetry provider, so that vLLM's request spans go out through it too."""
 
     def __init__(self, cfg: TracingConfig, stage: str, replica: int, tracing: Tracing | None = None) -> None:
-        self.tracing = tracing or Tracing(cfg, f"{cfg.service_name}:{stage}",
-                                          {"omnid.stage": stage, "omnid.replica": str(replica)})
+        if tracing is None:
+            tracing = Tracing(cfg, f"{cfg.service_name}:{stage}", {"omnid.stage": stage, "omnid.replica": str(replica)})
+            tracing.install_global()
+        self.tracing = tracing
         self._stage, self._replica = stage, replica
         self._lock = threading.Lock()
         self._jobs: dict[str, _Part] = {}

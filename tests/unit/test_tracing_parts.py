@@ -209,3 +209,46 @@ def test_a_trace_not_sampled_makes_no_span() -> None:
         assert memory.get_finished_spans()[0].context.trace_id == int(trace_id_of(PARENT) or "0", 16)
     finally:
         tracing.shutdown()
+
+
+_LIBRARY_SPAN = """
+import logging, sys
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from omnid.config_types import TracingConfig
+from omnid.tracing import Tracing
+
+logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="LOG %(message)s")
+tracing = Tracing(TracingConfig(otlp_endpoint="http://127.0.0.1:9", service_name="t"), "t:think")
+memory = InMemorySpanExporter()
+tracing.add_processor(SimpleSpanProcessor(memory))
+tracing.install_global()
+trace.set_tracer_provider(TracerProvider())          # a library's own, later (vLLM's): refused, quietly
+context = TraceContextTextMapPropagator().extract({"traceparent": sys.argv[1]})
+span = trace.get_tracer("vllm.tracing.otel").start_span("llm_request", context=context, kind=trace.SpanKind.SERVER)
+span.set_attributes({"gen_ai.usage.completion_tokens": 8})
+span.end()
+(made,) = memory.get_finished_spans()
+print("SPAN", made.name, f"{made.context.trace_id:032x}", f"{made.parent.span_id:016x}",
+      made.resource.attributes["service.name"], made.instrumentation_scope.name, made.kind.name,
+      made.attributes["gen_ai.usage.completion_tokens"])
+tracing.shutdown()
+"""
+
+
+def test_a_librarys_spans_go_out_through_the_process_exporter() -> None:
+    """`install_global` (a vLLM stage's worker): a library's span made through the OpenTelemetry API
+    reaches omnid's own processor, under its parent, with the worker's resource; the library's own
+    provider, set later, is refused without a warning. In a process of its own (the API's provider
+    is set once a process)."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", _LIBRARY_SPAN, PARENT], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    _, trace_hex, parent_hex, _ = PARENT.split("-")
+    (made,) = [line for line in done.stdout.splitlines() if line.startswith("SPAN")]
+    assert made == f"SPAN llm_request {trace_hex} {parent_hex} t:think vllm.tracing.otel SERVER 8"
+    assert "LOG" not in done.stdout, done.stdout

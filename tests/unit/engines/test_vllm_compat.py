@@ -117,3 +117,26 @@ def test_an_engine_keeping_statistics_gets_no_prometheus_logger_of_its_own() -> 
     manager.record_sleep_state(1, 1)
     manager.log_engine_initialized()
     manager.log()
+
+
+def test_statistics_for_the_traces_keep_no_logging_stat_logger() -> None:
+    """vLLM's own StatLoggerManager, with its default loggers (its periodic stats line among them)
+    and omnid's: `drop_logging_stat_logger` takes the line's logger out and leaves the others."""
+    pytest.importorskip("vllm")
+    from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger, StatLoggerManager
+
+    line = type("Line", (LoggingStatLogger,), {"__init__": lambda self, *args: None})   # (no config to read)
+
+    class Engine:
+        logger_manager = StatLoggerManager(vllm_config=None, custom_stat_loggers=[line, *vllm_compat.stat_loggers()],  # type: ignore[arg-type]
+                                           enable_default_loggers=False)
+
+    def line_loggers() -> int:
+        return sum(isinstance(x, LoggingStatLogger) for logger in Engine.logger_manager.stat_loggers
+                   for x in [logger, *getattr(logger, "per_engine_stat_loggers", {}).values()])
+    assert line_loggers() == 1
+    assert vllm_compat.drop_logging_stat_logger(Engine) is True
+    assert line_loggers() == 0
+    (only,) = Engine.logger_manager.stat_loggers
+    assert isinstance(only, PrometheusStatLogger)
+    assert vllm_compat.drop_logging_stat_logger(Engine) is False
