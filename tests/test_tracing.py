@@ -33,6 +33,8 @@ httpx = pytest.importorskip("httpx")
 web = pytest.importorskip("aiohttp.web")
 trace_pb = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
 
+pytestmark = pytest.mark.vllm       # the traced daemon's `think` stage is vLLM (its request span under the stage's)
+
 STREAM_DIR = str(Path(__file__).resolve().parent / "fixtures")
 ROOT_DIR = str(Path(__file__).resolve().parent.parent)
 
