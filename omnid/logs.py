@@ -141,8 +141,15 @@ class _LoggerFactory(structlog.stdlib.LoggerFactory):
 
 _handler: logging.Handler | None = None
 _wrap_foreign: tuple[bool, bool] = (False, False)     # (wrap lines that are no JSON, with journald's prefix)
+_settings: tuple[str, str, str] = ("info", "auto", "omnid")   # what `configure` was given (the format it chose)
 _ERRORISH = re.compile(rb"(?i)\b(error|traceback|exception|fatal)\b")
 _WARNISH = re.compile(rb"(?i)\bwarn(ing)?\b")
+
+
+def settings() -> tuple[str, str, str]:
+    """This process's (level, format, process) as `configure` set them: what a helper process it
+    starts (the span exporter) configures its own log with, on the same stream."""
+    return _settings
 
 
 def json_log() -> bool:
@@ -190,10 +197,11 @@ def configure(level: str = "info", fmt: str = "auto", process: str = "supervisor
     `stage`: a worker's stage name, added to every record as `stage`. `stream`: stderr unless
     a test says otherwise.
     """
-    global _handler, _wrap_foreign
+    global _handler, _wrap_foreign, _settings
     stream = stream or sys.stderr
     lvl = _LEVELS.get(level, logging.INFO)
     chosen, journald = resolve_format(fmt, stream)
+    _settings = (level, chosen, process)
     _wrap_foreign = (chosen == "json", journald)
     colors = chosen == "console" and not journald and _isatty(stream)
     shared: list[Any] = [

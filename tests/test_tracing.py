@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from conftest import (LOG_TAIL, RunningDaemon, build_tiny_models, daemon_config, omnictl, py_stage, short_tmpdir,
@@ -391,10 +392,43 @@ def test_a_receiver_that_is_down_costs_jobs_nothing(traced: RunningDaemon, recei
     receiver.wait_for(trace_id, {"omnid.job", "stage echo"})
 
 
-def test_tracing_on_runs_an_exporter_in_the_supervisor(traced: RunningDaemon) -> None:
+def test_tracing_on_runs_an_exporter_process_beside_the_supervisor(traced: RunningDaemon) -> None:
+    """The supervisor hands its spans to an exporter process of its own (the encoding and the HTTP
+    requests are not under its event loop's GIL); it imports no OpenTelemetry itself."""
     seen = probe(traced)
-    assert "opentelemetry.sdk.trace" in seen["modules"]
-    assert "OtelBatchSpanRecordProcessor" in seen["threads"]
+    assert "omnid-spans" in seen["threads"]
+    assert seen["modules"] == [], seen["modules"]
+    exporters = [p for p in psutil.Process(traced.proc.pid).children()
+                 if "omnid.tracing_export" in " ".join(p.cmdline())]
+    assert len(exporters) == 1, [p.cmdline() for p in psutil.Process(traced.proc.pid).children()]
+
+
+def _exporters_of(pid: int) -> list[psutil.Process]:
+    return [p for p in psutil.Process(pid).children() if "omnid.tracing_export" in " ".join(p.cmdline())]
+
+
+def test_a_killed_workers_exporter_process_ends_with_it_and_the_new_one_traces(traced: RunningDaemon,
+                                                                              receiver: Receiver) -> None:
+    """Each traced worker has its exporter process; a worker killed by SIGKILL takes it along (its
+    stdin closes: it sends what it has and ends), and the worker started in its place traces."""
+    def echo_worker() -> psutil.Process | None:
+        found = [p for p in psutil.Process(traced.proc.pid).children(recursive=True)
+                 if p.name().startswith("omnid:echo") and _exporters_of(p.pid)]
+        return found[0] if len(found) == 1 else None
+    worker = wait_for(echo_worker, 30, "the echo worker and its exporter")
+    (exporter,) = _exporters_of(worker.pid)
+    worker.kill()
+    gone, _ = psutil.wait_procs([exporter], timeout=15)
+    assert gone, f"the exporter {exporter.pid} outlived its killed worker"
+    wait_ready(traced)
+    new = wait_for(lambda: (w := echo_worker()) is not None and w.pid != worker.pid and w, 60, "the new echo worker")
+    parent, trace_id, _ = new_parent()
+    with socket_http(traced) as http:
+        r = http.post("/v1/jobs", json={"pipeline": "echo", "inputs": {"text": "again"}}, headers={"traceparent": parent})
+    assert r.status_code == 201, r.text
+    assert wait_job(traced, r.json()["id"])["state"] == "succeeded"
+    (stage,) = receiver.wait_for(trace_id, {"stage echo"})["stage echo"]
+    assert stage["pid"] == new.pid
 
 
 def test_tracing_off_exports_nothing_and_imports_no_opentelemetry(receiver: Receiver) -> None:

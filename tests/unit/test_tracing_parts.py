@@ -77,7 +77,7 @@ def test_traceparent() -> None:
 
 @pytest.fixture
 def spans() -> Any:
-    tracing = Tracing(NOWHERE, "t")
+    tracing = Tracing(NOWHERE, "t", export=False)
     memory = InMemorySpanExporter()
     tracing.add_processor(SimpleSpanProcessor(memory))
     yield tracing, memory
@@ -195,7 +195,7 @@ def test_a_span_made_whole_is_what_the_receiver_decodes(spans: Any) -> None:
 def test_a_trace_not_sampled_makes_no_span() -> None:
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-    tracing = Tracing(TracingConfig(otlp_endpoint="http://127.0.0.1:9", sample=0.0, service_name="t"), "t")
+    tracing = Tracing(TracingConfig(otlp_endpoint="http://127.0.0.1:9", sample=0.0, service_name="t"), "t", export=False)
     memory = InMemorySpanExporter()
     tracing.add_processor(SimpleSpanProcessor(memory))
     try:
@@ -222,7 +222,7 @@ from omnid.config_types import TracingConfig
 from omnid.tracing import Tracing
 
 logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="LOG %(message)s")
-tracing = Tracing(TracingConfig(otlp_endpoint="http://127.0.0.1:9", service_name="t"), "t:think")
+tracing = Tracing(TracingConfig(otlp_endpoint="http://127.0.0.1:9", service_name="t"), "t:think", export=False)
 memory = InMemorySpanExporter()
 tracing.add_processor(SimpleSpanProcessor(memory))
 tracing.install_global()
