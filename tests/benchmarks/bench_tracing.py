@@ -13,8 +13,9 @@ started (PAIRS in all): two daemons of the same config differ by up to 5 % in th
   jobs; measured once the spans of the throughput run before it are exported (a pause of 1.5 s
   after each wall, for both daemons), so that it is a lone job's figure, not the end of a burst's.
 Both are the median over the runs (the runs are in the notes). The third row depends less on what
-else the machine runs: the CPU seconds the daemon's processes (supervisor and workers) spent per
-throughput job, on / off, the pause after the wall included (the exports of its spans).
+else the machine runs: the CPU seconds the daemon's processes (supervisor, workers and their
+exporter processes) spent per throughput job, on / off, the pause after the wall included (the
+exports of its spans).
 """
 
 from __future__ import annotations
