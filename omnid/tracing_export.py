@@ -36,7 +36,9 @@ def main(argv: list[str]) -> int:
     from omnid.prctl import set_process_name
     level, fmt, process = spec["log"]
     logs.configure(level, fmt, process=process)
-    set_process_name(f"omnid:{process}")
+    # `ps` (15 characters of it): omnid:spans (the supervisor's), omnid:spans:STAGE (a worker's)
+    owner = process.removesuffix(":spans").removeprefix("stage:")
+    set_process_name("omnid:spans" if owner in ("supervisor", "omnid") else f"omnid:spans:{owner}")
 
     import logging
     import os
