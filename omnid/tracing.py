@@ -285,7 +285,7 @@ def _start_exporter(cfg: TracingConfig, resource: Mapping[str, Any]) -> subproce
     level, fmt, process = logs.settings()
     spec = {"url": cfg.traces_url, "resource": dict(resource), "log": [level, fmt, f"{process}:spans"]}
     return subprocess.Popen([sys.executable, "-m", "omnid.tracing_export", json.dumps(spec)],
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=False)
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
 
 
 class SpanMaker:
@@ -336,6 +336,7 @@ def _forward(tracing: Tracing) -> Any:
     """An SDK span processor in a process that traces: each span a library makes through the
     OpenTelemetry API goes, as a `SpanTuple`, where omnid's spans go (`Tracing.add`)."""
     from opentelemetry.sdk.trace import SpanProcessor
+    from opentelemetry.trace import StatusCode
 
     class Forward(SpanProcessor):
         def on_end(self, span: Any) -> None:
@@ -347,7 +348,7 @@ def _forward(tracing: Tracing) -> Any:
                     (ctx.trace_state.to_header() or None) if ctx.trace_state else None, span.name,
                     span.start_time or 0, span.end_time or 0, _clean(span.attributes),
                     [(e.name, e.timestamp, _clean(e.attributes)) for e in span.events],
-                    (status.description or "") if status.status_code.name == "ERROR" else None, span.kind.value,
+                    (status.description or "") if status.status_code is StatusCode.ERROR else None, span.kind.value,
                     (scope.name, scope.version) if scope is not None else None))
             except Exception:                   # a trace never costs a job anything
                 pass
@@ -369,11 +370,6 @@ class _OneProvider(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "Overriding of current TracerProvider" not in record.getMessage()
-
-
-def exporter_threads() -> list[str]:
-    """The names of this process's threads that send spans (`Tracing`'s): a test's check."""
-    return [t.name for t in threading.enumerate() if t.name == "omnid-spans"]
 
 
 class _Quiet:

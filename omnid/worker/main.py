@@ -91,7 +91,8 @@ class StageWorker:
         if spec.config.daemon.tracing is not None:
             from omnid.worker.tracing import StageTracer, engine_environment
             engine_environment(spec.config.daemon.tracing, spec.stage)
-            self.tracer = StageTracer(spec.config.daemon.tracing, spec.stage, spec.replica)
+            self.tracer = StageTracer(spec.config.daemon.tracing, spec.stage, spec.replica,
+                                      engine_spans=self.stage.engine == "vllm")
             self.send, self.post = self.tracer.watch(reporter.send), self.tracer.watch(reporter.post)
         self.jobs = JobTable()                  # what the worker knows of each job (and its lock)
         self.wakeup = Wakeup(self._wake_engine)  # a window, an input or a cancel arrived: the loop looks again

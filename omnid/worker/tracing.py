@@ -65,13 +65,17 @@ def engine_environment(cfg: TracingConfig, stage: str) -> None:
 
 
 class StageTracer:
-    """`tracing`: the exporter to use (a test's); else this worker's own, made here and made the
-    process's OpenTelemetry provider, so that vLLM's request spans go out through it too."""
+    """`tracing`: the exporter to use (a test's); else this worker's own, made here. `engine_spans`:
+    the stage's engine traces with OpenTelemetry itself (vLLM): the exporter is made the process's
+    OpenTelemetry provider, so that its spans go out through it too (a stage whose engine does not
+    imports no OpenTelemetry)."""
 
-    def __init__(self, cfg: TracingConfig, stage: str, replica: int, tracing: Tracing | None = None) -> None:
+    def __init__(self, cfg: TracingConfig, stage: str, replica: int, tracing: Tracing | None = None,
+                 engine_spans: bool = False) -> None:
         if tracing is None:
             tracing = Tracing(cfg, f"{cfg.service_name}:{stage}", {"omnid.stage": stage, "omnid.replica": str(replica)})
-            tracing.install_global()
+            if engine_spans:
+                tracing.install_global()
         self.tracing = tracing
         self._stage, self._replica = stage, replica
         self._lock = threading.Lock()

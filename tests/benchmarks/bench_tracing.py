@@ -10,8 +10,9 @@ started (PAIRS in all): two daemons of the same config differ by up to 5 % in th
   event). The wall (about 2.5 s) is longer than the exporters' period (1 s), so the traced
   daemon's exports of its own spans fall inside it, as under a steady load.
 - The first token: one job at a time, submit -> its first segment event, the p50 of each run's
-  jobs; measured once the spans of the throughput run before it are exported (a pause of 1.5 s
-  after each wall, for both daemons), so that it is a lone job's figure, not the end of a burst's.
+  jobs; measured once the spans of the throughput run before it are handed over and mostly
+  exported (a pause of 1.5 s after each wall, for both daemons), so that it is a lone job's
+  figure, not the end of a burst's.
 Both are the median over the runs (the runs are in the notes). The third row depends less on what
 else the machine runs: the CPU seconds the daemon's processes (supervisor, workers and their
 exporter processes) spent per throughput job, on / off, the pause after the wall included (the
@@ -33,7 +34,8 @@ from _harness import Ctx, Daemon, Row, at_least, at_most, fmt, kill_daemon, p50,
 
 JOBS = 128              # a throughput run's jobs: its wall spans a few export periods
 PAIRS = 4               # fresh daemon pairs (two daemons of one config differ by up to 5 %: each pair is a draw)
-EXPORTED_S = 1.5        # a wall's spans are exported by then (the exporters' period is 1 s)
+EXPORTED_S = 1.5        # a wall's spans have reached the exporter processes and mostly gone by then
+                        # (handed over every 0.5 s, exported every 1 s; in processes of their own)
 
 FIGURES = ["chat 128 x 64 tokens, tracing on (sample 1.0, live receiver): jobs/s",
            "chat first token, tracing on: submit -> first segment, p50",
