@@ -263,6 +263,24 @@ class EdgeConfig:
 
 
 @dataclass(frozen=True)
+class RealtimeConfig:
+    """`[pipelines.X] realtime = { ... }`: the pipeline's jobs are streams a listener plays as they
+    come, admitted only while the pipeline's measured capacity keeps the admitted ones on time
+    (omnid/supervisor/jobs/admission_gate.py)."""
+
+    overload: str = "queue"             # past capacity: "queue" (wait, bounded) or "refuse" (503 at once)
+    max_waiting_streams: int = 16       # "queue": streams that may wait; past it, 503 as in "refuse"
+    margin: float = 0.9                 # admit while the streams stay under margin x the capacity measured
+    warmup: Mapping[str, Any] | None = field(default_factory=lambda: {"prompt": "warm up"})
+                                        # the inputs of the warm-up job run before the pipeline is ready
+                                        # (and after a restart of one of its stages); None: no warm-up
+    warmup_params: Mapping[str, Any] = field(default_factory=dict)
+
+
+OVERLOAD_MODES = ("queue", "refuse")
+
+
+@dataclass(frozen=True)
 class PipelineConfig:
     name: str
     stages: tuple[str, ...]
@@ -272,6 +290,7 @@ class PipelineConfig:
     # `outputs = { thinker = ["text"] }`: outputs of stages that are not last kept as the job's too,
     # by name (an omni pipeline's text, while its last stage gives the audio).
     keep: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    realtime: RealtimeConfig | None = None      # admission by capacity, for a pipeline of streams
     # The key the workers know this definition by, when a reload changed the pipeline (`name~N`); set
     # on the definitions in force by the reload's switch, so that a job's resolved pipeline carries it.
     # "": its name. Not part of the definition: two pipelines that differ only in it are equal.

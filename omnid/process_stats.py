@@ -25,6 +25,23 @@ def rss_bytes(pid: int) -> int | None:
         return None
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user and system) a process and its living descendants have used: a worker's
+    heartbeat reads its own (a vLLM stage's core runs in a child). 0.0 when it cannot be read."""
+    try:
+        root = psutil.Process(pid)
+        total = 0.0
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+    except psutil.Error:
+        return 0.0
+
+
 @dataclass(frozen=True)
 class ProcessSample:
     rss_bytes: int | None = None        # the worker's RSS plus that of all its descendants

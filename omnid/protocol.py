@@ -103,6 +103,15 @@ class Reroute:
 
 
 @dataclass(frozen=True)
+class Deadline:
+    """A stream's listener runs out of audio at `at` (wall clock, time.time()), from the audio sent
+    so far: a stage steps the jobs that run dry first before the others (`RequestContext.deadline`)."""
+
+    job: str
+    at: float
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass
 
@@ -146,6 +155,8 @@ class QueueStats:
     shm_slots: int = 0              # and how many slots are taken (0 once every job's values are gone)
     cache_hits: int = 0             # a diffusers stage's DiT cache: transformer calls that skipped the
     cache_misses: int = 0           # remaining blocks, and calls that ran them all
+    busy_s: float = 0.0             # wall seconds the engine spent stepping (not waiting for input)
+    cpu_s: float = 0.0              # CPU seconds of the worker and its children (a vLLM core's process)
 
 
 @dataclass(frozen=True)

@@ -159,6 +159,7 @@ class ErrorCode(StrEnum):
     NO_CREDENTIALS = "no_credentials"
     TOO_LARGE = "too_large"
     QUEUE_FULL = "queue_full"
+    OVER_CAPACITY = "over_capacity"    # 503: a real-time pipeline's streams fill its measured capacity
     SHUTTING_DOWN = "shutting_down"
     NOT_ADMIN = "not_admin"             # root or daemon.admin_group only (stage restart)
     UNKNOWN_STAGE = "unknown_stage"

@@ -10,7 +10,7 @@ from typing import Any
 
 from omnid.config.checker import _check_callable_ref, _Checker, _typename
 from omnid.config.stages import model_dims
-from omnid.config_types import FULL_WINDOW, EdgeConfig, PipelineConfig, StageConfig
+from omnid.config_types import FULL_WINDOW, OVERLOAD_MODES, EdgeConfig, PipelineConfig, RealtimeConfig, StageConfig
 from omnid.engines.capabilities import capabilities, engines_that
 from omnid.media import MEDIA_KINDS
 
@@ -169,7 +169,7 @@ def _parse_pipeline(c: _Checker, name: str, raw: Any, known_stages: Mapping[str,
     p = c.table(raw, path)
     if not isinstance(raw, dict):
         return None
-    c.unknown(p, ("stages", "edges", "timeout_s", "retries", "outputs"), path)
+    c.unknown(p, ("stages", "edges", "timeout_s", "retries", "outputs", "realtime"), path)
     members_raw = c.get(p, "stages", path, list, [], required=True)
     members: list[str] = []
     for i, s in enumerate(members_raw):
@@ -229,9 +229,38 @@ def _parse_pipeline(c: _Checker, name: str, raw: Any, known_stages: Mapping[str,
     if retries < 0:
         c.add(f"{path}.retries", "must be >= 0")
     keep = _parse_kept_outputs(c, p, path, members, edges)
+    realtime = _parse_realtime(c, p["realtime"], f"{path}.realtime") if "realtime" in p else None
     return PipelineConfig(name=name, stages=tuple(members), edges=tuple(edges),
                           timeout_s=float(timeout) if timeout is not None else None,
-                          retries=max(0, retries), keep=keep)
+                          retries=max(0, retries), keep=keep, realtime=realtime)
+
+
+def _parse_realtime(c: _Checker, raw: Any, path: str) -> RealtimeConfig | None:
+    """`realtime = { overload = "queue" | "refuse", max_waiting_streams = N, margin = 0.9,
+    warmup = { INPUT = VALUE } | false, warmup_params = { STAGE = { ... } } }`."""
+    r = c.table(raw, path)
+    if not isinstance(raw, dict):
+        return None
+    c.unknown(r, ("overload", "max_waiting_streams", "margin", "warmup", "warmup_params"), path)
+    d = RealtimeConfig()
+    overload = c.get(r, "overload", path, str, d.overload)
+    if overload not in OVERLOAD_MODES:
+        c.add(f"{path}.overload", f"must be {' or '.join(repr(m) for m in OVERLOAD_MODES)}, not {overload!r}")
+        overload = d.overload
+    waiting = c.get(r, "max_waiting_streams", path, int, d.max_waiting_streams)
+    if waiting < 0:
+        c.add(f"{path}.max_waiting_streams", f"must be >= 0, not {waiting}")
+        waiting = d.max_waiting_streams
+    margin = c.get(r, "margin", path, (int, float), d.margin)
+    if not 0 < margin <= 1:
+        c.add(f"{path}.margin", f"must be in (0, 1], the share of the measured capacity to fill, not {margin}")
+        margin = d.margin
+    warmup = c.get(r, "warmup", path, (dict, bool), d.warmup)
+    if warmup is True:
+        warmup = d.warmup
+    warmup_params = c.get(r, "warmup_params", path, dict, {})
+    return RealtimeConfig(overload=overload, max_waiting_streams=waiting, margin=float(margin),
+                          warmup=None if warmup is False else dict(warmup), warmup_params=dict(warmup_params))
 
 
 def _parse_kept_outputs(c: _Checker, p: Mapping[str, Any], path: str, members: list[str],

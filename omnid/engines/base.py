@@ -74,6 +74,10 @@ class RequestContext:
     trace_headers: dict[str, str] | None = None     # the stage span of the job (`[daemon] tracing`): an engine
                                                     # with tracing of its own (vLLM) hangs its spans under it
     model: str | None = None        # the stage's `model` directory (python stages: the function's to load)
+    # A stream's listener runs out of audio at this wall-clock time (time.time()), from the audio its
+    # pipeline has sent (the supervisor's `Deadline`); None until its first audio. A sessions stage
+    # steps the sessions that run dry first before the others.
+    deadline: float | None = None
     # A streamed WAV output's bytes per second, by output name, from its first chunk's header.
     _wav: dict[str, int] = field(default_factory=dict, repr=False)
 

@@ -16,8 +16,14 @@ leaving between steps (continuous batching). The class gives that to any python 
 
 - `open` is called as the job enters the stage (its prefill, say); an exception fails that job.
   `params` are the stage's `defaults` merged with the job's.
-- `step` gets every live session that is ready, in the order they opened, and returns one result per
-  session, in the same order: `None` (nothing this step), a dict (a segment: the job's outputs are
+- `step` gets every live session that is ready, least slack first, and returns one result per
+  session, in the same order. Slack: a stream's listener clock, `ctx.deadline` (when the audio its
+  pipeline sent so far runs out at its listener, `time.time()`; the supervisor sends it with each
+  audio packet), and a session with no audio out yet is due since it opened; for jobs that are not
+  streams that is the order they opened. A class that cannot step all of them at once (a batch bound
+  of its own, or windows that batch only when they match) steps the first ones and returns None for
+  the others: that is the hook that makes a stage serve the listeners about to run dry first.
+  Results: `None` (nothing this step), a dict (a segment: the job's outputs are
   its segments merged, as a generator's), `Done()` or `Done(last_segment)` (the session is over), or
   an `Exception` instance (that job fails, the others go on). A `step` that raises fails every
   session it was given.
@@ -31,6 +37,7 @@ leaving between steps (continuous batching). The class gives that to any python 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +59,13 @@ class _Live:
     ctx: RequestContext
     session: Any
     outputs: dict[str, Any] = field(default_factory=dict)
+    opened: float = field(default_factory=time.time)
+
+    @property
+    def due(self) -> float:
+        """When its listener runs out of audio (`ctx.deadline`, the supervisor's listener clock); a
+        session that has sent none yet is due since it opened (its first packet is awaited)."""
+        return self.ctx.deadline if self.ctx.deadline is not None else self.opened
 
 
 def streams_ready(ctx: RequestContext) -> bool:
@@ -104,7 +118,8 @@ class SessionRunner:
         for job, live in list(self._live.items()):
             if live.ctx.cancelled():
                 self._end(job).ctx.stopped()
-        batch = [live for live in self._live.values() if self._ready(live)]
+        # least slack first: the session whose listener runs dry soonest leads the batch
+        batch = sorted((live for live in self._live.values() if self._ready(live)), key=lambda live: live.due)
         if not batch:
             return
         try:

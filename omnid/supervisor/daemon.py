@@ -276,6 +276,7 @@ class Daemon:
         sched = self.scheduler
         self._retention = Retention(self.config.daemon, store,
                                     lambda: set(sched.live_jobs) | {job for _, job in sched.stopping})
+        metrics.watch_streams(self.scheduler.gate.snapshots)
         api = Api(self.live, store, self.scheduler, self.stages, metrics, self.info)
         OpenAiApi(api).mount(api.app)       # /v1/models, /v1/chat/completions, ... on the same socket
         RealtimeApi(api).mount(api.app)     # /v1/realtime: OpenAI's Realtime API, a WebSocket session

@@ -9,8 +9,8 @@ go backwards.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info
 from prometheus_client.gc_collector import GCCollector
@@ -27,6 +27,31 @@ if TYPE_CHECKING:
     from omnid.supervisor.workers.stage_group import StageGroup
 
 _LABELS = ["stage", "replica"]
+
+
+class _StreamsCollector:
+    """The real-time pipelines' measured capacity and their streams (omnid/supervisor/jobs/streams.py)."""
+
+    def __init__(self) -> None:
+        self.snapshots: Callable[[], dict[str, dict[str, Any]]] | None = None
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        cap = GaugeMetricFamily("omnid_pipeline_capacity_audio_seconds_per_second", "Audio seconds a second a "
+                                "real-time pipeline can make, measured from its stages' step times", labels=["pipeline"])
+        streams = GaugeMetricFamily("omnid_pipeline_streams", "A real-time pipeline's streams: running, waiting for "
+                                    "capacity, and how many its capacity admits", labels=["pipeline", "state"])
+        refused = CounterMetricFamily("omnid_pipeline_streams_refused", "Streams refused with 503 over_capacity",
+                                      labels=["pipeline"])
+        for name, snap in (self.snapshots() if self.snapshots else {}).items():
+            if snap.get("audio_per_s") is not None:
+                cap.add_metric([name], float(snap["audio_per_s"]))
+                streams.add_metric([name, "admits"], float(snap.get("streams") or 0))
+            streams.add_metric([name, "running"], float(snap["running"]))
+            streams.add_metric([name, "waiting"], float(snap["waiting"]))
+            refused.add_metric([name], float(snap["refused"]))
+        yield cap
+        yield streams
+        yield refused
 
 
 class _StageCollector(Collector):
@@ -180,6 +205,11 @@ class Metrics:
         self.rtf = Histogram("omnid_audio_real_time_factor", "A job's time over the length of its audio "
                              "(below 1: faster than it plays)", ["pipeline"],
                              buckets=(0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 4, 8, 16), registry=self.registry)
+        self.slack = Histogram("omnid_stream_slack_seconds", "A stream's audio still to play at its listener when "
+                               "its next packet came (below 0: the packet was late)", ["pipeline"],
+                               buckets=(-1, -0.25, -0.02, 0, 0.1, 0.25, 0.5, 1, 2, 4, 8), registry=self.registry)
+        self._streams = _StreamsCollector()
+        self.registry.register(self._streams)
         self.underruns = Counter("omnid_audio_underruns", "Audio packets that came after the audio before them had "
                                  "finished playing (played from the first packet on)", ["pipeline"],
                                  registry=self.registry)
@@ -222,6 +252,13 @@ class Metrics:
 
     def first_audio(self, pipeline: str, seconds: float) -> None:
         self.first_audio_s.labels(pipeline).observe(seconds)
+
+    def stream_slack(self, pipeline: str, seconds: float) -> None:
+        self.slack.labels(pipeline).observe(seconds)
+
+    def watch_streams(self, snapshots: Callable[[], dict[str, dict[str, Any]]]) -> None:
+        """Report the real-time pipelines' capacity and streams (the scheduler's gate, once it exists)."""
+        self._streams.snapshots = snapshots
 
     def audio_underrun(self, pipeline: str) -> None:
         self.underruns.labels(pipeline).inc()

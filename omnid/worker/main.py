@@ -41,7 +41,7 @@ from omnid.engines import vllm_compat
 from omnid.engines.base import Engine, InputStream, Outcome, RequestContext
 from omnid.lora import job_adapters
 from omnid.params import merged
-from omnid.process_stats import rss_bytes
+from omnid.process_stats import rss_bytes, tree_cpu_seconds
 from omnid.vocabulary import ErrorCode
 from omnid.worker.handoff import DataTransport, Handoff
 from omnid.worker.intake import Intake
@@ -83,6 +83,7 @@ class StageWorker:
         self.stage = spec.config.stages[spec.stage].for_replica(spec.replica)
         self.conn = conn
         self.running: dict[str, WorkerJob] = {}     # main: the jobs whose request is in the engine
+        self.busy_s = 0.0                   # main thread writes, heartbeat reads: seconds in add and step
         reporter = Reporter(conn, self._flush_live)
         self.send: Callable[[object], None] = reporter.send
         self.post: Callable[[object], None] = reporter.post
@@ -129,7 +130,8 @@ class StageWorker:
         return P.QueueStats(enqueued=intake.enqueued, dequeued=intake.dequeued, dropped=intake.dropped,
                             depth=intake.queue.qsize(), blocked_s=self.handoff.sender.blocked_s,
                             window_triggers=self.handoff.triggers, shm_capacity=self.pool.capacity if self.pool else 0,
-                            shm_used=used, shm_slots=slots, cache_hits=hits, cache_misses=misses)
+                            shm_used=used, shm_slots=slots, cache_hits=hits, cache_misses=misses,
+                            busy_s=self.busy_s, cpu_s=tree_cpu_seconds(os.getpid()))
 
     def admit(self, item: WorkItem) -> bool | None:
         """Data-plane callback (a data-conn thread): `Intake.admit`."""
@@ -144,6 +146,7 @@ class StageWorker:
         handlers: dict[type, Callable[[Any], None]] = {
             P.Cancel: self.on_cancel, P.Forget: self.on_forget, P.Resend: self.on_resend,
             P.Reroute: self.on_reroute, P.Shutdown: self.on_shutdown, P.Reconfigure: self.on_reconfigure,
+            P.Deadline: self.on_deadline,
         }
         while True:
             try:
@@ -162,6 +165,11 @@ class StageWorker:
             for stream in job.streams.values() if job is not None else ():
                 stream.cancel()             # a function waiting for its next window stops now
         self.wakeup.set()
+
+    def on_deadline(self, msg: P.Deadline) -> None:
+        job = self.running.get(msg.job)     # (a single read of the main thread's dict)
+        if job is not None:
+            job.request.deadline = msg.at   # the engine's next step orders its sessions by it
 
     def on_forget(self, msg: P.Forget) -> None:
         if self.tracer is not None:
@@ -278,7 +286,9 @@ class StageWorker:
         try:
             if self._adapters is not self._engine_adapters or ctx.params.get("adapter") or ctx.params.get("adapters"):
                 self._sync_adapters(job_adapters(merged(self.stage.defaults, ctx.params)))
-            self.engine.add(ctx)
+            t0 = time.perf_counter()
+            self.engine.add(ctx)                # (a plain function runs here; a session opens: its prefill)
+            self.busy_s += time.perf_counter() - t0
         except Exception as e:                 # per-request error: the engine lives on
             ctx.fail(f"{type(e).__name__}: {e}")
         return True
@@ -303,8 +313,10 @@ class StageWorker:
         self.handoff.offer_windows()
         if aborted or not engine.has_work():
             return      # (aborted: the loop frees their places and takes the next jobs before a step)
+        t0 = time.perf_counter()
         try:
             engine.step()
+            self.busy_s += time.perf_counter() - t0     # (the capacity a real-time pipeline measures)
             self.flush()
         except Exception as e:
             self.flush()

@@ -57,7 +57,7 @@ MAX_UID = 2**32 - 2
 CORS_MAX_AGE_S = 600
 _CORS_METHODS = "GET, POST, DELETE, OPTIONS"
 _CORS_HEADERS = "Authorization, Content-Type, X-Api-Key, OpenAI-Organization, OpenAI-Project"
-_CORS_EXPOSE = "X-Omnid-Job, Retry-After, Location"
+_CORS_EXPOSE = "X-Omnid-Job, X-Omnid-Queue-Position, X-Omnid-Estimated-Start, Retry-After, Location"
 
 
 @dataclass

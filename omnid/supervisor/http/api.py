@@ -87,15 +87,18 @@ class DaemonInfo:
 RETRY_AFTER_S = 2      # what 429 and 503 answers suggest to wait before trying again (507: STORAGE_RETRY_AFTER_S)
 
 
-def retry_after(status: int) -> dict[str, str]:
-    """The Retry-After header of a refusal that may pass by itself (429, 503, 507)."""
+def retry_after(status: int, seconds: Any = None) -> dict[str, str]:
+    """The Retry-After header of a refusal that may pass by itself (429, 503, 507); `seconds`: the
+    refusal's own figure (a real-time pipeline's: when its first stream should end)."""
+    if isinstance(seconds, int) and not isinstance(seconds, bool) and status in (429, 503, 507):
+        return {"Retry-After": str(seconds)}
     if status == 507:
         return {"Retry-After": str(STORAGE_RETRY_AFTER_S)}
     return {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else {}
 
 
 def error(status: int, code: ErrorCode, message: str, **extra: Any) -> web.Response:
-    headers = retry_after(status) or None
+    headers = retry_after(status, extra.get("retry_after_s")) or None
     return web.json_response({"error": {"code": str(code), "message": message, **extra}}, status=status,
                              headers=headers)
 
@@ -222,7 +225,9 @@ class Api:
         log.info("audit", action="submit", uid=request["uid"], job=job.id, pipeline=sub.pipeline.name,
                  priority=sub.priority)
         trace = trace_context.trace_id(request)     # `[daemon] tracing`: the job's trace
-        return web.json_response({**job.to_doc(), "links": job_links(job.id), **({"trace_id": trace} if trace else {})},
+        stream = self.scheduler.streams(job.id)     # a real-time pipeline's waiting stream: its place
+        return web.json_response({**job.to_doc(), "links": job_links(job.id), **({"trace_id": trace} if trace else {}),
+                                  **({"stream": stream} if stream else {})},
                                  status=201,
                                  headers={"Location": f"/v1/jobs/{job.id}"})
 
@@ -282,12 +287,17 @@ class Api:
         return web.json_response({"jobs": [(live[j.id].record if j.id in live else j).to_doc() for j in jobs]})
 
     async def get_job(self, request: web.Request) -> web.Response:
-        """A job; a queued one says where it waits (`queue`: per stage, its place and what is ahead)."""
+        """A job; a queued one says where it waits (`queue`: per stage, its place and what is ahead);
+        a real-time pipeline's (`stream`): its place and estimated start while it waits for capacity,
+        its audio sent and its listener's slack once it plays."""
         job = self._job(request)
         doc = job.to_doc()
         places = self.scheduler.queue_places(job.id)
         if places:
             doc["queue"] = places
+        stream = self.scheduler.streams(job.id)     # a real-time pipeline's: waiting (place) or playing (slack)
+        if stream:
+            doc["stream"] = stream
         return web.json_response(doc)
 
     async def events(self, request: web.Request) -> web.StreamResponse:
@@ -339,8 +349,10 @@ class Api:
 
     async def list_pipelines(self, request: web.Request) -> web.Response:
         config = self.config        # (each with its stages' LoRA adapters, where they have them)
+        streams = self.scheduler.gate.snapshots()     # a real-time pipeline's capacity and streams
         return web.json_response({"pipelines": [{**p.as_api(), "adapters": {
-            s: lora_view(config.stages[s]) for s in p.stages if config.stages[s].lora is not None}}
+            s: lora_view(config.stages[s]) for s in p.stages if config.stages[s].lora is not None},
+            **({"realtime": streams[p.name]} if p.name in streams else {})}
             for p in config.pipelines.values()]})
 
     async def get_pipeline(self, request: web.Request) -> web.Response:
@@ -353,7 +365,8 @@ class Api:
         return web.json_response(openapi_document(request.app, self.config, self.info.version))
 
     async def list_stages(self, request: web.Request) -> web.Response:
-        return web.json_response({"stages": [h.snapshot() for h in self.stages.values()]})
+        return web.json_response({"stages": [h.snapshot() for h in self.stages.values()],
+                                  "realtime": self.scheduler.gate.snapshots()})
 
     def _stage(self, request: web.Request) -> StageGroup:
         name = request.match_info["name"]
@@ -485,13 +498,15 @@ class Api:
 
     async def ready(self, request: web.Request) -> web.Response:
         """Ready when every stage takes jobs: warm, degraded (some replicas down: listed in
-        `replicas_down`) or sleeping (it wakes for its next job)."""
+        `replicas_down`) or sleeping (it wakes for its next job); and every real-time pipeline has run
+        its warm-up job (`warming`: those that have not yet)."""
         states = {name: str(h.state) for name, h in self.stages.items()}
         not_ready = sorted(name for name, h in self.stages.items()
                            if not h.takes_jobs or (self.info.starting and not h.state.warm))
         down = {name: {h.label: str(h.state) for h in g.down()} for name, g in self.stages.items() if g.down()}
-        body: dict[str, Any] = {"ready": not not_ready and not self.info.draining, "stages": states,
-                                "not_ready": not_ready, "replicas_down": down,
+        cold = sorted(name for name, snap in self.scheduler.gate.snapshots().items() if not snap["warm"])
+        body: dict[str, Any] = {"ready": not not_ready and not cold and not self.info.draining, "stages": states,
+                                "not_ready": not_ready, "replicas_down": down, "warming": cold,
                                 "lazy": sorted(n for n in self.stages if n in self.config.stages
                                                and self.config.stages[n].lazy)}
         if self.info.draining:

@@ -26,14 +26,15 @@ class OpenAiError(Exception):
     """A request refused or failed, answered as `{"error": {"message", "type", "param", "code"}}`."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None, retry: bool | None = None) -> None:
+                 type_: str | None = None, retry: bool | None = None, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type_ or _error_type(status)
         self.retry = retry
+        self.retry_after_s = retry_after_s
 
     def response(self) -> web.Response:
-        headers = retry_after(self.status)
+        headers = retry_after(self.status, self.retry_after_s)
         if self.retry is not None:                  # the openai client library honours this header
             headers["x-should-retry"] = "true" if self.retry else "false"
         return web.json_response({"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -70,7 +71,7 @@ async def openai_errors(request: web.Request,
     except Refused as e:
         param = e.extra.get("input")
         return OpenAiError(e.status, e.message, param=param if isinstance(param, str) else None,
-                           code=str(e.code)).response()
+                           code=str(e.code), retry_after_s=e.extra.get("retry_after_s")).response()
     except web.HTTPRequestEntityTooLarge:
         return OpenAiError(413, "the request body is too large (daemon.max_request_bytes)", code="too_large").response()
     except web.HTTPNotFound:

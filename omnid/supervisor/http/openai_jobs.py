@@ -40,6 +40,9 @@ log = structlog.get_logger("omnid.openai")
 JOB_HEADER = "X-Omnid-Job"
 JOB_KEY = "openai_job"                  # request keys: the job, for the answer's X-Omnid-Job header,
 CONTENT_TYPE_KEY = "openai_ctype"       # and what a streamed output of unknown type is sent as
+WAIT_KEY = "openai_wait"                # and a waiting stream's place, for these headers:
+QUEUE_POSITION_HEADER = "X-Omnid-Queue-Position"        # 1: next to start
+ESTIMATED_START_HEADER = "X-Omnid-Estimated-Start"      # seconds from the answer's start
 
 
 async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
@@ -49,6 +52,10 @@ async def on_prepare(request: web.Request, response: web.StreamResponse) -> None
     job = request.get(JOB_KEY)
     if job is not None:
         response.headers[JOB_HEADER] = str(job)
+    wait = request.get(WAIT_KEY)            # a stream waiting for a real-time pipeline's capacity
+    if wait:
+        response.headers[QUEUE_POSITION_HEADER] = str(wait["position"])
+        response.headers[ESTIMATED_START_HEADER] = str(wait["estimated_start_s"])
     ctype = request.get(CONTENT_TYPE_KEY)
     if ctype is not None and response.content_type == "application/octet-stream":
         response.content_type = str(ctype)
@@ -166,6 +173,7 @@ class OpenAiJobs:
                               request.get("api_key"), not request.get("tcp"))
         job = self.api.take(sub, "the daemon is stopping; try again once it is back", request)
         request[JOB_KEY] = job.id
+        request[WAIT_KEY] = self.api.scheduler.gate.waiting(job.id)
         log.info("audit", action="submit", uid=request["uid"], job=job.id, pipeline=p.name, via=request.path)
         return job
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import os
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -47,6 +48,7 @@ from omnid.supervisor.jobs.restore import take_back
 from omnid.supervisor.workers.stage import StageHandle
 from omnid.supervisor.workers.stage_group import StageGroup
 from omnid.supervisor.jobs.stage_sleep import SleepTender
+from omnid.supervisor.jobs.streams import Gate
 from omnid.supervisor.jobs.submission import Submission
 from omnid.vocabulary import ErrorCode, EventType, JobRecord, JobState, StageRun, StageRunState, WorkerState
 
@@ -56,6 +58,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("omnid.scheduler")
 
 
+TICK_S = 1.0            # how often the real-time pipelines are tended (streams.py)
 PLACES_TTL_S = 0.2      # how old the snapshot of a stage's order that `queue_places` reads may be
 
 
@@ -94,8 +97,12 @@ class Scheduler:
         self.dispatch = Dispatch(self.in_force, self.live_jobs, stages, data_socket)
         self.recovery = Recovery(self, self.dispatch)
         self.loop = asyncio.get_running_loop()
-        self.ending = Ending(self, self.recovery.forget)
+        self.ending = Ending(self, self._forget)
         self.sleeper = SleepTender(self, self.recovery.worker_slept)
+        # real-time pipelines: admission by their measured capacity, and their warm-up (streams.py)
+        self.gate = Gate(stages, self._start, self._warm_up)
+        self._gated: Config | None = None       # the config the gate was last given
+        self._tick: asyncio.TimerHandle | None = self.loop.call_later(TICK_S, self._tend_streams)
         for group in stages.values():
             group.attach(self)
 
@@ -114,7 +121,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
 
-    def submit(self, sub: Submission) -> JobRecord:
+    def submit(self, sub: Submission, warm_up: bool = False) -> JobRecord:
         """Make a job of an admitted request, on the pipeline admission resolved (`Submission`);
         refused while a stage of it has failed for good, or its pipeline's queue is full."""
         pipeline, pipeline_name = sub.pipeline, sub.pipeline.name
@@ -137,6 +144,9 @@ class Scheduler:
                 raise Refused(429, ErrorCode.OWNER_QUEUE_FULL, f"{sub.owner.replace(':', ' ', 1)} has {mine} queued "
                               f"jobs already (daemon.owners max_queued = {sub.max_queued}); try again once some "
                               f"have started", queued=mine)
+        if not warm_up:
+            self._configure_gate()
+            self.gate.check(pipeline)          # a stream that cannot start now and may not wait: 503
         timeout = sub.timeout_s or pipeline.timeout_s or self.config.daemon.default_timeout_s
         record = JobRecord(id=new_job_id(), pipeline=pipeline_name, owner_uid=sub.owner_uid, created_at=time.time(),
                            timeout_s=timeout, inputs=sub.summary, params=sub.params,
@@ -164,10 +174,60 @@ class Scheduler:
         self.ending.arm(job)
         if self.metrics:
             self.metrics.job_submitted(pipeline_name)
-        self.sleeper.wake_for(job)
-        for src in pipeline.sources:
-            self.dispatch.feed([job], src)
+        if self.gate.admit(job, warm_up):      # (else it waits for a real-time pipeline's capacity)
+            self._start(job)
         return record
+
+    def _start(self, job: LiveJob) -> None:
+        """A job's first stages get its inputs (and the sleeping stages it needs wake)."""
+        self.sleeper.wake_for(job)
+        for src in job.pipeline.sources:
+            self.dispatch.feed([job], src)
+
+    # ------------------------------------------------------------------ real-time pipelines (streams.py)
+
+    def _configure_gate(self) -> None:
+        config = self.config
+        if config is not self._gated:
+            self._gated = config
+            self.gate.configure(config.pipelines, frozenset(n for n, st in config.stages.items() if not st.devices))
+
+    def _tend_streams(self) -> None:
+        """Once a second: the real-time pipelines' capacity sampled, waiting streams started, warm-ups run."""
+        self._tick = self.loop.call_later(TICK_S, self._tend_streams)
+        self._configure_gate()
+        try:
+            self.gate.tick()
+        except Exception:                       # (a bug here must not stop the timer)
+            log.exception("tending the real-time pipelines failed")
+
+    def _warm_up(self, name: str) -> None:
+        """A real-time pipeline's warm-up job: its `realtime.warmup` inputs, through every stage."""
+        pipeline = self.config.pipelines[name]
+        rt = pipeline.realtime
+        assert rt is not None and rt.warmup is not None
+        inputs = dict(rt.warmup)
+        record = self.submit(Submission(pipeline=pipeline, inputs=inputs, summary=dict(inputs),
+                                        params={k: dict(v) for k, v in rt.warmup_params.items()},
+                                        owner_uid=os.getuid()), warm_up=True)
+        log.info("warming up a real-time pipeline", pipeline=name, job=record.id)
+
+    def _forget(self, job_id: str) -> None:
+        """A job ended: the workers' and the gate's accounts of it go."""
+        self.recovery.forget(job_id)
+        self.gate.ended(job_id)
+
+    def streams(self, job_id: str) -> dict[str, Any] | None:
+        """A live job's stream: its place and estimated start while it waits for capacity, or its
+        listener's clock once it plays (audio sent, slack: seconds of audio its listener holds)."""
+        wait = self.gate.waiting(job_id)
+        if wait is not None:
+            return wait
+        job = self.live_jobs.get(job_id)
+        if job is None or job.first_audio is None:
+            return None
+        return {"audio_s": round(job.audio_s, 3), "slack_s": round(job.audio_plays_until - time.time(), 3),
+                "late_packets": job.underruns}
 
     def rank(self, job: LiveJob) -> None:
         """A restored job's place in the queues: its priority, and a fair-share tag by its owner's
@@ -269,6 +329,7 @@ class Scheduler:
         """A stage worker said something: dispatch it to its handler."""
         if isinstance(msg, P.Ready):        # (re)started: ask for what its predecessor lost
             self.recovery.worker_back(handle)
+            self.gate.stage_restarted(handle.name)     # (a real-time pipeline warms up again)
             return
         handler = _HANDLERS.get(type(msg))
         if handler is None:
@@ -362,8 +423,18 @@ class Scheduler:
             job.underruns += 1
             if self.metrics:
                 self.metrics.audio_underrun(job.pipeline.name)
+        else:
+            if self.metrics:
+                self.metrics.stream_slack(job.pipeline.name, job.audio_plays_until - now)
         job.audio_plays_until = max(job.audio_plays_until, now) + seconds
         job.audio_s += seconds
+        self.gate.heard(job.pipeline.name, seconds)
+        # the listener's clock, to every stage of the job: who runs dry first is stepped first
+        deadline = P.Deadline(job.id, job.audio_plays_until)
+        for name in job.pipeline.stages:
+            group = self.stages.get(name)
+            if group is not None and job.route(name) < len(group.replicas):
+                group.replicas[job.route(name)].send(deadline)
 
     def on_output(self, job: LiveJob, stage: str, msg: P.Output) -> None:
         out = {"name": msg.name, "file": msg.file, "kind": msg.kind, "content_type": msg.content_type,
@@ -455,6 +526,8 @@ class Scheduler:
             if job.trace is not None:
                 job.trace.abandon()
             job.events.close()
+        if self._tick is not None:
+            self._tick.cancel()
         self.store.flush()
         self.dispatch.stop()
         self.sleeper.stop()

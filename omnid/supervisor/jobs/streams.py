@@ -1,0 +1,316 @@
+"""Real-time pipelines (`[pipelines.X] realtime = {...}`): their capacity, measured online, and
+admission by it.
+
+Runs in the supervisor's event-loop thread; nothing here blocks (it reads the stage handles'
+latest heartbeats, and the scheduler's own accounts of each job's audio).
+
+A real-time pipeline's jobs are streams that a listener plays as they come: each needs one audio
+second a second once it plays. How many the pipeline can serve at once is measured, not
+configured (`Meter`): every second the scheduler samples, per stage of the pipeline, the seconds its
+workers spent stepping their engines (`busy_s`) and the CPU seconds they used (`cpu_s`), both from
+the workers' heartbeats, and the audio seconds the pipeline's jobs have made. Over the last
+WINDOW_S seconds, the work one audio second costs is
+    per stage:        busy seconds / audio seconds (a stage steps one batch at a time), and
+    the CPU stages:   their CPU seconds, together, / audio seconds / the host's cores,
+and the pipeline makes at most 1 / (the largest of those) audio seconds a second. The figure is
+kept as a moving average; it follows a stage that slows down within a few windows, and rises as
+batching makes a stream cheaper. The work of the batch sizes the stages actually ran is what is
+measured: a pipeline seen at one stream only knows what one stream costs (a lower bound on its
+capacity), and learns the rest as it runs more.
+
+Admission (`Gate`): a new stream starts only while the streams running stay under `margin` x the
+capacity (and one always may, on an idle pipeline). Otherwise, by the pipeline's `overload`:
+"refuse" answers 503 `over_capacity` with a Retry-After of when the first running stream should end;
+"queue" (the default) keeps the job queued, not yet given to its first stage, in a line ordered as
+every queue is (priority, then fair share: `LiveJob.rank`), up to `max_waiting_streams` (then 503 as
+"refuse"). A waiting stream shows its place and estimated start (`waiting`). When a stream ends, or
+capacity rises, the next ones start. A non-streamed job of the pipeline counts as a stream: it takes
+the same work.
+
+Ready means warm: the pipeline takes streams only after a warm-up job (`realtime.warmup`'s inputs)
+has gone through its stages, at start and after a restart of one of them; meanwhile streams wait
+(or are refused). That job is also the capacity's first measurement.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from omnid.config_types import PipelineConfig, RealtimeConfig
+from omnid.supervisor.errors import Refused
+from omnid.vocabulary import ErrorCode
+
+if TYPE_CHECKING:
+    from omnid.supervisor.jobs.live_job import LiveJob
+    from omnid.supervisor.workers.stage_group import StageGroup
+
+log = structlog.get_logger("omnid.streams")
+
+WINDOW_S = 8.0          # the capacity's measuring window
+MIN_AUDIO_S = 1.0       # a window's audio below this measures nothing (an idle pipeline keeps its figure)
+SMOOTHING = 0.5         # the moving average's weight of a new window
+DEFAULT_STREAM_S = 10.0     # a stream's expected length before one has ended (for estimates)
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+@dataclass
+class _Sample:
+    at: float                               # monotonic
+    audio_s: float                          # the pipeline's audio made, in total
+    busy: dict[str, float]                  # stage -> its workers' busy seconds (all replicas), in total
+    cpu: dict[str, float]                   # stage -> their CPU seconds, in total
+
+
+@dataclass
+class Meter:
+    """A pipeline's capacity in audio seconds a second, from its stages' own step times."""
+
+    stages: tuple[str, ...]
+    on_cpu: frozenset[str]                  # stages whose work runs on the host's CPU cores
+    audio_s: float = 0.0                    # audio its jobs have made since the daemon started
+    audio_per_s: float | None = None        # the estimate (None until measured)
+    cost: dict[str, float] = field(default_factory=dict)    # what bounds it, per stage and "cpu": s a second
+    _samples: deque[_Sample] = field(default_factory=deque)
+
+    def sample(self, now: float, busy: Mapping[str, float], cpu: Mapping[str, float]) -> None:
+        s = _Sample(now, self.audio_s, dict(busy), dict(cpu))
+        if self._samples and any(busy.get(k, 0.0) < v for k, v in self._samples[-1].busy.items()):
+            self._samples.clear()           # a worker restarted: its counters began again
+        self._samples.append(s)
+        while len(self._samples) > 2 and now - self._samples[1].at >= WINDOW_S:
+            self._samples.popleft()
+        first = self._samples[0]
+        audio = s.audio_s - first.audio_s
+        if now - first.at < WINDOW_S / 2 or audio < MIN_AUDIO_S:
+            return
+        cost = {st: max(0.0, s.busy.get(st, 0.0) - first.busy.get(st, 0.0)) / audio for st in self.stages}
+        cpu_cost = sum(max(0.0, s.cpu.get(st, 0.0) - first.cpu.get(st, 0.0)) for st in self.on_cpu) / audio / CORES
+        if self.on_cpu:
+            cost["cpu"] = cpu_cost
+        worst = max(cost.values(), default=0.0)
+        if worst <= 0:
+            return
+        new = 1.0 / worst
+        self.audio_per_s = new if self.audio_per_s is None else (1 - SMOOTHING) * self.audio_per_s + SMOOTHING * new
+        self.cost = {k: round(v, 4) for k, v in cost.items()}
+        self._samples = deque([s])          # (the next window starts here: estimates do not overlap)
+
+
+@dataclass
+class Streams:
+    """One real-time pipeline's streams: those running, those waiting, and its meter."""
+
+    name: str
+    config: RealtimeConfig
+    meter: Meter
+    running: dict[str, float] = field(default_factory=dict)    # job -> when it started (monotonic)
+    waiting: list[LiveJob] = field(default_factory=list)       # in the order they start
+    warm: bool = False
+    warming: str | None = None              # the warm-up job in flight
+    lengths: deque[float] = field(default_factory=lambda: deque(maxlen=32))   # ended streams' durations
+    refused: int = 0
+
+    @property
+    def slots(self) -> float:
+        """Streams that fit: margin x the capacity (one stream a measured audio second a second)."""
+        if self.meter.audio_per_s is None:
+            return 1.0
+        return self.config.margin * self.meter.audio_per_s
+
+    def can_start(self) -> bool:
+        return self.warm and (not self.running or len(self.running) + 1 <= self.slots)
+
+    def expected_length(self) -> float:
+        return sum(self.lengths) / len(self.lengths) if self.lengths else DEFAULT_STREAM_S
+
+    def frees_at(self, now: float) -> list[float]:
+        """When each slot frees (monotonic), soonest first: running streams end after the expected length."""
+        n = max(1, math.floor(self.slots))
+        length = self.expected_length()
+        ends = sorted(max(now, t + length) for t in self.running.values())
+        return sorted(ends[:n] + [now] * max(0, n - len(ends)))
+
+    def retry_after(self, now: float) -> int:
+        ends = self.frees_at(now)
+        return max(1, math.ceil((ends[0] if ends else now) - now))
+
+    def estimates(self, now: float) -> dict[str, float]:
+        """Each waiting stream's estimated start, seconds from now."""
+        free = self.frees_at(now) or [now]
+        heapq.heapify(free)
+        length, out = self.expected_length(), {}
+        for job in self.waiting:
+            t = heapq.heappop(free)
+            out[job.id] = round(max(0.0, t - now), 3)
+            heapq.heappush(free, t + length)
+        return out
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        return {"overload": self.config.overload, "margin": self.config.margin,
+                "max_waiting_streams": self.config.max_waiting_streams, "warm": self.warm,
+                "audio_per_s": None if self.meter.audio_per_s is None else round(self.meter.audio_per_s, 3),
+                "streams": math.floor(self.slots) if self.meter.audio_per_s is not None else None,
+                "running": len(self.running), "waiting": len(self.waiting), "refused": self.refused,
+                "cost_per_audio_s": dict(self.meter.cost)}
+
+
+class Gate:
+    """Admission by capacity for every real-time pipeline of the config in force. `start(job)`
+    hands a job its first stages' inputs (the scheduler's feed); `warm_up(pipeline)` submits a
+    pipeline's warm-up job (which comes back through `admit(job, warm_up=True)`)."""
+
+    def __init__(self, groups: Mapping[str, StageGroup], start: Callable[[LiveJob], None],
+                 warm_up: Callable[[str], object]) -> None:
+        self._groups = groups
+        self._start = start
+        self._warm_up = warm_up
+        self.pipelines: dict[str, Streams] = {}
+        self._by_job: dict[str, Streams] = {}     # every job the gate holds or runs -> its pipeline's streams
+
+    def configure(self, pipelines: Mapping[str, PipelineConfig], cpu_stages: frozenset[str]) -> None:
+        """The real-time pipelines of the config in force (at start and on a reload: a pipeline
+        whose stages did not change keeps its meter, its streams and its warmth)."""
+        kept = self.pipelines
+        self.pipelines = {}
+        for name, p in pipelines.items():
+            if p.realtime is None:
+                continue
+            old = kept.get(name)
+            if old is not None and old.meter.stages == p.stages:
+                old.config = p.realtime
+                self.pipelines[name] = old
+            else:
+                self.pipelines[name] = Streams(name, p.realtime, Meter(p.stages, cpu_stages & frozenset(p.stages)))
+
+    def streams(self, pipeline: str) -> Streams | None:
+        return self.pipelines.get(pipeline)
+
+    # ------------------------------------------------------------------ admission
+
+    def check(self, pipeline: PipelineConfig) -> None:
+        """Before a job is made: refuse it (503 over_capacity, with Retry-After) when it could not
+        start now and may not wait."""
+        s = self.pipelines.get(pipeline.name)
+        if s is None or (s.can_start() and not s.waiting):
+            return
+        now = time.monotonic()
+        if s.config.overload == "queue" and len(s.waiting) < s.config.max_waiting_streams:
+            return
+        s.refused += 1
+        wait = s.retry_after(now)
+        why = "it is warming up" if not s.warm else (
+            f"it runs {len(s.running)} streams, as many as its measured capacity keeps on time "
+            f"({s.meter.audio_per_s or 0:.2f} audio s a second, margin {s.config.margin})")
+        waiting = f", and {len(s.waiting)} wait (max_waiting_streams)" if s.config.overload == "queue" else ""
+        raise Refused(503, ErrorCode.OVER_CAPACITY, f"pipeline {pipeline.name!r} is at capacity: {why}{waiting}; "
+                      f"try again in {wait} s", retry_after_s=wait, running=len(s.running), waiting=len(s.waiting))
+
+    def admit(self, job: LiveJob, warm_up: bool = False) -> bool:
+        """A new job of a real-time pipeline: True when it starts now (the caller feeds it), False
+        when it waits (the gate starts it later). Other pipelines' jobs: True."""
+        s = self.pipelines.get(job.pipeline.name)
+        if s is None:
+            return True
+        self._by_job[job.id] = s
+        if warm_up:
+            s.warming = job.id
+        if warm_up or (s.can_start() and not s.waiting):
+            s.running[job.id] = time.monotonic()
+            return True
+        s.waiting.append(job)
+        s.waiting.sort(key=lambda j: j.rank)
+        return False
+
+    def waiting(self, job_id: str) -> dict[str, Any] | None:
+        """A waiting stream's place (1: next) and estimated start (seconds from now); None otherwise."""
+        s = self._by_job.get(job_id)
+        if s is None:
+            return None
+        for i, job in enumerate(s.waiting):
+            if job.id == job_id:
+                return {"position": i + 1, "estimated_start_s": s.estimates(time.monotonic()).get(job_id),
+                        "running": len(s.running)}
+        return None
+
+    def ended(self, job_id: str) -> None:
+        """A job left (its end, a cancel, a failure): its slot or its place is free; the next go."""
+        s = self._by_job.pop(job_id, None)
+        if s is None:
+            return
+        started = s.running.pop(job_id, None)
+        if started is not None and job_id != s.warming:
+            s.lengths.append(time.monotonic() - started)
+        s.waiting = [j for j in s.waiting if j.id != job_id]
+        if job_id == s.warming:
+            s.warming = None
+            s.warm = True                   # (a failed warm-up is the scheduler's to log)
+        self.release(s)
+
+    def release(self, s: Streams) -> None:
+        while s.waiting and s.can_start():
+            job = s.waiting.pop(0)
+            s.running[job.id] = time.monotonic()
+            self._start(job)
+
+    # ------------------------------------------------------------------ measuring, warming
+
+    def heard(self, pipeline: str, seconds: float) -> None:
+        s = self.pipelines.get(pipeline)
+        if s is not None:
+            s.meter.audio_s += seconds
+
+    def tick(self) -> None:
+        """Once a second: sample every real-time pipeline's stages, start what now fits, warm up
+        the pipelines that need it."""
+        now = time.monotonic()
+        for s in self.pipelines.values():
+            busy: dict[str, float] = {}
+            cpu: dict[str, float] = {}
+            ready = True
+            for stage in s.meter.stages:
+                group = self._groups.get(stage)
+                if group is None:
+                    continue
+                ready = ready and group.state.serving
+                for h in group.replicas:
+                    stats = h.stats
+                    busy[stage] = busy.get(stage, 0.0) + stats.busy_s / len(group.replicas)
+                    cpu[stage] = cpu.get(stage, 0.0) + stats.cpu_s
+            s.meter.sample(now, busy, cpu)
+            if not ready:
+                continue
+            if not s.warm and s.warming is None:
+                self._warm(s)
+            self.release(s)
+
+    def _warm(self, s: Streams) -> None:
+        if s.config.warmup is None:
+            s.warm = True
+            return
+        try:
+            self._warm_up(s.name)           # (its job comes back through admit(warm_up=True))
+        except Refused as e:                # (a stage failed for good, a full disk: tried again next tick)
+            log.warning("warm-up job not taken", pipeline=s.name, error=e.message)
+
+    def stage_restarted(self, stage: str) -> None:
+        """A stage's worker is new: each real-time pipeline through it warms up again before new streams."""
+        for s in self.pipelines.values():
+            if stage in s.meter.stages:
+                s.warm = False
+
+    def snapshots(self) -> dict[str, dict[str, Any]]:
+        now = time.monotonic()
+        return {name: s.snapshot(now) for name, s in self.pipelines.items()}
+
+    def is_warm(self, pipeline: str) -> bool:
+        s = self.pipelines.get(pipeline)
+        return s is None or s.warm

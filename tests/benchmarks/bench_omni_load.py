@@ -1,0 +1,279 @@
+"""Speech under load: does every listener hear its stream without a gap, and what does the machine
+serve on time? (`make bench BENCH_ARGS="--only omni_load"`)
+
+One daemon: the demo's omni pipeline (thinker on vLLM, talker and code2wav sessions stages on the
+tiny Qwen2.5-Omni), twice: `omni` with admission by capacity on (`realtime = {}`, overload "queue")
+and `omni_open` without it (every stream admitted, as before). Each stream is a 128-token answer
+that its client plays from its first packet on. The offered load goes from 0.5x to 4x the
+pipeline's own capacity estimate (`GET /v1/stages`, `realtime` of the pipeline), the streams arriving
+spread over ARRIVAL_S seconds. Per row:
+- first packet: submit -> the first audio packet (p50, and the max);
+- late packets: packets that arrived after the audio before them had played out (+20 ms);
+- buffer needed: the pre-buffer a player must hold so that it never waits (the max over streams);
+- gap-free start: first packet + that buffer (the max over the streams that started);
+- audio s / wall s: all streams' audio over the wave's wall time; goodput: the same, counting only
+  the streams with no late packet;
+- refused (503) and queued streams.
+A PNG plot of goodput and late packets against offered load is written beside the JSON rows.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from _harness import MODELS, Ctx, Daemon, Row, at_least, at_most, fmt, in_threads, kill_daemon, p50
+from bench_tensors import _launch
+
+from omnictl.client import ClientError
+
+TOKENS = 128
+CODES_PER_TOKEN = 4
+LATE_S = 0.02                   # a packet later than this past its play time is late
+ARRIVAL_S = 2.0                 # a wave's streams arrive spread over this long
+OUT = Path(__file__).resolve().parents[2] / ".run"      # beside make bench's bench.json
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+LOADS = (0.5, 1.0, 2.0, 4.0)
+
+
+def config(realtime: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The demo's omni stages and two pipelines over them: `omni` (admission on: `realtime`) and
+    `omni_open` (none)."""
+    omni = str(MODELS / "omni")
+    stages: dict[str, Any] = {
+        "thinker": {"engine": "vllm", "model": omni + "/thinker", "devices": [], "max_inflight": 8,
+                    "hidden_prompt": True, "args": {"max_model_len": 512, "dtype": "float32", "seed": 0,
+                                                    "enforce_eager": True},
+                    "defaults": {"max_tokens": TOKENS, "temperature": 0.0, "ignore_eos": True}},
+        "talker": {"engine": "python", "sessions": "omnid.omni.stages:Talker", "model": omni, "max_inflight": 8,
+                   "defaults": {"codes_per_token": CODES_PER_TOKEN}, "env": ONE_THREAD},
+        "code2wav": {"engine": "python", "sessions": "omnid.omni.stages:Code2Wav", "model": omni,
+                     "max_inflight": 8, "defaults": {"num_steps": 4}, "env": ONE_THREAD},
+    }
+    tensors = {"prompt_ids": "prompt_token_ids", "ids": "token_ids", "states": "hidden_states"}
+    pipe = {"stages": ["thinker", "talker", "code2wav"], "outputs": {"thinker": ["text"]},
+            "edges": [{"from": "thinker", "to": "talker", "window": 1, "map": tensors},
+                      {"from": "talker", "to": "code2wav", "window": [4, 8, 16, 25], "map": {"codes": "codes"}}],
+            "timeout_s": 600}
+    return stages, {"omni": {**pipe, "realtime": realtime or {}}, "omni_open": dict(pipe)}
+
+
+def buffer_needed(packets: list[tuple[float, float]]) -> float:
+    """The least pre-buffer (seconds after the first packet) with which a player that then plays
+    each packet for its length never waits for one."""
+    if not packets:
+        return 0.0
+    t0, played, need = packets[0][0], 0.0, 0.0
+    for ts, seconds in packets:
+        need = max(need, ts - t0 - played)
+        played += seconds
+    return need
+
+
+def late_packets(packets: list[tuple[float, float]]) -> int:
+    """Packets that arrive more than LATE_S after the audio before them has played out (a player
+    that starts at the first packet, and waits for a late one)."""
+    late, clock = 0, None
+    for ts, seconds in packets:
+        if clock is not None and ts > clock + LATE_S:
+            late += 1
+        clock = (max(clock, ts) if clock is not None else ts) + seconds
+    return late
+
+
+@dataclass
+class Stream:
+    """One client's stream: when it asked, what it heard, whether it was turned away."""
+
+    t0: float
+    packets: list[tuple[float, float]] = field(default_factory=list)    # (arrival, audio seconds)
+    refused: bool = False
+    refused_in_s: float | None = None
+    retry_after: str | None = None
+    queued: bool = False
+    estimate_s: float | None = None         # its estimated start, when it was queued
+    started_s: float | None = None          # submit -> its first stage started
+    state: str = ""
+
+    @property
+    def first(self) -> float | None:
+        return self.packets[0][0] - self.t0 if self.packets else None
+
+    @property
+    def audio_s(self) -> float:
+        return sum(s for _, s in self.packets)
+
+    @property
+    def late(self) -> int:
+        return late_packets(self.packets)
+
+
+def _stream(d: Daemon, pipeline: str, i: int, delay: float) -> Stream:
+    time.sleep(delay)
+    s = Stream(time.time())
+    try:
+        job = d.client.submit(pipeline, {"prompt": f"tell me a story number {i}"}, {})
+    except ClientError as e:
+        s.refused, s.refused_in_s = True, time.time() - s.t0
+        s.retry_after = str(getattr(e, "headers", {}).get("retry-after", "")) or None
+        s.state = "refused"
+        return s
+    wait = (job.get("realtime") or {})
+    if wait.get("position"):
+        s.queued, s.estimate_s = True, wait.get("estimated_start_s")
+    for ev in d.follow(str(job["id"]), timeout=600):
+        if ev.get("type") == "stage_started" and s.started_s is None:
+            s.started_s = float(ev["ts"]) - s.t0
+        if ev.get("type") == "segment" and ev.get("stage") == "code2wav" and ev.get("audio_s"):
+            s.packets.append((float(ev["ts"]), float(ev["audio_s"])))
+        if ev.get("type") == "state":
+            s.state = str(ev.get("state"))
+    return s
+
+
+@dataclass
+class Wave:
+    pipeline: str
+    offered: int
+    wall: float
+    streams: list[Stream]
+
+    def served(self) -> list[Stream]:
+        return [s for s in self.streams if not s.refused]
+
+    def row(self) -> dict[str, Any]:
+        served = [s for s in self.served() if s.packets]
+        firsts = [s.first for s in served if s.first is not None]
+        buffers = [buffer_needed(s.packets) for s in served]
+        audio = sum(s.audio_s for s in served)
+        good = sum(s.audio_s for s in served if s.late == 0)
+        refused = [s for s in self.streams if s.refused]
+        return {"pipeline": self.pipeline, "offered": self.offered,
+                "first_p50": p50(firsts) if firsts else None, "first_max": max(firsts) if firsts else None,
+                "late": sum(s.late for s in served), "packets": sum(len(s.packets) for s in served),
+                "no_gap": sum(1 for s in served if s.late == 0), "served": len(served),
+                "buffer_max": max(buffers) if buffers else None,
+                "gapfree_max": max((s.first or 0) + b for s, b in zip(served, buffers)) if served else None,
+                "audio_per_s": audio / self.wall, "goodput": good / self.wall,
+                "refused": len(refused), "refused_ms_max": max((s.refused_in_s or 0) * 1e3 for s in refused)
+                if refused else None, "retry_after": all(s.retry_after for s in refused) if refused else None,
+                "queued": sum(1 for s in self.streams if s.queued),
+                "failed": sum(1 for s in self.served() if s.state != "succeeded")}
+
+
+def wave(d: Daemon, pipeline: str, n: int) -> Wave:
+    t0 = time.monotonic()
+    streams = in_threads(n, lambda i: _stream(d, pipeline, i, ARRIVAL_S * i / max(1, n)), timeout=900)
+    for s in streams:
+        if isinstance(s, BaseException):
+            raise s
+    return Wave(pipeline, n, time.monotonic() - t0, streams)
+
+
+def capacity(d: Daemon, pipeline: str = "omni") -> dict[str, Any]:
+    """The pipeline's own capacity figures (`GET /v1/pipelines`' realtime, as `omnictl stages` shows)."""
+    for p in d.client.request("GET", "/v1/pipelines")["pipelines"]:
+        if p["name"] == pipeline:
+            return dict(p.get("realtime") or {})
+    return {}
+
+
+def plot(rows: list[dict[str, Any]], peak: float, path: Path) -> None:
+    """Goodput and late packets against offered load (x capacity), admission on and off."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for pipeline, label in (("omni", "admission on"), ("omni_open", "admission off")):
+        rs = [r for r in rows if r["pipeline"] == pipeline]
+        xs = [r["load"] for r in rs]
+        a.plot(xs, [r["goodput"] for r in rs], marker="o", label=label)
+        b.plot(xs, [100 * r["late"] / max(1, r["packets"]) for r in rs], marker="o", label=label)
+    a.axhline(peak, color="grey", linestyle=":", label="peak goodput")
+    a.set(xlabel="offered load (x measured capacity)", ylabel="goodput (audio s/s, streams with no gap)",
+          title="Goodput")
+    b.set(xlabel="offered load (x measured capacity)", ylabel="late packets (%)", title="Late packets")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("omni speech under load (tiny Qwen2.5-Omni, 2 CPU cores, 128-token answers)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ["admission", "offered", "x cap", "1st p50", "1st max", "late/packets", "no gap", "buffer max",
+            "gap-free start max", "audio s/s", "goodput", "refused (ms max)", "queued", "failed"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            "on" if r["pipeline"] == "omni" else "off", str(r["offered"]), f"{r['load']:g}", fmt(r["first_p50"], "s"),
+            fmt(r["first_max"], "s"), f"{r['late']} / {r['packets']}", f"{r['no_gap']} of {r['served']}",
+            fmt(r["buffer_max"], "s"), fmt(r["gapfree_max"], "s"), fmt(r["audio_per_s"]), fmt(r["goodput"]),
+            f"{r['refused']}" + (f" ({r['refused_ms_max']:.0f})" if r["refused"] else ""), str(r["queued"]),
+            str(r["failed"])]) + " |")
+    return "\n".join(lines)
+
+
+def bench_omni_load(ctx: Ctx) -> list[Row]:
+    stages, pipelines = config()
+    d = _launch(stages, pipelines)
+    rows: list[dict[str, Any]] = []
+    try:
+        cap = capacity(d)
+        ctx.log(f"capacity when ready: {cap}")
+        lone = wave(d, "omni", 1).row()
+        lone["load"] = 0.0
+        ctx.log(f"lone stream: {lone}")
+        cap = capacity(d)
+        streams = max(1, int(cap.get("streams") or 4))
+        ctx.log(f"capacity after a stream: {cap}")
+        loads = LOADS if not ctx.quick else (1.0, 2.0)
+        for load in loads:
+            n = max(1, math.ceil(load * streams))
+            for pipeline in ("omni", "omni_open"):
+                ctx.check(f"{pipeline} x{load}")
+                r = wave(d, pipeline, n).row()
+                r["load"] = load
+                rows.append(r)
+                ctx.log(f"{pipeline} {n} streams: {r}")
+                d.drain(120)
+        cap = capacity(d)
+    finally:
+        kill_daemon(d)
+    OUT.mkdir(exist_ok=True)
+    peak = max((r["goodput"] for r in rows), default=0.0)
+    plot(rows, peak, OUT / "omni_load.png")
+    (OUT / "omni_load.md").write_text(table([lone] + rows) + "\n")
+    ctx.log("\n" + table([lone] + rows))
+    ctx.log(f"plot and table: {OUT / 'omni_load.png'}, {OUT / 'omni_load.md'}")
+    within = next((r for r in rows if r["pipeline"] == "omni" and r["load"] == 1.0), None)
+    over = [r for r in rows if r["pipeline"] == "omni" and r["load"] >= 2.0]
+    most_on_time = max((r["served"] for r in rows if r["late"] == 0), default=0)
+    result = [
+        Row("omni_load: a lone stream's gap-free start", lone["gapfree_max"], "s", "its first packet",
+            lone["first_p50"], "s", (lone["gapfree_max"] or 0) / (lone["first_p50"] or 1), "gap-free / first",
+            at_most(1.2, "<= 1.2x"), f"late packets {lone['late']} of {lone['packets']} (goal 0)"),
+        Row("omni_load: concurrent streams with no late packet", float(most_on_time), "streams",
+            "the capacity the pipeline measured", float(cap.get("audio_per_s") or 0), "audio s/s",
+            most_on_time / max(1e-9, float(cap.get("audio_per_s") or 0)), "streams / measured audio s/s",
+            at_least(0.8, ">= 0.8x"), f"capacity {cap}"),
+    ]
+    if within:
+        result.append(Row("omni_load: within capacity, slowest gap-free start", within["gapfree_max"], "s",
+                          "a lone stream's", lone["gapfree_max"], "s",
+                          (within["gapfree_max"] or 0) / max(1e-9, lone["gapfree_max"] or 0), "within / lone",
+                          at_most(2.0, "<= 2x"), f"{within['offered']} streams, late {within['late']} of "
+                          f"{within['packets']} (goal 0)"))
+    for r in over:
+        result.append(Row(f"omni_load: goodput at {r['load']:g}x capacity, admission on", r["goodput"], "audio s/s",
+                          "the peak goodput of the sweep", peak, "audio s/s", r["goodput"] / max(1e-9, peak),
+                          "goodput / peak", at_least(0.9, ">= 0.9x"),
+                          f"late {r['late']} of {r['packets']} (goal <= 1 %), queued {r['queued']}, "
+                          f"refused {r['refused']}"))
+    return result
