@@ -24,7 +24,7 @@ from omnid.supervisor.http import admission
 from omnid.supervisor.http.http_common import follow, output_file, sse_response, sse_send, stream_output
 from omnid.supervisor.http.live_audio import WAV_HEADER_BYTES, LiveAudio, wav_bytes
 from omnid.supervisor.http.openai_errors import OpenAiError, bad, error_event
-from omnid.supervisor.http.openai_jobs import (CONTENT_TYPE_KEY, Generation, OpenAiJobs, Opening, generation,
+from omnid.supervisor.http.openai_jobs import (CONTENT_TYPE_KEY, WAIT_KEY, Generation, OpenAiJobs, Opening, generation,
                                                read_output, succeeded, usage)
 from omnid.supervisor.http.openai_models import pipeline_for
 from omnid.supervisor.http.openai_requests import read_body
@@ -202,6 +202,8 @@ class OpenAiAudio:
             elif data:
                 await resp.write(data)
 
+        if request.get(WAIT_KEY):           # a stream waiting for capacity: its place goes out now
+            await out(b"")
         try:
             async for _ev in follow(request, self.api.scheduler, job.id):
                 data = reader.read()

@@ -1,0 +1,258 @@
+"""Real-time pipelines (`realtime = {...}`): capacity measured online, admission by it, the
+listener's clock, through a real daemon.
+
+The stage is `speakers:Speaker` (tests/fixtures/speakers.py): a sessions stage whose speech has a
+known cost, 0.02 s of wall time per session a step for 0.1 s of audio, so that it saturates at a
+few streams. Each test reads the daemon's own capacity figure (`GET /v1/stages`' `realtime`) and
+fills it: the host's speed does not matter, only that the admitted streams stay on time, the others
+wait in a known place (or are refused at once), and the capacity follows the stage.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import FIXTURES, RunningDaemon, check_config, module_daemon, short_tmpdir, wait_for
+from omnictl.transport import UnixHTTPConnection
+
+SPEAKER = {"engine": "python", "sessions": "speakers:Speaker", "python_path": [str(FIXTURES)], "max_inflight": 8,
+           "queue_capacity": 16}
+LONG = {"packets": 50}          # a stream of 5 audio seconds: still running while the others come
+WARM = {"warmup": {}, "warmup_params": {}}
+
+
+@pytest.fixture(scope="module")
+def d() -> Iterator[RunningDaemon]:
+    folder = short_tmpdir()
+    stages = {"q": {**SPEAKER, "defaults": {"slow_file": str(folder / "slow")}},
+              "r": dict(SPEAKER), "b": dict(SPEAKER)}
+    pipelines = {
+        "speech": {"stages": ["q"], "realtime": {"max_waiting_streams": 3, "margin": 0.8, **WARM,
+                                                 "warmup_params": {"q": {"packets": 40}}}},
+        "refusing": {"stages": ["r"], "realtime": {"overload": "refuse", "margin": 0.8, **WARM,
+                                                   "warmup_params": {"r": {"packets": 40}}}},
+        "plain": {"stages": ["b"]},             # no admission: the listener's clock orders its batches all the same
+    }
+    with module_daemon(folder, stages, pipelines, ready_timeout=120) as rd:
+        yield rd
+
+
+def realtime(d: RunningDaemon, pipeline: str) -> dict[str, Any]:
+    return dict(d.client.stages()["realtime"][pipeline])
+
+
+def measured(d: RunningDaemon, pipeline: str) -> dict[str, Any]:
+    """The pipeline's snapshot once its capacity is measured (its warm-up job measures it)."""
+    return dict(wait_for(lambda: (s := realtime(d, pipeline))["audio_per_s"] is not None and s, 30,
+                         f"{pipeline}'s capacity to be measured"))
+
+
+def post(d: RunningDaemon, path: str, body: dict[str, Any]) -> tuple[int, dict[str, str], dict[str, Any]]:
+    conn = UnixHTTPConnection(str(d.socket), timeout=30)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, json.loads(resp.read() or b"{}")
+    finally:
+        conn.close()
+
+
+def packets(d: RunningDaemon, job: str) -> list[tuple[float, float]]:
+    return [(float(e["ts"]), float(e["audio_s"])) for e in d.events(job, timeout=120)
+            if e.get("type") == "segment" and e.get("audio_s")]
+
+
+def late(pk: list[tuple[float, float]], slop: float = 0.05) -> int:
+    """Packets a listener who plays from the first one on waits for (more than `slop`)."""
+    n, clock = 0, None
+    for ts, seconds in pk:
+        if clock is not None and ts > clock + slop:
+            n += 1
+        clock = (max(clock, ts) if clock is not None else ts) + seconds
+    return n
+
+
+def started_at(d: RunningDaemon, job: str) -> float:
+    return next(float(e["ts"]) for e in d.events(job, timeout=120) if e.get("type") == "stage_started")
+
+
+def ended_at(d: RunningDaemon, job: str) -> float:
+    return float(d.events(job, timeout=120)[-1]["ts"])
+
+
+def fill(d: RunningDaemon, pipeline: str, params: dict[str, Any] | None = None) -> tuple[list[str], int]:
+    """As many streams as the pipeline admits now (each starts at once); (their ids, that number)."""
+    snap = measured(d, pipeline)
+    stage = "q" if pipeline == "speech" else "r"
+    n = int(snap["streams"])
+    assert n >= 1, snap
+    jobs = []
+    for _ in range(n):
+        status, _, doc = post(d, "/v1/jobs", {"pipeline": pipeline, "params": {stage: {**LONG, **(params or {})}}})
+        assert status == 201 and "stream" not in doc, doc
+        jobs.append(doc["id"])
+    return jobs, n
+
+
+def test_past_capacity_streams_wait_in_a_known_place_then_are_refused(d: RunningDaemon) -> None:
+    running, n = fill(d, "speech")
+    waiting = []
+    for i in range(3):
+        status, headers, doc = post(d, "/v1/jobs", {"pipeline": "speech", "params": {"q": LONG}})
+        assert status == 201, doc
+        assert doc["stream"]["position"] == i + 1 and doc["stream"]["running"] == n, doc
+        assert doc["stream"]["estimated_start_s"] > 0, doc
+        waiting.append(doc["id"])
+        got = d.client.job(doc["id"])
+        assert got["state"] == "queued" and got["stream"]["position"] == i + 1, got
+    estimates = [d.client.job(j)["stream"]["estimated_start_s"] for j in waiting]
+    assert estimates == sorted(estimates), estimates
+    # past max_waiting_streams: 503 over_capacity, with a Retry-After of when a stream should end
+    status, headers, doc = post(d, "/v1/jobs", {"pipeline": "speech", "params": {"q": LONG}})
+    assert status == 503 and doc["error"]["code"] == "over_capacity", doc
+    assert int(headers["retry-after"]) >= 1, headers
+    assert "max_waiting_streams" in doc["error"]["message"], doc
+    snap = realtime(d, "speech")
+    assert snap["running"] == n and snap["waiting"] == 3 and snap["refused"] >= 1, snap
+    # the admitted streams play on time; each waiting one starts only when a running one has ended
+    for job in running:
+        assert d.wait(job)["state"] == "succeeded"
+        pk = packets(d, job)
+        assert len(pk) == LONG["packets"] and late(pk) == 0, (n, pk)
+    first_end = min(ended_at(d, j) for j in running)
+    for job in waiting:
+        assert d.wait(job)["state"] == "succeeded"
+        assert started_at(d, job) >= first_end - 0.05, "a waiting stream started before a slot freed"
+
+
+def test_refuse_mode_answers_503_at_once_with_retry_after(d: RunningDaemon) -> None:
+    running, n = fill(d, "refusing")
+    t0 = time.monotonic()
+    status, headers, doc = post(d, "/v1/jobs", {"pipeline": "refusing", "params": {"r": LONG}})
+    took = time.monotonic() - t0
+    assert status == 503 and doc["error"]["code"] == "over_capacity", doc
+    assert int(headers["retry-after"]) >= 1 and took < 5, (headers, took)
+    # OpenAI's shape on the OpenAI paths, with the same header
+    status, headers, doc = post(d, "/v1/audio/speech", {"model": "refusing", "input": "hello"})
+    assert status in (400, 503), doc       # (400: a pipeline not yet known to make audio)
+    if status == 503:
+        assert doc["error"]["code"] == "over_capacity" and int(headers["retry-after"]) >= 1, (headers, doc)
+    for job in running:
+        assert d.wait(job)["state"] == "succeeded"
+    status, _, doc = post(d, "/v1/jobs", {"pipeline": "refusing", "params": {"r": {"packets": 5}}})
+    assert status == 201, doc               # capacity free again
+    assert d.wait(doc["id"])["state"] == "succeeded"
+
+
+def test_a_higher_priority_stream_starts_first(d: RunningDaemon) -> None:
+    running, _ = fill(d, "speech")
+    status, _, low = post(d, "/v1/jobs", {"pipeline": "speech", "priority": 5, "params": {"q": {"packets": 5}}})
+    assert status == 201 and low["stream"]["position"] == 1, low
+    status, _, high = post(d, "/v1/jobs", {"pipeline": "speech", "priority": 0, "params": {"q": {"packets": 5}}})
+    assert status == 201 and high["stream"]["position"] == 1, high     # ahead of the earlier, less urgent one
+    assert d.client.job(low["id"])["stream"]["position"] == 2
+    for job in running + [low["id"], high["id"]]:
+        assert d.wait(job)["state"] == "succeeded"
+    assert started_at(d, high["id"]) <= started_at(d, low["id"])
+
+
+def test_slack_orders_a_batch(d: RunningDaemon) -> None:
+    """A stage that steps one session a step (`max_batch = 1`): a stream that joins late, with no audio
+    yet, is stepped before the one that has seconds of audio buffered at its listener (in the order
+    the sessions opened, the first would take every step until it ended)."""
+    params = {"b": {"packets": 60, "max_batch": 1}}
+    a = d.submit("plain", {}, params)
+    wait_for(lambda: d.client.job(a)["stages"]["b"]["segments"] >= 15, 30,
+             "the first stream to be well ahead of its listener")
+    b = d.submit("plain", {}, {"b": {"packets": 10, "max_batch": 1}})
+    assert d.wait(b)["state"] == "succeeded" and d.wait(a)["state"] == "succeeded"
+    a_packets, b_packets = packets(d, a), packets(d, b)
+    assert len(a_packets) == 60 and len(b_packets) == 10
+    # b spoke while a was still speaking: its last packet came before a's last one
+    assert b_packets[-1][0] < a_packets[-1][0], (b_packets[-1], a_packets[-1])
+    # and neither listener waited: a had audio to spare while b caught up
+    assert late(a_packets) == 0 and late(b_packets) == 0
+
+
+def test_capacity_follows_a_stage_that_slows_down(d: RunningDaemon) -> None:
+    before = measured(d, "speech")
+    slow = Path(d.dir) / "slow"
+
+    def keep_speaking() -> None:
+        job = d.submit("speech", {}, {"q": {"packets": 30}})
+        assert d.wait(job)["state"] == "succeeded"
+
+    try:
+        slow.touch()                        # each step now costs three times as much
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            keep_speaking()
+            now = realtime(d, "speech")
+            if now["audio_per_s"] < 0.6 * before["audio_per_s"]:
+                break
+        else:
+            pytest.fail(f"capacity did not follow: before {before}, now {now}")
+        assert now["streams"] < before["streams"] or before["streams"] <= 1, (before, now)
+    finally:
+        slow.unlink(missing_ok=True)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:      # and back, with no restart
+        keep_speaking()
+        if realtime(d, "speech")["audio_per_s"] > 0.8 * before["audio_per_s"]:
+            break
+    else:
+        pytest.fail(f"capacity did not come back: before {before}, now {realtime(d, 'speech')}")
+
+
+def test_kill9_mid_stream_fails_exactly_its_streams_then_the_waiting_start(d: RunningDaemon) -> None:
+    running, n = fill(d, "speech")
+    status, _, doc = post(d, "/v1/jobs", {"pipeline": "speech", "params": {"q": {"packets": 5}}})
+    assert status == 201 and doc["stream"]["position"] == 1, doc
+    queued = doc["id"]
+    wait_for(lambda: all(d.client.job(j)["state"] == "running" for j in running), 30, "the streams to run")
+    os.kill(d.stage_pid("q"), signal.SIGKILL)
+    for job in running:
+        doc = d.wait(job)
+        assert doc["state"] == "failed" and doc["error"]["code"] == "worker_died", doc
+    # the restarted worker warms up again, then the waiting stream starts and plays
+    assert d.wait(queued, timeout=120)["state"] == "succeeded"
+    assert len(packets(d, queued)) == 5
+
+
+def test_bad_realtime_config_is_exit_2_naming_the_key(tmp_path: Path) -> None:
+    proc = check_config(tmp_path, {"s": dict(SPEAKER)},
+                        {"p": {"stages": ["s"], "realtime": {"overload": "drop", "margin": 1.5,
+                                                             "max_waiting_streams": -1, "sure": True}}})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    for words in ("pipelines.p.realtime.overload", "pipelines.p.realtime.margin",
+                  "pipelines.p.realtime.max_waiting_streams", "pipelines.p.realtime.sure"):
+        assert words in proc.stderr, proc.stderr
+
+
+def test_a_client_that_hangs_up_while_waiting_leaves_the_line_at_once(d: RunningDaemon) -> None:
+    running, _ = fill(d, "speech")
+    conn = UnixHTTPConnection(str(d.socket), timeout=30)
+    conn.request("POST", "/v1/audio/speech", json.dumps({"model": "speech", "input": "hello", "stream_format": "sse"}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    job = resp.getheader("X-Omnid-Job")
+    assert job and int(resp.getheader("X-Omnid-Queue-Position") or 0) == 1, resp.getheaders()
+    assert float(resp.getheader("X-Omnid-Estimated-Start") or -1) >= 0, resp.getheaders()
+    assert realtime(d, "speech")["waiting"] == 1
+    conn.close()                            # the client goes away while its stream waits
+    t0 = time.monotonic()
+    wait_for(lambda: realtime(d, "speech")["waiting"] == 0, 10, "the waiting stream to leave the line")
+    assert time.monotonic() - t0 < 3
+    assert d.wait(job)["state"] == "cancelled"
+    for j in running:
+        assert d.wait(j)["state"] == "succeeded"
