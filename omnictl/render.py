@@ -154,11 +154,39 @@ def _format_place(place: Any) -> str:
     if not isinstance(place, Mapping):
         return str(place)
     n = place.get("position")
-    suffix = "th" if isinstance(n, int) and 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(
-        n % 10 if isinstance(n, int) else 0, "th")
     ahead = place.get("ahead_by_priority")
     detail = f" (priority {', '.join(f'{p}: {k}' for p, k in ahead.items())})" if isinstance(ahead, Mapping) and ahead else ""
-    return f"{n}{suffix}: {place.get('ahead')} ahead{detail}, {place.get('running')} running"
+    return f"{_ordinal(n) if isinstance(n, int) else n}: {place.get('ahead')} ahead{detail}, {place.get('running')} running"
+
+
+def _ordinal(n: int) -> str:
+    """1st, 2nd, 3rd, 4th, ..., 11th, 21st."""
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def _format_stream(stream: Mapping[str, Any]) -> str:
+    """A real-time pipeline's stream: "waiting 2nd for capacity, starts in about 4.1 s (3 running)",
+    or "played 3.2 s of audio, 1.4 s ahead of its listener, 0 late packets"."""
+    if stream.get("position") is not None:
+        return (f"waiting {_ordinal(int(stream['position']))} for capacity, starts in about "
+                f"{format_duration(stream.get('estimated_start_s'))} ({stream.get('running')} running)")
+    slack = float(stream.get("slack_s") or 0.0)
+    where = f"{slack:.2f} s ahead of its listener" if slack >= 0 else f"{-slack:.2f} s behind its listener"
+    return f"sent {float(stream.get('audio_s') or 0):.2f} s of audio, {where}, {stream.get('late_packets')} late packets"
+
+
+def realtime_table(pipelines: Mapping[str, Any]) -> str:
+    """The ``omnictl stages`` real-time pipelines: capacity measured, streams running and waiting."""
+    rows = []
+    for name, p in pipelines.items():
+        if not isinstance(p, Mapping):
+            continue
+        cap = p.get("audio_per_s")
+        rows.append([name, "yes" if p.get("warm") else "warming",
+                     "-" if cap is None else f"{cap:.2f} audio s/s", "-" if p.get("streams") is None else str(p["streams"]),
+                     str(p.get("running")), f"{p.get('waiting')}/{p.get('max_waiting_streams')}"
+                     if p.get("overload") == "queue" else "refuse", str(p.get("refused"))])
+    return table(["PIPELINE", "WARM", "CAPACITY", "ADMITS", "RUNNING", "WAITING", "REFUSED"], rows)
 
 
 def job_detail(job: JSON, now: float) -> str:
@@ -180,6 +208,9 @@ def job_detail(job: JSON, now: float) -> str:
     if isinstance(queue, Mapping):
         for stage, place in queue.items():
             fields.append((f"queue {stage}", _format_place(place)))
+    stream = job.get("stream")
+    if isinstance(stream, Mapping):
+        fields.append(("stream", _format_stream(stream)))
     inputs = job.get("inputs")
     if isinstance(inputs, Mapping):
         for key, value in inputs.items():

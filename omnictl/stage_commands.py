@@ -39,6 +39,9 @@ def stages(settings: Settings) -> None:
         print_json(document)
     else:
         click.echo(render.stages_table(document.get("stages") or []))
+        if document.get("realtime"):
+            click.echo("\nreal-time pipelines (capacity measured from the stages' own step times):")
+            click.echo(render.realtime_table(document["realtime"]))
 
 
 @click.group()

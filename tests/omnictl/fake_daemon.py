@@ -63,6 +63,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.OUTPUT_GONE: 410,
     ErrorCode.TOO_LARGE: 413,
     ErrorCode.QUEUE_FULL: 429,
+    ErrorCode.OVER_CAPACITY: 503,           # a real-time pipeline at its measured capacity
     ErrorCode.INTERNAL_ERROR: 500,
     ErrorCode.SHUTTING_DOWN: 503,
     ErrorCode.STAGE_FAILED: 503,   # a stage given up for good refuses new jobs

@@ -46,6 +46,7 @@ def examples() -> dict[type, Any]:
         P.Forget: P.Forget(job=JOB),
         P.Resend: P.Resend(job=JOB, dst="draw", replica=1),
         P.Reroute: P.Reroute(job=JOB, stage="draw", replica=1),
+        P.Deadline: P.Deadline(job=JOB, at=1_760_000_003.25),
         P.Shutdown: P.Shutdown(),
         P.Ready: P.Ready(pid=4243, load_s=12.25, info={"engine": "python", "devices": [0]}),
         P.LoadFailed: P.LoadFailed(error="ModuleNotFoundError: No module named 'x'"),

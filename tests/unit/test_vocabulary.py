@@ -21,7 +21,7 @@ API_STRINGS: dict[type, list[str]] = {
                 "stage_waking", "stage_awake"],
     ErrorCode: ["bad_json", "invalid_request", "invalid_input", "missing_input", "invalid_param",
                 "invalid_media", "media_not_accepted", "prompt_too_long", "unknown_pipeline", "unknown_job", "ambiguous_job", "unknown_output", "output_gone",
-                "job_not_finished", "not_yours", "no_credentials", "too_large", "queue_full", "shutting_down", "not_admin", "unknown_stage", "stage_busy", "draining",
+                "job_not_finished", "not_yours", "no_credentials", "too_large", "queue_full", "over_capacity", "shutting_down", "not_admin", "unknown_stage", "stage_busy", "draining",
                 "insufficient_storage", "disk_full", "too_many_connections",
                 "not_found", "method_not_allowed", "http_error", "internal_error", "stage_failed",
                 "input_rejected", "worker_died", "edge_failed", "output_failed", "cancelled", "timed_out", "daemon_stopping",
