@@ -143,3 +143,22 @@ def test_check_refuses_sessions_beside_a_function_and_on_other_engines(tmp_path:
     assert "takes no function nor batch_function" in found["stages.both.sessions"]
     assert found["stages.v.sessions"] == "only python stages take sessions, not 'vllm'"
     assert "stages.alone.sessions" not in found and "stages.alone.function" not in found
+
+
+def test_sessions_are_stepped_least_slack_first() -> None:
+    """The listener's clock (`ctx.deadline`, the supervisor's Deadline) orders a step's sessions: the
+    one whose audio runs out first leads; one with no audio out yet is due since it opened."""
+    import time
+
+    engine = PythonEngine(stage())
+    impl = engine.sessions.impl             # type: ignore[union-attr]
+    a, b, c = Job("a", {"n": 5}), Job("b", {"n": 5}), Job("c", {"n": 5})
+    for job in (a, b, c):
+        engine.add(job.ctx)
+    now = time.time()
+    a.ctx.deadline, b.ctx.deadline = now + 5.0, now + 1.0     # c: none yet (opened just now)
+    engine.step()
+    assert impl.steps[-1] == ["c", "b", "a"]
+    c.ctx.deadline = now + 3.0
+    engine.step()
+    assert impl.steps[-1] == ["b", "c", "a"]

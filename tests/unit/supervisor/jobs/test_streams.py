@@ -1,0 +1,126 @@
+"""The real-time pipelines' meter and gate (omnid/supervisor/jobs/streams.py), in-process: known
+busy and CPU seconds per audio second in, the capacity and the admission decisions out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from omnid.config_types import PipelineConfig, RealtimeConfig
+from omnid.supervisor.errors import Refused
+from omnid.supervisor.jobs import streams as S
+
+
+def feed(meter: S.Meter, seconds: float, busy_per_audio: dict[str, float], audio_per_s: float = 1.0,
+         cpu_per_audio: dict[str, float] | None = None, start: float = 0.0,
+         totals: tuple[dict[str, float], dict[str, float]] | None = None) -> tuple[dict[str, float], dict[str, float]]:
+    """`seconds` of samples, one a second, the pipeline making `audio_per_s`."""
+    busy, cpu = totals or ({}, {})
+    for t in range(int(seconds) + 1):
+        if t:
+            meter.audio_s += audio_per_s
+            for st, v in busy_per_audio.items():
+                busy[st] = busy.get(st, 0.0) + v * audio_per_s
+            for st, v in (cpu_per_audio or {}).items():
+                cpu[st] = cpu.get(st, 0.0) + v * audio_per_s
+        meter.sample(start + t, busy, cpu)
+    return busy, cpu
+
+
+def test_capacity_is_one_over_the_slowest_stage_cost() -> None:
+    meter = S.Meter(("talker", "code2wav"), frozenset())
+    feed(meter, S.WINDOW_S, {"talker": 0.1, "code2wav": 0.25})
+    assert meter.audio_per_s == pytest.approx(4.0)         # code2wav: 0.25 s a audio second
+    assert meter.cost == {"talker": 0.1, "code2wav": 0.25}
+
+
+def test_cpu_stages_share_the_cores() -> None:
+    meter = S.Meter(("a", "b"), frozenset({"a", "b"}))
+    feed(meter, S.WINDOW_S, {"a": 0.01, "b": 0.01}, cpu_per_audio={"a": 0.3 * S.CORES, "b": 0.2 * S.CORES})
+    assert meter.audio_per_s == pytest.approx(2.0)         # 0.5 of all the cores a audio second
+    assert meter.cost["cpu"] == pytest.approx(0.5)
+
+
+def test_no_estimate_from_too_little_audio_or_time() -> None:
+    meter = S.Meter(("a",), frozenset())
+    feed(meter, S.WINDOW_S, {"a": 0.5}, audio_per_s=S.MIN_AUDIO_S / (S.WINDOW_S * 2))
+    assert meter.audio_per_s is None
+    meter = S.Meter(("a",), frozenset())
+    feed(meter, S.WINDOW_S / 2 - 1, {"a": 0.5})
+    assert meter.audio_per_s is None
+
+
+def test_the_estimate_follows_a_slower_stage_and_a_restart_starts_a_new_window() -> None:
+    meter = S.Meter(("a",), frozenset())
+    totals = feed(meter, S.WINDOW_S, {"a": 0.2})
+    assert meter.audio_per_s == pytest.approx(5.0)
+    t = S.WINDOW_S
+    for _ in range(6):                                      # the stage is 4 times slower now
+        totals = feed(meter, S.WINDOW_S, {"a": 0.8}, start=t, totals=totals)
+        t += S.WINDOW_S + 1
+    assert meter.audio_per_s == pytest.approx(1.25, rel=0.05)
+    meter.sample(t + 1, {"a": 0.0}, {})                     # the worker restarted: its counters are 0
+    feed(meter, S.WINDOW_S, {"a": 0.8}, start=t + 1, totals=({"a": 0.0}, {}))
+    assert meter.audio_per_s == pytest.approx(1.25, rel=0.05)   # no negative or huge window from the reset
+
+
+class FakeJob:
+    def __init__(self, name: str, pipeline: PipelineConfig, priority: int = 0, order: int = 0) -> None:
+        self.id = name
+        self.pipeline = pipeline
+        self.rank = (priority, 0.0, order)
+
+
+def gate(overload: str = "queue", waiting: int = 2, audio_per_s: float = 3.4) -> tuple[S.Gate, PipelineConfig, list[str]]:
+    p = PipelineConfig(name="speech", stages=("s",), edges=(),
+                       realtime=RealtimeConfig(overload=overload, max_waiting_streams=waiting, margin=0.9))
+    started: list[str] = []
+    g = S.Gate({}, lambda job: started.append(job.id), lambda name: None)
+    g.configure({"speech": p}, frozenset())
+    s = g.streams("speech")
+    assert s is not None
+    s.warm = True
+    s.meter.audio_per_s = audio_per_s                       # 0.9 x 3.4 = 3.06: 3 streams
+    return g, p, started
+
+
+def test_the_gate_admits_what_fits_then_queues_by_rank_then_refuses() -> None:
+    g, p, started = gate()
+    jobs: list[Any] = [FakeJob(f"j{i}", p, order=i) for i in range(3)]
+    assert all(g.admit(j) for j in jobs)
+    late, urgent = FakeJob("late", p, priority=5, order=3), FakeJob("urgent", p, priority=0, order=4)
+    g.check(p)
+    assert not g.admit(late)
+    g.check(p)
+    assert not g.admit(urgent)
+    assert g.waiting("urgent")["position"] == 1 and g.waiting("late")["position"] == 2     # type: ignore[index]
+    est = [g.waiting(n)["estimated_start_s"] for n in ("urgent", "late")]                 # type: ignore[index]
+    assert 0 < est[0] <= est[1]
+    with pytest.raises(Refused) as e:
+        g.check(p)
+    assert e.value.status == 503 and str(e.value.code) == "over_capacity" and e.value.extra["retry_after_s"] >= 1
+    g.ended("j0")                                           # a slot frees: the most urgent starts
+    assert started == ["urgent"] and g.waiting("late")["position"] == 1                    # type: ignore[index]
+    g.ended("late")                                         # it hung up while waiting: it leaves the line
+    assert g.waiting("late") is None and g.snapshots()["speech"]["waiting"] == 0
+
+
+def test_refuse_mode_refuses_as_soon_as_it_is_full_and_an_idle_pipeline_always_takes_one() -> None:
+    g, p, _ = gate(overload="refuse", audio_per_s=0.5)      # less than one stream of capacity
+    g.check(p)
+    assert g.admit(FakeJob("first", p))                     # one stream always may start
+    with pytest.raises(Refused):
+        g.check(p)
+
+
+def test_a_cold_pipeline_waits_for_its_warm_up() -> None:
+    g, p, started = gate()
+    s = g.streams("speech")
+    assert s is not None
+    g.stage_restarted("s")
+    assert not s.warm and not g.admit(FakeJob("a", p))
+    warm = FakeJob("warm", p)
+    assert g.admit(warm, warm_up=True) and s.warming == "warm"
+    g.ended("warm")
+    assert s.warm and started == ["a"]
