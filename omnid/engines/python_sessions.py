@@ -30,6 +30,10 @@ leaving between steps (continuous batching). The class gives that to any python 
 - `ready` (default): the session's streamed inputs (`window = N` edges) have a window or their end
   to read, or it has none; a session whose downstream has no room (backpressure) is never stepped.
   A class whose sessions keep work of their own between windows says so with its own `ready`.
+- Paced to the listener: a session of a stream whose listener holds more than `pace_ahead_s` seconds
+  of audio (a parameter, default 3; 0: never paced) is not stepped until that falls below it:
+  a stage far ahead of its listeners leaves the host's cores to the stages that are not (on a CPU
+  host every stage shares them), and a stream never holds more than that in flight.
 - `max_inflight` bounds the live sessions. A cancel takes effect at the next step boundary: the
   session is closed and never stepped again, and the others' results are untouched.
 - `lazy = true`: the class is made on the first job instead of at start.
@@ -43,6 +47,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnid.engines.base import Cancelled, InputStream, RequestContext
+
+
+DEFAULT_PACE_AHEAD_S = 3.0  # a stream this far ahead of its listener waits (the parameter `pace_ahead_s`)
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,7 @@ class _Live:
     session: Any
     outputs: dict[str, Any] = field(default_factory=dict)
     opened: float = field(default_factory=time.time)
+    pace_ahead_s: float = DEFAULT_PACE_AHEAD_S
 
     @property
     def due(self) -> float:
@@ -94,6 +102,11 @@ class SessionRunner:
 
     def open(self, ctx: RequestContext, params: dict[str, Any]) -> None:
         try:
+            pace = float(params.get("pace_ahead_s", DEFAULT_PACE_AHEAD_S))
+        except (TypeError, ValueError):
+            ctx.fail(f"pace_ahead_s must be a number of seconds, not {params.get('pace_ahead_s')!r}")
+            return
+        try:
             session = self.impl.open(ctx.inputs, params, ctx)
         except Cancelled:
             ctx.stopped()
@@ -105,11 +118,13 @@ class SessionRunner:
             self._close(session)
             ctx.stopped()
             return
-        self._live[ctx.job] = _Live(ctx, session)
+        self._live[ctx.job] = _Live(ctx, session, pace_ahead_s=pace if pace > 0 else float("inf"))
 
     def _ready(self, live: _Live) -> bool:
         if live.ctx.held():
             return False
+        if live.ctx.deadline is not None and live.ctx.deadline - time.time() > live.pace_ahead_s:
+            return False                        # paced: far enough ahead of its listener (others need the host)
         check = getattr(self.impl, "ready", None)
         return bool(check(live.session)) if check is not None else streams_ready(live.ctx)
 

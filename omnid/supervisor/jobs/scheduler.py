@@ -102,6 +102,7 @@ class Scheduler:
         # real-time pipelines: admission by their measured capacity, and their warm-up (streams.py)
         self.gate = Gate(stages, self._start, self._warm_up)
         self._gated: Config | None = None       # the config the gate was last given
+        self._configure_gate()
         self._tick: asyncio.TimerHandle | None = self.loop.call_later(TICK_S, self._tend_streams)
         for group in stages.values():
             group.attach(self)

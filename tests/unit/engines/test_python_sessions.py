@@ -156,9 +156,30 @@ def test_sessions_are_stepped_least_slack_first() -> None:
     for job in (a, b, c):
         engine.add(job.ctx)
     now = time.time()
-    a.ctx.deadline, b.ctx.deadline = now + 5.0, now + 1.0     # c: none yet (opened just now)
+    a.ctx.deadline, b.ctx.deadline = now + 2.5, now + 1.0     # c: none yet (opened just now)
     engine.step()
     assert impl.steps[-1] == ["c", "b", "a"]
-    c.ctx.deadline = now + 3.0
+    c.ctx.deadline = now + 2.0
     engine.step()
     assert impl.steps[-1] == ["b", "c", "a"]
+
+
+def test_a_session_far_ahead_of_its_listener_waits() -> None:
+    """Paced: a stream whose listener holds more than `pace_ahead_s` of audio is not stepped; the
+    others are; it goes on once its slack falls under that."""
+    import time
+
+    engine = PythonEngine(stage(defaults={"pace_ahead_s": 2.0}))
+    impl = engine.sessions.impl             # type: ignore[union-attr]
+    a, b = Job("a", {"n": 5}), Job("b", {"n": 5})
+    engine.add(a.ctx)
+    engine.add(b.ctx)
+    a.ctx.deadline = time.time() + 10.0
+    engine.step()
+    assert impl.steps[-1] == ["b"]
+    a.ctx.deadline = time.time() + 1.0
+    engine.step()
+    assert impl.steps[-1] == ["b", "a"]     # (b, with no audio out yet, is due since it opened)
+    bad = Job("c", {"pace_ahead_s": "soon"})
+    engine.add(bad.ctx)
+    assert bad.ctx.outcome is Outcome.FAILED and "pace_ahead_s" in str(bad.ctx.error)
