@@ -137,6 +137,7 @@ clean:
 BENCH_ARGS ?=
 .PHONY: bench
 bench: setup models
+	$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q "matplotlib>=3.8"   # (the bench extra: its plots)
 	$(PY) tests/benchmarks/run.py $(BENCH_ARGS)
 
 # make gpu-check [GPU_CHECK_ARGS="--only handoff"]: every CUDA path omnid has, on this host's GPU 0, with real

@@ -277,3 +277,8 @@ def bench_omni_load(ctx: Ctx) -> list[Row]:
                           f"late {r['late']} of {r['packets']} (goal <= 1 %), queued {r['queued']}, "
                           f"refused {r['refused']}"))
     return result
+
+
+FIGURES = ["omni_load: a lone stream's gap-free start", "omni_load: concurrent streams with no late packet",
+           "omni_load: within capacity, slowest gap-free start",
+           *[f"omni_load: goodput at {x:g}x capacity, admission on" for x in LOADS if x >= 2.0]]

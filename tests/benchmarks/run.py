@@ -35,6 +35,7 @@ import bench_engine_core  # noqa: E402
 import bench_engines  # noqa: E402
 import bench_lora  # noqa: E402
 import bench_omni  # noqa: E402
+import bench_omni_load  # noqa: E402
 import bench_peer  # noqa: E402
 import bench_priorities  # noqa: E402
 import bench_ray  # noqa: E402
@@ -61,6 +62,7 @@ BENCHES: list[Bench] = [
           ["streaming: submit -> 1st consumer segment, window 8", "streaming: submit -> job end, window 8"],
           (200, 90), ("engines",)),
     Bench("omni", "streaming", bench_omni.bench_omni, bench_omni.FIGURES, (900, 600), ()),
+    Bench("omni_load", "streaming", bench_omni_load.bench_omni_load, bench_omni_load.FIGURES, (1500, 700), ()),
     Bench("realtime", "streaming", bench_realtime.bench_realtime, bench_realtime.FIGURES, (900, 700), ()),
     Bench("tap_cost", "streaming", bench_tensors.bench_tap_cost,
           [f"vLLM decode step, {bench_tensors.BATCH} jobs: hidden-state tap + token_ids on"], (150, 90), ()),

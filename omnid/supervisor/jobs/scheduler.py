@@ -429,7 +429,7 @@ class Scheduler:
                 self.metrics.stream_slack(job.pipeline.name, job.audio_plays_until - now)
         job.audio_plays_until = max(job.audio_plays_until, now) + seconds
         job.audio_s += seconds
-        self.gate.heard(job.pipeline.name, seconds)
+        self.gate.heard(job.pipeline.stages, seconds)
         # the listener's clock, to every stage of the job: who runs dry first is stepped first
         deadline = P.Deadline(job.id, job.audio_plays_until)
         for name in job.pipeline.stages:

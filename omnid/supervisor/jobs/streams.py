@@ -263,10 +263,12 @@ class Gate:
 
     # ------------------------------------------------------------------ measuring, warming
 
-    def heard(self, pipeline: str, seconds: float) -> None:
-        s = self.pipelines.get(pipeline)
-        if s is not None:
-            s.meter.audio_s += seconds
+    def heard(self, stages: tuple[str, ...], seconds: float) -> None:
+        """A job's audio, counted by every real-time pipeline that shares a stage with the job's:
+        the work its stages did for it is in their busy and CPU seconds too."""
+        for s in self.pipelines.values():
+            if not s.meter.stages or not set(stages).isdisjoint(s.meter.stages):
+                s.meter.audio_s += seconds
 
     def tick(self) -> None:
         """Once a second: sample every real-time pipeline's stages, start what now fits, warm up
