@@ -262,3 +262,28 @@ def test_a_client_that_hangs_up_while_waiting_leaves_the_line_at_once(d: Running
     assert "stream" not in d.client.job(job) and realtime(d, "speech")["waiting"] <= 1
     for j in running + [first["id"]]:
         assert d.wait(j)["state"] == "succeeded"
+
+
+def test_the_stream_documents_match_the_openapi_document(d: RunningDaemon) -> None:
+    import jsonschema
+
+    from test_discovery import check
+
+    conn = UnixHTTPConnection(str(d.socket), timeout=30)
+    conn.request("GET", "/v1/openapi.json")
+    doc = json.loads(conn.getresponse().read())
+    conn.close()
+    running, (status, _, first) = fill(d, "speech")
+    assert status == 201
+    check(doc, "POST", "/v1/jobs", 201, first)
+    check(doc, "GET", "/v1/jobs/{id}", 200, d.client.job(first["id"]))
+    check(doc, "GET", "/v1/stages", 200, d.client.stages())
+    check(doc, "GET", "/v1/pipelines", 200, d.client.pipelines())
+    status, _, refused = post(d, "/v1/jobs", {"pipeline": "refusing", "params": {"r": LONG}})
+    for job in running:
+        wait_for(lambda: "stream" in d.client.job(job) or d.client.job(job)["state"] != "running", 30, "audio")
+        check(doc, "GET", "/v1/jobs/{id}", 200, d.client.job(job))
+    for job in running + [first["id"]]:
+        assert d.wait(job)["state"] == "succeeded"
+    with __import__("pytest").raises(jsonschema.ValidationError):      # (the check is a real one)
+        check(doc, "GET", "/v1/jobs/{id}", 200, {**d.client.job(first["id"]), "stream": {"position": "first"}})

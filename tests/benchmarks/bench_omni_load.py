@@ -175,7 +175,7 @@ def wave(d: Daemon, pipeline: str, n: int) -> Wave:
 
 def capacity(d: Daemon, pipeline: str = "omni") -> dict[str, Any]:
     """The pipeline's own capacity figures (`GET /v1/pipelines`' realtime, as `omnictl stages` shows)."""
-    for p in d.client.request("GET", "/v1/pipelines")["pipelines"]:
+    for p in d.client.pipelines()["pipelines"]:
         if p["name"] == pipeline:
             return dict(p.get("realtime") or {})
     return {}

@@ -156,6 +156,21 @@ def schemas(config: Config) -> dict[str, Any]:
                      "kept_outputs": {"type": "object", "additionalProperties": {"type": "array", "items": STR},
                                       "description": "the config's `outputs`: outputs of stages that are not "
                                                      "last kept as the job's too"}}
+    realtime = obj({"overload": enum(("queue", "refuse")), "margin": NUM, "max_waiting_streams": INT, "warm": BOOL,
+                    "audio_per_s": {**nullable(NUM), "description": "audio seconds a second the pipeline can make, "
+                                    "measured from its stages' step times (null until measured)"},
+                    "streams": {**nullable(INT), "description": "how many streams its capacity admits at once"},
+                    "running": INT, "waiting": INT, "refused": INT,
+                    "cost_per_audio_s": {"type": "object", "additionalProperties": NUM,
+                                         "description": "per stage (and `cpu`, the CPU stages together over "
+                                                        "the host's cores): seconds of work an audio second costs"}},
+                   ["overload", "warm", "audio_per_s", "running", "waiting"])
+    stream = {"type": "object", "description": "a real-time pipeline's job: while it waits for capacity, its "
+              "`position` (1: next), `estimated_start_s` and how many are `running`; once it plays, the "
+              "`audio_s` sent, its listener's `slack_s` (audio still to play; below 0: late) and `late_packets`",
+              "properties": {"position": INT, "estimated_start_s": NUM, "running": INT, "audio_s": NUM,
+                             "slack_s": NUM, "late_packets": INT}}
+    pipeline_keys["realtime"] = realtime
     param_doc = {"type": "object", "properties": {"default": PLAIN_VALUE_SCHEMA}}
     described = {
         **pipeline_keys,
@@ -203,10 +218,10 @@ def schemas(config: Config) -> dict[str, Any]:
                                    ["code", "message"])},
                      ["error"], extra=False),
         "JobRequest": _job_request(config),
-        "Job": obj({**job_keys, "queue": QUEUE_PLACE}, job_keys, extra=False),
+        "Job": obj({**job_keys, "queue": QUEUE_PLACE, "stream": stream}, job_keys, extra=False),
         "NewJob": obj({**job_keys, "links": obj({k: STR for k in JOB_LINKS}, list(JOB_LINKS), extra=False),
                        "trace_id": {**STR, "description": "the job's trace ([daemon] tracing on): the caller's "
-                                    "traceparent's, else a new one"}},
+                                    "traceparent's, else a new one"}, "stream": stream},
                       [*job_keys, "links"], extra=False),
         "JobList": obj({"jobs": {"type": "array", "items": ref("Job")}}, ["jobs"], extra=False),
         "StageRun": stage_run,
@@ -221,11 +236,15 @@ def schemas(config: Config) -> dict[str, Any]:
                      ["type", "job", "ts"]),
         "Deleted": obj({"deleted": STR}, ["deleted"], extra=False),
         "Edge": edge,
-        "Pipeline": obj(pipeline_keys, pipeline_keys),
+        "Pipeline": obj(pipeline_keys, [k for k in pipeline_keys if k != "realtime"]),
         "PipelineList": obj({"pipelines": {"type": "array", "items": ref("Pipeline")}}, ["pipelines"]),
-        "PipelineDescription": obj(described, [*pipeline_keys, "inputs", "params", "outputs"]),
+        "PipelineDescription": obj(described, [*(k for k in pipeline_keys if k != "realtime"), "inputs", "params",
+                                               "outputs"]),
         "Stage": obj(stage_keys, ["name", "engine", "state", "pid"]),
-        "StageList": obj({"stages": {"type": "array", "items": ref("Stage")}}, ["stages"]),
+        "StageList": obj({"stages": {"type": "array", "items": ref("Stage")},
+                          "realtime": {"type": "object", "additionalProperties": realtime,
+                                       "description": "each real-time pipeline's capacity and streams"}},
+                         ["stages"]),
         "Restarting": obj({"restarting": STR, "stage": ref("Stage")}, ["restarting", "stage"]),
         "Sleeping": obj({"sleeping": STR, "already": BOOL, "stage": ref("Stage")}, ["sleeping", "stage"]),
         "Waking": obj({"waking": STR, "already": BOOL, "stage": ref("Stage")}, ["waking", "stage"]),
@@ -238,6 +257,8 @@ def schemas(config: Config) -> dict[str, Any]:
                       ["status", "pid", "uptime_s", "version", "live_jobs"]),
         "Ready": obj({"ready": BOOL, "stages": {"type": "object", "additionalProperties": enum(WorkerState)},
                       "not_ready": {"type": "array", "items": STR}, "draining": BOOL,
+                      "warming": {"type": "array", "items": STR,
+                                  "description": "real-time pipelines whose warm-up job has not run yet"},
                       "lazy": {"type": "array", "items": STR,
                                "description": "python stages with `lazy = true`: ready before their function "
                                                "has loaded what it needs (it does so on its first job)"},
