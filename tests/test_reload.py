@@ -44,6 +44,11 @@ def test_a_broken_config_is_refused_and_the_old_one_keeps_serving(start_daemon: 
     d.config_path.write_text(d.config_path.read_text() + "\n[stages.b]\nengine = 'onnx'\n")
     sighup(d, "reload refused: the config is invalid")
     assert "stages.b.engine" in d.log()                      # the same report as --check
+    # `omnictl reload` is refused the same way: exit 4 (the daemon refused), its status line on stderr
+    r = subprocess.run([sys.executable, "-m", "omnictl", "--socket", str(d.socket), "reload"], capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 4, (r.returncode, r.stdout, r.stderr)
+    assert r.stderr.startswith("omnictl: reload refused: 1 problem(s)"), r.stderr
     assert d.wait(d.submit("p", {"text": "still"}))["state"] == "succeeded"
     assert pids(d) == before
     # and what only a restart can change is refused too
