@@ -119,5 +119,13 @@ def _check_callable_ref(c: _Checker, ref: str, path: str, python_path: tuple[Pat
     finally:
         sys.path[:] = saved
     if not found:
-        where = " (searched python_path and sys.path)" if python_path else ""
-        c.add(path, f"module {module!r} cannot be found{where}")
+        c.add(path, f"module {module!r} cannot be found{_searched(python_path)}")
+
+
+def _searched(python_path: tuple[Path, ...]) -> str:
+    """Where an import looked, for the message: python_path's folders (as resolved, relative ones from
+    the config file's folder; a missing one marked), then sys.path."""
+    if not python_path:
+        return " on sys.path (python_path is empty; its folders are relative to the config file's folder)"
+    folders = ", ".join(str(p) if p.is_dir() else f"{p} (no such folder)" for p in python_path)
+    return f" in python_path ({folders}; relative folders are from the config file's folder) nor on sys.path"
