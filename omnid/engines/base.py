@@ -218,6 +218,12 @@ class Engine(abc.ABC):
         """Facts for `GET /v1/stages` (model, dtype, ...)."""
         return {}
 
+    def live_info(self) -> dict[str, Any]:
+        """The entries of `info` that change while the stage serves (a python stage's live sessions):
+        each heartbeat carries them, and they replace those `Ready` gave. Called from the worker's
+        heartbeat thread, so it only reads (a length, a copy)."""
+        return {}
+
     def close(self) -> None:
         """Release the model (the worker exits right after)."""
 

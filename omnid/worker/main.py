@@ -220,7 +220,8 @@ class StageWorker:
         while True:
             self.send(P.Heartbeat(ts=time.time(), stats=self.stats(), running=tuple(self.running),
                                   gpu_memory_bytes=_gpu_memory(), tracked_jobs=len(self.jobs),
-                                  windows=tuple(self.handoff.windows_sent.items()), rss_bytes=rss_bytes(os.getpid())))
+                                  windows=tuple(self.handoff.windows_sent.items()), rss_bytes=rss_bytes(os.getpid()),
+                                  live_info=self.engine.live_info()))
             time.sleep(interval)
 
     # ------------------------------------------------------------------ the busy loop

@@ -246,6 +246,8 @@ class StageHandle(Follower):
         self.tracked_jobs = msg.tracked_jobs
         self.windows = dict(msg.windows)
         self.memory.heard(msg.rss_bytes)
+        if msg.live_info:
+            self.info = {**self.info, **msg.live_info}      # e.g. a python stage's live sessions, kept current
         self._busy_or_ready()
 
     def _on_ready(self, msg: P.Ready) -> None:
