@@ -192,13 +192,24 @@ class OpenAiJobs:
                     gen.pieces.append(text)
                     yield text
         record = succeeded(self.api.scheduler, job.id)
-        if not gen.pieces:
-            text_out = pick(record.outputs, "text", "text", gen.text_stage)
-            if text_out is not None:
-                text = (await read_output(self.api.store, record, text_out)).decode("utf-8", errors="replace")
-                if text:
-                    gen.pieces.append(text)
-                    yield text
+        text = await self.text_at_end(record, gen)
+        if text:
+            yield text
+
+    async def text_at_end(self, record: JobRecord, gen: Generation) -> str:
+        """The answer of a job whose text stage streamed no text (a python function that returns its
+        `text`): that output's text, once the job succeeded, counted as one piece ("" when it streamed
+        text, or has none). Every text answer calls it after its last delta (chat, completions, Realtime)."""
+        if gen.pieces:
+            return ""
+        text_out = pick(record.outputs, "text", "text", gen.text_stage)
+        if text_out is None:
+            return ""
+        text = (await read_output(self.api.store, record, text_out)).decode("utf-8", errors="replace")
+        if text:
+            gen.pieces.append(text)
+            gen.segments = max(gen.segments, 1)
+        return text
 
     async def sse_answer(self, request: web.Request, resp: web.StreamResponse, job: JobRecord, gen: Generation,
                          usage_head: dict[str, Any] | None, piece: Callable[[str], dict[str, Any]],

@@ -197,7 +197,9 @@ class Responses:
                 yield "".join(texts), pcm
         while reader is not None and (pcm := reader.read()):
             yield "", pcm
-        succeeded(self.jobs.api.scheduler, r.job.id)
+        text = await self.jobs.text_at_end(succeeded(self.jobs.api.scheduler, r.job.id), r.gen)
+        if text:                            # a text stage that returned its text at the end
+            yield text, b""
 
     async def _audio_delta(self, r: Response, reader: LiveAudio | None, pcm: bytes) -> None:
         if r.pcm_bytes == 0 and reader is not None and len(reader.header) >= 28:

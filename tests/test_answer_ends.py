@@ -1,0 +1,129 @@
+"""How a text answer ends, on every path that gives one: the OpenAI chat (plain and streamed),
+`/v1/completions`, Realtime (`/v1/realtime`) and `omnictl talk --text`.
+
+One daemon for the module, on the tiny Llama (a context window of WINDOW tokens, greedy, its end
+token ignored, so an answer runs until a limit stops it) and a python stage that returns its text
+at the end instead of streaming it (teststages.reply):
+- a python stage's text returned at the end is the answer on each path (Realtime lost it);
+- an answer cut by the context window says `finish_reason: "length"` (Realtime: `incomplete`,
+  `max_output_tokens`), as one cut by `max_tokens` does, and as vLLM says;
+- a `max_tokens` beyond the context window is a 400 that names the limit, in `vllm serve`'s words.
+The OpenAI package is the client of the OpenAI paths; Realtime is a raw WebSocket (aiohttp).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from conftest import (ROOT, RunningDaemon, build_tiny_models, module_daemon, omnictl, openai_on_socket, py_stage,
+                      short_tmpdir, tiny_llm)
+
+openai = pytest.importorskip("openai")
+aiohttp = pytest.importorskip("aiohttp")
+
+pytestmark = [pytest.mark.engines, pytest.mark.vllm]
+
+WINDOW = 128                    # the llm stage's max_model_len
+CHAT = [{"role": "user", "content": "Tell me about the sea."}]
+TOO_MANY = f"cannot be greater than max_model_len={WINDOW}. Please request fewer output tokens."
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[RunningDaemon]:
+    build_tiny_models("llm")
+    stages = {"llm": tiny_llm({"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}, max_model_len=WINDOW),
+              "say": py_stage("reply")}
+    with module_daemon(short_tmpdir(), stages, {"chat": {"stages": ["llm"]}, "say": {"stages": ["say"]}},
+                       {"heartbeat_timeout_s": 60.0}) as rd:
+        yield rd
+
+
+@pytest.fixture(scope="module")
+def client(daemon: RunningDaemon) -> Iterator[Any]:
+    with openai_on_socket(daemon, 120) as c:
+        yield c
+
+
+# ------------------------------------------------------------------ Realtime, raw
+
+
+async def _realtime(d: RunningDaemon, model: str, text: str, response: dict[str, Any] | None = None
+                    ) -> list[dict[str, Any]]:
+    """One user turn and one response over /v1/realtime; every event received until response.done
+    (or the first error)."""
+    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(d.socket))) as http:
+        async with http.ws_connect(f"http://omnid/v1/realtime?model={model}", max_msg_size=0) as ws:
+            await ws.send_str(json.dumps({"type": "session.update", "session": {"type": "realtime",
+                                                                                "output_modalities": ["text"]}}))
+            await ws.send_str(json.dumps({"type": "conversation.item.create", "item": {
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}}))
+            await ws.send_str(json.dumps({"type": "response.create", **({"response": response} if response else {})}))
+            events: list[dict[str, Any]] = []
+            deadline = time.monotonic() + 120
+            while True:
+                msg = await ws.receive(timeout=max(0.1, deadline - time.monotonic()))
+                assert msg.type == aiohttp.WSMsgType.TEXT, (msg, events)
+                events.append(json.loads(msg.data))
+                if events[-1]["type"] in ("response.done", "error"):
+                    return events
+
+
+def realtime(d: RunningDaemon, model: str, text: str, response: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    return asyncio.run(_realtime(d, model, text, response))
+
+
+def deltas(events: list[dict[str, Any]]) -> str:
+    return "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+
+
+def streamed(client: Any, path: str, **body: Any) -> tuple[str, str | None, dict[str, Any] | None]:
+    """A streamed answer: its text, the last chunk's finish_reason, its usage."""
+    text, finish, usage = "", None, None
+    chunks = (client.chat.completions if path == "chat" else client.completions).create(
+        stream=True, stream_options={"include_usage": True}, **body)
+    for chunk in chunks:
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+        for choice in chunk.choices:
+            text += (choice.delta.content or "") if path == "chat" else choice.text
+            finish = choice.finish_reason or finish
+    return text, finish, usage
+
+
+# ------------------------------------------------------------------ a python stage's text at the end
+
+
+def test_a_python_stages_text_returned_at_the_end_is_the_answer_on_every_path(daemon: RunningDaemon,
+                                                                               client: Any) -> None:
+    # Realtime: the text as a delta, in the item and the done events, counted
+    events = realtime(daemon, "say", "hello there")
+    done = events[-1]
+    assert done["type"] == "response.done", events
+    assert deltas(events) == "you said: hello there", [e["type"] for e in events]
+    assert done["response"]["status"] == "completed", done
+    assert done["response"]["output"][0]["content"][0]["text"] == "you said: hello there", done
+    assert done["response"]["usage"]["output_tokens"] == 1, done
+    [text_done] = [e for e in events if e["type"] == "response.output_text.done"]
+    assert text_done["text"] == "you said: hello there"
+    # omnictl talk --text, as a user types it
+    r = subprocess.run([sys.executable, "-m", "omnictl", "--socket", str(daemon.socket), "talk", "say", "--text"],
+                       input="hi omnid\n", capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "you said: hi omnid" in r.stdout, r.stdout
+    # the OpenAI paths: the same text, counted as one piece
+    plain = client.chat.completions.create(model="say", messages=CHAT)
+    assert plain.choices[0].message.content == "you said: Tell me about the sea."
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens == 1
+    assert streamed(client, "chat", model="say", messages=CHAT)[:2] == ("you said: Tell me about the sea.", "stop")
+    assert client.completions.create(model="say", prompt="waves").choices[0].text == "you said: waves"
+    assert streamed(client, "completions", model="say", prompt="waves")[:2] == ("you said: waves", "stop")
