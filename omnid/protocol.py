@@ -215,6 +215,7 @@ class Finished:
     job: str
     elapsed_s: float
     usage: dict[str, int] | None = None     # an engine's counts (vLLM: prompt and completion tokens)
+    finish_reason: str | None = None        # why a text engine ended its answer ("stop", "length")
 
 
 @dataclass(frozen=True)

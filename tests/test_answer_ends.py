@@ -127,3 +127,54 @@ def test_a_python_stages_text_returned_at_the_end_is_the_answer_on_every_path(da
     assert streamed(client, "chat", model="say", messages=CHAT)[:2] == ("you said: Tell me about the sea.", "stop")
     assert client.completions.create(model="say", prompt="waves").choices[0].text == "you said: waves"
     assert streamed(client, "completions", model="say", prompt="waves")[:2] == ("you said: waves", "stop")
+
+
+# ------------------------------------------------------------------ cut by the context window
+
+
+def test_an_answer_cut_by_the_context_window_says_length(daemon: RunningDaemon, client: Any) -> None:
+    """max_tokens = the whole window: the prompt leaves less room, so the context cuts the answer."""
+    plain = client.chat.completions.create(model="chat", messages=CHAT, max_tokens=WINDOW)
+    assert plain.usage.total_tokens == WINDOW and plain.usage.completion_tokens < WINDOW, plain.usage
+    assert plain.choices[0].finish_reason == "length", plain
+    text, finish, usage = streamed(client, "chat", model="chat", messages=CHAT, max_tokens=WINDOW)
+    assert finish == "length" and usage is not None and usage["total_tokens"] == WINDOW, (finish, usage)
+    done = client.completions.create(model="chat", prompt="The sea is", max_tokens=WINDOW)
+    assert done.choices[0].finish_reason == "length" and done.usage.total_tokens == WINDOW, done
+    text, finish, usage = streamed(client, "completions", model="chat", prompt="The sea is", max_tokens=WINDOW)
+    assert finish == "length" and usage is not None and usage["total_tokens"] == WINDOW, (finish, usage)
+    # cut by max_tokens: "length" too; the python stage's whole answer: "stop" (above)
+    short = client.chat.completions.create(model="chat", messages=CHAT, max_tokens=3)
+    assert (short.choices[0].finish_reason, short.usage.completion_tokens) == ("length", 3), short
+    # Realtime: a response cut short is `incomplete` for `max_output_tokens`, as OpenAI says it
+    events = realtime(daemon, "chat", "Tell me about the sea.", {"max_output_tokens": WINDOW})
+    response = events[-1]["response"]
+    assert response["status"] == "incomplete", response
+    assert response["status_details"] == {"type": "incomplete", "reason": "max_output_tokens"}, response
+    assert response["usage"]["total_tokens"] == WINDOW, response["usage"]
+
+
+def test_max_tokens_beyond_the_context_window_is_a_400_naming_the_limit(daemon: RunningDaemon,
+                                                                          client: Any) -> None:
+    before = len(daemon.client.jobs(limit=1000)["jobs"])
+    for make in (lambda: client.chat.completions.create(model="chat", messages=CHAT, max_tokens=100000),
+                 lambda: client.chat.completions.create(model="chat", messages=CHAT, max_tokens=100000,
+                                                        stream=True),
+                 lambda: client.completions.create(model="chat", prompt="The sea is", max_tokens=100000),
+                 lambda: client.completions.create(model="chat", prompt="The sea is", max_tokens=100000,
+                                                   stream=True)):
+        with pytest.raises(openai.BadRequestError) as refused:
+            make()
+        assert refused.value.status_code == 400
+        assert refused.value.body["message"] == f"max_tokens=100000 {TOO_MANY}", refused.value.body
+        assert refused.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="chat", messages=CHAT, max_completion_tokens=WINDOW + 1)
+    assert refused.value.body["message"] == f"max_completion_tokens={WINDOW + 1} {TOO_MANY}"
+    # the window itself is allowed (the prompt's room is less: cut, "length", above)
+    # omnid's own API and Realtime say the same
+    r = omnictl(daemon, "submit", "chat", "--prompt", "The sea is", "-p", "llm.max_tokens=100000")
+    assert r.returncode == 4 and f"max_tokens=100000 {TOO_MANY}" in r.stderr, r.stderr
+    events = realtime(daemon, "chat", "Tell me about the sea.", {"max_output_tokens": 4000})
+    assert events[-1]["type"] == "error" and f"max_tokens=4000 {TOO_MANY}" in events[-1]["error"]["message"], events
+    assert len(daemon.client.jobs(limit=1000)["jobs"]) == before, "a refused request makes no job"

@@ -494,6 +494,11 @@ class VllmEngine(Engine):
         template = own.get("prompt_template")
         text = str(template).replace("{prompt}", prompt) if template else prompt
         params.setdefault("max_tokens", self.default_max_tokens)
+        if isinstance(params["max_tokens"], int) and params["max_tokens"] > self._max_len:
+            # as `vllm serve` refuses it (the door says so first where it can know the window)
+            ctx.fail(f"max_tokens={params['max_tokens']} cannot be greater than max_model_len={self._max_len}. "
+                     "Please request fewer output tokens.", REJECTED)
+            return
         try:
             if tensors is not None:
                 rendered = tensors
@@ -560,6 +565,8 @@ class VllmEngine(Engine):
                 sep = " " if req.prefix and generated and not generated[0].isspace() else ""
                 prompt_tokens = len(out.prompt_token_ids or ()) or req.prompt_len
                 req.ctx.usage = {"prompt_tokens": prompt_tokens, "completion_tokens": req.tokens}
+                # vLLM's own reason: "length" when max_tokens or the context window ended it
+                req.ctx.finish_reason = str(completion.finish_reason) if completion.finish_reason else None
                 final: dict[str, Any] = {"text": (req.prefix + sep + generated).strip()}
                 if req.ctx.wants:
                     final.update(whole_tensors(req))

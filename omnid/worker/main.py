@@ -419,12 +419,12 @@ class StageWorker:
             for ev in events:
                 self.post(ev)
             if not edges:
-                self.post(P.Finished(job=ctx.job, elapsed_s=elapsed, usage=ctx.usage))
+                self.post(P.Finished(job=ctx.job, elapsed_s=elapsed, usage=ctx.usage, finish_reason=ctx.finish_reason))
                 return
         handoffs = self.handoff.build(job, ctx, item, edges, builders)
         if handoffs is None:
             return
-        self.post(P.Finished(job=ctx.job, elapsed_s=elapsed, usage=ctx.usage))
+        self.post(P.Finished(job=ctx.job, elapsed_s=elapsed, usage=ctx.usage, finish_reason=ctx.finish_reason))
         self.handoff.hand_off(job, handoffs, on_wait=self._step, busy=self.engine.has_work)
 
 

@@ -316,6 +316,9 @@ def job_params(config: Config, raw: Any, pipeline: PipelineConfig) -> dict[str, 
             if why is not None:
                 raise Refused(400, ErrorCode.INVALID_PARAM, why)
         why = values_problem(stage_name, stage.engine, merged(stage.defaults, values))
+        if why is None and capabilities(stage.engine).context_window:
+            why = prompt_length.max_tokens_problem(stage, values.get("max_tokens"))
+            why = f"stage {stage_name!r}: {why}" if why is not None else None
         if why is not None:
             raise Refused(400, ErrorCode.INVALID_PARAM, why)
         out[stage_name] = dict(values)

@@ -217,6 +217,9 @@ def schemas(config: Config) -> dict[str, Any]:
                       "is_last": BOOL, "text": STR, "audio_s": NUM, "code": enum(ErrorCode), "message": STR,
                       "elapsed_s": nullable(NUM), "wake_s": nullable(NUM),
                       "usage": {"type": "object", "additionalProperties": INT},
+                      "finish_reason": {**STR, "description": "stage_finished of a vllm stage: why its answer "
+                                        "ended, \"stop\" (an end token, a stop string) or \"length\" "
+                                        "(max_tokens, or the context window full)"},
                       "trace_id": {**STR, "description": "state queued, with tracing on: the job's trace"}},
                      ["type", "job", "ts"]),
         "Deleted": obj({"deleted": STR}, ["deleted"], extra=False),

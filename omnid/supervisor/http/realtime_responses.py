@@ -177,6 +177,9 @@ class Responses:
         r.finishing = True
         if error is not None:
             await self.send(E.error(error.code or "job_failed", error.message, type_=error.type))
+        if error is None and r.gen.finish_reason == "length":     # cut by max tokens or the context window
+            await self.finish(r, "incomplete", "max_output_tokens", None)
+            return
         await self.finish(r, "failed" if error is not None else "completed", None,
                           {"type": error.type, "code": error.code or "job_failed"} if error is not None else None)
 
