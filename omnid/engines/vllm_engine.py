@@ -83,9 +83,30 @@ def _run_engine_core(*args: Any, **kwargs: Any) -> None:
     vllm_compat.allow_amx()                         # where the model runs, before it loads
     if os.environ.get("OMNID_LORA"):
         vllm_compat.fix_cpu_lora_no_adapter()       # where the model runs, before it loads
+    traces = os.environ.get("OMNID_VLLM_OTLP_TRACES_ENDPOINT")     # `[daemon] tracing` (omnid.worker.tracing)
+    if traces:
+        _quiet_core_exporter(traces)
     from vllm.v1.engine.core import EngineCoreProc
 
     EngineCoreProc.run_engine_core(*args, **kwargs)    # (unpatched in this process: vLLM's own)
+
+
+def _quiet_core_exporter(url: str) -> None:
+    """vLLM's own span exporter in the engine core's process: the OTLP exporter logs each retry of a
+    batch (six lines at start-up when nothing listens, each read as an error in the stage's log);
+    instead its outage is said once, and once more when the receiver answers again (omnid.tracing's
+    `_Quiet`, the exporters of omnid's own processes)."""
+    from omnid.tracing import _Quiet
+
+    logging.getLogger("opentelemetry.exporter.otlp").setLevel(logging.CRITICAL)
+    try:
+        import importlib
+        otel: Any = importlib.import_module("vllm.tracing.otel")
+    except ImportError:                 # (a vLLM without it: its retries stay silenced above)
+        return
+    make = getattr(otel, "get_span_exporter", None)
+    if callable(make):
+        otel.get_span_exporter = lambda endpoint: _Quiet(make(endpoint), url)
 
 
 def _own_engine_core_entry() -> None:
