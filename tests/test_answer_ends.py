@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from conftest import (ROOT, RunningDaemon, build_tiny_models, module_daemon, omnictl, openai_on_socket, py_stage,
+from conftest import (ROOT, RunningDaemon, build_tiny_models, demo_stage, module_daemon, omnictl, openai_on_socket, py_stage,
                       short_tmpdir, tiny_llm)
 
 openai = pytest.importorskip("openai")
@@ -41,8 +41,9 @@ TOO_MANY = f"cannot be greater than max_model_len={WINDOW}. Please request fewer
 def daemon() -> Iterator[RunningDaemon]:
     build_tiny_models("llm")
     stages = {"llm": tiny_llm({"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}, max_model_len=WINDOW),
-              "say": py_stage("reply")}
-    with module_daemon(short_tmpdir(), stages, {"chat": {"stages": ["llm"]}, "say": {"stages": ["say"]}},
+              "say": py_stage("reply"), "voice": demo_stage("vocoder", defaults={"seconds_per_word": 0.02})}
+    pipelines = {"chat": {"stages": ["llm"]}, "say": {"stages": ["say"]}, "speak": {"stages": ["voice"]}}
+    with module_daemon(short_tmpdir(), stages, pipelines,
                        {"heartbeat_timeout_s": 60.0}) as rd:
         yield rd
 
@@ -178,3 +179,24 @@ def test_max_tokens_beyond_the_context_window_is_a_400_naming_the_limit(daemon: 
     events = realtime(daemon, "chat", "Tell me about the sea.", {"max_output_tokens": 4000})
     assert events[-1]["type"] == "error" and f"max_tokens=4000 {TOO_MANY}" in events[-1]["error"]["message"], events
     assert len(daemon.client.jobs(limit=1000)["jobs"]) == before, "a refused request makes no job"
+
+
+# ------------------------------------------------------------------ what a pipeline produces
+
+
+def test_what_a_pipeline_produces_is_known_before_any_job_and_refused_at_the_door(daemon: RunningDaemon,
+                                                                                   client: Any) -> None:
+    """`speak` ends in the demo's vocoder (`vocoder.produces = ("audio", "text")`), and has run no job:
+    /v1/models lists its outputs, and /v1/images/generations on it is a 400 before any job is made."""
+    assert not daemon.client.jobs(pipeline="speak", limit=10)["jobs"]
+    models = {m.id: m.model_dump() for m in client.models.list()}
+    assert models["speak"]["omnid"]["outputs"] == ["audio", "text"], models["speak"]
+    assert models["speak"]["omnid"]["endpoints"] == ["/v1/audio/speech", "/v1/chat/completions", "/v1/completions"]
+    assert models["chat"]["omnid"]["outputs"] == ["text"] and models["chat"]["omnid"]["media"] == []
+    assert models["say"]["omnid"]["outputs"] is None             # (its function declares nothing)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.images.generate(model="speak", prompt="a red fox")
+    assert refused.value.body["code"] == "model_not_supported", refused.value.body
+    assert "produces audio, text, not image" in refused.value.body["message"], refused.value.body
+    assert not daemon.client.jobs(pipeline="speak", limit=10)["jobs"], "refused at the door: no job"
+

@@ -455,6 +455,23 @@ def test_a_module_not_found_names_the_folders_searched(tmp_path: Path) -> None:
         "nor on sys.path"]}
 
 
+def test_what_a_python_stage_produces_is_known_from_its_config_or_its_source(tmp_path: Path) -> None:
+    examples = str(Path(__file__).resolve().parents[3] / "etc/examples")
+    data = {"stages": {"said": {"engine": "python", "function": "json:dumps", "produces": ["text", "audio"]},
+                       "voc": {"engine": "python", "function": "demo_stages:vocoder", "python_path": [examples]},
+                       "c2w": {"engine": "python", "sessions": "omnid.omni.stages:Code2Wav"},
+                       "quiet": {"engine": "python", "function": "json:dumps"}},
+            "pipelines": {"p": {"stages": ["said"]}}}
+    stages = parse(data, tmp_path).stages
+    assert stages["said"].produces == ("audio", "text")
+    assert stages["voc"].produces == ("audio", "text")          # vocoder.produces = (...) in its file
+    assert stages["c2w"].produces == ("audio",)                  # a class's own `produces`
+    assert stages["quiet"].produces is None
+    bad = {"stages": {"a": {"engine": "python", "function": "json:dumps", "produces": ["sound"]}},
+           "pipelines": {"p": {"stages": ["a"]}}}
+    assert list(problems(bad, tmp_path)) == ["stages.a.produces"]
+
+
 def test_stage_fields(tmp_path: Path) -> None:
     data = minimal()
     data["stages"]["a"] = py(devices=[3, 1], exclusive=True, queue_capacity=2, env={"X": "1"},
