@@ -82,14 +82,16 @@ def key_rm(settings: Settings, name: str) -> None:
 @command()
 def reload(settings: Settings) -> None:
     """Read the daemon's config file again and apply it, as SIGHUP does (root, the admin group, or
-    an --admin key); exit 1 when it was refused."""
+    an --admin key); exit 4 when it was refused (the daemon's status line is printed), as for any refusal."""
     answer = settings.client().reload()
     if settings.json:
         print_json(answer)
-    else:
+    elif answer.get("reloaded"):
         click.echo(str(answer.get("status")))
     if not answer.get("reloaded"):
-        raise SystemExit(1)
+        if settings.json:
+            raise click.exceptions.Exit(int(ExitCode.REFUSED))
+        fail(str(answer.get("status")), ExitCode.REFUSED)
 
 
 @command()

@@ -151,7 +151,7 @@ def _write_results(settings: Settings, client: Client, job: dict[str, Any], outp
     click.option("--file", "files", multiple=True, metavar="KEY=PATH", callback=_parse_files,
                  help="A file input (an image, a WAV file, ...); the same KEY again makes a list of files."),
     click.option(
-        "--param", "params", multiple=True, metavar="STAGE.KEY=VALUE", callback=_parse_params,
+        "-p", "--param", "params", multiple=True, metavar="STAGE.KEY=VALUE", callback=_parse_params,
         help="A stage parameter; VALUE is JSON if it parses, else a string.",
     ),
     click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), metavar="S", help="Job timeout in seconds."),

@@ -169,6 +169,9 @@ class StageConfig:
     # python stages: `package.module:Class` whose instance steps many jobs' sessions together
     # (`open` a session per job, `step` them all as one batch): omnid.engines.python_sessions
     sessions: str | None = None
+    # python stages: the kinds of output it gives ("text", "audio", ...), known before any job runs:
+    # its `produces` key, else its function's (or class's) own `produces` attribute, read from its source
+    produces: tuple[str, ...] | None = None
     # Capacity: `replicas` workers of this stage, each with its own device set (`replica_devices`,
     # from `devices = [[0], [1]]`; empty: every replica gets `devices`). `devices` is their union.
     replicas: int = 1

@@ -168,6 +168,7 @@ class Heartbeat:
     tracked_jobs: int = 0           # jobs this worker still keeps state for (0 once all are forgotten)
     windows: tuple[tuple[str, int], ...] = ()   # (downstream stage, windows it admitted) since the start
     rss_bytes: int | None = None    # the worker's own resident memory, as it read it (what an OOM report gives)
+    live_info: dict[str, Any] = field(default_factory=dict)   # the engine's changing facts (Engine.live_info)
 
 
 @dataclass(frozen=True)
@@ -225,6 +226,7 @@ class Finished:
     job: str
     elapsed_s: float
     usage: dict[str, int] | None = None     # an engine's counts (vLLM: prompt and completion tokens)
+    finish_reason: str | None = None        # why a text engine ended its answer ("stop", "length")
 
 
 @dataclass(frozen=True)

@@ -388,7 +388,7 @@ class _Quiet:
         except Exception as e:                  # never up into the batch thread
             result, why = SpanExportResult.FAILURE, f"{type(e).__name__}: {e}"
         else:
-            why = "no answer, or an error answer"
+            why = "no answer, or a failure status"     # (no "error": a relayed line is not read as one)
         if result is SpanExportResult.SUCCESS:
             if self._failing:
                 self._failing = False

@@ -9,8 +9,10 @@ resolved paths).
 from __future__ import annotations
 
 import copy
+import re
 import subprocess
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ import pytest
 
 from omnid import config as C
 from omnid.engines.capabilities import stage_accepts
-from conftest import FIXTURES, edge, toml_dumps
+from conftest import FIXTURES, ROOT, edge, toml_dumps
 
 
 
@@ -211,6 +213,30 @@ def test_check_reports_problem(case: str, tmp_path: Path, models: Path) -> None:
     mutate(cfg)
     result = run_omnid(write_config(tmp_path, cfg), "--check")
     assert_reported(result, expected)
+
+
+def test_the_sessions_stage_as_documented_checks_in_a_config_in_etc(tmp_path: Path) -> None:
+    """The README's Sessions block and etc/examples/sessions_stage.py's docstring, pasted into a config in
+    etc/ (beside examples/, as in the repo): `omnid --check` finds the module. A wrong folder is named."""
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "examples").symlink_to(ROOT / "etc/examples")
+    readme = (ROOT / "README.md").read_text()
+    [readme_block] = re.findall(r"```toml\n(\[stages\.talk\]\n.*?)```", readme, re.S)
+    docstring = (ROOT / "etc/examples/sessions_stage.py").read_text()
+    [example_block] = re.findall(r"\n    (\[stages\.talk\]\n(?:    \S.*\n)+)", docstring)
+    daemon = f'[daemon]\nsocket = "{tmp_path / "omnid.sock"}"\nstate_dir = "state"\n\n'
+    pipeline = '\n[pipelines.talk]\nstages = ["talk"]\n'
+    for block in (readme_block, textwrap.dedent(example_block)):
+        path = etc / "omnid.toml"
+        path.write_text(daemon + block + pipeline)
+        result = run_omnid(path, "--check")
+        assert result.returncode == 0, (block, result.stderr)
+    # the old text (a path from the repo's top) says which folder it searched, and that it is missing
+    path.write_text(daemon + readme_block.replace('["examples"]', '["etc/examples"]') + pipeline)
+    assert_reported(run_omnid(path, "--check"), [(
+        "stages.talk.sessions", f"module 'sessions_stage' cannot be found in python_path ({etc / 'etc/examples'} "
+        "(no such folder); relative folders are from the config file's folder) nor on sys.path")])
 
 
 def test_check_invalid_toml(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ Real daemons; the config file is rewritten and the daemon sent a real SIGHUP.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -44,6 +45,11 @@ def test_a_broken_config_is_refused_and_the_old_one_keeps_serving(start_daemon: 
     d.config_path.write_text(d.config_path.read_text() + "\n[stages.b]\nengine = 'onnx'\n")
     sighup(d, "reload refused: the config is invalid")
     assert "stages.b.engine" in d.log()                      # the same report as --check
+    # `omnictl reload` is refused the same way: exit 4 (the daemon refused), its status line on stderr
+    r = subprocess.run([sys.executable, "-m", "omnictl", "--socket", str(d.socket), "reload"], capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 4, (r.returncode, r.stdout, r.stderr)
+    assert r.stderr.startswith("omnictl: reload refused: 1 problem(s)"), r.stderr
     assert d.wait(d.submit("p", {"text": "still"}))["state"] == "succeeded"
     assert pids(d) == before
     # and what only a restart can change is refused too
@@ -133,6 +139,31 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_an_admins_restart_stops_the_worker_gently_and_is_no_error(start_daemon: Start) -> None:
+    """`omnictl stage restart` of an idle stage: the worker is asked to stop and exits by itself (status
+    0, no SIGKILL), the daemon logs a restart (info), not a death, and `omnictl stages` shows a restart
+    and no last error."""
+    d = start_daemon({"a": py_stage("echo")}, {"p": {"stages": ["a"]}})
+    old = d.stage_pid("a")
+    omnictl = [sys.executable, "-m", "omnictl", "--socket", str(d.socket)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([*omnictl, "stage", "restart", "a"], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0 and "a: ready" in r.stdout, (r.stdout, r.stderr)
+    assert d.stage_pid("a") != old
+    log = d.log()
+    assert "stage worker died" not in log and "killing stage worker" not in log, log[-3000:]
+    [stopped] = [json.loads(line) for line in log.splitlines() if "stage worker stopped for a restart" in line]
+    assert (stopped["level"], stopped["pid"], stopped["exit"]) == ("info", old, 0), stopped
+    assert stopped["reason"].startswith("asked for by uid"), stopped
+    shown = subprocess.run([*omnictl, "--json", "stages"], capture_output=True, text=True, timeout=30, env=env)
+    [a] = json.loads(shown.stdout)["stages"]
+    assert a["last_error"] is None and a["restarts"] == 1, a
+    assert a["last_restart"]["reason"].startswith("asked for by uid"), a
+    table = subprocess.run([*omnictl, "stages"], capture_output=True, text=True, timeout=30, env=env).stdout
+    assert "died" not in table and "killed" not in table, table
+    assert d.wait(d.submit("p", {"text": "after"}))["state"] == "succeeded"
 
 
 def test_stage_restart_replaces_a_worker_and_revives_a_failed_stage(start_daemon: Start) -> None:

@@ -7,14 +7,17 @@ stage, and the next batch runs on the restarted worker.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from conftest import FIXTURES, RunningDaemon, module_daemon, short_tmpdir, wait_for
+from conftest import FIXTURES, ROOT, RunningDaemon, module_daemon, short_tmpdir, wait_for
 
 
 def expected(n: int) -> str:
@@ -55,6 +58,26 @@ def test_a_cancel_frees_its_slot_and_the_others_output_is_unchanged(d: RunningDa
     wait_for(lambda: d.stages()["talk"]["info"]["sessions"]["live"] <= 1, 10, "the slot to be freed")
     assert d.wait(keep, timeout=60)["state"] == "succeeded"
     assert text(d, keep) == expected(30)
+
+
+def test_the_live_sessions_shown_follow_the_jobs(d: RunningDaemon) -> None:
+    """`omnictl stages --json` (GET /v1/stages) shows info.sessions.live as it is, not as at start-up."""
+    omnictl = [sys.executable, "-m", "omnictl", "--socket", str(d.socket), "--json", "stages"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def live() -> int:
+        shown = subprocess.run(omnictl, capture_output=True, text=True, timeout=30, env=env, check=True)
+        [talk] = [s for s in json.loads(shown.stdout)["stages"] if s["name"] == "talk"]
+        return int(talk["info"]["sessions"]["live"])
+
+    held = [d.submit("talk", {}, {"talk": {"n": 1000}}) for _ in range(3)]
+    wait_for(lambda: live() == 3, 20, "three live sessions shown")
+    d.client.cancel(held[0])
+    wait_for(lambda: live() == 2, 20, "two live sessions shown")
+    for job in held[1:]:
+        d.client.cancel(job)
+    assert all(d.wait(job, timeout=30)["state"] == "cancelled" for job in held)
+    wait_for(lambda: live() == 0, 20, "no live session shown")
 
 
 def test_one_sessions_exception_fails_that_job_only(d: RunningDaemon) -> None:

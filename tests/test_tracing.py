@@ -454,3 +454,35 @@ def test_tracing_off_exports_nothing_and_imports_no_opentelemetry(receiver: Rece
         log = rd.log()
         shutil.rmtree(d, ignore_errors=True)
         assert not problems, "\n".join(problems) + log[-LOG_TAIL:]
+
+
+def test_no_collector_at_all_is_said_once_not_once_per_retry() -> None:
+    """Tracing on, nothing listening at the endpoint, a vLLM stage whose engine core runs in a process
+    of its own (omnid's default): vLLM's exporter there retries its start-up spans, and its retries
+    log nothing; the daemon says the receiver is not taking spans at most once per exporting process,
+    at warning level, never an error."""
+    from conftest import module_daemon
+
+    build_tiny_models("llm")
+    nobody = f"http://127.0.0.1:{free_port()}"
+    stages = {"think": tiny_llm({"max_tokens": 4, "temperature": 0.0}, max_model_len=256, engine_core="process")}
+    with module_daemon(short_tmpdir(), stages, {"chat": {"stages": ["think"]}},
+                       {"tracing": {"otlp_endpoint": nobody, "sample": 1.0}}) as d:
+        job = d.submit("chat", {"prompt": "hello"})
+        assert wait_job(d, job)["state"] == "succeeded"
+        time.sleep(15)      # the exporters' retries (a backoff up to their 10 s timeout) run their course
+        lines = [json.loads(line) for line in d.log().splitlines() if line.startswith("{")]
+        noisy = [e for e in lines if any(w in json.dumps(e) for w in ("Transient error", "Connection refused",
+                                                                       "Failed to export"))]
+        assert not noisy, "\n".join(json.dumps(e) for e in noisy)
+        said = [e for e in lines if e.get("event") == "the trace receiver is not taking spans: they are dropped "
+                "until it does (jobs are not slowed)"]
+        assert said and all(e["level"] == "warning" for e in said), said
+        by_process = [e.get("process") for e in said]
+        assert len(by_process) == len(set(by_process)), said
+        # vLLM's engine core (a process of its own, which relays its lines) says it once too
+        relayed = [e for e in lines if e.get("event") in ("stderr", "stdout")
+                   and "the trace receiver is not taking spans" in e.get("line", "")]
+        assert len(relayed) == 1 and relayed[0]["level"] == "warning", relayed
+        errors = [json.dumps(e) for e in lines if e.get("level") == "error"]
+        assert not errors, "\n".join(errors)

@@ -78,3 +78,9 @@ def vocoder(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> Iterato
     last = carry.split() or ([] if spoken else ["..."])
     if last:
         yield {"audio": header + b"".join(_tone(w, rate, seconds) for w in last), "text": " ".join(last)}
+
+
+# What each function produces, known before any job runs (omnid reads these lines from this file:
+# `/v1/models` lists them, and an endpoint that needs another kind answers 400 at once).
+frame.produces = ("image", "text")
+vocoder.produces = ("audio", "text")

@@ -4,7 +4,7 @@ per step for each job, all jobs' hidden states advanced by one batched GRU cell 
     [stages.talk]
     engine = "python"
     sessions = "sessions_stage:TinyTalker"
-    python_path = ["etc/examples"]
+    python_path = ["examples"]     # from the config file's folder (etc/)
     max_inflight = 8
     defaults = { max_codes = 32 }
 

@@ -8,6 +8,7 @@ Standard library only; the tables' parsers (daemon.py, stages.py, pipelines.py) 
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import sys
@@ -119,5 +120,49 @@ def _check_callable_ref(c: _Checker, ref: str, path: str, python_path: tuple[Pat
     finally:
         sys.path[:] = saved
     if not found:
-        where = " (searched python_path and sys.path)" if python_path else ""
-        c.add(path, f"module {module!r} cannot be found{where}")
+        c.add(path, f"module {module!r} cannot be found{_searched(python_path)}")
+
+
+PRODUCED_KINDS = ("text", "image", "audio", "tensor", "json", "file")     # an output's kind (worker/outputs.py)
+
+
+def declared_produces(ref: str, python_path: tuple[Path, ...]) -> tuple[str, ...] | None:
+    """What a python stage's `package.module:name` says it produces, read from its module's source
+    without importing it (no torch in the supervisor): `name.produces = (...)` at the module's top
+    level (a function), or `produces = (...)` in `class name:` (a class); a literal of kind names.
+    None when it says nothing (or the module cannot be read)."""
+    module, _, name = ref.partition(":")
+    saved = list(sys.path)
+    sys.path[:0] = [str(p) for p in python_path]
+    try:
+        spec = importlib.util.find_spec(module)
+        source = Path(spec.origin).read_text() if spec is not None and spec.origin else None
+        tree = ast.parse(source) if source is not None else None
+    except (ImportError, ValueError, OSError, SyntaxError):
+        return None
+    finally:
+        sys.path[:] = saved
+    for node in tree.body if tree is not None else []:
+        in_class = isinstance(node, ast.ClassDef) and node.name == name
+        for stmt in node.body if in_class and isinstance(node, ast.ClassDef) else [node]:
+            if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
+                continue
+            target = stmt.targets[0]
+            if (in_class and isinstance(target, ast.Name) and target.id == "produces") or (
+                    isinstance(target, ast.Attribute) and target.attr == "produces"
+                    and isinstance(target.value, ast.Name) and target.value.id == name):
+                try:
+                    value = ast.literal_eval(stmt.value)
+                except ValueError:
+                    return None
+                return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    return None
+
+
+def _searched(python_path: tuple[Path, ...]) -> str:
+    """Where an import looked, for the message: python_path's folders (as resolved, relative ones from
+    the config file's folder; a missing one marked), then sys.path."""
+    if not python_path:
+        return " on sys.path (python_path is empty; its folders are relative to the config file's folder)"
+    folders = ", ".join(str(p) if p.is_dir() else f"{p} (no such folder)" for p in python_path)
+    return f" in python_path ({folders}; relative folders are from the config file's folder) nor on sys.path"

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from omnid import lora as L
-from omnid.config.checker import _check_callable_ref, _Checker, _resolve, _typename
+from omnid.config.checker import PRODUCED_KINDS, _check_callable_ref, _Checker, _resolve, _typename, declared_produces
 from omnid.config_types import LoraConfig, RayNeeds, StageConfig
 from omnid.engines.capabilities import CAPABILITIES, TENSOR_OUTPUTS, capabilities, check_param, engines_that
 from omnid.media import MEDIA_KINDS, NO_MEDIA, MediaLimits, detect_kinds
@@ -22,7 +22,8 @@ ENGINES = tuple(CAPABILITIES)       # the names `engine = "..."` takes; what eac
 _STAGE_KEYS = ("engine", "model", "function", "python_path", "devices", "exclusive",
                "max_inflight", "queue_capacity", "shm_pool_mb", "args", "defaults", "env", "batch_function", "sessions",
                "replicas", "idle_unload_s", "media", "placement", "ray", "max_rss_mb",
-               "engine_core", "outputs", "hidden_layers", "hidden_prompt", "prompt_embeds", "cache", "lazy", "lora")
+               "engine_core", "outputs", "hidden_layers", "hidden_prompt", "prompt_embeds", "cache", "lazy", "lora",
+               "produces")
 _TENSOR_KEYS = ("outputs", "hidden_layers", "hidden_prompt", "prompt_embeds")
 PLACEMENTS = ("local", "ray")
 MAX_REPLICAS = 64
@@ -245,6 +246,8 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
             _check_callable_ref(c, batch_function, f"{path}.batch_function", python_path)
         if model_raw is not None:
             model = _resolve(base, model_raw)
+    produces = _parse_produces(c, s, path, engine, caps is not None and caps.takes_function,
+                               sessions or function or batch_function, python_path)
     devices, replica_devices, replicas = _parse_devices(c, s, path)
     max_inflight = c.positive(s, "max_inflight", path, 1, integer=True)
     if caps is not None and caps.max_batch is not None and max_inflight > caps.max_batch:
@@ -300,7 +303,28 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
         max_rss_mb=int(max_rss_mb) if max_rss_mb is not None else None, engine_core=engine_core,
         placement=placement, ray=ray, outputs=outputs, hidden_layers=hidden_layers,
         hidden_prompt=hidden_prompt, prompt_embeds=prompt_embeds, cache=cache, lazy=lazy, lora=lora,
+        produces=produces,
     )
+
+
+def _parse_produces(c: _Checker, s: dict[str, Any], path: str, engine: str | None, python: bool,
+                    ref: str | None, python_path: tuple[Path, ...]) -> tuple[str, ...] | None:
+    """A python stage's kinds of output: its `produces` key, else what its function or class declares
+    (`declared_produces`); None when neither says."""
+    raw = s.get("produces")
+    where = f"{path}.produces"
+    if raw is not None and not python:
+        c.add(where, f"only python stages say what they produce; a {engine} stage's engine says it")
+        return None
+    if raw is None and python and ref is not None and ":" in ref:
+        declared = declared_produces(ref, python_path)
+        raw, where = (list(declared), f"{path} ({ref}.produces)") if declared is not None else (None, where)
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not raw or not all(isinstance(k, str) and k in PRODUCED_KINDS for k in raw):
+        c.add(where, f"must be a non-empty list of output kinds ({', '.join(PRODUCED_KINDS)}), not {raw!r}")
+        return None
+    return tuple(sorted(set(raw)))
 
 
 # vLLM's own choices of max_lora_rank (its LoRAConfig's MaxLoRARanks)

@@ -67,6 +67,9 @@ class RequestContext:
     segments: int = 0
     ended: float | None = None          # when the engine completed it (hand-off time not included)
     usage: dict[str, int] | None = None     # what an engine counts: {"prompt_tokens": N, "completion_tokens": M}
+    # Why a text engine ended the answer, in vLLM's (and OpenAI's) words: "stop" (an end token, a stop
+    # string) or "length" (max_tokens reached, or the context window full).
+    finish_reason: str | None = None
     # The optional outputs asked of this request (a vllm stage's token_ids, hidden_states): an edge of
     # its pipeline maps them, or the stage's `outputs` names them. An engine computes no other.
     wants: frozenset[str] = frozenset()
@@ -220,6 +223,12 @@ class Engine(abc.ABC):
 
     def info(self) -> dict[str, Any]:
         """Facts for `GET /v1/stages` (model, dtype, ...)."""
+        return {}
+
+    def live_info(self) -> dict[str, Any]:
+        """The entries of `info` that change while the stage serves (a python stage's live sessions):
+        each heartbeat carries them, and they replace those `Ready` gave. Called from the worker's
+        heartbeat thread, so it only reads (a length, a copy)."""
         return {}
 
     def close(self) -> None:

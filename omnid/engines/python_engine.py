@@ -163,6 +163,10 @@ class PythonEngine(Engine):
     def info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"function": self.stage.function, "batch_function": self.stage.batch_function,
                                 "batching": self.batching, "loaded": self.loaded, "lazy": self.stage.lazy}
+        return {**info, **self.live_info()}
+
+    def live_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {"loaded": list(self.loaded)}       # a lazy stage loads on its first job
         if self.sessions is not None:
             info["sessions"] = {"class": self.stage.sessions, "live": len(self.sessions)}
         return info

@@ -83,9 +83,30 @@ def _run_engine_core(*args: Any, **kwargs: Any) -> None:
     vllm_compat.allow_amx()                         # where the model runs, before it loads
     if os.environ.get("OMNID_LORA"):
         vllm_compat.fix_cpu_lora_no_adapter()       # where the model runs, before it loads
+    traces = os.environ.get("OMNID_VLLM_OTLP_TRACES_ENDPOINT")     # `[daemon] tracing` (omnid.worker.tracing)
+    if traces:
+        _quiet_core_exporter(traces)
     from vllm.v1.engine.core import EngineCoreProc
 
     EngineCoreProc.run_engine_core(*args, **kwargs)    # (unpatched in this process: vLLM's own)
+
+
+def _quiet_core_exporter(url: str) -> None:
+    """vLLM's own span exporter in the engine core's process: the OTLP exporter logs each retry of a
+    batch (six lines at start-up when nothing listens, each read as an error in the stage's log);
+    instead its outage is said once, and once more when the receiver answers again (omnid.tracing's
+    `_Quiet`, the exporters of omnid's own processes)."""
+    from omnid.tracing import _Quiet
+
+    logging.getLogger("opentelemetry.exporter.otlp").setLevel(logging.CRITICAL)
+    try:
+        import importlib
+        otel: Any = importlib.import_module("vllm.tracing.otel")
+    except ImportError:                 # (a vLLM without it: its retries stay silenced above)
+        return
+    make = getattr(otel, "get_span_exporter", None)
+    if callable(make):
+        otel.get_span_exporter = lambda endpoint: _Quiet(make(endpoint), url)
 
 
 def _own_engine_core_entry() -> None:
@@ -494,6 +515,11 @@ class VllmEngine(Engine):
         template = own.get("prompt_template")
         text = str(template).replace("{prompt}", prompt) if template else prompt
         params.setdefault("max_tokens", self.default_max_tokens)
+        if isinstance(params["max_tokens"], int) and params["max_tokens"] > self._max_len:
+            # as `vllm serve` refuses it (the door says so first where it can know the window)
+            ctx.fail(f"max_tokens={params['max_tokens']} cannot be greater than max_model_len={self._max_len}. "
+                     "Please request fewer output tokens.", REJECTED)
+            return
         try:
             if tensors is not None:
                 rendered = tensors
@@ -560,6 +586,8 @@ class VllmEngine(Engine):
                 sep = " " if req.prefix and generated and not generated[0].isspace() else ""
                 prompt_tokens = len(out.prompt_token_ids or ()) or req.prompt_len
                 req.ctx.usage = {"prompt_tokens": prompt_tokens, "completion_tokens": req.tokens}
+                # vLLM's own reason: "length" when max_tokens or the context window ended it
+                req.ctx.finish_reason = str(completion.finish_reason) if completion.finish_reason else None
                 final: dict[str, Any] = {"text": (req.prefix + sep + generated).strip()}
                 if req.ctx.wants:
                     final.update(whole_tensors(req))

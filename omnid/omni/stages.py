@@ -239,6 +239,8 @@ class Talker:
     makes up to `CODES_PER_STEP` codes a step, one segment (fewer steps and segments a code).
     Inputs and parameters as `talker`'s."""
 
+    produces = ("tensor",)          # its `codes` (read from here by the config: what a last stage gives)
+
     def __init__(self, load: Any) -> None:
         from omnid.omni.talker_batch import TalkerBatch
 
@@ -476,6 +478,8 @@ class Code2Wav:
     of one length in one BigVGAN call; the other jobs' windows wait for the next step (so a new
     job's small first window is not queued behind the others' big ones). Each job's audio is what
     its decoder alone gives (within float rounding). Inputs and parameters as `code2wav`'s."""
+
+    produces = ("audio",)           # its WAV (read from here by the config: what a last stage gives)
 
     def __init__(self, load: Any) -> None:
         _loader("token2wav")(load)              # (logs "omni part loaded", as the load hooks do)

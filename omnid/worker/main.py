@@ -228,7 +228,8 @@ class StageWorker:
         while True:
             self.send(P.Heartbeat(ts=time.time(), stats=self.stats(), running=tuple(self.running),
                                   gpu_memory_bytes=_gpu_memory(), tracked_jobs=len(self.jobs),
-                                  windows=tuple(self.handoff.windows_sent.items()), rss_bytes=rss_bytes(os.getpid())))
+                                  windows=tuple(self.handoff.windows_sent.items()), rss_bytes=rss_bytes(os.getpid()),
+                                  live_info=self.engine.live_info()))
             time.sleep(interval)
 
     # ------------------------------------------------------------------ the busy loop
@@ -430,12 +431,12 @@ class StageWorker:
             for ev in events:
                 self.post(ev)
             if not edges:
-                self.post(P.Finished(job=ctx.job, elapsed_s=elapsed, usage=ctx.usage))
+                self.post(P.Finished(job=ctx.job, elapsed_s=elapsed, usage=ctx.usage, finish_reason=ctx.finish_reason))
                 return
         handoffs = self.handoff.build(job, ctx, item, edges, builders)
         if handoffs is None:
             return
-        self.post(P.Finished(job=ctx.job, elapsed_s=elapsed, usage=ctx.usage))
+        self.post(P.Finished(job=ctx.job, elapsed_s=elapsed, usage=ctx.usage, finish_reason=ctx.finish_reason))
         self.handoff.hand_off(job, handoffs, on_wait=self._step, busy=self.engine.has_work)
 
 

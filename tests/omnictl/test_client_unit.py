@@ -323,6 +323,28 @@ def test_submit_prints_id_alone_and_sends_body(daemon: FakeDaemon, tmp_path: Pat
     }
 
 
+def test_the_readmes_lora_command_runs_as_written(daemon: FakeDaemon) -> None:
+    """The LoRA section's `omnictl submit chat -p chat.adapter=a`: `-p` is `--param`'s short form."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    [command] = re.findall(r"`omnictl (submit chat -p [^`]+)`", readme)
+    daemon.json("POST", "/v1/jobs", make_job(JobState.QUEUED), status=201)
+    result = run_cli(daemon, *command.split())
+    assert result.exit_code == 0, result.output
+    [request] = daemon.requests
+    assert request.body["params"] == {"chat": {"adapter": "a"}}
+
+
+def test_a_refused_reload_exits_4_with_the_daemons_status(daemon: FakeDaemon) -> None:
+    status = "reload refused: 1 problem(s) in /etc/omnid/omnid.toml (see omnid --check); still serving"
+    daemon.json("POST", "/v1/reload", {"status": status, "reloaded": False})
+    result = run_cli(daemon, "reload")
+    assert result.exit_code == 4, result.output
+    assert result.stderr == f"omnictl: {status}\n"
+    daemon.json("POST", "/v1/reload", {"status": "reloaded", "reloaded": True})
+    result = run_cli(daemon, "reload")
+    assert (result.exit_code, result.stdout) == (0, "reloaded\n")
+
+
 def test_param_values() -> None:
     assert parse_param_value("20") == 20
     assert parse_param_value("0.5") == 0.5

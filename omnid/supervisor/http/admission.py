@@ -316,6 +316,9 @@ def job_params(config: Config, raw: Any, pipeline: PipelineConfig) -> dict[str, 
             if why is not None:
                 raise Refused(400, ErrorCode.INVALID_PARAM, why)
         why = values_problem(stage_name, stage.engine, merged(stage.defaults, values))
+        if why is None and capabilities(stage.engine).context_window:
+            why = prompt_length.max_tokens_problem(stage, values.get("max_tokens"))
+            why = f"stage {stage_name!r}: {why}" if why is not None else None
         if why is not None:
             raise Refused(400, ErrorCode.INVALID_PARAM, why)
         out[stage_name] = dict(values)
@@ -326,19 +329,20 @@ def job_params(config: Config, raw: Any, pipeline: PipelineConfig) -> dict[str, 
 
 
 def answers(config: Config, store: JobStore, p: PipelineConfig) -> list[str] | None:
-    """The kinds of answer the pipeline gives (`text`, `image`, ...): its last stages' engines'
-    declared ones; None when a last stage's engine declares none and it has not shown it yet (the
-    kinds of its latest successful job's outputs, when there is one)."""
+    """The kinds of answer the pipeline gives (`text`, `image`, ...), known before any job runs: its
+    last stages' engines' (vllm: text, diffusers: image), or what a python last stage declares (its
+    `produces`, or its function's); None when one declares nothing (it may give anything). (`store`
+    is no longer read: a pipeline's answer is not learned from its past jobs.)"""
     kinds: set[str] = set()
     for s in p.sinks:
-        kind = capabilities(config.stages[s].engine).answer
+        stage = config.stages[s]
+        kind = capabilities(stage.engine).answer
         if kind is not None:
             kinds.add(kind)
-            continue
-        last = store.list(None, JobState.SUCCEEDED, p.name, 1)
-        if not last:
+        elif stage.produces is not None:
+            kinds |= set(stage.produces)
+        else:
             return None
-        kinds |= {str(o["kind"]) for o in last[0].outputs if o.get("stage") == s}
     return sorted(kinds)
 
 

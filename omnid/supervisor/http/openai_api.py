@@ -8,8 +8,8 @@ OpenAI's words where the OpenAI shape has its own (openai_requests.py: the body,
 a chat's messages and media; openai_models.py: the `model`).
 
 - `GET /v1/models`, `GET /v1/models/{model}`: the pipelines as models (`omnid.outputs`: what each
-  produces: `text` for a vLLM last stage, `image` for diffusers; for a python last stage, the kinds
-  of outputs its latest successful job had, null before it has one; `omnid.media`: the media its
+  produces: `text` for a vLLM last stage, `image` for diffusers; for a python last stage, what it
+  declares (its `produces`, or its function's), null when it declares nothing; `omnid.media`: the media its
   chats may hold, `image`, `audio`, `video`).
 - `POST /v1/chat/completions`, `POST /v1/completions`: pipelines that end in text. A chat's
   messages are one job input `messages` (JSON text), which the vLLM stage renders with its

@@ -72,6 +72,7 @@ class Generation:
     tokens: int | None = None
     max_tokens: int | None = None
     prompt_tokens: int = 0          # what the vLLM stage counted (its stage_finished event's usage)
+    finished_by: str | None = None  # the vLLM stage's own finish_reason (its stage_finished event)
 
     @property
     def completion_tokens(self) -> int:
@@ -79,6 +80,10 @@ class Generation:
 
     @property
     def finish_reason(self) -> str:
+        """OpenAI's (and vLLM's): "length" when max_tokens or the context window cut the answer, else
+        "stop". The engine's own word when it said one; else max_tokens reached."""
+        if self.finished_by in ("stop", "length"):
+            return self.finished_by
         return "length" if self.max_tokens is not None and self.completion_tokens >= self.max_tokens else "stop"
 
 
@@ -95,8 +100,11 @@ def take(ev: dict[str, Any], gen: Generation) -> str | None:
     stage = ev.get("stage")
     if ev["type"] == EventType.PROGRESS and stage == gen.token_stage:
         gen.tokens, gen.max_tokens = int(ev["done"]), int(ev["total"])
-    elif ev["type"] == EventType.STAGE_FINISHED and stage == gen.token_stage and ev.get("usage"):
-        gen.prompt_tokens = int(ev["usage"].get("prompt_tokens") or 0)
+    elif ev["type"] == EventType.STAGE_FINISHED and stage == gen.token_stage:
+        if ev.get("usage"):
+            gen.prompt_tokens = int(ev["usage"].get("prompt_tokens") or 0)
+        if isinstance(ev.get("finish_reason"), str):
+            gen.finished_by = ev["finish_reason"]
     elif ev["type"] == EventType.SEGMENT and stage == gen.text_stage:
         gen.segments += 1
         return ev.get("text") or None
@@ -200,13 +208,24 @@ class OpenAiJobs:
                     gen.pieces.append(text)
                     yield text
         record = succeeded(self.api.scheduler, job.id)
-        if not gen.pieces:
-            text_out = pick(record.outputs, "text", "text", gen.text_stage)
-            if text_out is not None:
-                text = (await read_output(self.api.store, record, text_out)).decode("utf-8", errors="replace")
-                if text:
-                    gen.pieces.append(text)
-                    yield text
+        text = await self.text_at_end(record, gen)
+        if text:
+            yield text
+
+    async def text_at_end(self, record: JobRecord, gen: Generation) -> str:
+        """The answer of a job whose text stage streamed no text (a python function that returns its
+        `text`): that output's text, once the job succeeded, counted as one piece ("" when it streamed
+        text, or has none). Every text answer calls it after its last delta (chat, completions, Realtime)."""
+        if gen.pieces:
+            return ""
+        text_out = pick(record.outputs, "text", "text", gen.text_stage)
+        if text_out is None:
+            return ""
+        text = (await read_output(self.api.store, record, text_out)).decode("utf-8", errors="replace")
+        if text:
+            gen.pieces.append(text)
+            gen.segments = max(gen.segments, 1)
+        return text
 
     async def sse_answer(self, request: web.Request, resp: web.StreamResponse, job: JobRecord, gen: Generation,
                          usage_head: dict[str, Any] | None, piece: Callable[[str], dict[str, Any]],

@@ -4,8 +4,8 @@ the answer an endpoint needs.
 
 Runs in the supervisor's event-loop thread, called by the OpenAI handlers (openai_api.py,
 openai_audio.py), the job submission (openai_jobs.py: an adapter model sets its stage's `adapter`)
-and the realtime door (realtime.py). Pure functions of the config (and the store's latest job of a
-python pipeline, through admission.answers); nothing blocks.
+and the realtime door (realtime.py). Pure functions of the config (what each stage
+produces is declared there: admission.answers); nothing blocks.
 """
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ from aiohttp import web
 
 from omnid import media as M
 from omnid.config import Config, PipelineConfig
-from omnid.engines.capabilities import job_param_problem, values_problem
+from omnid.engines.capabilities import capabilities, job_param_problem, values_problem
 from omnid.params import merged
 from omnid.supervisor.errors import Refused
-from omnid.supervisor.http import admission
+from omnid.supervisor.http import admission, prompt_length
 from omnid.supervisor.http.http_common import json_body
 from omnid.supervisor.http.openai_errors import OpenAiError, bad
 from omnid.vocabulary import ErrorCode
@@ -91,6 +91,11 @@ def sampling(config: Config, p: PipelineConfig, body: dict[str, Any],
     why = values_problem(stage, engine, merged(defaults, values))
     if why is not None:
         raise bad("max_tokens", why)
+    if capabilities(engine).context_window:     # beyond the context window: 400, as `vllm serve` answers
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        why = prompt_length.max_tokens_problem(config.stages[stage], values.get("max_tokens"), name)
+        if why is not None:
+            raise bad(name, why)
     values.update(extra)
     return {stage: values}
 

@@ -199,7 +199,9 @@ def schemas(config: Config) -> dict[str, Any]:
         "queue_capacity": INT, "max_inflight": INT, "running": {"type": "array", "items": STR},
         "jobs_done": INT, "restarts": INT, "rss_bytes": nullable(INT), "cpu_percent": nullable(NUM),
         "gpu_memory_bytes": nullable(INT), "uptime_s": nullable(NUM), "load_s": nullable(NUM),
-        "last_error": nullable(STR), "model": nullable(STR), "function": nullable(STR), "lazy": BOOL,
+        "last_error": nullable(STR),
+        "last_restart": nullable(obj({"reason": STR, "at": NUM}, ["reason", "at"], extra=False)),
+        "model": nullable(STR), "function": nullable(STR), "lazy": BOOL,
         "placement": enum(("local", "ray", "mixed")), "node": nullable(STR),
         "ray": {"type": ["object", "null"]},     # a Ray-placed worker: node_id, node_ip, node_name, host, actor_id
         "info": {"type": "object", "description": "what the loaded engine reports: for a vLLM stage its model, "
@@ -232,6 +234,9 @@ def schemas(config: Config) -> dict[str, Any]:
                       "is_last": BOOL, "text": STR, "audio_s": NUM, "code": enum(ErrorCode), "message": STR,
                       "elapsed_s": nullable(NUM), "wake_s": nullable(NUM),
                       "usage": {"type": "object", "additionalProperties": INT},
+                      "finish_reason": {**STR, "description": "stage_finished of a vllm stage: why its answer "
+                                        "ended, \"stop\" (an end token, a stop string) or \"length\" "
+                                        "(max_tokens, or the context window full)"},
                       "trace_id": {**STR, "description": "state queued, with tracing on: the job's trace"}},
                      ["type", "job", "ts"]),
         "Deleted": obj({"deleted": STR}, ["deleted"], extra=False),

@@ -80,6 +80,27 @@ def _load(tokenizer_file: Path, model: Path | None, explicit: int) -> Window | N
     return Window(tokenizer, max_len)
 
 
+def context_length(stage: StageConfig) -> int | None:
+    """The stage's context window in tokens (`args.max_model_len`, else its model's config.json, as
+    vLLM takes it), or None when it cannot be known here."""
+    explicit = stage.args.get("max_model_len")
+    if isinstance(explicit, int) and not isinstance(explicit, bool) and explicit > 0:
+        return explicit
+    return _model_context(Path(str(stage.model)) if stage.model else None) or None
+
+
+def max_tokens_problem(stage: StageConfig, max_tokens: Any, name: str = "max_tokens") -> str | None:
+    """A `max_tokens` the context window cannot hold, in `vllm serve`'s words (its 400); None if it fits
+    or cannot be measured. (A prompt that leaves less room shortens the answer, as vLLM does: its
+    finish_reason is then "length".)"""
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+        return None
+    limit = context_length(stage)
+    if limit is None or max_tokens <= limit:
+        return None
+    return f"{name}={max_tokens} cannot be greater than max_model_len={limit}. Please request fewer output tokens."
+
+
 def _model_context(model: Path | None) -> int:
     """The model's own context length from its config.json (vLLM's default max_model_len)."""
     if model is None:

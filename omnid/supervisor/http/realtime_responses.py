@@ -177,6 +177,9 @@ class Responses:
         r.finishing = True
         if error is not None:
             await self.send(E.error(error.code or "job_failed", error.message, type_=error.type))
+        if error is None and r.gen.finish_reason == "length":     # cut by max tokens or the context window
+            await self.finish(r, "incomplete", "max_output_tokens", None)
+            return
         await self.finish(r, "failed" if error is not None else "completed", None,
                           {"type": error.type, "code": error.code or "job_failed"} if error is not None else None)
 
@@ -197,7 +200,9 @@ class Responses:
                 yield "".join(texts), pcm
         while reader is not None and (pcm := reader.read()):
             yield "", pcm
-        succeeded(self.jobs.api.scheduler, r.job.id)
+        text = await self.jobs.text_at_end(succeeded(self.jobs.api.scheduler, r.job.id), r.gen)
+        if text:                            # a text stage that returned its text at the end
+            yield text, b""
 
     async def _audio_delta(self, r: Response, reader: LiveAudio | None, pcm: bytes) -> None:
         if r.pcm_bytes == 0 and reader is not None and len(reader.header) >= 28:

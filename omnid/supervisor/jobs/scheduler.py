@@ -450,7 +450,8 @@ class Scheduler:
         if self.metrics:
             self.metrics.stage_finished(stage, msg.elapsed_s)
         job.events.emit(EventType.STAGE_FINISHED, stage=stage, elapsed_s=run.elapsed_s,
-                        **({"usage": dict(msg.usage)} if msg.usage else {}))
+                        **({"usage": dict(msg.usage)} if msg.usage else {}),
+                        **({"finish_reason": msg.finish_reason} if msg.finish_reason else {}))
         self.store.save(job.record)
         # Every stage, not only the sinks: workers report on separate pipes, so a sink's
         # Finished may be read before an upstream's (fan-in), which must not be left "running".

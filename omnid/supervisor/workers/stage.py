@@ -117,6 +117,8 @@ class StageHandle(Follower):
         self.process: BaseProcess | None = None
         self.restarts = 0
         self.last_error: str | None = None
+        self._restart_asked: str | None = None     # the reason of a restart under way: its exit is no error
+        self.last_restart: dict[str, Any] | None = None    # the latest restart asked for: its reason, when
         self.started_at: float | None = None
         self.ready_at: float | None = None
         self.load_s: float | None = None
@@ -246,6 +248,8 @@ class StageHandle(Follower):
         self.tracked_jobs = msg.tracked_jobs
         self.windows = dict(msg.windows)
         self.memory.heard(msg.rss_bytes)
+        if msg.live_info:
+            self.info = {**self.info, **msg.live_info}      # e.g. a python stage's live sessions, kept current
         self._busy_or_ready()
 
     def _on_ready(self, msg: P.Ready) -> None:
@@ -317,7 +321,8 @@ class StageHandle(Follower):
         the listener hears of, followed by a restart (or the stage's failure)."""
         if self._load_error:
             reason += f": {with_root_cause(self._load_error, self._root_cause)}"
-        if not self._stopping:          # a planned stop (shutdown, sleep) is no error
+        asked, self._restart_asked = self._restart_asked, None
+        if not self._stopping and asked is None:    # a planned stop (shutdown, sleep, a restart) is no error
             self.last_error = reason
         self.running = ()
         # Fold this incarnation's counters into the totals, for monotonic metrics.
@@ -331,6 +336,13 @@ class StageHandle(Follower):
         if self._stopping:
             self.state = WorkerState.STOPPED
             self._attempt_over.set()
+            return
+        if asked is not None:           # a restart asked for: the next worker starts now
+            log.info("stage worker stopped for a restart", stage=self.label, pid=pid, exit=code, reason=asked)
+            self._notify("exit", lambda listener: listener.on_exit(self, f"restarted: {asked}"))
+            self._attempt_over.set()
+            self.state = WorkerState.RESTARTING
+            self._restart_task = asyncio.get_running_loop().create_task(self._restart(0.0))
             return
         log.error("stage worker died", stage=self.label, pid=pid, exit=code, reason=reason)
         self._notify("exit", lambda listener: listener.on_exit(self, reason))
@@ -392,8 +404,12 @@ class StageHandle(Follower):
         self._policy = RestartPolicy.from_config(self.config.daemon)   # asked for: past crashes forgiven
         old = self.pid
         log.info("restarting stage", stage=self.label, pid=old, reason=reason)
+        self.last_restart = {"reason": reason, "at": time.time()}
         if self.alive:
-            self.kill(f"restarted: {reason}", counts=False)        # the sentinel handler starts the next one
+            # Stopped as at a shutdown (SIGKILL only past stop_grace_s); the exit handler starts the
+            # next worker, and logs the exit as the restart it is, not as a death.
+            self._restart_asked = reason
+            await self._stop_for_restart(f"restarted: {reason}", self.config.daemon.stop_grace_s)
         elif self.state is not WorkerState.RESTARTING:
             self.restarts += 1
             await self.start()
@@ -403,6 +419,14 @@ class StageHandle(Follower):
             if self.state is WorkerState.FAILED or (self.state.warm and self.pid not in (None, old)):
                 return
             await asyncio.sleep(0.05)
+
+    async def _stop_for_restart(self, reason: str, grace: float) -> None:
+        """End the worker for a restart: asked to stop (its engine closed), SIGKILLed only past `grace`."""
+        proc = self.process
+        if proc is None or not self.send(P.Shutdown()):
+            self.kill(reason, counts=False)
+            return
+        await worker_process.end(proc, grace)
 
     async def wake(self) -> None:
         """Start a new worker after `stop` (its stage slept): as at the daemon's start, with its
@@ -490,7 +514,8 @@ class StageHandle(Follower):
             "uptime_s": round(time.time() - self.ready_at, 3) if self.ready_at and pid else None,
             "load_s": round(self.load_s, 3) if self.load_s is not None else None,
             "spawned_at": self.started_at, "ready_at": self.ready_at, "tracked_jobs": self.tracked_jobs,
-            "last_error": self.last_error, "model": str(self.stage.model) if self.stage.model else None,
+            "last_error": self.last_error, "last_restart": self.last_restart,
+            "model": str(self.stage.model) if self.stage.model else None,
             "function": self.stage.function, "lazy": self.stage.lazy, "info": self.info,
             "shm": {"capacity_bytes": self.stats.shm_capacity, "used_bytes": self.stats.shm_used,
                     "slots": self.stats.shm_slots},

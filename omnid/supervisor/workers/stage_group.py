@@ -344,6 +344,8 @@ class StageGroup(Follower):
             "cpu_percent": round(sum(cpu), 1) if cpu else None,
             "tracked_jobs": sum(r["tracked_jobs"] for r in replicas),
             "last_error": self.last_error, "shm": shm,
+            "last_restart": max((r["last_restart"] for r in replicas if r["last_restart"]),
+                                key=lambda restart: float(restart["at"]), default=None),
             "placement": placements.pop() if len(placements := {r["placement"] for r in replicas}) == 1 else "mixed",
             "node": first["node"] if len(replicas) == 1 else None,
             "down": [h.label for h in self.down()],

@@ -424,7 +424,8 @@ def test_python_stage_function(tmp_path: Path) -> None:
     assert found["stages.nofn.function"] == ["is required for engine 'python' (or a batch_function, or sessions)"]
     assert found["stages.form.function"] == ["must be \"package.module:function\", not 'teststages:sleep:too:many'"]
     assert found["stages.missing.function"] == \
-        ["module 'no_such_module_omnid_u' cannot be found (searched python_path and sys.path)"]
+        [f"module 'no_such_module_omnid_u' cannot be found in python_path ({FIXTURES}; relative folders are "
+         "from the config file's folder) nor on sys.path"]
     assert "stages.ok.function" not in found
     assert sys.path == saved, "python_path must not stay on sys.path"
 
@@ -434,9 +435,41 @@ def test_python_path_is_where_the_module_is_found(tmp_path: Path) -> None:
         pytest.skip("teststages is importable from sys.path in this process")
     data = {"stages": {"a": {"engine": "python", "function": "teststages:sleep"}},
             "pipelines": {"p": {"stages": ["a"]}}}
-    assert problems(data, tmp_path) == {"stages.a.function": ["module 'teststages' cannot be found"]}
+    assert problems(data, tmp_path) == {"stages.a.function": [
+        "module 'teststages' cannot be found on sys.path (python_path is empty; its folders are relative to "
+        "the config file's folder)"]}
     data["stages"]["a"]["python_path"] = [str(FIXTURES)]
     assert parse(data, tmp_path).stages["a"].python_path == (FIXTURES,)
+
+
+def test_a_module_not_found_names_the_folders_searched(tmp_path: Path) -> None:
+    """python_path's relative folders are from the config's folder; the problem names each folder as
+    resolved, and marks one that does not exist."""
+    (tmp_path / "there").mkdir()
+    data = {"stages": {"a": {"engine": "python", "function": "no_such_module_omnid_v:run",
+                             "python_path": ["there", "etc/examples"]}},
+            "pipelines": {"p": {"stages": ["a"]}}}
+    assert problems(data, tmp_path) == {"stages.a.function": [
+        f"module 'no_such_module_omnid_v' cannot be found in python_path ({tmp_path / 'there'}, "
+        f"{tmp_path / 'etc/examples'} (no such folder); relative folders are from the config file's folder) "
+        "nor on sys.path"]}
+
+
+def test_what_a_python_stage_produces_is_known_from_its_config_or_its_source(tmp_path: Path) -> None:
+    examples = str(Path(__file__).resolve().parents[3] / "etc/examples")
+    data = {"stages": {"said": {"engine": "python", "function": "json:dumps", "produces": ["text", "audio"]},
+                       "voc": {"engine": "python", "function": "demo_stages:vocoder", "python_path": [examples]},
+                       "c2w": {"engine": "python", "sessions": "omnid.omni.stages:Code2Wav"},
+                       "quiet": {"engine": "python", "function": "json:dumps"}},
+            "pipelines": {"p": {"stages": ["said"]}}}
+    stages = parse(data, tmp_path).stages
+    assert stages["said"].produces == ("audio", "text")
+    assert stages["voc"].produces == ("audio", "text")          # vocoder.produces = (...) in its file
+    assert stages["c2w"].produces == ("audio",)                  # a class's own `produces`
+    assert stages["quiet"].produces is None
+    bad = {"stages": {"a": {"engine": "python", "function": "json:dumps", "produces": ["sound"]}},
+           "pipelines": {"p": {"stages": ["a"]}}}
+    assert list(problems(bad, tmp_path)) == ["stages.a.produces"]
 
 
 def test_stage_fields(tmp_path: Path) -> None:

@@ -298,8 +298,9 @@ def test_config_batch_function_problems(tmp_path: Path) -> None:
                        "c": _py(),
                        "d": {"engine": "vllm", "model": str(models), "batch_function": "batchstages:upper"},
                        "e": _py(batch_function=3)}, tmp_path)
-    assert found["stages.a.batch_function"] == ["module 'nosuchmodule_xyz' cannot be found "
-                                                "(searched python_path and sys.path)"]
+    assert found["stages.a.batch_function"] == [f"module 'nosuchmodule_xyz' cannot be found in python_path "
+                                                f"({FIXTURES}; relative folders are from the config file's "
+                                                "folder) nor on sys.path"]
     assert found["stages.b.batch_function"] == ["must be \"package.module:function\", not 'not a ref'"]
     assert found["stages.c.function"] == ["is required for engine 'python' (or a batch_function, or sessions)"]
     assert found["stages.d.batch_function"] == ["only python stages take a batch_function, not 'vllm'"]
