@@ -69,6 +69,13 @@ def _nullable(node: Any) -> Any:
 
 
 _DOC = _nullable(json.loads((FIXTURES / "openai_realtime_schemas.json").read_text()))
+# The session's input transcription and noise reduction, off: null, as OpenAI's own server sends them
+# and its clients' models take them (Optional); the published schema calls them "nullable" in
+# words only ("can be set to `null` to turn off").
+for _session in ("RealtimeSessionCreateResponseGA", "RealtimeSessionCreateRequestGA"):
+    _input = _DOC["components"]["schemas"][_session]["properties"]["audio"]["properties"]["input"]["properties"]
+    for _field in ("transcription", "noise_reduction"):
+        _input[_field] = {"anyOf": [_input[_field], {"type": "null"}]}
 
 
 def _validator(name: str) -> Any:

@@ -282,13 +282,15 @@ class _Session:
         buffer keeps `prefix_padding_ms` before it."""
         turn = self.settings.turn
         assert turn is not None
-        if self.runner.current is not None and turn.interrupt_response:
-            await self.runner.cancel("turn_detected")
         self.speech_item = new_id("item")
         start = self.heard - len(self.conversation.buffer)          # the buffer's first byte, on the timeline
         first = max(start, (ms - turn.prefix_padding_ms) * _BYTES_PER_S // 1000 // 2 * 2)
         del self.conversation.buffer[:first - start]
-        await self.send(E.event("input_audio_buffer.speech_started", audio_start_ms=ms, item_id=self.speech_item))
+        said = E.event("input_audio_buffer.speech_started", audio_start_ms=ms, item_id=self.speech_item)
+        # barge-in: the answer stops (no delta after this), then speech_started, then its response.done
+        if self.runner.current is None or not turn.interrupt_response \
+                or not await self.runner.cancel("turn_detected", first=said):
+            await self.send(said)
 
     async def _turn_ended(self, ms: int) -> None:
         """The speech stopped at `ms`: the buffer up to there is committed as the user's turn, and
