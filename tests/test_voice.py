@@ -197,6 +197,41 @@ def test_turn_detection_null_keeps_manual_turns_and_bad_settings_get_error_event
     assert abs(clip["seconds"] - speech.ms(speech.pcm24k("turn2")) / 1000) < 0.01       # all of it, as sent
 
 
+def test_input_transcription_by_the_configured_pipeline(voice: tuple[RunningDaemon, str, str]) -> None:
+    """`daemon.realtime_transcription` names `asr`: a client that asks for transcription gets each
+    audio turn's transcript (delta, then completed, for the committed item), from a job of its own."""
+    d = voice[0]
+
+    async def go() -> dict[str, Any]:
+        http, ws = await _open(d)
+        c = Conn(ws)
+        try:
+            await c.until("session.created")
+            await c.send("session.update", session={"type": "realtime", "audio": {"input": {
+                "transcription": {"model": "gpt-4o-mini-transcribe"}, "noise_reduction": {"type": "near_field"},
+                "turn_detection": {"type": "server_vad", "create_response": False}}}})
+            updated = (await c.until("session.updated"))["session"]
+            await say(c, speech.silence(300) + speech.pcm24k("turn2"))
+            committed = await c.until("input_audio_buffer.committed")
+            completed = await c.until("conversation.item.input_audio_transcription.completed", timeout=300)
+            return {"updated": updated, "committed": committed, "completed": completed,
+                    "deltas": [e for e in c.events if e["type"] == "conversation.item.input_audio_transcription.delta"],
+                    "kinds": [e["type"] for e in c.events]}
+        finally:
+            await ws.close()
+            await http.close()
+
+    r = run(go())
+    audio_in = r["updated"]["audio"]["input"]
+    assert audio_in["transcription"] == {"model": "gpt-4o-mini-transcribe"} and audio_in["noise_reduction"] is None
+    assert r["completed"]["item_id"] == r["committed"]["item_id"] and r["completed"]["transcript"], r["completed"]
+    assert r["deltas"] and all(e["item_id"] == r["committed"]["item_id"] for e in r["deltas"])
+    assert "".join(e["delta"] for e in r["deltas"]).strip() == r["completed"]["transcript"]
+    assert "response.created" not in r["kinds"]                   # create_response false: no answer
+    jobs = d.client.jobs(pipeline="asr", limit=5)["jobs"]
+    assert jobs and jobs[0]["state"] == "succeeded", jobs
+
+
 def test_the_openai_client_on_its_defaults_talks_by_voice(voice: tuple[RunningDaemon, str, str]) -> None:
     """The official client, only its base URL and key changed: a greeting (response.create with no
     user turn), two spoken turns with server VAD, and a barge-in by voice."""

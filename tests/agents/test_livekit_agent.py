@@ -1,8 +1,9 @@
 """livekit-agents' OpenAI RealtimeModel (livekit-plugins-openai 1.8.9) against omnid, on its defaults:
 only the base URL, the key and the model (omnid's pipeline) are changed. Its default session asks
 for semantic_vad, gpt-4o-mini-transcribe input transcription and near-field noise reduction:
-omnid takes the update (semantic_vad as server VAD with the eagerness's silence; the rest left
-off) and no `error` event ends the session. `make test-agents` runs it in a venv of its own
+omnid takes the update (semantic_vad as server VAD with the eagerness's silence; transcription
+by the pipeline the daemon names for it; noise reduction left off) and no `error` event ends the
+session. `make test-agents` runs it in a venv of its own
 (.venv-agents-livekit, layered on .venv); elsewhere it is skipped.
 
 The model's realtime session is driven as an AgentSession drives it: audio frames pushed as a
@@ -44,6 +45,7 @@ def test_a_livekit_realtime_model_greets_takes_two_spoken_turns_and_is_interrupt
     speech_started: list[float] = []
     answers: list[dict[str, Any]] = []
     sessions: list[dict[str, Any]] = []            # the session as omnid said it took effect
+    transcripts: list[Any] = []
 
     async def read(ev: Any) -> None:
         """One generation, read as AgentSession reads it: each message's text and audio streams."""
@@ -74,13 +76,17 @@ def test_a_livekit_realtime_model_greets_takes_two_spoken_turns_and_is_interrupt
         session.on("error", errors.append)
         session.on("input_speech_started", lambda _: speech_started.append(time.monotonic()))
         session.on("generation_created", lambda ev: tasks.append(asyncio.ensure_future(read(ev))))
+        session.on("input_audio_transcription_completed", transcripts.append)
         session.on("openai_server_event_received",
                    lambda ev: sessions.append(ev["session"]) if ev.get("type") == "session.updated" else None)
 
-        async def mic(name: str) -> None:
+        async def mic(name: str, paced: bool = True) -> None:
+            """Speech as a microphone sends it (40 ms chunks at its pace; paced=False: at once, so that
+            an interruption is heard while the answer is still being made)."""
             for chunk in speech.chunks(speech.silence(300) + speech.pcm24k(name)):
                 session.push_audio(rtc.AudioFrame(chunk, 24000, 1, len(chunk) // 2))
-                await asyncio.sleep(speech.CHUNK_MS / 1000)
+                if paced:
+                    await asyncio.sleep(speech.CHUNK_MS / 1000)
 
         try:
             await session.update_instructions("You are a friendly assistant. Greet the user.")
@@ -92,7 +98,7 @@ def test_a_livekit_realtime_model_greets_takes_two_spoken_turns_and_is_interrupt
             await mic("turn1")
             await wait(lambda: len(answers) == 4 and answers[-1]["audio"] > 0, "the third answer's speech")
             heard = len(speech_started)
-            await mic("barge_in")
+            await mic("barge_in", paced=False)
             await wait(lambda: len(speech_started) > heard and answers[3].get("done"), "the barge-in")
             await wait(lambda: len(answers) == 5 and answers[-1].get("done"), "the answer to the interruption")
         finally:
@@ -103,10 +109,12 @@ def test_a_livekit_realtime_model_greets_takes_two_spoken_turns_and_is_interrupt
 
     asyncio.run(asyncio.wait_for(agent(), 600))
     assert not errors, errors
-    # livekit's default session: semantic_vad taken (its silence said), transcription and noise reduction off
+    # livekit's default session: semantic_vad taken (its silence said), input transcription by the
+    # daemon's `asr` pipeline, noise reduction left off
     audio_in = sessions[-1]["audio"]["input"]
     assert audio_in["turn_detection"]["type"] == "semantic_vad" and audio_in["turn_detection"]["silence_duration_ms"]
-    assert audio_in["transcription"] is None and audio_in["noise_reduction"] is None, audio_in
+    assert audio_in["transcription"] is not None and audio_in["noise_reduction"] is None, audio_in
+    assert len(transcripts) >= 3 and all(t.transcript for t in transcripts), transcripts     # each spoken turn
     assert all(a["audio"] > 24000 for a in answers[:3]), [a["audio"] for a in answers]
     assert all(a["text"] for a in answers[:3]), answers
     jobs = d.client.jobs(pipeline="voice", limit=20)["jobs"]

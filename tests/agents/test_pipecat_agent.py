@@ -84,10 +84,13 @@ def test_a_pipecat_voice_agent_greets_takes_two_spoken_turns_and_is_interrupted_
     task = PipelineTask(Pipeline([pair.user(), llm, speaker, pair.assistant()]),
                         params=PipelineParams(audio_in_sample_rate=24000, audio_out_sample_rate=24000))
 
-    async def mic(name: str) -> None:
+    async def mic(name: str, paced: bool = True) -> None:
+        """Speech as a microphone sends it (40 ms chunks at its pace; paced=False: as fast as it goes,
+        so that an interruption is heard at once, while the answer is still being made)."""
         for chunk in speech.chunks(speech.silence(300) + speech.pcm24k(name)):
             await task.queue_frame(InputAudioRawFrame(audio=chunk, sample_rate=24000, num_channels=1))
-            await asyncio.sleep(speech.CHUNK_MS / 1000)
+            if paced:
+                await asyncio.sleep(speech.CHUNK_MS / 1000)
 
     async def agent() -> dict[str, Any]:
         runner = PipelineRunner(handle_sigint=False)
@@ -101,7 +104,7 @@ def test_a_pipecat_voice_agent_greets_takes_two_spoken_turns_and_is_interrupted_
             await mic("turn1")
             await wait(lambda: speaker.audio[-1] > 0, "the third answer's speech")
             heard = speaker.user_started
-            await mic("barge_in")                              # interrupts it
+            await mic("barge_in", paced=False)                              # interrupts it
             await wait(lambda: speaker.user_started > heard and speaker.ends >= 4, "the barge-in")
             await wait(lambda: speaker.ends >= 5, "the answer to the interruption")
             return {"audio": list(speaker.audio), "ends": speaker.ends, "errors": list(speaker.errors)}

@@ -43,8 +43,12 @@ FIGURES = [f"server VAD: supervisor CPU per streaming session ({SESSIONS} at onc
 
 
 def _voice_config() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The tests' voice pipeline; its codec LM speaks longer (400 codes, generated over several
+    seconds here), so that the barge-in lands while the answer is still being made."""
     import voicetest
-    return voicetest.STAGES, voicetest.PIPELINES
+    stages = dict(voicetest.STAGES)
+    stages["tts"] = {**stages["tts"], "defaults": {**stages["tts"]["defaults"], "max_tokens": 400}}
+    return stages, {"voice": voicetest.PIPELINES["voice"]}
 
 
 async def _events(ws: Any) -> Any:
@@ -164,7 +168,10 @@ async def _voice_turn(socket: str, manual: bool) -> float:
             await ws.close()
 
 
-async def _barge_in(socket: str) -> tuple[float, str]:
+async def _barge_in(socket: str) -> tuple[float | None, str]:
+    """speech_started of an interruption -> the last audio delta of the answer it cut (None: the
+    answer was made whole before the interruption was heard). The interruption is sent at once at
+    the answer's first audio delta."""
     import aiohttp
     async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=socket)) as http:
         ws = await _open(http)
@@ -173,7 +180,7 @@ async def _barge_in(socket: str) -> tuple[float, str]:
             await _paced(ws, speech.silence(300) + speech.pcm24k("turn1"), t0)
             created, _ = await _until(ws, "response.created")
             await _until(ws, "response.output_audio.delta")
-            sender = asyncio.ensure_future(_paced(ws, speech.pcm24k("barge_in"), time.monotonic()))
+            sender = asyncio.ensure_future(_paced(ws, speech.pcm24k("barge_in"), time.monotonic() - 60))
             rid = created["response"]["id"]
             started = last = None
             async for ev in _events(ws):
@@ -184,8 +191,8 @@ async def _barge_in(socket: str) -> tuple[float, str]:
                 elif ev["type"] == "response.done" and ev["response"]["id"] == rid:
                     break
             await sender
-            assert started is not None and last is not None
-            return last - started, str(created["response"]["metadata"]["omnid_job"])
+            job = str(created["response"]["metadata"]["omnid_job"])
+            return (last - started if started is not None and last is not None else None), job
         finally:
             await ws.close()
 
@@ -236,6 +243,8 @@ def bench_vad(ctx: Ctx) -> list[Row]:
         for i in range(ctx.n(3, 1)):
             ctx.check(f"barge-in {i}")
             cut, job = asyncio.run(_barge_in(socket))
+            if cut is None:
+                continue                                  # the answer was whole before it was cut
             cuts.append(cut)
             end = time.monotonic() + 30
             while d.client.job(job)["state"] != "cancelled" and time.monotonic() < end:
@@ -254,7 +263,8 @@ def bench_vad(ctx: Ctx) -> list[Row]:
         Row(FIGURES[2], v, "s", f"{SILENCE_MS} ms + 1.2 x manual commit -> 1st audio delta", SILENCE_MS / 1000 + 1.2 * m,
             "s", v / (SILENCE_MS / 1000 + 1.2 * m), "vad / (silence + 1.2 x manual)", at_most(1.0, "<= 1x"),
             f"median of {rounds}; manual p50 {m:.2f} s; spread vad {statistics.pstdev(vad):.2f} s"),
-        Row(FIGURES[3], p50(cuts), "s", "goal", 0.1, "s", None, "", at_most(0.1, "<= 100 ms", on="value"),
-            f"median of {len(cuts)}, max {max(cuts) * 1e3:.0f} ms; jobs cancelled in every stage: "
-            f"{sum(stopped)} of {len(stopped)}"),
+        Row(FIGURES[3], p50(cuts) if cuts else None, "s", "goal", 0.1, "s", None, "",
+            at_most(0.1, "<= 100 ms", on="value"),
+            f"median of {len(cuts)}, max {max(cuts, default=0) * 1e3:.0f} ms; jobs cancelled in every stage: "
+            f"{sum(stopped)} of {len(stopped)}", error=None if cuts else "every answer ended before its barge-in"),
     ]

@@ -59,6 +59,7 @@ from omnid.supervisor.http.realtime_conversation import INPUT_RATE, Conversation
 from omnid.supervisor.http.realtime_events import EventError, new_id
 from omnid.supervisor.http.realtime_responses import Responses
 from omnid.supervisor.http.realtime_settings import SessionSettings
+from omnid.supervisor.http.realtime_transcripts import Transcripts
 from omnid.vocabulary import ErrorCode
 
 if TYPE_CHECKING:
@@ -140,8 +141,11 @@ class _Session:
         produces = admission.answers(self.config, rt.api.store, p)
         self.settings = SessionSettings(p.name, speaks=produces is None or "audio" in produces,
                                         hears=media is not None and bool(media.media.count("audio")),
-                                        vad=realtime_vad.available(), rate=rt.rates.get(p.name, E.OPENAI_RATE))
+                                        vad=realtime_vad.available(), rate=rt.rates.get(p.name, E.OPENAI_RATE),
+                                        transcribes=self._asr() is not None)
         self.runner = Responses(self, rt.jobs, p, rt.rates)
+        asr = self._asr()
+        self.transcripts = Transcripts(self, rt.jobs, asr) if asr is not None else None
         self.vad: realtime_vad.Detector | None = None       # server VAD's state, made on the first audio
         self.heard = 0                          # bytes of input audio appended in the session (its timeline)
         self.speech_item: str | None = None     # the item id of the speech under way (server VAD)
@@ -164,8 +168,15 @@ class _Session:
             await self.ws.close(code=code, message=E.reason(why))
 
     async def end(self) -> None:
-        """The socket is gone: a response under way is cancelled, its job with it."""
+        """The socket is gone: a response under way is cancelled, its job with it (and transcripts')."""
         await self.runner.cancel(None)
+        if self.transcripts is not None:
+            await self.transcripts.cancel_all()
+
+    def _asr(self) -> PipelineConfig | None:
+        """The pipeline that transcribes input audio (`daemon.realtime_transcription`), if any."""
+        name = self.config.daemon.realtime_transcription
+        return self.config.pipelines.get(name) if name is not None else None
 
     async def run(self) -> None:
         idle = self.config.daemon.realtime_idle_timeout_s
@@ -250,6 +261,10 @@ class _Session:
         doc = item.doc()
         await self.send(E.event("conversation.item.added", previous_item_id=previous, item=doc))
         await self.send(E.event("conversation.item.done", previous_item_id=previous, item=doc))
+        asked = self.settings.transcription
+        if item.role == "user" and item.audio is not None and asked is not None and self.transcripts is not None:
+            prompt = asked.get("prompt")
+            self.transcripts.start(item, prompt if isinstance(prompt, str) and prompt else None)
 
     async def on_item_create(self, ev: dict[str, Any]) -> None:
         await self.add(self.conversation.new_item(ev))

@@ -123,12 +123,14 @@ class SessionSettings:
     speaks: bool                        # the pipeline may answer in audio
     hears: bool = False                 # the pipeline takes audio (server VAD is then the default)
     vad: bool = True                    # server VAD can run here (the `vad` extra is installed)
+    transcribes: bool = False           # the daemon names a pipeline for input transcription
     rate: int = E.OPENAI_RATE           # the PCM rate its speech comes at (said again when it changes)
     modalities: list[str] = field(default_factory=list)
     instructions: str = ""
     voice: str = "alloy"
     max_tokens: int | None = None
     turn: TurnDetection | None = None   # None: manual turns (the client commits)
+    transcription: dict[str, Any] | None = None     # what the client asked of input transcription, if on
 
     def __post_init__(self) -> None:
         if not self.modalities:
@@ -143,7 +145,8 @@ class SessionSettings:
                 "output_modalities": list(self.modalities), "instructions": self.instructions,
                 "max_output_tokens": self.max_tokens if self.max_tokens is not None else "inf",
                 "tools": [], "tool_choice": "auto",
-                "audio": {"input": {"format": dict(_FORMAT), "transcription": None, "noise_reduction": None,
+                "audio": {"input": {"format": dict(_FORMAT), "transcription": self.transcription,
+                                    "noise_reduction": None,
                                     "turn_detection": self.turn.doc() if self.turn is not None else None},
                           "output": {"format": fmt, "voice": self.voice}}}
 
@@ -174,11 +177,16 @@ class SessionSettings:
             if turn is not None and not (self.hears and self.vad):
                 ignored.append("session.audio.input.turn_detection")
                 turn = None
+        if isinstance(audio_in.get("transcription"), dict) and self.transcribes:
+            ignored.remove("session.audio.input.transcription")
         max_tokens = _max_tokens(s.get("max_output_tokens"), "session.max_output_tokens")
         if s.get("tool_choice") not in (None, "auto", "none", "required") and not isinstance(s.get("tool_choice"), dict):
             raise EventError("invalid_value", "session.tool_choice must be auto, none, required or a tool",
                              "session.tool_choice")
         self.turn = turn
+        if "transcription" in audio_in:
+            self.transcription = dict(audio_in["transcription"]) \
+                if self.transcribes and audio_in["transcription"] is not None else None
         if modalities is not None:
             self.modalities = modalities
         if instructions is not None:

@@ -99,5 +99,11 @@ def test_optional_features_omnid_lacks_are_left_off_not_refused() -> None:
     assert text.turn is None
     assert text.update({"audio": {"input": {"turn_detection": {"type": "server_vad"}}}}) == [
         "session.audio.input.turn_detection"] and text.turn is None
+    # with a transcription pipeline configured, the transcription asked for takes effect
+    t = SessionSettings("voice", speaks=True, hears=True, transcribes=True)
+    assert t.update({"audio": {"input": {"transcription": {"model": "whisper-1"}, "noise_reduction": None}}}) == []
+    assert t.doc("s")["audio"]["input"]["transcription"] == {"model": "whisper-1"}
+    t.update({"audio": {"input": {"transcription": None}}})
+    assert t.transcription is None
     # without the vad extra installed, a session that hears starts with manual turns
     assert SessionSettings("voice", speaks=True, hears=True, vad=False).turn is None
