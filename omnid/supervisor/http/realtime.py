@@ -24,7 +24,9 @@ conversation is realtime_conversation.py's, its settings realtime_settings.py's.
 - Server VAD (`turn_detection` `server_vad` or `semantic_vad`; the default on a pipeline that takes
   audio, as OpenAI's): the appended audio is judged as it comes (realtime_vad.py, in a worker
   thread), and the session sends `input_audio_buffer.speech_started` / `speech_stopped` /
-  `committed` and creates the response itself. `turn_detection: null` keeps manual turns.
+  `committed` and creates the response itself. `turn_detection: null` keeps manual turns. Input
+  transcription, when the client asks and the config names a pipeline for it, is
+  realtime_transcripts.py's.
 - `response.cancel`, and a new user turn while a response runs (barge-in, by an item or by voice:
   speech that starts), cancel its job in every stage at once; no delta follows, and `response.done`
   says `cancelled`. The assistant's item keeps
