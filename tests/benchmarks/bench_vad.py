@@ -257,7 +257,8 @@ def bench_vad(ctx: Ctx) -> list[Row]:
         Row(FIGURES[0], per_session * 100, "% of a core", "goal", 5.0, "%", None, "",
             at_most(5.0, "<= 5 % of a core", on="value"),
             f"{SESSIONS} sessions x {WINDOW_S:g} s of paced speech and silence; {box.get('turns', 0)} turns "
-            f"detected; supervisor CPU {busy_cpu:.2f} s busy vs {idle_cpu:.2f} s idle"),
+            f"detected; supervisor CPU {busy_cpu:.2f} s busy vs {idle_cpu:.2f} s idle (all of it: the sockets, JSON and "
+            f"base64 too, not the model alone)"),
         Row(FIGURES[1], busy_health, "s", "idle daemon, same run", idle_health, "s", busy_health / idle_health,
             "streaming / idle", at_most(2.0, "<= 2x"), "p50 of GETs every 50 ms over the window"),
         Row(FIGURES[2], v, "s", f"{SILENCE_MS} ms + 1.2 x manual commit -> 1st audio delta", SILENCE_MS / 1000 + 1.2 * m,
@@ -265,6 +266,6 @@ def bench_vad(ctx: Ctx) -> list[Row]:
             f"median of {rounds}; manual p50 {m:.2f} s; spread vad {statistics.pstdev(vad):.2f} s"),
         Row(FIGURES[3], p50(cuts) if cuts else None, "s", "goal", 0.1, "s", None, "",
             at_most(0.1, "<= 100 ms", on="value"),
-            f"median of {len(cuts)}, max {max(cuts, default=0) * 1e3:.0f} ms; jobs cancelled in every stage: "
-            f"{sum(stopped)} of {len(stopped)}", error=None if cuts else "every answer ended before its barge-in"),
+            f"median of {len(cuts)}, max {max(cuts, default=0) * 1e3:.0f} ms; jobs cancelled: "
+            f"{sum(stopped)} of {len(stopped)} (job state)", error=None if cuts else "every answer ended before its barge-in"),
     ]
