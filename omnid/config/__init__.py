@@ -111,10 +111,24 @@ def parse(data: Mapping[str, Any], *, base: Path, source: str = "<config>") -> C
             pipelines[name] = pl
     if not pipes_raw:
         c.add("pipelines", "no pipelines are defined")
+    _check_transcription(c, daemon, stages, pipelines)
     stages = _derive_tensors(c, stages, pipelines)
     if c.problems:
         raise ConfigError(source, c.problems)
     return Config(source=None, daemon=daemon, stages=stages, pipelines=pipelines)
+
+
+def _check_transcription(c: _Checker, daemon: DaemonConfig, stages: Mapping[str, StageConfig],
+                         pipelines: Mapping[str, PipelineConfig]) -> None:
+    """`daemon.realtime_transcription` names a pipeline whose first stage takes audio."""
+    name = daemon.realtime_transcription
+    if name is None:
+        return
+    p = pipelines.get(name)
+    if p is None:
+        c.add("daemon.realtime_transcription", f"no pipeline {name!r}")
+    elif not any(s in stages and stages[s].media.count("audio") for s in p.sources):
+        c.add("daemon.realtime_transcription", f"pipeline {name!r} takes no audio (its first stage's media)")
 
 
 def _derive_tensors(c: _Checker, stages: dict[str, StageConfig],

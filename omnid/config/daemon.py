@@ -96,6 +96,7 @@ def _parse_daemon(c: _Checker, raw: Any, base: Path) -> DaemonConfig:
         max_realtime_sessions=c.positive(d, "max_realtime_sessions", "daemon", 64, integer=True),
         max_realtime_sessions_per_key=c.positive(d, "max_realtime_sessions_per_key", "daemon", 8, integer=True),
         realtime_idle_timeout_s=float(c.positive(d, "realtime_idle_timeout_s", "daemon", 600.0)),
+        realtime_transcription=c.get(d, "realtime_transcription", "daemon", str),
     )
 
 

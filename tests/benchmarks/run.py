@@ -44,6 +44,7 @@ import bench_resources  # noqa: E402
 import bench_streaming  # noqa: E402
 import bench_tensors  # noqa: E402
 import bench_tracing  # noqa: E402
+import bench_vad  # noqa: E402
 
 
 @dataclass
@@ -64,6 +65,7 @@ BENCHES: list[Bench] = [
     Bench("omni", "streaming", bench_omni.bench_omni, bench_omni.FIGURES, (900, 600), ()),
     Bench("omni_load", "streaming", bench_omni_load.bench_omni_load, bench_omni_load.FIGURES, (1500, 700), ()),
     Bench("realtime", "streaming", bench_realtime.bench_realtime, bench_realtime.FIGURES, (900, 700), ()),
+    Bench("vad", "streaming", bench_vad.bench_vad, bench_vad.FIGURES, (600, 400), ()),
     Bench("tap_cost", "streaming", bench_tensors.bench_tap_cost,
           [f"vLLM decode step, {bench_tensors.BATCH} jobs: hidden-state tap + token_ids on"], (150, 90), ()),
     Bench("tensor_streams", "streaming", bench_tensors.bench_tensor_streams,

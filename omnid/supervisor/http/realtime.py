@@ -21,8 +21,15 @@ conversation is realtime_conversation.py's, its settings realtime_settings.py's.
   `response.output_text.delta` (text out), its speech as `response.output_audio.delta` (base64
   PCM16 at the pipeline's rate: the session says it, and says it again before a response whose
   audio comes at another rate), then `response.done` with the usage.
-- `response.cancel`, and a new user turn while a response runs (barge-in), cancel its job in every
-  stage at once; no delta follows, and `response.done` says `cancelled`. The assistant's item keeps
+- Server VAD (`turn_detection` `server_vad` or `semantic_vad`; the default on a pipeline that takes
+  audio, as OpenAI's): the appended audio is judged as it comes (realtime_vad.py, in a worker
+  thread), and the session sends `input_audio_buffer.speech_started` / `speech_stopped` /
+  `committed` and creates the response itself. `turn_detection: null` keeps manual turns. Input
+  transcription, when the client asks and the config names a pipeline for it, is
+  realtime_transcripts.py's.
+- `response.cancel`, and a new user turn while a response runs (barge-in, by an item or by voice:
+  speech that starts), cancel its job in every stage at once; no delta follows, and `response.done`
+  says `cancelled`. The assistant's item keeps
   the text made so far; `conversation.item.truncate` cuts it to the audio the client played.
 - A client's mistake is an `error` event with a code; the session stays open. A session refused
   (unknown model, too many sessions, the daemon draining) gets an `error` event and a close with a
@@ -44,16 +51,17 @@ from aiohttp import WSMsgType, web
 
 from omnid.config import PipelineConfig
 from omnid.supervisor.errors import Refused
-from omnid.supervisor.http import admission
+from omnid.supervisor.http import admission, realtime_vad
 from omnid.supervisor.http import realtime_events as E
 from omnid.supervisor.http.access import KEY_NAME
 from omnid.supervisor.http.openai_errors import OpenAiError
 from omnid.supervisor.http.openai_jobs import OpenAiJobs
 from omnid.supervisor.http.openai_models import find_pipeline
-from omnid.supervisor.http.realtime_conversation import Conversation, Item
+from omnid.supervisor.http.realtime_conversation import INPUT_RATE, Conversation, Item, b64
 from omnid.supervisor.http.realtime_events import EventError, new_id
 from omnid.supervisor.http.realtime_responses import Responses
 from omnid.supervisor.http.realtime_settings import SessionSettings
+from omnid.supervisor.http.realtime_transcripts import Transcripts
 from omnid.vocabulary import ErrorCode
 
 if TYPE_CHECKING:
@@ -134,8 +142,15 @@ class _Session:
         self.conversation = Conversation(self.config, p, media.media if media is not None else None)
         produces = admission.answers(self.config, rt.api.store, p)
         self.settings = SessionSettings(p.name, speaks=produces is None or "audio" in produces,
-                                        rate=rt.rates.get(p.name, E.OPENAI_RATE))
+                                        hears=media is not None and bool(media.media.count("audio")),
+                                        vad=realtime_vad.available(), rate=rt.rates.get(p.name, E.OPENAI_RATE),
+                                        transcribes=self._asr() is not None)
         self.runner = Responses(self, rt.jobs, p, rt.rates)
+        asr = self._asr()
+        self.transcripts = Transcripts(self, rt.jobs, asr) if asr is not None else None
+        self.vad: realtime_vad.Detector | None = None       # server VAD's state, made on the first audio
+        self.heard = 0                          # bytes of input audio appended in the session (its timeline)
+        self.speech_item: str | None = None     # the item id of the speech under way (server VAD)
 
     # ------------------------------------------------------------------ the socket
 
@@ -155,8 +170,15 @@ class _Session:
             await self.ws.close(code=code, message=E.reason(why))
 
     async def end(self) -> None:
-        """The socket is gone: a response under way is cancelled, its job with it."""
+        """The socket is gone: a response under way is cancelled, its job with it (and transcripts')."""
         await self.runner.cancel(None)
+        if self.transcripts is not None:
+            await self.transcripts.cancel_all()
+
+    def _asr(self) -> PipelineConfig | None:
+        """The pipeline that transcribes input audio (`daemon.realtime_transcription`), if any."""
+        name = self.config.daemon.realtime_transcription
+        return self.config.pipelines.get(name) if name is not None else None
 
     async def run(self) -> None:
         idle = self.config.daemon.realtime_idle_timeout_s
@@ -220,7 +242,15 @@ class _Session:
         return self.settings.doc(self.id)
 
     async def on_session_update(self, ev: dict[str, Any]) -> None:
-        self.settings.update(ev.get("session"))
+        ignored = self.settings.update(ev.get("session"))
+        if ignored:
+            log.info("realtime session.update: optional features omnid lacks are left off", session=self.id,
+                     fields=ignored)
+        turn = self.settings.turn
+        if turn is None:
+            self.vad = None
+        elif self.vad is not None:
+            self.vad.threshold, self.vad.silence_ms = turn.threshold, turn.silence_duration_ms
         await self.send(E.event("session.updated", session=self.session_doc()))
 
     # ------------------------------------------------------------------ the conversation
@@ -233,21 +263,92 @@ class _Session:
         doc = item.doc()
         await self.send(E.event("conversation.item.added", previous_item_id=previous, item=doc))
         await self.send(E.event("conversation.item.done", previous_item_id=previous, item=doc))
+        asked = self.settings.transcription
+        if item.role == "user" and item.audio is not None and asked is not None and self.transcripts is not None:
+            prompt = asked.get("prompt")
+            self.transcripts.start(item, prompt if isinstance(prompt, str) and prompt else None)
 
     async def on_item_create(self, ev: dict[str, Any]) -> None:
         await self.add(self.conversation.new_item(ev))
 
     async def on_buffer_append(self, ev: dict[str, Any]) -> None:
-        self.conversation.buffer_append(ev.get("audio"))
+        turn = self.settings.turn
+        if turn is None:
+            self.conversation.buffer_append(ev.get("audio"))
+            return
+        pcm = self.conversation.pcm_in(b64(ev.get("audio"), "audio"), "audio")
+        if self.vad is None:                    # its timeline starts at the first audio it judges
+            self.vad = realtime_vad.Detector(turn.threshold, turn.silence_duration_ms)
+            self.heard = 0
+        if len(self.conversation.buffer) + len(pcm) > self.conversation.buffer_limit():
+            await self._turn_ended(self.heard * 1000 // _BYTES_PER_S)     # speech as long as a job takes
+            self.vad.reset()
+        self.conversation.buffer += pcm
+        self.heard += len(pcm)
+        for edge in await self.vad.feed(pcm):
+            if edge.kind == "started":
+                await self._speech_started(edge.ms)
+            elif self.speech_item is not None:
+                await self._turn_ended(edge.ms)
+        if not self.vad.speaking:               # between turns: only the prefix padding is kept
+            keep = turn.prefix_padding_ms * _BYTES_PER_S // 1000 // 2 * 2
+            del self.conversation.buffer[:max(0, len(self.conversation.buffer) - keep)]
+
+    async def _speech_started(self, ms: int) -> None:
+        """Speech in the input audio: a response under way is cancelled (barge-in by voice), and the
+        buffer keeps `prefix_padding_ms` before it."""
+        turn = self.settings.turn
+        assert turn is not None
+        self.speech_item = new_id("item")
+        start = self.heard - len(self.conversation.buffer)          # the buffer's first byte, on the timeline
+        first = max(start, (ms - turn.prefix_padding_ms) * _BYTES_PER_S // 1000 // 2 * 2)
+        del self.conversation.buffer[:first - start]
+        said = E.event("input_audio_buffer.speech_started", audio_start_ms=ms, item_id=self.speech_item)
+        # barge-in: the answer stops (no delta after this), then speech_started, then its response.done
+        if self.runner.current is None or not turn.interrupt_response \
+                or not await self.runner.cancel("turn_detected", first=said):
+            await self.send(said)
+
+    async def _turn_ended(self, ms: int) -> None:
+        """The speech stopped at `ms`: the buffer up to there is committed as the user's turn, and
+        (create_response) answered."""
+        turn, item_id = self.settings.turn, self.speech_item
+        if item_id is None:
+            return
+        self.speech_item = None
+        await self.send(E.event("input_audio_buffer.speech_stopped", audio_end_ms=ms, item_id=item_id))
+        start = self.heard - len(self.conversation.buffer)
+        end = max(0, ms * _BYTES_PER_S // 1000 // 2 * 2 - start)
+        rest = bytes(self.conversation.buffer[end:])
+        del self.conversation.buffer[end:]
+        if not self.conversation.buffer:
+            self.conversation.buffer = bytearray(rest)
+            return
+        item = self.conversation.commit(item_id)
+        self.conversation.buffer = bytearray(rest)
+        await self.send(E.event("input_audio_buffer.committed", previous_item_id=self.conversation.last_id,
+                                item_id=item.id))
+        await self.add(item)
+        if turn is not None and turn.create_response:
+            if self.runner.current is None:
+                await self.runner.start(self.settings.response_options({}))
+            else:
+                log.debug("realtime turn not answered: a response is under way", session=self.id, item=item.id)
 
     async def on_buffer_commit(self, ev: dict[str, Any]) -> None:
-        item = self.conversation.commit()
+        item = self.conversation.commit(self.speech_item)
+        self.speech_item = None
+        if self.vad is not None:
+            self.vad.reset()
         await self.send(E.event("input_audio_buffer.committed", previous_item_id=self.conversation.last_id,
                                 item_id=item.id))
         await self.add(item)
 
     async def on_buffer_clear(self, ev: dict[str, Any]) -> None:
         self.conversation.buffer = bytearray()
+        self.speech_item = None
+        if self.vad is not None:
+            self.vad.reset()
         await self.send(E.event("input_audio_buffer.cleared"))
 
     async def on_item_truncate(self, ev: dict[str, Any]) -> None:
@@ -278,11 +379,8 @@ class _Session:
         if self.runner.current is not None:
             raise EventError("conversation_already_has_active_response", f"response {self.runner.current.id} is "
                              "under way: cancel it first (response.cancel) or wait for its response.done")
-        opts = self.settings.response_options(r)
-        if not any(i.role == "user" for i in self.conversation.items):
-            raise EventError("invalid_value", "the conversation has no user turn yet: conversation.item.create or "
-                             "input_audio_buffer.commit first")
-        await self.runner.start(opts)
+        # no user turn yet (the agent greets first): the model answers from the instructions alone
+        await self.runner.start(self.settings.response_options(r))
 
     async def on_response_cancel(self, ev: dict[str, Any]) -> None:
         wanted = ev.get("response_id")
@@ -293,6 +391,8 @@ class _Session:
         if not await self.runner.cancel("client_cancelled"):
             raise EventError("response_cancel_not_active", "the response had ended already", "response_id")
 
+
+_BYTES_PER_S = 2 * INPUT_RATE             # PCM16 mono: the input timeline's bytes a second
 
 _HANDLERS = {
     "session.update": _Session.on_session_update,

@@ -113,22 +113,26 @@ class Conversation:
             raise EventError("invalid_value", "PCM16 audio is an even number of bytes", param)
         return pcm
 
+    def buffer_limit(self) -> int:
+        """The input audio buffer's bytes at most: the stage's media.max_audio_s."""
+        return int(self.media.max_audio_s * INPUT_RATE) * 2 if self.media is not None else 0
+
     def buffer_append(self, raw: Any) -> None:
         """`input_audio_buffer.append`'s audio into the buffer, up to the stage's media.max_audio_s."""
         pcm = self.pcm_in(b64(raw, "audio"), "audio")
-        limit = int(self.media.max_audio_s * INPUT_RATE) * 2 if self.media is not None else 0
+        limit = self.buffer_limit()
         if len(self.buffer) + len(pcm) > limit:
             raise EventError("input_audio_buffer_too_large", f"the input audio buffer would hold more than "
                              f"{limit // (2 * INPUT_RATE)} s (the stage's media.max_audio_s); commit or clear it",
                              "audio")
         self.buffer += pcm
 
-    def commit(self) -> Item:
-        """The buffer as a user's audio item (not yet added); the buffer emptied."""
+    def commit(self, item_id: str | None = None) -> Item:
+        """The buffer as a user's audio item (not yet added; server VAD names its id); the buffer emptied."""
         if not self.buffer:
             raise EventError("input_audio_buffer_commit_empty", "the input audio buffer is empty: append audio first")
         pcm, self.buffer = bytes(self.buffer), bytearray()
-        return Item(new_id("item"), "user", audio=wav(pcm), audio_ms=len(pcm) * 1000 // (2 * INPUT_RATE))
+        return Item(item_id or new_id("item"), "user", audio=wav(pcm), audio_ms=len(pcm) * 1000 // (2 * INPUT_RATE))
 
     def new_item(self, ev: dict[str, Any]) -> Item:
         """`conversation.item.create`'s item, checked (a message at the end: text; a user's audio)."""

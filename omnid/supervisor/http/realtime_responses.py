@@ -239,9 +239,10 @@ class Responses:
         await self.send(E.event("conversation.item.done", item=r.item.doc()))
         await self.send(E.event("response.done", response=self.doc(r, status, reason, error)))
 
-    async def cancel(self, reason: str | None) -> bool:
+    async def cancel(self, reason: str | None, first: dict[str, Any] | None = None) -> bool:
         """Stop the response under way: its task (no delta after this), its job in every stage, then
-        its last events with `cancelled` (`reason` None: the socket is gone, nothing is sent)."""
+        `first` if given (server VAD's speech_started), then its last events with `cancelled`
+        (`reason` None: the socket is gone, nothing is sent)."""
         r = self.current
         if r is None:
             return False
@@ -259,6 +260,8 @@ class Responses:
             self.jobs.api.scheduler.cancel(r.job.id)
             log.info("audit", action="cancel", uid=self.session.request["uid"], job=r.job.id,
                      session=self.session.id, why=reason or "the session ended", via=self.session.request.path)
+        if first is not None:
+            await self.send(first)
         if reason is not None and not self.session.closed:
             if r.item not in self.session.conversation.items:
                 await self._item_added(r.item)
