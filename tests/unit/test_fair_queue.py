@@ -107,3 +107,18 @@ def test_a_waiting_sender_gets_its_place_when_one_is_freed() -> None:
     assert done.wait(2)
     t.join()
     assert q.get()[0] == "b"
+
+
+def test_a_started_job_moves_its_levels_clock_and_a_late_owner_starts_from_it() -> None:
+    """The level's clock is the largest tag started: an owner arriving late with a backlog has its
+    tags start there, so its backlog interleaves with the waiting owner's instead of going first."""
+    fair = FairShare()
+    early = [fair.rank(0, "A", 1.0) for _ in range(6)]
+    for rank in early[:3]:
+        fair.started(rank)
+    fair.started(early[0])                                  # an older tag started again: the clock stays
+    late = [fair.rank(0, "B", 1.0) for _ in range(3)]
+    assert [r[1] for r in late] == [4.0, 5.0, 6.0]          # from the clock (3), not from 0
+    waiting = sorted([("A", r) for r in early[3:]] + [("B", r) for r in late], key=lambda w: w[1])
+    assert [owner for owner, _ in waiting] == ["A", "B", "A", "B", "A", "B"]
+    assert fair.rank(1, "C", 1.0)[1] == 1.0                 # another level has a clock of its own
