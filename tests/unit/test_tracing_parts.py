@@ -6,6 +6,7 @@ tracer (the OTLP exporter beside it points at a port nothing listens on)."""
 from __future__ import annotations
 
 import copy
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -252,3 +253,27 @@ def test_a_librarys_spans_go_out_through_the_process_exporter() -> None:
     (made,) = [line for line in done.stdout.splitlines() if line.startswith("SPAN")]
     assert made == f"SPAN llm_request {trace_hex} {parent_hex} t:think vllm.tracing.otel SERVER 8"
     assert "LOG" not in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_the_exporter_process_ends_when_its_input_does(cut: bool) -> None:
+    """`python -m omnid.tracing_export`: its process gone (stdin closed, even in the middle of a
+    batch), the exporter sends what it has and ends, rather than reading an empty pipe forever."""
+    import pickle
+    import struct
+    import subprocess
+    import sys
+    spec = {"url": "http://127.0.0.1:9/v1/traces", "resource": {"service.name": "t"}, "log": ["warning", "text", "t"]}
+    proc = subprocess.Popen([sys.executable, "-m", "omnid.tracing_export", json.dumps(spec)],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert proc.stdin is not None
+        span = (1, 2, None, False, None, "omnid.job", 1, 2, {}, [], None, 0, None)
+        batch = pickle.dumps([span])
+        proc.stdin.write(struct.pack("!I", len(batch)) + (batch[:5] if cut else batch))
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
