@@ -277,3 +277,27 @@ def test_the_exporter_process_ends_when_its_input_does(cut: bool) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_a_new_trace_is_sampled_at_the_configured_rate_as_the_sdk_decides(rate: float) -> None:
+    """A job without a caller's trace is a new trace, kept as `TraceIdRatioBased(sample)` keeps it:
+    the same decision for every id (no run is left to chance), and so the configured share of them."""
+    import random
+
+    from opentelemetry.sdk.trace.sampling import Decision, TraceIdRatioBased
+    sdk = TraceIdRatioBased(rate)
+    tracing = Tracing(TracingConfig(otlp_endpoint="http://127.0.0.1:9", sample=rate, service_name="t"), "t",
+                      export=False)
+    state = random.getstate()
+    random.seed(48)
+    try:
+        refs = [tracing.ref(None) for _ in range(4000)]
+    finally:
+        random.setstate(state)
+    for ref in refs:
+        kept = sdk.should_sample(None, ref.trace_id, "omnid.job").decision is Decision.RECORD_AND_SAMPLE
+        assert ref.sampled is kept and ref.parent_id is None, (rate, ref)
+    share = sum(r.sampled for r in refs) / len(refs)
+    assert abs(share - rate) < 0.03, (rate, share)
+    assert tracing._bound == TraceIdRatioBased.get_bound_for_rate(rate)       # the bound itself, exactly
