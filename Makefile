@@ -26,7 +26,7 @@ PYTEST_ARGS ?=
 # the longest files first (tests/conftest.py LONGEST_FIRST). XDIST= runs it in one process.
 XDIST ?= -n 3 --dist loadfile --no-loadscope-reorder
 
-.PHONY: setup models demo typecheck test test-fast test-vllm clean schemathesis install uninstall
+.PHONY: setup models demo typecheck test test-fast test-vllm clean schemathesis install uninstall mutants
 setup: $(VENV)/.omnid-$(ACCEL)
 
 $(VENV)/.omnid-$(ACCEL): pyproject.toml
@@ -149,8 +149,34 @@ SCHEMATHESIS_EXAMPLES ?= 50
 schemathesis: setup
 	OMNID_SCHEMATHESIS_EXAMPLES=$(SCHEMATHESIS_EXAMPLES) $(PY) -m pytest -q tests/test_schemathesis.py
 
+# make mutants [MUTANTS="omnid.keys.*"]: mutation testing (mutmut, the `mutants` extra, installed here when
+# missing) of what the fast unit tests reach: each mutant of MUTANTS (mutmut's names, globs) is run against
+# the unit tests that call its function ([tool.mutmut] in pyproject.toml); prints the score of each module
+# and every mutant that survived (`.venv/bin/mutmut show NAME` shows one). Not part of `make test`.
+# The whole files, but for media (its checks, not its decoders), tracing (its traceparent parsing and its
+# sampling) and access (the key's rate bucket; the rest is tests/test_tcp.py's).
+MUTANTS ?= omnid.fair_queue.* omnid.keys.* omnid.lora.* omnid.params.* omnid.config.checker.* \
+  omnid.worker.windows.* omnid.engines.python_sessions.* omnid.supervisor.http.prompt_length.* \
+  omnid.supervisor.http.realtime_conversation.* omnid.supervisor.http.realtime_settings.* \
+  omnid.omni.code2wav.xǁStreamingCode2Wavǁnext_window__* \
+  omnid.supervisor.http.access.xǁAccessǁ_usage_of__* omnid.supervisor.http.access.xǁAccessǁ_over_rate__* \
+  omnid.tracing.x_valid_traceparent__* omnid.tracing.x_trace_headers__* omnid.tracing.x_trace_id_of__* \
+  omnid.tracing.xǁTracingǁref__* omnid.tracing.xǁTracingǁrecord__* omnid.tracing.x__clean__* \
+  omnid.media.xǁMediaLimitsǁ* omnid.media.x_detect_kinds__* omnid.media.x_image_info__* omnid.media.x_check_* \
+  omnid.media.x__png_whole__* omnid.media.x__sized__* omnid.media.x__jpeg_info__* omnid.media.x__webp_info__* \
+  omnid.media.x__what__* omnid.media.x_wav_info__* omnid.media.x_as_items__* omnid.media.x__is_video__* \
+  omnid.media.x__plural__* omnid.media.x__check_* omnid.media.x_chat_media_counts__* omnid.media.x_chat_for_media__*
+mutants: setup models
+	$(PY) -c 'import mutmut' 2>/dev/null || $(PY) -m pip install -q -e ".[mutants]"
+	rm -rf mutants
+	export OMNID_TEST_MODELS="$(CURDIR)/.models" PYTHONPATH="$(CURDIR)"
+	start=$$(date +%s)
+	$(VENV)/bin/mutmut run --max-children $$(nproc) $(foreach m,$(MUTANTS),'$(m)') > mutants.log 2>&1 || { tail -c 3000 mutants.log; exit 1; }
+	echo "mutmut: $$(( $$(date +%s) - start )) s (its log: mutants.log)"
+	$(PY) tests/mutants_report.py $(foreach m,$(MUTANTS),'$(m)')
+
 clean:
-	rm -rf .run demo-out .models .pytest_cache
+	rm -rf .run demo-out .models .pytest_cache mutants mutants.log
 
 # make bench [BENCH_ARGS="--quick" | "--only streaming,control"]: real daemons on the tiny models;
 # prints one table (figure, value, anchor measured in the same run, ratio, goal) and writes .run/bench.json

@@ -499,6 +499,38 @@ def test_bad_events_unknown_model_wrong_key_and_too_many_sessions_get_error_even
     assert many["error"]["code"] == "too_many_sessions" and code == 1013 and "max_realtime_sessions" in why
 
 
+def test_the_daemon_wide_session_limit_holds_across_owners(daemon: RunningDaemon, key: str) -> None:
+    """`max_realtime_sessions` (6 here) counts every owner's sessions: with 3 of a key's and 3 of a
+    uid's open, a session of another key (which holds none) is refused, and named the daemon's."""
+    from test_tcp import add_key
+    other = add_key(daemon, "listener", "--uid", str(KEY_UID + 1))
+
+    async def go() -> tuple[dict[str, Any], int | None, str]:
+        held = [await _open(daemon, "omni", key, tcp=True) for _ in range(3)]
+        held += [await _open(daemon, "omni") for _ in range(3)]
+        try:
+            for _, ws in held:
+                assert check_event(json.loads((await ws.receive(timeout=30)).data))["type"] == "session.created"
+            http, ws = await _open(daemon, "omni", other, tcp=True)
+            try:
+                ev = check_event(json.loads((await ws.receive(timeout=30)).data))
+                assert ev["type"] == "error", f"a 7th session was opened: {ev}"
+                end = await ws.receive(timeout=30)
+                assert end.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED), end
+                return ev, ws.close_code, str(end.extra or "")
+            finally:
+                await http.close()
+        finally:
+            for http, ws in held:
+                await ws.close()
+                await http.close()
+
+    ev, code, why = run(go())
+    assert ev["type"] == "error" and ev["error"]["code"] == "too_many_sessions" and code == 1013, (ev, code)
+    assert "the daemon holds 6 realtime sessions" in ev["error"]["message"] and \
+        "(daemon.max_realtime_sessions)" in why, (ev, why)
+
+
 # ------------------------------------------------------------------ a dropped socket
 
 

@@ -34,6 +34,9 @@ def test_a_token_of_no_adapter_gets_no_lora_term_and_the_others_their_own() -> N
     assert vllm_compat.fix_cpu_lora_no_adapter()        # idempotent
     buffer = torch.full((4, 3), 9.0)
     lora_ops.bgmv_shrink(x, a, buffer, indices, 1.0)
+    # shrink alone: a token of no adapter gets a zero row (whatever the buffer held), the others their own
+    assert torch.equal(buffer[0], torch.zeros(3)) and torch.equal(buffer[3], torch.zeros(3))
+    assert torch.allclose(buffer[1], a[0, 0] @ x[1], atol=1e-5) and torch.allclose(buffer[2], a[1, 0] @ x[2], atol=1e-5)
     y = torch.ones(4, 5)
     lora_ops.bgmv_expand(buffer, b, y, indices, True)
     for row, slot in enumerate(indices.tolist()):

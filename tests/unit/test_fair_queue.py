@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from omnid.fair_queue import FairShare, RankedQueue, positions
+from omnid.fair_queue import FairShare, RankedQueue, positions, take_key
 
 Item = tuple[str, tuple[int, float, int], float]      # (name, rank, since)
 
@@ -107,3 +107,50 @@ def test_a_waiting_sender_gets_its_place_when_one_is_freed() -> None:
     assert done.wait(2)
     t.join()
     assert q.get()[0] == "b"
+
+
+def test_a_started_job_moves_its_levels_clock_and_a_late_owner_starts_from_it() -> None:
+    """The level's clock is the largest tag started: an owner arriving late with a backlog has its
+    tags start there, so its backlog interleaves with the waiting owner's instead of going first."""
+    fair = FairShare()
+    early = [fair.rank(0, "A", 1.0) for _ in range(6)]
+    for rank in early[:3]:
+        fair.started(rank)
+    fair.started(early[0])                                  # an older tag started again: the clock stays
+    late = [fair.rank(0, "B", 1.0) for _ in range(3)]
+    assert [r[1] for r in late] == [4.0, 5.0, 6.0]          # from the clock (3), not from 0
+    waiting = sorted([("A", r) for r in early[3:]] + [("B", r) for r in late], key=lambda w: w[1])
+    assert [owner for owner, _ in waiting] == ["A", "B", "A", "B", "A", "B"]
+    assert fair.rank(1, "C", 1.0)[1] == 1.0                 # another level has a clock of its own
+
+
+def test_take_key_overdue_from_max_wait_s_on_and_never_when_it_is_off() -> None:
+    rank = (5, 0.0, 1)
+    assert take_key(rank, since=90.0, now=100.0, max_wait_s=10.0) == (0, 90.0, rank)     # waited exactly the bound
+    assert take_key(rank, since=90.5, now=100.0, max_wait_s=10.0)[0] == 1
+    assert take_key(rank, since=99.4, now=100.0, max_wait_s=0.5) == (0, 99.4, rank)      # a bound under a second
+    assert take_key(rank, since=0.0, now=100.0, max_wait_s=0.0)[0] == 1                   # off: nothing is overdue
+    # off, the queue is by rank alone, however long each waited
+    now = time.time()
+    waiting = [("young-urgent", (-1, 0.0, 2), now), ("old-lax", (3, 0.0, 1), now - 500)]
+    assert positions(waiting, now, 0.0) == ["young-urgent", "old-lax"]
+    q = ranked(max_wait_s=0.0)
+    for name, rank_, since in reversed(waiting):
+        q.put((name, rank_, since))
+    assert [i[0] for i in q.snapshot()] == ["young-urgent", "old-lax"] and q.get()[0] == "young-urgent"
+
+
+def test_snapshot_is_the_order_get_takes() -> None:
+    now = time.time()
+    q = ranked(maxsize=2, max_wait_s=10.0)
+    items = [("b", (1, 0.0, 2), now), ("late", (9, 0.0, 3), now - 20), ("a", (0, 0.0, 4), now),
+             ("c", (1, 0.0, 1), now)]
+    for item in items[:2]:
+        q.put(item)
+    t1, t2 = q.offer(items[2]), q.offer(items[3])                 # waiting for a place: in the snapshot too
+    assert [i[0] for i in q.snapshot()] == ["late", "a", "c", "b"]
+    assert q.withdraw(t2) and [i[0] for i in q.snapshot()] == ["late", "a", "b"]
+    assert [q.get_nowait()[0] for _ in range(3)] == ["late", "a", "b"] and q.admitted(t1, 0)
+    with pytest.raises(queue.Empty):
+        q.get_nowait()
+    assert q.snapshot() == [] and q.qsize() == 0

@@ -52,6 +52,23 @@ def test_removing_and_editing_the_file_take_effect_at_the_next_lookup(tmp_path: 
         store.match(two)
 
 
+def test_a_keys_admin_flag_and_limits_are_what_the_file_says_after_a_restart(tmp_path: Path) -> None:
+    """A daemon that starts again (or a second reader) knows its keys from the file alone: only a
+    key written with `admin` true is admin; a hand-edited entry with any other value is not."""
+    path = key_path(tmp_path)
+    store = KeyStore(path)
+    _, plain = store.add("plain", 1, max_jobs=2)
+    _, boss = store.add("boss", 0, rps=1.5, admin=True)
+    again = KeyStore(path)                               # the daemon restarted: nothing in memory
+    assert again.match(plain).admin is False and again.match(boss).admin is True    # type: ignore[union-attr]
+    assert again.match(plain).max_jobs == 2 and again.match(boss).rps == 1.5        # type: ignore[union-attr]
+    doc = json.loads(path.read_text())
+    doc["keys"][0]["admin"] = "yes"                      # by hand: not the JSON true
+    del doc["keys"][1]["admin"]
+    path.write_text(json.dumps(doc))
+    assert [k.admin for k in read_keys(path)] == [False, False]
+
+
 def test_no_file_is_no_keys_and_no_temporary_file_is_left(tmp_path: Path) -> None:
     store = KeyStore(key_path(tmp_path / "missing"))
     assert store.all() == [] and store.match("omk_x") is None

@@ -101,6 +101,20 @@ def test_an_image_cut_short_is_refused_at_the_door_and_a_whole_one_is_not() -> N
     assert M.check_media("image", png(8, 8, fmt="JPEG") + b"\x00" * 100, limits)
 
 
+def test_a_large_jpeg_is_checked_at_its_end() -> None:
+    """A JPEG's end marker is at its end: one of many KiB is whole, and cut short it is refused."""
+    noise = np.random.default_rng(0).integers(0, 256, (96, 128, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(noise).save(buf, "JPEG", quality=95)
+    whole = buf.getvalue()
+    assert len(whole) > 2 * 4096
+    limits = M.MediaLimits(image=1)
+    assert M.check_media("image", whole, limits)[0]["format"] == "JPEG"
+    for cut in (len(whole) - 2, 4096, 5000):
+        with pytest.raises(M.MediaError, match="a truncated JPEG"):
+            M.check_media("image", whole[:cut], limits)
+
+
 # ------------------------------------------------------------------ the door's checks
 
 
@@ -138,6 +152,11 @@ def test_video_is_a_list_of_frames() -> None:
         M.check_media("video", frames, few)
     with pytest.raises(M.MediaError, match="frame 2: not an image"):
         M.check_media("video", [png(), b"nope"], LIMITS)
+    whole = png(16, 16, fmt="JPEG")
+    with pytest.raises(M.MediaError, match="frame 2: a truncated JPEG"):
+        M.check_media("video", [whole, whole[:len(whole) - 2], whole], LIMITS)
+    with pytest.raises(M.MediaError, match="frame 1: a truncated PNG"):
+        M.check_media("video", [frames[0][:-12]], LIMITS)
 
 
 # ------------------------------------------------------------------ WAV

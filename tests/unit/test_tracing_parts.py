@@ -6,6 +6,7 @@ tracer (the OTLP exporter beside it points at a port nothing listens on)."""
 from __future__ import annotations
 
 import copy
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -252,3 +253,51 @@ def test_a_librarys_spans_go_out_through_the_process_exporter() -> None:
     (made,) = [line for line in done.stdout.splitlines() if line.startswith("SPAN")]
     assert made == f"SPAN llm_request {trace_hex} {parent_hex} t:think vllm.tracing.otel SERVER 8"
     assert "LOG" not in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_the_exporter_process_ends_when_its_input_does(cut: bool) -> None:
+    """`python -m omnid.tracing_export`: its process gone (stdin closed, even in the middle of a
+    batch), the exporter sends what it has and ends, rather than reading an empty pipe forever."""
+    import pickle
+    import struct
+    import subprocess
+    import sys
+    spec = {"url": "http://127.0.0.1:9/v1/traces", "resource": {"service.name": "t"}, "log": ["warning", "text", "t"]}
+    proc = subprocess.Popen([sys.executable, "-m", "omnid.tracing_export", json.dumps(spec)],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert proc.stdin is not None
+        span = (1, 2, None, False, None, "omnid.job", 1, 2, {}, [], None, 0, None)
+        batch = pickle.dumps([span])
+        proc.stdin.write(struct.pack("!I", len(batch)) + (batch[:5] if cut else batch))
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_a_new_trace_is_sampled_at_the_configured_rate_as_the_sdk_decides(rate: float) -> None:
+    """A job without a caller's trace is a new trace, kept as `TraceIdRatioBased(sample)` keeps it:
+    the same decision for every id (no run is left to chance), and so the configured share of them."""
+    import random
+
+    from opentelemetry.sdk.trace.sampling import Decision, TraceIdRatioBased
+    sdk = TraceIdRatioBased(rate)
+    tracing = Tracing(TracingConfig(otlp_endpoint="http://127.0.0.1:9", sample=rate, service_name="t"), "t",
+                      export=False)
+    state = random.getstate()
+    random.seed(48)
+    try:
+        refs = [tracing.ref(None) for _ in range(4000)]
+    finally:
+        random.setstate(state)
+    for ref in refs:
+        kept = sdk.should_sample(None, ref.trace_id, "omnid.job").decision is Decision.RECORD_AND_SAMPLE
+        assert ref.sampled is kept and ref.parent_id is None, (rate, ref)
+    share = sum(r.sampled for r in refs) / len(refs)
+    assert abs(share - rate) < 0.03, (rate, share)
+    assert tracing._bound == TraceIdRatioBased.get_bound_for_rate(rate)       # the bound itself, exactly

@@ -113,3 +113,20 @@ def test_the_job_params_and_their_door_checks() -> None:
     assert why == "params.chat.adapter: stage 'chat' has no adapter 'b' (its adapters: a)"
     assert L.job_adapters({"adapter": "a", "adapters": {"b": 0.5}}) == {"a": 1.0, "b": 0.5}
     assert L.job_adapters({}) == {}
+
+
+def test_a_pipelines_adapters_are_its_last_lora_stages(tmp_path: Path) -> None:
+    """`PIPELINE:ADAPTER` names an adapter of the pipeline's last stage with a `lora` table (the one
+    that answers), not of an earlier one."""
+    _adapter(tmp_path / "sql")
+    _adapter(tmp_path / "poem")
+    data = _config(tmp_path, {"adapters": {"sql": "sql"}})
+    data["stages"]["write"] = dict(data["stages"]["chat"], lora={"adapters": {"poem": "poem"}})
+    data["stages"]["plain"] = {k: v for k, v in data["stages"]["chat"].items() if k != "lora"}
+    data["pipelines"] = {"two": {"stages": ["chat", "write", "plain"]}, "one": {"stages": ["plain", "chat"]},
+                         "none": {"stages": ["plain"]}}
+    cfg = C.parse(data, base=tmp_path)
+    assert L.adapter_stage(cfg, cfg.pipelines["two"]) == "write"
+    assert L.pipeline_adapters(cfg, cfg.pipelines["two"]) == ["poem"]
+    assert L.adapter_stage(cfg, cfg.pipelines["one"]) == "chat"
+    assert L.adapter_stage(cfg, cfg.pipelines["none"]) is None and L.pipeline_adapters(cfg, cfg.pipelines["none"]) == []

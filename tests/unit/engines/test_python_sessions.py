@@ -79,6 +79,7 @@ def test_a_step_that_raises_fails_the_sessions_it_was_given_and_an_open_that_rai
     drive(engine)
     assert x.ctx.outcome is Outcome.FAILED and "the whole step failed" in (x.ctx.error or "")
     assert z.ctx.outcome is Outcome.FAILED                  # it was in that step too
+    assert sorted(engine.sessions.impl.closed) == ["x", "z"]    # type: ignore[union-attr]  # their slots freed
     after = Job("after", {"n": 1})
     engine.add(after.ctx)
     drive(engine)

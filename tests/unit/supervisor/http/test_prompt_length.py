@@ -77,3 +77,19 @@ def test_what_cannot_be_measured_here_is_left_to_the_stage(llm: Path, tmp_path: 
     (tmp_path / "tokenizer.json").write_bytes((llm / "tokenizer.json").read_bytes())
     assert PL.too_long(stage(tmp_path), long) is None                       # no window known
     assert PL.too_long(stage(tmp_path, max_model_len=8), long) is not None
+
+
+@pytest.mark.parametrize("config, ctx", [
+    ({"max_position_embeddings": 64}, 64),
+    ({"text_config": {"max_position_embeddings": 96}}, 96),                        # a VLM's (LLaVA)
+    ({"thinker_config": {"text_config": {"max_position_embeddings": 80}}}, 80),    # Qwen2.5-Omni's
+    ({"n_positions": 40, "text_config": {"max_position_embeddings": 96}}, 40),     # its own first
+    ({"text_config": {"seq_length": 0, "max_sequence_length": 48}}, 48),
+    ({"max_position_embeddings": True, "text_config": None}, 0),
+])
+def test_the_models_context_is_read_where_its_config_keeps_it(llm: Path, tmp_path: Path, config: dict[str, object],
+                                                              ctx: int) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").write_bytes((llm / "tokenizer.json").read_bytes())
+    window = PL.window_of(stage(tmp_path))
+    assert (window.max_len if window is not None else 0) == ctx

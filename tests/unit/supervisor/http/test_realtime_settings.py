@@ -107,3 +107,115 @@ def test_optional_features_omnid_lacks_are_left_off_not_refused() -> None:
     assert t.transcription is None
     # without the vad extra installed, a session that hears starts with manual turns
     assert SessionSettings("voice", speaks=True, hears=True, vad=False).turn is None
+
+
+FORMAT_24K = {"type": "audio/pcm", "rate": 24000}
+TOKENS = "must be an integer from 1 to 4096, or \"inf\""
+# (optional features omnid lacks, turn detection, transcription, noise reduction and tools, are left
+# off, not refused: test_optional_features_omnid_lacks_are_left_off_not_refused)
+UPDATE_REFUSED = [
+    ("nope", "invalid_value", 'session.update needs "session": an object', "session"),
+    ({"voice": "ash"}, "unknown_parameter", "session.voice is not supported here", "session.voice"),
+    ({"type": "transcription"}, "invalid_value",
+     'session.type must be "realtime" (transcription sessions are not supported)', "session.type"),
+    ({"model": "other"}, "invalid_value", "the session's model is 'chat' (the URL's); it cannot change", "session.model"),
+    ({"output_modalities": ["audio"]}, "invalid_value",
+     "model 'chat' does not speak: its output_modalities can only be [\"text\"]", "session.output_modalities"),
+    ({"output_modalities": []}, "invalid_value", 'session.output_modalities must be ["audio"] or ["text"]',
+     "session.output_modalities"),
+    ({"output_modalities": "text"}, "invalid_value", 'session.output_modalities must be ["audio"] or ["text"]',
+     "session.output_modalities"),
+    ({"output_modalities": ["text", "video"]}, "invalid_value",
+     'session.output_modalities must be ["audio"] or ["text"]', "session.output_modalities"),
+    ({"instructions": 3}, "invalid_type", "session.instructions must be a string", "session.instructions"),
+    ({"audio": "x"}, "invalid_type", "session.audio must be an object", "session.audio"),
+    ({"audio": {"input": "x"}}, "invalid_value", "session.audio.input must be an object", "session.audio.input"),
+    ({"audio": {"input": {"speed": 1}}}, "unknown_parameter", "session.audio.input.speed is not supported",
+     "session.audio.input.speed"),
+    ({"audio": {"output": {"format": FORMAT_24K}}}, "invalid_value",
+     'session.audio.output.format: omnid gives {"type": "audio/pcm", "rate": 16000} (PCM16 mono) only',
+     "session.audio.output.format"),
+    ({"audio": {"input": {"format": {"type": "audio/pcmu"}}}}, "invalid_value",
+     'session.audio.input.format: omnid takes {"type": "audio/pcm", "rate": 24000} (PCM16 mono) only',
+     "session.audio.input.format"),
+    ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}, "invalid_value",
+     'session.audio.input.format: omnid takes {"type": "audio/pcm", "rate": 24000} (PCM16 mono) only',
+     "session.audio.input.format"),
+    ({"audio": {"input": {"format": "pcm"}}}, "invalid_value",
+     'session.audio.input.format: omnid takes {"type": "audio/pcm", "rate": 24000} (PCM16 mono) only',
+     "session.audio.input.format"),
+    ({"audio": {"output": {"voice": ""}}}, "invalid_value", "session.audio.output.voice must be a voice's name",
+     "session.audio.output.voice"),
+    ({"audio": {"output": {"voice": 3}}}, "invalid_value", "session.audio.output.voice must be a voice's name",
+     "session.audio.output.voice"),
+    ({"audio": {"output": {"voice": {"id": ""}}}}, "invalid_value",
+     "session.audio.output.voice must be a voice's name", "session.audio.output.voice"),
+    ({"max_output_tokens": 0}, "invalid_value", f"session.max_output_tokens {TOKENS}", "session.max_output_tokens"),
+    ({"max_output_tokens": 4097}, "invalid_value", f"session.max_output_tokens {TOKENS}", "session.max_output_tokens"),
+    ({"max_output_tokens": 1.5}, "invalid_value", f"session.max_output_tokens {TOKENS}", "session.max_output_tokens"),
+    ({"max_output_tokens": True}, "invalid_value", f"session.max_output_tokens {TOKENS}", "session.max_output_tokens"),
+]
+
+
+@pytest.mark.parametrize("update, code, message, param", UPDATE_REFUSED)
+def test_each_refused_update_says_what_and_where(update: Any, code: str, message: str, param: str) -> None:
+    s = SessionSettings("chat", speaks=False, rate=16000, instructions="kept", voice="ash", max_tokens=8)
+    e = refused(s.update, update)
+    assert (e.code, e.message, e.param) == (code, message, param)
+    assert (s.modalities, s.instructions, s.voice, s.max_tokens) == (["text"], "kept", "ash", 8)
+
+
+RESPONSE_REFUSED = [
+    ({"voice": "x"}, "unknown_parameter", "response.voice is not supported here", "response.voice"),
+    ({"conversation": "none"}, "unsupported",
+     "responses are in the session's conversation only (conversation \"auto\")", "response.conversation"),
+    ({"tools": [1]}, "unsupported", "tools are not supported", "response.tools"),
+    ({"tool_choice": "required"}, "unsupported", "tools are not supported", "response.tools"),
+    ({"metadata": {"k": 1}}, "invalid_value", "response.metadata holds up to 15 string keys and values",
+     "response.metadata"),
+    ({"metadata": {str(i): "v" for i in range(16)}}, "invalid_value",
+     "response.metadata holds up to 15 string keys and values", "response.metadata"),
+    ({"metadata": ["a"]}, "invalid_value", "response.metadata holds up to 15 string keys and values",
+     "response.metadata"),
+    ({"audio": {"input": {}}}, "invalid_value", "response.audio.input must be an object", "response.audio.input"),
+    ({"instructions": 1}, "invalid_type", "response.instructions must be a string", "response.instructions"),
+    ({"max_output_tokens": 5000}, "invalid_value", f"response.max_output_tokens {TOKENS}", "response.max_output_tokens"),
+    ({"output_modalities": ["x"]}, "invalid_value", 'response.output_modalities must be ["audio"] or ["text"]',
+     "response.output_modalities"),
+]
+
+
+@pytest.mark.parametrize("response, code, message, param", RESPONSE_REFUSED)
+def test_each_refused_response_says_what_and_where(response: Any, code: str, message: str, param: str) -> None:
+    e = refused(SessionSettings("omni", speaks=True).response_options, response)
+    assert (e.code, e.message, e.param) == (code, message, param)
+
+
+def test_what_the_bounds_and_the_schema_allow_is_taken() -> None:
+    s = SessionSettings("omni", speaks=True)
+    s.update({"type": "realtime", "model": "omni", "max_output_tokens": 1, "tools": [], "tool_choice": "none",
+              "audio": {"input": {"format": FORMAT_24K, "transcription": None, "noise_reduction": None},
+                        "output": {"format": {"type": "audio/pcm"}, "voice": {"id": "verse"}, "speed": 1.0}}})
+    assert (s.max_tokens, s.voice, s.modalities) == (1, "verse", ["audio"])
+    s.update({"max_output_tokens": 4096, "output_modalities": ["audio", "text"], "audio": {"output": {}}})
+    assert (s.max_tokens, s.voice, s.modalities) == (4096, "verse", ["audio"])
+    s.update({"instructions": ""})
+    assert s.instructions == "" and s.max_tokens == 4096           # what an update leaves out stays
+    opts = s.response_options({"metadata": {str(i): "v" for i in range(15)}, "conversation": "auto", "tools": [],
+                               "tool_choice": "auto", "max_output_tokens": 4096})
+    assert len(opts.metadata) == 15 and opts.max_tokens == 4096 and opts.voice == "verse"
+    assert s.response_options({"metadata": None, "max_output_tokens": 2}).metadata == {}
+
+
+def test_the_session_document_is_openais() -> None:
+    s = SessionSettings("omni", speaks=True, rate=16000, instructions="hi", voice="ash", max_tokens=12)
+    assert s.doc("sess_9") == {
+        "type": "realtime", "object": "realtime.session", "id": "sess_9", "model": "omni",
+        "output_modalities": ["audio"], "instructions": "hi", "max_output_tokens": 12, "tools": [], "tool_choice": "auto",
+        "audio": {"input": {"format": FORMAT_24K, "transcription": None, "noise_reduction": None,
+                            "turn_detection": None},
+                  "output": {"format": {"type": "audio/pcm", "rate": 16000}, "voice": "ash"}}}
+    doc = s.doc("sess_9")
+    doc["output_modalities"].append("text")
+    doc["audio"]["input"]["format"]["rate"] = 1
+    assert s.modalities == ["audio"] and s.doc("sess_9")["audio"]["input"]["format"]["rate"] == 24000   # copies

@@ -260,6 +260,19 @@ def test_cancel_is_idempotent_and_kills_a_stage_that_ignores_it(tmp_path: Path) 
     run(tmp_path, ONE, test, cancel_grace_s=0.2)
 
 
+def test_a_started_job_moves_fair_share_so_a_late_owners_backlog_interleaves(tmp_path: Path) -> None:
+    """The scheduler tells fair share each job that starts: an owner arriving late with a backlog
+    is ranked from the level's clock, not ahead of everything the first owner still has waiting."""
+    async def test(h: Harness) -> None:
+        early = [h.submit(uid=1000) for _ in range(6)]
+        for job in early[:3]:
+            h.say("a", P.Started(job))
+        late = [h.submit(uid=2000) for _ in range(3)]
+        waiting = sorted(early[3:] + late, key=lambda j: h.sched.live_jobs[j].rank)
+        assert ["late" if j in late else "early" for j in waiting] == ["early", "late"] * 3
+    run(tmp_path, ONE, test)
+
+
 def test_a_timeout_says_where_the_job_was(tmp_path: Path) -> None:
     async def test(h: Harness) -> None:
         job = h.submit(timeout_s=0.1)

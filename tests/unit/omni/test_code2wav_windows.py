@@ -1,0 +1,67 @@
+"""The windows of `StreamingCode2Wav` (omnid/omni/code2wav.py), in-process: which frames each window
+makes final, what it decodes around them, and how many codes must have come before it can run.
+
+The schedule is arithmetic on the DiT's block size and the codes' repeat; the decoder here has the
+tiny Qwen2.5-Omni's geometry (blocks of 24 frames, 2 frames a code) and never runs a DiT: each
+window's mel is zeros of the window's length, handed to `take_mel` as the decode's would be."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from omnid.omni.code2wav import StreamingCode2Wav, Window  # noqa: E402
+
+MEL_DIM = 4
+
+
+def decoder(**kw: Any) -> StreamingCode2Wav:
+    dit = SimpleNamespace(proj_out=SimpleNamespace(weight=torch.zeros(1)), repeats=2, block_size=24, mel_dim=MEL_DIM)
+    token2wav = SimpleNamespace(code2wav_dit_model=dit, code2wav_bigvgan_model=None)
+    speaker = {"cond": torch.zeros(1, 8), "ref_mel": torch.zeros(1, 8, MEL_DIM)}
+    return StreamingCode2Wav(token2wav, speaker, **kw)
+
+
+def schedule(dec: StreamingCode2Wav, codes: int) -> list[tuple[int, Window]]:
+    """Push `codes` codes one at a time, then finish: (codes in when it could run, the window) each."""
+    out: list[tuple[int, Window]] = []
+
+    def drain(n: int) -> None:
+        while (w := dec.next_window()) is not None:
+            vocoder_in, keep = dec.take_mel(w, torch.zeros(1, MEL_DIM, w.end - w.start))
+            assert keep == (min(dec.overlap, w.first) * 240, (w.last - w.first) * 240)
+            out.append((n, w))
+    for n in range(1, codes + 1):
+        dec.codes.append(n)
+        drain(n)
+    dec.finished = True
+    drain(codes)
+    return out
+
+
+def test_the_ramp_each_window_waits_for_its_own_look_ahead() -> None:
+    """The default ramp (6, 12, 24, 48 codes made final): the first window with 4 codes of look-ahead
+    (the vocoder's overlap), every later one with `lookahead_blocks` (one block, 12 codes), and a
+    context of 2 blocks before its first frame, on the block grid."""
+    got = schedule(decoder(), 110)
+    assert [(n, (w.start, w.first, w.last, w.end)) for n, w in got] == [
+        (10, (0, 0, 12, 20)),           # 6 codes final once 6 + 4 are in
+        (30, (0, 12, 36, 60)),          # 12 more, once 18 + 12 are in
+        (54, (0, 36, 84, 108)),
+        (102, (24, 84, 180, 204)),      # its context starts 2 blocks before frame 84's block
+        (110, (120, 180, 220, 220)),    # the rest, at the end
+    ]
+    assert got[1][1].codes == list(range(1, 31))            # the codes of frames [start, end)
+    assert got[3][1].codes == list(range(13, 103))
+
+
+def test_fixed_windows_and_a_last_scrap() -> None:
+    """`chunk_blocks = 1`: every window one block, the first too with a block of look-ahead; at the
+    end a scrap of at most a quarter window joins the last one."""
+    got = schedule(decoder(chunk_blocks=1), 38)
+    assert [(n, (w.first, w.last, w.end)) for n, w in got] == [(24, (0, 24, 48)), (36, (24, 48, 72)),
+                                                               (38, (48, 76, 76))]    # 4 frames joined
