@@ -655,10 +655,10 @@ class DiffusersEngine(Engine):
                 continue
             if row.ctx.cancelled():
                 row.ctx.stopped()
-            elif row.finished:
+                continue
+            row.ctx.progress(row.done, row.steps)
+            if row.finished:
                 self._loop_deliver(row)
-            else:
-                row.ctx.progress(row.done, row.steps)
         self._rows = [row for row in self._rows if not self._left(row)]
         if not self._rows:
             self._loop_idle()

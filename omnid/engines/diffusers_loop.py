@@ -105,6 +105,16 @@ class Driver:
             forget_context(self.pipe.transformer, row.context)
 
 
+def _advance(row: Row, scheduler_step: Callable[[], Any]) -> None:
+    """One row's scheduler step; an error there (its own values) fails that row alone."""
+    try:
+        row.latents = scheduler_step()
+    except Exception as e:                      # noqa: BLE001 - reported as the job's failure
+        row.ctx.fail(f"{type(e).__name__}: {e}")
+        return
+    row.done += 1
+
+
 def forget_context(model: Any, name: str) -> None:
     """Drop one `cache_context`'s state from every stateful hook of `model`."""
     from diffusers.hooks.hooks import StateManager
@@ -177,8 +187,7 @@ class StableDiffusionDriver(Driver):
                 else:
                     pred = noise[at:at + 1]
                     at += 1
-                row.latents = row.scheduler.step(pred, t, row.latents, **row.extra, return_dict=False)[0]
-                row.done += 1
+                _advance(row, lambda: row.scheduler.step(pred, t, row.latents, **row.extra, return_dict=False)[0])
 
     def decode(self, row: Row) -> Any:
         pipe = self.pipe
@@ -254,8 +263,7 @@ class FluxDriver(Driver):
                         row.misses += self.counter.call_misses
             for row, pred in zip(rows, noise):
                 t = row.timesteps[row.done]
-                row.latents = row.scheduler.step(pred, t, row.latents, return_dict=False)[0]
-                row.done += 1
+                _advance(row, lambda: row.scheduler.step(pred, t, row.latents, return_dict=False)[0])
 
     def decode(self, row: Row) -> Any:
         pipe = self.pipe
