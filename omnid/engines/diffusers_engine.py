@@ -9,7 +9,16 @@ step. Job inputs other than `prompt` that the pipeline's `__call__` accepts
 thread, which blocks in it; the callback raises `Cancelled` when the job was
 cancelled.
 
-`max_inflight > 1`: compatible requests (the same parameters but for `seed`
+`max_inflight > 1` and a pipeline omnid's own denoising loop drives (Stable Diffusion, Flux; see
+omnid.engines.diffusers_loop), unless the stage says `batching = "call"`: step-level batching,
+in the main thread. One `step()` admits the queued requests that can join (the oldest first, up to
+max_inflight rows, all of one adapter set; the first that cannot join stops the ones behind it),
+then runs one denoising step of the rows of one latent shape (shapes take turns): one forward
+for all of them, each at its own timestep. A row whose schedule ended is decoded and delivered
+in that `step()`; a cancelled one leaves before the next. A request the loop does not take
+(other inputs, several images per prompt) waits for the loop to empty and runs as a call, below.
+
+Otherwise, `max_inflight > 1` (call-level): compatible requests (the same parameters but for `seed`
 and `negative_prompt`'s text, a text prompt and no other inputs, one image
 each) run as ONE pipeline call with a list of prompts and one
 `torch.Generator` per request, so each request's image is the one its seed
@@ -31,7 +40,8 @@ that kind goes on `pipe.transformer` at load (`enable_cache`). Its state is rese
 (a cancelled call never reaches the pipeline's own reset). For the kinds that decide per transformer
 call whether to run the remaining blocks (first_block, mag_cache: their state's `should_compute`), a
 forward hook on the head block reads that decision: a skip is a hit, a full run a miss. Each job's stage result carries its
-call's counts (`usage`: cache_hits, cache_misses; in a batch, each row the batch's), and the worker's
+call's counts (`usage`: cache_hits, cache_misses; in a call-level batch, each row the batch's; in
+the step loop each row has its own cache context, and its own counts), and the worker's
 heartbeat the stage's totals (`cache_counts`).
 """
 
@@ -668,7 +678,8 @@ class DiffusersEngine(Engine):
         one adapter set. The first that cannot join stops the others behind it (no overtaking): it
         waits for the loop to drain (another adapter set) or to be empty (a pipeline call)."""
         assert self._loop is not None
-        while self._queue and len(self._rows) < self.max_batch:
+        while self._queue and len(self._rows) < self.max_batch and self._pending is None:
+            # (an adapter added or removed meanwhile: the loop drains, the new set goes in, then rows join)
             request = self._queue[0]
             if not self._loop_takes(request) or (self._rows and request.adapters != self._loop_adapters):
                 return
