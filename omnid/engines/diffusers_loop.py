@@ -1,7 +1,8 @@
 """omnid's own denoising loop for a diffusers stage: step-level (continuous) batching.
 
-Runs in a stage worker's main thread, called by `omnid.engines.diffusers_engine` (it blocks in
-torch for one denoising step of one batch at a time; no thread of its own).
+Runs in a stage worker's "diffusers-loop" helper thread, called by `omnid.engines.diffusers_engine`
+while the main thread waits (it blocks in torch for one denoising step of one batch at a time).
+It never calls a job's context but to read its inputs.
 
 A `Driver` knows one pipeline family's loop (what its `__call__` does, split in three): `prepare`
 a row (its prompt encoded, its noise drawn from its own generator, its own scheduler with its own
@@ -61,6 +62,7 @@ class Row:
     hits: int = 0                   # its cache's hits and misses (a cached DiT stage)
     misses: int = 0
     context: str = field(default_factory=lambda: f"row-{next(_names)}")
+    error: str | None = None        # its own scheduler step failed (the engine fails its job)
 
     @property
     def finished(self) -> bool:
@@ -106,11 +108,11 @@ class Driver:
 
 
 def _advance(row: Row, scheduler_step: Callable[[], Any]) -> None:
-    """One row's scheduler step; an error there (its own values) fails that row alone."""
+    """One row's scheduler step; an error there (its own values) fails that row alone (`row.error`)."""
     try:
         row.latents = scheduler_step()
     except Exception as e:                      # noqa: BLE001 - reported as the job's failure
-        row.ctx.fail(f"{type(e).__name__}: {e}")
+        row.error = f"{type(e).__name__}: {e}"
         return
     row.done += 1
 
