@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import inspect
 import queue
-from concurrent.futures import ThreadPoolExecutor
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -257,11 +256,6 @@ class DiffusersEngine(Engine):
                 self._loop, self._loop_why = driver_for(self.pipe, torch, self.device, self._cache, kind,
                                                         _CONTEXT_KINDS)
         self._rows: list[Row] = []
-        # The loop's torch work (prepare, step, decode) runs in one helper thread, as a call-level batch's
-        # call does, while the main thread waits: measured on the 2-core host under load, a pipeline's
-        # torch work in the main thread ran up to 70x slower than in a helper thread (0.4 s vs 31 s for
-        # the same call), quiet the same. Every ctx call stays in the main thread.
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="diffusers-loop") if self._loop is not None else None
         self._loop_adapters: tuple[tuple[str, float], ...] = ()
         self._turn = 0                          # which shape's rows step next (round robin)
         # LoRA adapters: each loaded once (`load_lora_weights(..., adapter_name=name)`), those of a
@@ -427,8 +421,6 @@ class DiffusersEngine(Engine):
         return bool(self._queue) or self._batch is not None or bool(self._rows)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
         batch, self._batch = self._batch, None
         if batch is not None and batch.thread is not None:
             batch.to_pipe.put("close")
@@ -737,9 +729,24 @@ class DiffusersEngine(Engine):
         row.ctx.finish({"image": image, "prompt": row.ctx.inputs["prompt"]})
 
     def _off(self, fn: Any, *args: Any) -> Any:
-        """Run `fn(*args)` in the loop's helper thread; the main thread waits for it (its error is raised here)."""
-        assert self._pool is not None
-        return self._pool.submit(fn, *args).result()
+        """Run `fn(*args)` in a fresh helper thread ("diffusers-loop") while the main thread waits; its
+        error is raised here. Why: on the loaded 2-core host the same pipeline call took 31 s in a
+        long-lived main thread and 0.45 s in a fresh thread (quiet: 0.4 s both), and a call-level
+        batch's call runs in a fresh thread too. Every ctx call stays in the main thread."""
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn(*args)
+            except BaseException as e:          # noqa: BLE001 - raised in the main thread
+                box["error"] = e
+
+        thread = threading.Thread(target=run, name="diffusers-loop", daemon=True)
+        thread.start()
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
 
     def _loop_idle(self) -> None:
         """The loop is empty: the base weights back, removed adapters dropped."""
