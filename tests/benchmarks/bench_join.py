@@ -81,7 +81,7 @@ def _poisson(ctx: Ctx, d: Daemon, stage: str, steps: int, gaps: list[float]) -> 
 
 def _rows(ctx: Ctx, d: Daemon, model: str) -> list[Row]:
     step, call = model, f"{model}call"
-    steps = ctx.n(16, 12)
+    steps = ctx.n(16, 8)
     label = LABEL[model]
     for stage in (step, call):
         d.run(stage, {"prompt": "warm"}, {stage: {"num_inference_steps": 2}}, timeout=120).check()
@@ -102,7 +102,7 @@ def _rows(ctx: Ctx, d: Daemon, model: str) -> list[Row]:
             f"{fmt(p50(late[step]))} / {fmt(p50(late[call]))} s")
     rate = 1.5 / p50(lone[call])
     rng = random.Random(46)
-    gaps = [0.0] + [rng.expovariate(rate) for _ in range(ctx.n(24, 12) - 1)]
+    gaps = [0.0] + [rng.expovariate(rate) for _ in range(ctx.n(24, 8) - 1)]
     ctx.check(f"{model} poisson")
     step_times, step_rate = _poisson(ctx, d, step, steps, gaps)
     ctx.check(f"{model} poisson, call")

@@ -84,7 +84,7 @@ BENCHES: list[Bench] = [
     Bench("sd_concurrency", "engines", bench_engines.bench_sd_concurrency,
           [f"tiny SD, {k} concurrent jobs: jobs/s" for k in (2, 4, 8)], (120, 70), ("engines",)),
     Bench("dit", "engines", bench_dit.bench_dit, bench_dit.FIGURES, (600, 420), ()),
-    Bench("join", "engines", bench_join.bench_join, bench_join.FIGURES, (900, 480), ()),
+    Bench("join", "engines", bench_join.bench_join, bench_join.FIGURES, (1500, 900), ()),
     Bench("lora", "engines", bench_lora.bench_lora, bench_lora.FIGURES, (900, 600), ()),   # its daemon's start too
     Bench("t2i", "engines", bench_engines.bench_t2i_throughput,
           ["t2i (vLLM 24 tok -> SD 12 steps), N jobs: jobs/s"], (120, 60), ("engines",)),
