@@ -333,9 +333,13 @@ def _stage_row(stage: JSON, name: str, pid: Any) -> list[Any]:
     state = stage.get("state")
     if state == WorkerState.SLEEPING and stage.get("idle_unload_s"):
         state = f"sleeping (idle_unload_s {stage.get('idle_unload_s'):g})"
+    engine = stage.get("engine")
+    info = stage.get("info")
+    if isinstance(info, Mapping) and info.get("batching"):
+        engine = f"{engine}/{info['batching']}"     # a batching diffusers stage: per step or per call
     return [
         name,
-        stage.get("engine"),
+        engine,
         state,
         pid,
         _node(stage),

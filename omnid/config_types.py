@@ -187,6 +187,9 @@ class StageConfig:
     # thread between omnid's work, or "process", a child process of the worker that steps while the
     # worker turns the last step's outputs into segments (how `vllm serve` runs it)
     engine_core: str = "process"
+    # diffusers stages with max_inflight > 1: "step", a job joins the running batch at the next
+    # denoising step (omnid's own loop, for the pipelines it drives), or "call", one pipeline call per batch
+    batching: str = "step"
     # vllm stages: the media (image, audio, video) a job may give it, and their limits
     media: MediaLimits = NO_MEDIA
     # `placement = "ray"`: the workers run as Ray actors (`ray`: their resource needs); a list gives one

@@ -1,8 +1,9 @@
-"""In-stage batching of a diffusers stage (`max_inflight > 1`) on the tiny Stable Diffusion model.
+"""Call-level batching of a diffusers stage (`max_inflight > 1`, `batching = "call"`) on the tiny
+Stable Diffusion model. (Step-level batching, the default: tests/test_diffusers_joining.py.)
 
 One daemon for the module with two stages on the same model directory: `solo` (`max_inflight = 1`,
-one job per pipeline call, as before batching) and `batch` (`max_inflight = 5`: compatible jobs
-run as one pipeline call). Nothing is mocked.
+one job per pipeline call, as before batching) and `batch` (`max_inflight = 5`, `batching = "call"`:
+compatible jobs run as one pipeline call). Nothing is mocked.
 
 To make "submitted at once" deterministic, each test first starts a `gate` job on `batch` (an
 incompatible, 1000-step job that runs alone), submits its jobs, waits until the worker has admitted
@@ -49,7 +50,7 @@ def sd() -> Iterator[RunningDaemon]:
         "solo": {"engine": "diffusers", "model": str(MODELS / "sd"), "devices": [], "queue_capacity": 8,
                  "defaults": defaults},
         "batch": {"engine": "diffusers", "model": str(MODELS / "sd"), "devices": [], "queue_capacity": 8,
-                  "max_inflight": 5, "defaults": defaults},
+                  "max_inflight": 5, "batching": "call", "defaults": defaults},
     }
     pipelines = {"solo": {"stages": ["solo"]}, "batch": {"stages": ["batch"]}}
     # A cancel takes effect at the end of the running denoising step; on a loaded 2-core host one
@@ -90,6 +91,7 @@ def _close(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def test_compatible_jobs_run_as_one_batch_with_their_solo_images(sd: RunningDaemon) -> None:
+    assert sd.stages()["batch"]["info"]["batching"] == "call"
     seeds = [11, 12, 13, 14]
     # the images each seed gives alone, through the max_inflight = 1 stage (one call per job)
     alone = [sd.submit("solo", {"prompt": f"a fox {s}"}, {"solo": {"seed": s}}) for s in seeds]

@@ -23,7 +23,7 @@ _STAGE_KEYS = ("engine", "model", "function", "python_path", "devices", "exclusi
                "max_inflight", "queue_capacity", "shm_pool_mb", "args", "defaults", "env", "batch_function", "sessions",
                "replicas", "idle_unload_s", "media", "placement", "ray", "max_rss_mb",
                "engine_core", "outputs", "hidden_layers", "hidden_prompt", "prompt_embeds", "cache", "lazy", "lora",
-               "produces")
+               "produces", "batching")
 _TENSOR_KEYS = ("outputs", "hidden_layers", "hidden_prompt", "prompt_embeds")
 PLACEMENTS = ("local", "ray")
 MAX_REPLICAS = 64
@@ -283,6 +283,7 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
     idle_unload_s = c.positive(s, "idle_unload_s", path, None)
     max_rss_mb = c.positive(s, "max_rss_mb", path, None, integer=True)
     engine_core = _parse_engine_core(c, s, path, engine)
+    batching = _parse_batching(c, s, path, engine)
     placement = _parse_placement(c, s, path, replicas, devices)
     ray = _parse_ray_needs(c, s, path)
     outputs, hidden_layers, hidden_prompt, prompt_embeds = _parse_tensors(c, s, path, engine, model, args)
@@ -300,7 +301,7 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
         args=dict(args), defaults=dict(defaults), env={k: str(v) for k, v in env.items()},
         batch_function=batch_function, sessions=sessions, media=media, replicas=replicas, replica_devices=replica_devices,
         idle_unload_s=float(idle_unload_s) if idle_unload_s is not None else None,
-        max_rss_mb=int(max_rss_mb) if max_rss_mb is not None else None, engine_core=engine_core,
+        max_rss_mb=int(max_rss_mb) if max_rss_mb is not None else None, engine_core=engine_core, batching=batching,
         placement=placement, ray=ray, outputs=outputs, hidden_layers=hidden_layers,
         hidden_prompt=hidden_prompt, prompt_embeds=prompt_embeds, cache=cache, lazy=lazy, lora=lora,
         produces=produces,
@@ -399,6 +400,20 @@ def _parse_engine_core(c: _Checker, s: Mapping[str, Any], path: str, engine: str
     elif where not in ENGINE_CORES:
         c.add(f"{path}.engine_core", f"must be one of {', '.join(map(repr, ENGINE_CORES))}, not {where!r}")
     return where if where in ENGINE_CORES else "process"
+
+
+BATCHINGS = ("step", "call")
+
+
+def _parse_batching(c: _Checker, s: Mapping[str, Any], path: str, engine: str | None) -> str:
+    """`batching = "step" | "call"`: a diffusers stage's jobs join a batch at a denoising step, or
+    only when a pipeline call starts."""
+    how = c.get(s, "batching", path, str, "step")
+    if "batching" in s and engine is not None and not capabilities(engine).step_batching:
+        c.add(f"{path}.batching", f"only diffusers stages choose how they batch, not {engine!r}")
+    elif how not in BATCHINGS:
+        c.add(f"{path}.batching", f"must be one of {', '.join(map(repr, BATCHINGS))}, not {how!r}")
+    return how if how in BATCHINGS else "step"
 
 
 def model_dims(model: Path | None) -> tuple[int, int] | None:

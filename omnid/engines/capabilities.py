@@ -56,6 +56,7 @@ class Capabilities:
     lora: bool = False                      # serves LoRA adapters of its model (a `lora` table; `adapter`)
     # -- its worker
     engine_core: bool = False               # has an engine core to place (`engine_core = "process" | "inline"`)
+    step_batching: bool = False             # batches per denoising step or per call (`batching = "step" | "call"`)
     worker_env: tuple[tuple[str, str], ...] = ()    # environment defaults its worker sets before loading it
     preload: tuple[str, ...] = ()           # the heavy modules its load imports, which a CPU worker finds
                                             # imported already (its fork server's, omnid.worker.preload)
@@ -90,7 +91,7 @@ DIFFUSERS = Capabilities(
     outputs=({"name": "image", "kind": "image", "file": "image.png", "content_type": "image/png",
               "description": "the image (image-K.png, one per image, when num_images_per_prompt > 1)"},
              {**_TEXT_OUTPUT, "name": "prompt", "file": "prompt.txt", "description": "the prompt it drew"}),
-    params=DIFFUSERS_PARAMS, rules=DIFFUSERS_RULES, image_size=True, lora=True,
+    params=DIFFUSERS_PARAMS, rules=DIFFUSERS_RULES, image_size=True, lora=True, step_batching=True,
     preload=("torch", "transformers", "diffusers.pipelines.pipeline_utils"),
 )
 PYTHON = Capabilities(

@@ -477,7 +477,7 @@ def engines_config() -> tuple[dict[str, Any], dict[str, Any]]:
         "gen": vllm_stage(max_inflight=16),
         "gen1": vllm_stage(max_inflight=1),
         "draw": sd_stage(),
-        "drawb": sd_stage(max_inflight=8),      # in-stage batching: compatible jobs in one pipeline call
+        "drawb": sd_stage(max_inflight=8),      # in-stage batching: jobs join the batch at a denoising step
         "down8": py_stage("consume_windows"),
         "downall": py_stage("consume_windows"),
     }

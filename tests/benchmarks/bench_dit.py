@@ -1,7 +1,8 @@
 """DiT caching and joining on a diffusers stage, on the tiny DiT (.models/dit, a random-weight Flux).
 
 One daemon of its own: `plain` (no cache), `fbc02` and `fbc05` (cache = first_block, threshold 0.2
-and 0.5), and `batch` (no cache, max_inflight 8) for the joining rows.
+and 0.5), and `batch` (no cache, max_inflight 8, `batching = "call"`) for the joining rows: they keep
+the call-level figure; step-level batching has its own bench (bench_join.py).
 
 - steps/s with the first-block cache against without (same prompt, same seed): a job's steps over
   its stage time (stage_finished's elapsed_s: prompt encoding and VAE decoding included, as a user
@@ -34,7 +35,7 @@ def _stage(**extra: Any) -> dict[str, Any]:
 
 
 def _config() -> tuple[dict[str, Any], dict[str, Any]]:
-    stages = {"plain": _stage(), "batch": _stage(max_inflight=8, queue_capacity=16)}
+    stages = {"plain": _stage(), "batch": _stage(max_inflight=8, queue_capacity=16, batching="call")}
     for t in THRESHOLDS:
         stages[_name(t)] = _stage(cache={"kind": "first_block", "threshold": t})
     return stages, {name: {"stages": [name]} for name in stages}

@@ -290,7 +290,7 @@ def bench_startup(ctx: Ctx) -> list[Row]:
 
 def bench_sd_concurrency(ctx: Ctx) -> list[Row]:
     """k = 1, 2, 4, 8 tiny-SD jobs (10 steps; --quick: 6) submitted at once to the batching stage
-    (`drawb`, max_inflight 8: compatible jobs run as one pipeline call): jobs/s against one job at a
+    (`drawb`, max_inflight 8: jobs batched per denoising step): jobs/s against one job at a
     time on the plain stage (`draw`). Wall = before the first POST to the last end.
     """
     d = ctx.daemon("engines")

@@ -33,6 +33,7 @@ import bench_dataplane  # noqa: E402
 import bench_dit  # noqa: E402
 import bench_engine_core  # noqa: E402
 import bench_engines  # noqa: E402
+import bench_join  # noqa: E402
 import bench_lora  # noqa: E402
 import bench_omni  # noqa: E402
 import bench_omni_load  # noqa: E402
@@ -87,6 +88,7 @@ BENCHES: list[Bench] = [
     Bench("sd_concurrency", "engines", bench_engines.bench_sd_concurrency,
           [f"tiny SD, {k} concurrent jobs: jobs/s" for k in (2, 4, 8)], (120, 70), ("engines",)),
     Bench("dit", "engines", bench_dit.bench_dit, bench_dit.FIGURES, (600, 420), ()),
+    Bench("join", "engines", bench_join.bench_join, bench_join.FIGURES, (1500, 900), ()),
     Bench("lora", "engines", bench_lora.bench_lora, bench_lora.FIGURES, (900, 600), ()),   # its daemon's start too
     Bench("t2i", "engines", bench_engines.bench_t2i_throughput,
           ["t2i (vLLM 24 tok -> SD 12 steps), N jobs: jobs/s"], (120, 60), ("engines",)),

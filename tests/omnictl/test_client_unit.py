@@ -698,3 +698,15 @@ def test_the_printer_says_when_the_first_audio_came() -> None:
     out = stream.getvalue()
     assert "first output after 0.20s" in out
     assert out.count("first audio after") == 1 and "first audio after 1.25s (thinker still running)" in out
+
+
+def test_stages_table_says_how_a_batching_diffusers_stage_batches() -> None:
+    from omnictl.render import stages_table
+
+    stages = [{"name": "draw", "engine": "diffusers", "state": "ready", "info": {"batching": "step"}},
+              {"name": "old", "engine": "diffusers", "state": "ready",
+               "info": {"batching": "call", "batching_why": "omnid has no denoising loop for PixArtAlphaPipeline"}},
+              {"name": "one", "engine": "diffusers", "state": "ready", "info": {}}]
+    rows = stages_table(stages).splitlines()
+    assert [row.split()[:2] for row in rows[1:]] == [["draw", "diffusers/step"], ["old", "diffusers/call"],
+                                                      ["one", "diffusers"]]

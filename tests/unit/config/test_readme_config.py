@@ -81,7 +81,7 @@ def test_the_stage_table_lists_every_key_with_its_default(tmp: Path) -> None:
     rows = table("`[stages.NAME]` key")
     assert set(rows) == set(C._STAGE_KEYS)
     for key, value in documented(rows).items():
-        engine = "vllm" if key in VLLM_ONLY else "diffusers" if key == "cache" else "python"
+        engine = "vllm" if key in VLLM_ONLY else "diffusers" if key in ("cache", "batching") else "python"
         assert parse(tmp, stage={key: value}, engine=engine).stages["s"] == \
             parse(tmp, engine=engine).stages["s"], f"[stages.NAME] {key} = {value!r} is not the default"
 
