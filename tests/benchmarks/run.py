@@ -97,7 +97,7 @@ BENCHES: list[Bench] = [
           ["tensor hand-off: 256 MiB fp16, stage -> stage"], (120, 60), ("control",)),
     Bench("noop_latency", "control", bench_control.bench_noop_latency,
           ["no-op job, 1 stage: submit -> terminal event, p50", "no-op job, each further stage hop, p50"],
-          (90, 45), ("control",), fast=True),
+          (90, 45), ("control",)),
     Bench("segment_path", "control", bench_control.bench_segment_path,
           ["supervisor CPU per streamed segment (3000 segments, an event reader)"], (90, 60), ("control",), fast=True),
     Bench("api_concurrency", "control", bench_control.bench_api_concurrency,
