@@ -186,6 +186,15 @@ bench: setup models
 	$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q "matplotlib>=3.8"   # (the bench extra: its plots)
 	$(PY) tests/benchmarks/run.py $(BENCH_ARGS)
 
+# make bench-check [BENCH_CHECK_ARGS=--update]: the benches marked fast, twice, against the baseline kept in
+# tests/benchmarks/baseline.json; exits 1 naming each row whose ratio is more than 10 % worse than the
+# baseline and outside the two runs' spread (about 3 minutes; not part of make test: the machine is noisy).
+# --update writes the baseline: in the commit that moves a row on purpose, saying why.
+BENCH_CHECK_ARGS ?=
+.PHONY: bench-check
+bench-check: setup
+	$(PY) tests/benchmarks/check.py $(BENCH_CHECK_ARGS)
+
 # make gpu-check [GPU_CHECK_ARGS="--only handoff"]: every CUDA path omnid has, on this host's GPU 0, with real
 # daemons (tests/gpu/check.py); prints one table and exits 1 if a check failed. Without a GPU: one line,
 # "skipped", exit 0. Needs no `make setup`: it runs with GPU_PYTHON (.venv's python if there is one, else

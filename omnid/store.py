@@ -4,7 +4,8 @@ Runs in the supervisor's event-loop thread; every call is a short local
 sqlite transaction (WAL, synchronous=NORMAL), so it blocks for well under a
 millisecond. With `write_behind(loop)` (the daemon), writes are gathered and
 committed together once per turn of the event loop (one transaction for all the
-events of a batch of token streams, not one per token); every read, and
+events of a batch of token streams, not one per token), after the stream readers those events
+woke have written their answers; every read, and
 `flush()`, commits what is pending first. Layout under the state dir:
 
   omnid.db              jobs(id, owner_uid, pipeline, state, created_at, doc)
@@ -221,7 +222,9 @@ class JobStore:
         elif not self._flush_due and (self.write_error is None
                                       or time.monotonic() - self._failed_at >= WRITE_RETRY_S):
             self._flush_due = True
-            self._loop.call_soon(self.flush)
+            # Two hops: after the callbacks this turn schedules, so that the readers woken by the
+            # same events (a chat's next token) write to their sockets before the commit runs.
+            self._loop.call_soon(self._loop.call_soon, self.flush)
 
     @property
     def pending(self) -> bool:

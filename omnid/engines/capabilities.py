@@ -57,6 +57,8 @@ class Capabilities:
     # -- its worker
     engine_core: bool = False               # has an engine core to place (`engine_core = "process" | "inline"`)
     step_batching: bool = False             # batches per denoising step or per call (`batching = "step" | "call"`)
+    short_steps: bool = False               # a step is one bounded engine step (a decode step of a few ms):
+                                            # its worker may keep a busy channel's segments for the next one
     worker_env: tuple[tuple[str, str], ...] = ()    # environment defaults its worker sets before loading it
     preload: tuple[str, ...] = ()           # the heavy modules its load imports, which a CPU worker finds
                                             # imported already (its fork server's, omnid.worker.preload)
@@ -78,7 +80,7 @@ VLLM = Capabilities(
     text_prompt=True, chat=True, context_window=True, media=True, tensors=True, answer="text",
     outputs=({**_TEXT_OUTPUT, "description": "the generated text (streamed as text segments)"},),
     gives=("text", *TENSOR_OUTPUTS), params=VLLM_PARAMS, rules=VLLM_RULES, values_rule=token_bounds_problem,
-    sampling=True, engine_core=True, lora=True,
+    sampling=True, engine_core=True, short_steps=True, lora=True,
     # the engine core stays in the worker unless `engine_core = "process"` (the engine sets that itself)
     worker_env=(("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_LOGGING_LEVEL", "WARNING")),
     preload=("torch", "transformers", "vllm.engine.arg_utils", "vllm.v1.engine.llm_engine", "vllm.sampling_params"),

@@ -260,7 +260,7 @@ class StageWorker:
                 if engine.outputs_waiting():
                     break
             handoff.offer_windows()
-            self.flush()
+            self.flush(more_soon=self._steps_on())
             handoff.prune()
             # 4. every request waits for its next window: sleep until one (or a cancel) arrives
             self.wakeup.clear()                 # before looking: a window that comes after wakes us
@@ -318,7 +318,7 @@ class StageWorker:
         try:
             engine.step()
             self.busy_s += time.perf_counter() - t0     # (the capacity a real-time pipeline measures)
-            self.flush()
+            self.flush(more_soon=self._steps_on())
         except Exception as e:
             self.flush()
             if vllm_compat.is_engine_dead(e):
@@ -334,6 +334,13 @@ class StageWorker:
                         engine.abort(job)
                     except Exception:
                         pass
+
+    def _steps_on(self) -> bool:
+        """Another short engine step follows at once (the reporter may join this step's segments
+        with its, while the supervisor has not read the last ones)."""
+        engine = self.engine
+        caps = getattr(engine, "capabilities", None)        # (none while the engine loads)
+        return caps is not None and caps.short_steps and engine.has_work() and engine.ready()
 
     def _assemble(self, item: WorkItem) -> WorkerJob | None:
         """Gather a job's parts (one per incoming edge); the job, with its request, once all are here.

@@ -1,12 +1,27 @@
 """What a stage worker tells the supervisor, over its control channel (`ControlChannel`): one
 message at once (any thread), or a step's messages queued by the main thread and sent together, as
 few pipe writes as keep each one atomic (`Reporter`). `clip` keeps a message's text small.
+
+Runs in a stage worker's process: `send` in any of its threads, `post` and `flush` in its main
+thread (the busy loop). A send blocks only while the pipe is full (the supervisor is frozen).
+
+How long a message waits: an idle channel (the supervisor has read everything sent so far) sends
+at once; a busy one (the supervisor has not read the last write yet) coalesces a step's text
+segments with the next step's, so a supervisor that is behind gets fewer, larger messages rather
+than a growing backlog of small ones. Whether the supervisor has
+read is the kernel's count of unread bytes on the channel's socket (SIOCOUTQ); a channel without
+one (a Ray actor's queues) is taken as idle. Held messages wait one engine step at most, and only
+where the engine's steps are short (`Capabilities.short_steps`: vLLM's decode steps), and never
+longer than BATCH_DELAY_S.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pickle
+import struct
+import termios
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +61,9 @@ class Reporter:
         self._send_lock = threading.Lock()
         self._posted: list[object] = []      # main-thread messages not sent yet (`post`, `flush`)
         self._flushed_at = 0.0
+        self._held_since: float | None = None   # `_posted` kept back by a busy channel since then,
+        self._held_count = 0                    # when it held this many messages
+        self._unread = _unread_probe(conn)
 
     def send(self, msg: object) -> None:
         """Send one message to the supervisor now (any thread)."""
@@ -58,19 +76,32 @@ class Reporter:
     def post(self, msg: object) -> None:
         """Queue a message of the main thread: what one engine step says goes in one `Batch`.
 
-        Messages that come rarely go at once (no latency is added to a slow stream); when they
-        come fast (a batch of token streams) they wait for the end of the step, or BATCH_DELAY_S.
+        Messages that come rarely go at once (no latency is added to a slow stream: the channel is
+        idle and nothing went for BATCH_DELAY_S); when they come fast (a batch of token streams)
+        they wait for the end of the step (`flush`).
         """
         self._posted.append(msg)
-        if time.monotonic() - self._flushed_at >= BATCH_DELAY_S:
+        if time.monotonic() - self._flushed_at >= BATCH_DELAY_S and not self._busy():
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self, more_soon: bool = False) -> None:
         """Send the queued messages of the main thread, coalesced: a job's consecutive progress
-        reports become the last one, its consecutive text segments one segment."""
-        self._flushed_at = time.monotonic()
+        reports become the last one, its consecutive text segments one segment.
+
+        `more_soon`: the caller flushes again after the next engine step (a short one). While the
+        supervisor has not read the last write (a busy channel), segments and progress reports then
+        wait for that flush, one step at most, and go joined with the next step's; a job's first
+        segment (its first token) and every other message go now."""
+        now = time.monotonic()
         if not self._posted:
+            self._flushed_at = now
             return
+        if more_soon and self._can_hold(now):
+            if self._held_since is None:
+                self._held_since, self._held_count = now, len(self._posted)
+            return
+        self._flushed_at = now
+        self._held_since = None
         self._before_flush()                # a step's live output segments, for ?stream=1 readers
         messages = _coalesce(self._posted)
         self._posted = []
@@ -81,11 +112,49 @@ class Reporter:
                 except (OSError, EOFError, BrokenPipeError):
                     os._exit(P.EXIT_ORPHANED)
 
+    def _busy(self) -> bool:
+        """The supervisor has not read all that was sent yet (False where that cannot be told)."""
+        if self._unread is None:
+            return False
+        try:
+            return self._unread() > 0
+        except OSError:
+            return False
+
+    def _can_hold(self, now: float) -> bool:
+        if self._held_since is not None and (len(self._posted) > self._held_count
+                                             or now - self._held_since >= BATCH_DELAY_S):
+            return False    # held over one step already (the next one said more): never two steps late
+        if not all(isinstance(m, P.Progress) or (isinstance(m, P.Segment) and m.index > 0) for m in self._posted):
+            return False
+        return self._busy()
+
 
 BATCH_DELAY_S = 0.01
 # A pipe write of up to PIPE_BUF (4096) bytes is atomic: the supervisor never finds half of one,
 # even when this worker freezes mid-send. Batches stay under it.
 _MAX_PACK = 4000
+
+
+def _unread_probe(conn: ControlChannel) -> Callable[[], int] | None:
+    """A function giving the bytes written on `conn` that its reader has not read yet: SIOCOUTQ on
+    the socket under a local worker's duplex pipe. None for a channel without a socket."""
+    try:
+        fd = conn.fileno()   # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):
+        return None
+    if not isinstance(fd, int):
+        return None
+    buf = bytes(4)
+
+    def unread() -> int:
+        return int(struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, buf))[0])
+
+    try:
+        unread()
+    except OSError:
+        return None
+    return unread
 
 
 def _packs(messages: list[object]) -> list[bytes]:

@@ -87,6 +87,17 @@ class Row:
     goal: Goal | None = None
     note: str = ""
     error: str | None = None
+    better: str | None = None         # "lower" or "higher" ratio; None: as the goal says (bench-check)
+    bench: str = ""                   # the bench that gave it (set by the runner)
+
+    @property
+    def direction(self) -> str | None:
+        """Which way the ratio improves ("lower" or "higher"); None when neither the row nor its goal says."""
+        if self.better is not None:
+            return self.better
+        if self.goal is None:
+            return None
+        return "lower" if self.goal.op == "<=" else "higher"
 
     @property
     def met(self) -> bool | None:
@@ -98,7 +109,8 @@ class Row:
         return {"figure": self.figure, "value": self.value, "unit": self.unit, "anchor": self.anchor,
                 "anchor_value": self.anchor_value, "anchor_unit": self.anchor_unit, "ratio": self.ratio,
                 "ratio_def": self.ratio_def, "goal": self.goal.text if self.goal else None,
-                "goal_met": self.met, "note": self.note, "error": self.error}
+                "goal_met": self.met, "better": self.direction, "bench": self.bench, "note": self.note,
+                "error": self.error}
 
 
 def fmt(x: float | None, unit: str = "") -> str:
@@ -496,16 +508,19 @@ def engines_config() -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def control_config() -> tuple[dict[str, Any], dict[str, Any]]:
-    """Python stages only: no-op chains of 1, 2 and 3 stages, two sleepers, a tensor producer/consumer."""
+    """Python stages only: no-op chains of 1, 2 and 3 stages, two sleepers, a tensor producer/consumer,
+    a text stream (`seg`)."""
     stages = {
         "n1": py_stage("noop"), "n2": py_stage("noop"), "n3": py_stage("noop"),
         "sa": py_stage("sleep"), "sb": py_stage("sleep"),
         "tx": py_stage("tensor_make"), "ty": py_stage("tensor_take"),
+        "seg": py_stage("segments"),
     }
     pipelines = {
         "p1": {"stages": ["n1"]}, "p2": {"stages": ["n1", "n2"]}, "p3": {"stages": ["n1", "n2", "n3"]},
         "ab": {"stages": ["sa", "sb"]},
         "tensor": {"stages": ["tx", "ty"]},
+        "seg": {"stages": ["seg"]},
     }
     return stages, pipelines
 

@@ -41,6 +41,12 @@ def consume_windows(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) ->
         yield {"text": str(piece)}
 
 
+def segments(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> Iterator[dict[str, Any]]:
+    """A text stream as fast as it can go: `n` segments of one short word each."""
+    for i in range(int(params.get("n", 4000))):
+        yield {"text": f"w{i % 10} "}
+
+
 def tensor_make(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> dict[str, Any]:
     """Makes a float16 tensor of `mb` MiB; times an in-process clone of it; hands it on.
 

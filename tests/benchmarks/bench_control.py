@@ -1,11 +1,14 @@
-"""The control plane: per-job overhead, the API under 32 concurrent clients, supervisor memory.
+"""The control plane: per-job overhead, the API under 32 concurrent clients, supervisor memory, the
+supervisor's CPU per streamed segment.
 
-All on the shared "control" daemon (python no-op stages: `p1` = 1 stage, `p2` = 2, `p3` = 3).
+All on the shared "control" daemon (python no-op stages: `p1` = 1 stage, `p2` = 2, `p3` = 3; `seg`
+streams text segments).
 Clients are `omnictl.client.Client`s: one new Unix-socket connection per request, as omnictl does.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -196,3 +199,45 @@ def bench_supervisor_rss(ctx: Ctx) -> list[Row]:
                 before / mib, "MiB", after / before, "after / before", None,
                 f"{(after - before) / max(1, submitted):.0f} B per job; {submitted / elapsed:.0f} jobs/s "
                 f"submitted and run by 8 clients{short}")]
+
+
+def _reference_op_s(ops: int) -> float:
+    """CPU seconds (this thread's) of one op of plain Python of the kind the supervisor does for a
+    segment (an event's dict, its JSON both ways): the yardstick of this machine's speed now."""
+    t = time.thread_time()
+    for i in range(ops):
+        ev = {"type": "segment", "job": "j0123456789", "ts": 1.0e9 + i, "stage": "seg", "index": i,
+              "is_last": False, "text": "w1 "}
+        json.loads(json.dumps(ev))
+    return (time.thread_time() - t) / ops
+
+
+def bench_segment_path(ctx: Ctx) -> list[Row]:
+    """The supervisor's CPU time per streamed segment, one job of N text segments (`seg`, a python
+    generator that yields as fast as it can: one message per segment) followed by an event reader.
+
+    The supervisor's CPU (psutil: user + system, its own process) over the job, per segment event
+    the reader got; against a reference op of plain Python timed in this process just before and
+    after (this machine's speed now), so the ratio moves with omnid's per-segment path, not the load.
+    """
+    d = ctx.daemon("control")
+    n = 3000        # (the same in both modes: the figure names it, and bench-check's baseline is by figure)
+    proc = psutil.Process(d.proc.pid)
+    d.run("seg", {"text": "x"}, {"seg": {"n": 200}}, timeout=60).check()   # warm
+    per_segment: list[float] = []
+    refs: list[float] = []
+    events = 0
+    for i in range(7):         # (the median of 7: steady enough for bench-check, under a second each)
+        ctx.check(f"job {i}")
+        refs.append(_reference_op_s(20000))
+        before = proc.cpu_times()
+        r = d.run("seg", {"text": "x"}, {"seg": {"n": n}}, timeout=120).check()
+        after = proc.cpu_times()
+        events = len(r.all(type="segment"))
+        per_segment.append((after.user + after.system - before.user - before.system) / events)
+    refs.append(_reference_op_s(20000))
+    seg, ref = p50(per_segment), p50(refs)
+    return [Row(f"supervisor CPU per streamed segment ({n} segments, an event reader)", 1e6 * seg, "us",
+                "a plain-Python op (event dict, JSON out and in)", 1e6 * ref, "us", seg / ref, "segment / op",
+                None, f"median of {len(per_segment)} jobs: {', '.join(fmt(1e6 * x) for x in per_segment)} us; "
+                f"{events} segment events in the last", better="lower")]

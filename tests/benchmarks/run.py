@@ -56,6 +56,7 @@ class Bench:
     figures: list[str]            # the rows it gives, named for the error case
     budget_s: tuple[float, float]  # (full, --quick), not counting a shared daemon's start
     uses: tuple[str, ...]         # shared daemons
+    fast: bool = False            # short and steady enough for `make bench-check` (check.py), twice a run
 
 
 # The suite, in the order it runs. Streaming first: it is the priority.
@@ -97,12 +98,14 @@ BENCHES: list[Bench] = [
           (150, 100), ("engines",)),
     Bench("pipelining", "dataplane", bench_dataplane.bench_pipelining,
           ["pipelining: 8 jobs x 2 stages of 0.25 s, wall", "pipelining: same wall vs serial"],
-          (40, 20), ("control",)),
+          (40, 20), ("control",), fast=True),
     Bench("tensor_handoff", "dataplane", bench_dataplane.bench_tensor_handoff,
           ["tensor hand-off: 256 MiB fp16, stage -> stage"], (120, 60), ("control",)),
     Bench("noop_latency", "control", bench_control.bench_noop_latency,
           ["no-op job, 1 stage: submit -> terminal event, p50", "no-op job, each further stage hop, p50"],
           (90, 45), ("control",)),
+    Bench("segment_path", "control", bench_control.bench_segment_path,
+          ["supervisor CPU per streamed segment (3000 segments, an event reader)"], (90, 60), ("control",), fast=True),
     Bench("api_concurrency", "control", bench_control.bench_api_concurrency,
           ["POST /v1/jobs, 32 clients, 2-stage no-op: jobs/s", "GET /v1/jobs/{id}, 32 clients: req/s"],
           (120, 60), ("control",)),
@@ -119,7 +122,7 @@ BENCHES: list[Bench] = [
     Bench("peer", "engines", bench_peer.bench_peer, bench_peer.FIGURES, (3600, 1500), ()),  # 4 or 12 server starts
     Bench("tracing", "control", bench_tracing.bench_tracing, bench_tracing.FIGURES, (420, 240), ()),
     Bench("held_streams", "control", bench_resources.bench_held_streams,
-          ["GET /v1/health p50 with N event streams held"], (90, 45), ("control",)),
+          ["GET /v1/health p50 with N event streams held"], (90, 45), ("control",), fast=True),
     Bench("fair_wait", "priorities", bench_priorities.bench_fair_wait, [bench_priorities.FIGURES[0]], (120, 90), ()),
     Bench("priority_ttft", "priorities", bench_priorities.bench_priority_ttft, [bench_priorities.FIGURES[1]],
           (300, 240), ()),
@@ -185,6 +188,39 @@ def table(rows: list[Row]) -> str:
     return "\n".join([line(head), sep] + [line(c) for c in body])
 
 
+def run_suite(selected: list[Bench], quick: bool) -> tuple[list[Row], list[str], dict[str, float], float]:
+    """Run the benches in order, on shared daemons started for this run; (rows, problems, seconds
+    per bench, seconds in all). Progress goes to stderr."""
+    shared = shared_daemons()
+    rows: list[Row] = []
+    problems: list[str] = []
+    timings: dict[str, float] = {}
+    t0 = time.monotonic()
+    print(f"omnid benchmarks ({'quick' if quick else 'full'}): {', '.join(b.name for b in selected)}",
+          file=sys.stderr, flush=True)
+    try:
+        for i, b in enumerate(selected):
+            print(f"- {b.name} ...", file=sys.stderr, flush=True)
+            got, probs, seconds = run_bench(b, quick, shared)
+            for r in got:
+                r.bench = b.name
+            rows += got
+            problems += probs
+            timings[b.name] = round(seconds, 1)
+            for r in got:
+                print(f"  {r.figure}: " + (f"error: {r.error}" if r.error else
+                                            f"{fmt(r.value, r.unit)}, ratio {fmt(r.ratio, 'x')}"),
+                      file=sys.stderr, flush=True)
+            # a shared daemon no later bench needs is stopped now (less noise for the rest)
+            later = {u for rest in selected[i + 1:] for u in rest.uses}
+            for name in list(shared.daemons):
+                if name not in later:
+                    problems += shared.stop(name)
+    finally:
+        problems += shared.stop_all()
+    return rows, problems, timings, time.monotonic() - t0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (about 3 minutes)")
@@ -203,33 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown bench or area: {', '.join(sorted(unknown))}")
     selected = [b for b in BENCHES if not wanted or b.name in wanted or b.area in wanted]
 
-    shared = shared_daemons()
-    rows: list[Row] = []
-    problems: list[str] = []
-    timings: dict[str, float] = {}
-    t0 = time.monotonic()
-    print(f"omnid benchmarks ({'quick' if args.quick else 'full'}): {', '.join(b.name for b in selected)}",
-          file=sys.stderr, flush=True)
-    try:
-        for i, b in enumerate(selected):
-            print(f"- {b.name} ...", file=sys.stderr, flush=True)
-            got, probs, seconds = run_bench(b, args.quick, shared)
-            rows += got
-            problems += probs
-            timings[b.name] = round(seconds, 1)
-            for r in got:
-                print(f"  {r.figure}: " + (f"error: {r.error}" if r.error else
-                                            f"{fmt(r.value, r.unit)}, ratio {fmt(r.ratio, 'x')}"),
-                      file=sys.stderr, flush=True)
-            # a shared daemon no later bench needs is stopped now (less noise for the rest)
-            later = {u for rest in selected[i + 1:] for u in rest.uses}
-            for name in list(shared.daemons):
-                if name not in later:
-                    problems += shared.stop(name)
-    finally:
-        problems += shared.stop_all()
-    total = time.monotonic() - t0
-
+    rows, problems, timings, total = run_suite(selected, args.quick)
     out = table(rows)
     print()
     print(out)

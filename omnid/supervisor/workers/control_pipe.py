@@ -45,7 +45,9 @@ class ControlPipe:
     def drain(self) -> None:
         """Hand every message readable now to `on_message`; detach at EOF."""
         try:
-            while self._conn is not None and self._conn.poll():
+            # (select, not Connection.poll: that builds and closes a selector per call, once per
+            # message of every token stream; a Connection reads exact lengths, keeping no buffer)
+            while self._conn is not None and select.select([self._fd], [], [], 0)[0]:
                 msg = self._conn.recv()
                 self._on_message(msg)
         except (EOFError, OSError):

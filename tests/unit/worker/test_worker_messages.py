@@ -1,11 +1,14 @@
-"""How a stage worker batches what it tells the supervisor (omnid.worker.reporter: post/flush, in-process)."""
+"""How a stage worker batches what it tells the supervisor (omnid.worker.reporter: post/flush,
+in-process, on a real pipe where it matters when a message goes)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import pickle
+from multiprocessing.connection import Connection
 
 from omnid import protocol as P
-from omnid.worker.reporter import _MAX_PACK, _coalesce, _packs
+from omnid.worker.reporter import _MAX_PACK, Reporter, _coalesce, _packs
 
 
 def test_consecutive_progress_of_a_job_keeps_the_last_and_segments_join() -> None:
@@ -33,3 +36,59 @@ def test_batches_stay_small_enough_for_an_atomic_pipe_write() -> None:
     assert flat == msgs                                      # all of them, in order
     assert all(len(data) <= _MAX_PACK for data in _packs(msgs))
     assert [pickle.loads(d) for d in _packs([P.Started("a")])] == [P.Started("a")]   # one goes as itself
+
+
+# ------------------------------------------------------------------ when a message goes (a real pipe)
+
+
+def _reporter() -> tuple[Reporter, Connection]:
+    """A Reporter on the worker's end of a real duplex pipe (a socketpair), and the supervisor's end."""
+    worker, supervisor = multiprocessing.Pipe()
+    return Reporter(worker, lambda: None), supervisor
+
+
+def _read(conn: Connection) -> list[object]:
+    """Everything readable now, Batches unpacked."""
+    out: list[object] = []
+    while conn.poll(0.2):
+        msg = conn.recv()
+        out += list(msg.messages) if isinstance(msg, P.Batch) else [msg]
+    return out
+
+
+def test_an_idle_pipe_sends_a_step_at_once_even_when_more_steps_follow() -> None:
+    r, sup = _reporter()
+    r.post(P.Segment("a", 0, False, text="he"))
+    r.flush(more_soon=True)                 # the first token never waits
+    assert _read(sup) == [P.Segment("a", 0, False, text="he")]
+    r.post(P.Segment("a", 1, False, text="llo"))
+    r.flush(more_soon=True)                 # the supervisor read everything: idle, sent now
+    assert _read(sup) == [P.Segment("a", 1, False, text="llo")]
+
+
+def test_a_busy_pipe_joins_a_step_with_the_next_one_and_never_holds_longer() -> None:
+    r, sup = _reporter()
+    r.post(P.Segment("a", 0, False, text="a"))
+    r.flush(more_soon=True)                 # sent, not read yet: the pipe is busy
+    r.post(P.Segment("a", 1, False, text="b"))
+    r.post(P.Segment("b", 1, False, text="x"))
+    r.flush(more_soon=True)                 # held for the next step
+    r.flush(more_soon=True)                 # (a flush with nothing new: still held)
+    r.post(P.Segment("a", 2, False, text="c"))
+    r.flush(more_soon=True)                 # still busy, but held one step already: sent, joined
+    assert _read(sup) == [P.Segment("a", 0, False, text="a"), P.Segment("a", 1, False, text="bc", count=2),
+                          P.Segment("b", 1, False, text="x")]
+
+
+def test_a_busy_pipe_holds_nothing_when_no_step_follows_or_the_message_must_go() -> None:
+    r, sup = _reporter()
+    r.post(P.Segment("a", 0, False, text="a"))
+    r.flush(more_soon=True)                 # busy from here on (nothing read)
+    r.post(P.Segment("a", 1, True, text="b"))
+    r.flush(more_soon=False)                # no step follows: sent
+    r.post(P.Segment("b", 0, False, text="first"))
+    r.flush(more_soon=True)                 # a job's first token is never held
+    r.post(P.Finished("a", 0.1))
+    r.flush(more_soon=True)                 # nor anything but segments and progress
+    assert _read(sup) == [P.Segment("a", 0, False, text="a"), P.Segment("a", 1, True, text="b"),
+                          P.Segment("b", 0, False, text="first"), P.Finished("a", 0.1)]

@@ -1,0 +1,29 @@
+"""`make bench-check`'s verdict on one row (tests/benchmarks/check.py `judge`), in-process: flagged only
+when the two runs' mean is more than 10 % worse than the baseline and further off than the runs
+are from each other; which way is worse comes from the row."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from check import judge  # noqa: E402
+
+
+def test_a_row_worse_than_its_baseline_beyond_noise_is_flagged_either_way() -> None:
+    assert judge("r", {"ratio": 5.0, "better": "lower"}, [6.0, 6.1], "lower").status == "FLAGGED"
+    assert judge("r", {"ratio": 5.0, "better": "higher"}, [4.0, 4.1], "higher").status == "FLAGGED"
+
+
+def test_noise_or_an_improvement_or_a_small_change_is_not() -> None:
+    assert judge("r", {"ratio": 5.0, "better": "lower"}, [5.2, 6.3], "lower").status == "ok"     # runs disagree
+    assert judge("r", {"ratio": 5.0, "better": "lower"}, [4.0, 4.1], "lower").status == "ok"     # better
+    assert judge("r", {"ratio": 5.0, "better": "lower"}, [5.4, 5.45], "lower").status == "ok"   # 9 % worse
+
+
+def test_a_row_without_a_baseline_or_without_both_runs_is_said_so() -> None:
+    assert judge("r", None, [4.0, 4.1], "lower").status == "new"
+    assert judge("r", {"ratio": 5.0, "better": "lower"}, [6.0], "lower").status == "missing"
+    assert judge("r", {"ratio": 5.0}, [6.0, 6.1], None).status == "unchecked"
