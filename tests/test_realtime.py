@@ -424,7 +424,8 @@ def test_a_response_with_no_user_turn_answers_from_the_instructions(daemon: Runn
             await http.close()
 
     done = run(go())
-    assert done["status"] == "completed" and done["output"][0]["content"][0]["transcript"], done
+    assert (done["status"] == "completed" or done["status_details"]["reason"] == "max_output_tokens") \
+        and done["output"][0]["content"][0]["transcript"], done
     job = daemon.client.job(done["metadata"]["omnid_job"])
     assert json.loads(job["inputs"]["messages"]) == [{"role": "system", "content": "Greet the caller."}]
 

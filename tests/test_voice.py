@@ -119,7 +119,7 @@ def test_two_spoken_turns_and_a_barge_in_by_voice(voice: tuple[RunningDaemon, st
         assert stopped["audio_end_ms"] - started["audio_start_ms"] > 1000, (started, stopped)
         heard_ms += 300 + speech.ms(speech.pcm24k(name))
         done = t["done"]
-        assert done["status"] == "completed", done
+        assert answered(done), done
         job = d.client.job(done["metadata"]["omnid_job"])
         assert job["state"] == "succeeded" and job["pipeline"] == "voice"
         (clip,) = job["inputs"]["audio"]             # the committed turn: from 300 ms before the speech to its end
@@ -192,7 +192,7 @@ def test_turn_detection_null_keeps_manual_turns_and_bad_settings_get_error_event
     assert r["updated"]["audio"]["input"]["turn_detection"] is None
     assert not [k for k in r["kinds"] if "speech_" in k], r["kinds"]        # no VAD: the client commits
     assert r["kinds"].index("input_audio_buffer.committed") < r["kinds"].index("response.created")
-    assert r["done"]["status"] == "completed", r["done"]
+    assert answered(r["done"]), r["done"]
     (clip,) = d.client.job(r["done"]["metadata"]["omnid_job"])["inputs"]["audio"]
     assert abs(clip["seconds"] - speech.ms(speech.pcm24k("turn2")) / 1000) < 0.01       # all of it, as sent
 
@@ -278,8 +278,20 @@ def test_the_openai_client_on_its_defaults_talks_by_voice(voice: tuple[RunningDa
     finally:
         asyncio.run(client.close())
     statuses = [t.response.status for t in turns]
-    assert statuses == ["completed", "completed", "completed", "cancelled", "completed"], statuses
+    # a tiny random model never says its end: an answer its max_tokens cut is "incomplete"
+    # (max_output_tokens), as OpenAI says one; the barge-in's is "cancelled"
+    assert [s if s == "cancelled" else "answered" for s in statuses] == ["answered"] * 3 + ["cancelled", "answered"]
+    assert all(s in ("completed", "incomplete") for s in statuses if s != "cancelled"), statuses
+    assert all(t.response.status_details is None or t.response.status_details.reason == "max_output_tokens"
+               for t in turns if t.response.status == "incomplete"), [t.response.status_details for t in turns]
     assert turns[3].response.status_details.reason == "turn_detected"
     greeting = d.client.job(turns[0].response.metadata["omnid_job"])
     assert greeting["owner_uid"] == KEY_UID and json.loads(greeting["inputs"]["messages"]) == [
         {"role": "system", "content": "Greet the caller warmly."}]
+
+
+def answered(response: dict) -> bool:  # type: ignore[type-arg]
+    """A response that answered: completed, or cut by its max tokens ("incomplete", max_output_tokens:
+    a tiny random model never says its end), as OpenAI says one."""
+    return response["status"] == "completed" or (response["status"] == "incomplete" and
+                                                 (response.get("status_details") or {}).get("reason") == "max_output_tokens")
