@@ -28,7 +28,7 @@ import time
 import urllib.request
 from typing import Any
 
-import psutil
+from omnid.process_stats import tree_cpu_seconds
 
 from _harness import Ctx, Daemon, Row, at_least, at_most, fmt, kill_daemon, p50, start_daemon, vllm_stage
 
@@ -113,15 +113,7 @@ def _wall(ctx: Ctx, d: Daemon, n: int) -> float:
 
 def _cpu(d: Daemon) -> float:
     """CPU seconds (user and system) the daemon and its workers have spent so far."""
-    root = psutil.Process(d.proc.pid)
-    total = 0.0
-    for p in [root, *root.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
+    return tree_cpu_seconds(d.proc.pid)
 
 
 def _first_token(ctx: Ctx, d: Daemon) -> float:
