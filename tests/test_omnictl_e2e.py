@@ -349,7 +349,7 @@ def check_inspection_commands(d: RunningDaemon) -> None:
     ready = json.loads(r.stdout)
     assert ready.pop("disk")["full"] is False, ready              # (the state dir's space: room enough)
     assert ready == {"ready": True, "stages": {name: "ready" for name in STAGES}, "not_ready": [],
-                     "replicas_down": {}, "lazy": []}
+                     "replicas_down": {}, "warming": [], "lazy": []}
 
     r = omnictl(d, "metrics")
     assert r.returncode == 0 and "# TYPE " in r.stdout, r

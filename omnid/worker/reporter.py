@@ -90,8 +90,9 @@ class Reporter:
 
         `more_soon`: the caller flushes again after the next engine step (a short one). While the
         supervisor has not read the last write (a busy channel), segments and progress reports then
-        wait for that flush, one step at most, and go joined with the next step's; a job's first
-        segment (its first token) and every other message go now."""
+        wait for that flush, one step at most, and go in one write with the next step's (each step's
+        segments stay their own segments: a token is one event, as the job's events promise); a
+        job's first segment (its first token) and every other message go now."""
         now = time.monotonic()
         if not self._posted:
             self._flushed_at = now
@@ -101,9 +102,10 @@ class Reporter:
                 self._held_since, self._held_count = now, len(self._posted)
             return
         self._flushed_at = now
+        held = self._held_count if self._held_since is not None else 0
         self._held_since = None
         self._before_flush()                # a step's live output segments, for ?stream=1 readers
-        messages = _coalesce(self._posted)
+        messages = _coalesce(self._posted[:held]) + _coalesce(self._posted[held:])
         self._posted = []
         for data in _packs(messages):
             with self._send_lock:

@@ -87,6 +87,9 @@ class Ending:
             self.stopping[(address, job.id)] = jobs.loop.call_later(grace, self._grace_expired, address, job.id)
         self._forget(job.id)
         jobs.store.drop_inputs(job.id)
+        # Committed now, before the readers this end woke run: a client told that the job ended
+        # finds it so in the store (and after a crash), with all its events
+        jobs.store.flush()
         metrics = jobs.metrics
         if metrics:
             metrics.job_finished(job.pipeline.name, state, now - record.created_at, exemplar(job))

@@ -66,7 +66,7 @@ def test_an_idle_pipe_sends_a_step_at_once_even_when_more_steps_follow() -> None
     assert _read(sup) == [P.Segment("a", 1, False, text="llo")]
 
 
-def test_a_busy_pipe_joins_a_step_with_the_next_one_and_never_holds_longer() -> None:
+def test_a_busy_pipe_sends_a_step_with_the_next_one_and_never_holds_longer() -> None:
     r, sup = _reporter()
     r.post(P.Segment("a", 0, False, text="a"))
     r.flush(more_soon=True)                 # sent, not read yet: the pipe is busy
@@ -75,9 +75,10 @@ def test_a_busy_pipe_joins_a_step_with_the_next_one_and_never_holds_longer() -> 
     r.flush(more_soon=True)                 # held for the next step
     r.flush(more_soon=True)                 # (a flush with nothing new: still held)
     r.post(P.Segment("a", 2, False, text="c"))
-    r.flush(more_soon=True)                 # still busy, but held one step already: sent, joined
-    assert _read(sup) == [P.Segment("a", 0, False, text="a"), P.Segment("a", 1, False, text="bc", count=2),
-                          P.Segment("b", 1, False, text="x")]
+    r.flush(more_soon=True)                 # still busy, but held one step already: sent together
+    # (one write, but every token its own segment: a job's events count its tokens)
+    assert _read(sup) == [P.Segment("a", 0, False, text="a"), P.Segment("a", 1, False, text="b"),
+                          P.Segment("b", 1, False, text="x"), P.Segment("a", 2, False, text="c")]
 
 
 def test_a_busy_pipe_holds_nothing_when_no_step_follows_or_the_message_must_go() -> None:

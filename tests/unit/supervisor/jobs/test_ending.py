@@ -43,6 +43,11 @@ class Store:
         self.events: list[dict[str, Any]] = []
         self.saved: list[str] = []
         self.dropped: list[str] = []
+        self.flushed_at: list[int] = []         # how many events were there at each flush
+
+    def flush(self) -> bool:
+        self.flushed_at.append(len(self.events))
+        return True
 
     def append_event(self, job: str, seq: int, event: dict[str, Any]) -> None:
         self.events.append(event)
@@ -91,6 +96,7 @@ def test_a_job_ends_once_and_every_stage_is_told_to_drop_it(tmp_path: Path) -> N
         for stage in jobs.stages.values():
             assert [type(m) for m in stage.sent] == [P.Cancel, P.Forget]
         assert forgotten == ["j"] and jobs.store.dropped == ["j"]
+        assert jobs.store.flushed_at == [len(jobs.store.events)]   # committed with its end, before a reader hears it
         assert jobs.store.events[-1] == {**jobs.store.events[-1], "type": "state", "state": "failed",
                                          "error": {"code": "x", "message": "boom"}}
         assert set(ending.stopping) == {(P.address("a", 0), "j")}      # it was running in a
