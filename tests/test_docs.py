@@ -92,3 +92,11 @@ def test_a_broken_link_fails_the_build(copy: Path, breakage: str) -> None:
         (copy / "docs/guides/orphan.md").write_text("# An orphan\n")
     made = build(copy / "docs", copy / "mkdocs.yml", copy / "site")
     assert made.returncode != 0, made.stderr[-3000:]
+
+
+def test_the_api_page_names_every_state_event_and_error_code() -> None:
+    from omnid.vocabulary import ErrorCode, EventType, JobState
+    api = (ROOT / "docs/api.md").read_text()
+    for enum in (JobState, EventType, ErrorCode):
+        missing = [m.value for m in enum if f"`{m.value}`" not in api]
+        assert missing == [], f"docs/api.md does not name these {enum.__name__} values: {missing}"
