@@ -1,5 +1,6 @@
 """The docs pages made from the code's own definitions: `omnictl`'s reference (click's own help of every
-command) and the OpenAPI page (every operation the daemon documents, with its summary).
+command), the OpenAPI page (every operation the daemon documents, with its summary) and the list of
+every metric (the daemon's own Prometheus registry: name, type, help).
 
 `python tests/docs_pages.py` writes them into docs/reference/; tests/unit/test_docs.py fails while a page
 differs from what this makes (a command, option or operation added, changed or removed), saying to run it.
@@ -15,6 +16,7 @@ import click
 ROOT = Path(__file__).resolve().parents[1]
 OMNICTL_PAGE = ROOT / "docs/reference/omnictl.md"
 OPENAPI_PAGE = ROOT / "docs/reference/openapi.md"
+METRICS_PAGE = ROOT / "docs/reference/metric-list.md"
 WIDTH = 100
 REGENERATE = "python tests/docs_pages.py"
 
@@ -60,8 +62,38 @@ def openapi_page() -> str:
     return "\n".join(parts) + "\n"
 
 
+def metrics_page() -> str:
+    """Every family the daemon's registry serves: its own collectors asked with stand-ins for the disk watch
+    and the connection guard (which report only once the daemon has made them)."""
+    from types import SimpleNamespace
+
+    from omnid.supervisor.metrics import Metrics
+    metrics = Metrics({})
+    disk = SimpleNamespace(check=lambda: SimpleNamespace(free_bytes=1, free_inodes=1, full=False, store_failing=None,
+                                                         ballast=True),
+                           min_free_bytes=1, ballast_bytes=1, released=0)
+    guard = SimpleNamespace(connections=lambda: [], limit=1, refused=0)
+    metrics.watch(disk, guard)  # type: ignore[arg-type]
+    parts = ["# Every metric", "",
+             "What `GET /metrics` serves, family by family, as the daemon's own Prometheus registry describes it",
+             f"(made by `{REGENERATE}`; a test fails while this page and the registry differ). What they",
+             "mean together, their labels and exemplars: [Metrics and spans](metrics.md).", "",
+             "| metric | type | what |", "| --- | --- | --- |"]
+    standard = []
+    for fam in metrics.registry.collect():
+        suffix = "_total" if fam.type == "counter" else "_info" if fam.type == "info" else ""
+        if not fam.name.startswith("omnid_"):
+            standard.append(fam.name + suffix)
+            continue
+        help_ = " ".join(fam.documentation.split()).replace("|", "\\|")
+        parts.append(f"| `{fam.name}{suffix}` | {fam.type} | {help_} |")
+    parts += ["", "Besides these, the standard series of a Python exporter: " +
+              ", ".join(f"`{n}`" for n in sorted(standard)) + "."]
+    return "\n".join(parts) + "\n"
+
+
 def main() -> None:
-    for page, text in ((OMNICTL_PAGE, omnictl_page()), (OPENAPI_PAGE, openapi_page())):
+    for page, text in ((OMNICTL_PAGE, omnictl_page()), (OPENAPI_PAGE, openapi_page()), (METRICS_PAGE, metrics_page())):
         page.write_text(text)
         print(f"wrote {page.relative_to(ROOT)} ({len(text.encode())} bytes)")
 

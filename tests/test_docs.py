@@ -1,6 +1,6 @@
 """The documentation: the README stays one screen's worth, every docs page is a page's worth, the README's
-links lead to files that exist, the generated reference pages (omnictl's help, the OpenAPI operations)
-are what the code makes, and `mkdocs build --strict` builds the site, and fails on a broken link.
+links lead to files that exist, the generated reference pages (omnictl's help, the OpenAPI operations,
+the metrics registry) are what the code makes, the API page names every state, event and error code, and `mkdocs build --strict` builds the site, and fails on a broken link.
 
 mkdocs runs in a subprocess on a copy of docs/ (about 5 s a build); the rest is in-process.
 """
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from docs_pages import REGENERATE, omnictl_page, openapi_page, OMNICTL_PAGE, OPENAPI_PAGE
+from docs_pages import (METRICS_PAGE, OMNICTL_PAGE, OPENAPI_PAGE, REGENERATE, metrics_page, omnictl_page,
+                        openapi_page)
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -45,8 +46,8 @@ def test_the_readmes_links_lead_to_files_that_exist() -> None:
     assert missing == []
 
 
-@pytest.mark.parametrize("page,make", [(OMNICTL_PAGE, omnictl_page), (OPENAPI_PAGE, openapi_page)],
-                         ids=["omnictl", "openapi"])
+@pytest.mark.parametrize("page,make", [(OMNICTL_PAGE, omnictl_page), (OPENAPI_PAGE, openapi_page),
+                                       (METRICS_PAGE, metrics_page)], ids=["omnictl", "openapi", "metrics"])
 def test_the_generated_reference_pages_are_what_the_code_makes(page: Path, make: object) -> None:
     assert callable(make)
     assert page.read_text() == make(), f"{page.relative_to(ROOT)} is stale: run `{REGENERATE}`"
