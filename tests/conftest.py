@@ -559,6 +559,7 @@ def close_in(pid: int, fds: list[int], keep_numbers: bool = False) -> None:
 # that no worker starts one of them when the others are nearly done. The rest follow as collected.
 LONGEST_FIRST = (
     "tests/test_vllm_compile.py", "tests/test_engine_core.py", "tests/test_omni_pipeline.py", "tests/test_realtime.py",
+    "tests/test_docs_tour.py",
     "tests/test_engines.py", "tests/test_priorities.py", "tests/test_lora.py", "tests/test_tracing.py",
     "tests/test_omni_speech.py", "tests/test_systemd.py", "tests/test_shm.py", "tests/test_vllm_tensors.py",
     "tests/test_ray.py", "tests/test_gpucheck.py", "tests/test_startup.py", "tests/test_streaming.py",

@@ -216,12 +216,12 @@ def test_check_reports_problem(case: str, tmp_path: Path, models: Path) -> None:
 
 
 def test_the_sessions_stage_as_documented_checks_in_a_config_in_etc(tmp_path: Path) -> None:
-    """The README's Sessions block and etc/examples/sessions_stage.py's docstring, pasted into a config in
+    """The docs' Sessions block (docs/guides/python-stages.md) and etc/examples/sessions_stage.py's docstring, pasted into a config in
     etc/ (beside examples/, as in the repo): `omnid --check` finds the module. A wrong folder is named."""
     etc = tmp_path / "etc"
     etc.mkdir()
     (etc / "examples").symlink_to(ROOT / "etc/examples")
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs/guides/python-stages.md").read_text()
     [readme_block] = re.findall(r"```toml\n(\[stages\.talk\]\n.*?)```", readme, re.S)
     docstring = (ROOT / "etc/examples/sessions_stage.py").read_text()
     [example_block] = re.findall(r"\n    (\[stages\.talk\]\n(?:    \S.*\n)+)", docstring)

@@ -388,9 +388,9 @@ def test_socket_activation(workdir: Path, reap) -> None:
 
 
 def readme_verify_commands() -> tuple[str, str]:
-    """The README's `make install` into a staging folder, and its `unshare ... systemd-analyze verify`
+    """The service page's (docs/getting-started/service.md) `make install` into a staging folder, and its `unshare ... systemd-analyze verify`
     command (one shell command, its continuation lines joined)."""
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs/getting-started/service.md").read_text()
     [block] = re.findall(r"```sh\n(make install DESTDIR=[^\n]*\nunshare .*?)```", readme, re.S)
     install, verify = block.split("\n", 1)
     return install, verify.strip()
@@ -425,7 +425,7 @@ def test_make_install_into_a_destdir_gives_units_that_verify(tmp_path: Path) -> 
     seen = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
                           capture_output=True, text=True, timeout=120)
     assert seen.returncode == 0 and seen.stdout + seen.stderr == "", seen.stdout + seen.stderr
-    # the README's command verifies the staged units, as written (its staging folder replaced by ours)
+    # the service page's command verifies the staged units, as written (its staging folder replaced by ours)
     install, verify = readme_verify_commands()
     assert install == "make install DESTDIR=/tmp/omnid-stage INSTALL_EXTRAS="
     seen = subprocess.run(["sh", "-c", verify.replace("/tmp/omnid-stage", str(dest))],

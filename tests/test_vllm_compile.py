@@ -30,7 +30,7 @@ DEFAULTS = {"vlm": MODELS / "vlm", "alm": MODELS / "alm", "thinker": MODELS / "o
 # vLLM 0.28's Transformers modeling backend (the tiny LLaVA names it as its architecture) cannot
 # compile the model: Dynamo's fake tensors fail the attention's view ("shape '[1, s77, -1, 64]' is
 # invalid for input of size 128"), a load error on that vLLM alone (0.32 compiles it; with torchvision
-# a LLaVA loads as vLLM's own LlavaForConditionalGeneration). README "Supported vLLM versions" says so.
+# a LLaVA loads as vLLM's own LlavaForConditionalGeneration). docs/operations/upgrades.md says so.
 _VLLM = vllm_compat.installed()
 if _VLLM is not None and vllm_compat._release(_VLLM[1])[:2] == (0, 28):
     del DEFAULTS["vlm"]

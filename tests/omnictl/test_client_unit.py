@@ -323,9 +323,9 @@ def test_submit_prints_id_alone_and_sends_body(daemon: FakeDaemon, tmp_path: Pat
     }
 
 
-def test_the_readmes_lora_command_runs_as_written(daemon: FakeDaemon) -> None:
-    """The LoRA section's `omnictl submit chat -p chat.adapter=a`: `-p` is `--param`'s short form."""
-    readme = (REPO_ROOT / "README.md").read_text()
+def test_the_lora_guides_command_runs_as_written(daemon: FakeDaemon) -> None:
+    """The LoRA guide's (docs/guides/lora.md) `omnictl submit chat -p chat.adapter=a`: `-p` is `--param`'s short form."""
+    readme = (REPO_ROOT / "docs/guides/lora.md").read_text()
     [command] = re.findall(r"`omnictl (submit chat -p [^`]+)`", readme)
     daemon.json("POST", "/v1/jobs", make_job(JobState.QUEUED), status=201)
     result = run_cli(daemon, *command.split())
