@@ -79,14 +79,6 @@ class _Checker:
             return default
         return value
 
-    def positive(self, data: Mapping[str, Any], key: str, path: str, default: float | None,
-                 *, integer: bool = False, allow_zero: bool = False) -> Any:
-        value = self.get(data, key, path, int if integer else (int, float), default)
-        if value is not default and (value < 0 or (value == 0 and not allow_zero)):
-            self.add(f"{path}.{key}", f"must be {'>= 0' if allow_zero else '> 0'}, not {value}")
-            return default
-        return value
-
 
 def _typename(value: Any) -> str:
     return {dict: "a table", list: "an array", str: "a string", bool: "a boolean",
