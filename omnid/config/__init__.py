@@ -26,6 +26,7 @@ from typing import Any
 from omnid.config.checker import ConfigError, Problem, _Checker
 from omnid.config.daemon import _check_listen_keys, _parse_daemon, is_loopback
 from omnid.config.pipelines import STREAM_ENGINES, _parse_pipeline
+from omnid.config.schema import ConfigFile, json_schema, reference
 from omnid.config.stages import (CACHE_DTYPES, CACHE_KINDS, ENGINE_CORES, ENGINES, LORA_KEYS, MAX_REPLICAS,
                                  PLACEMENTS, VLLM_LORA_ARGS, VLLM_LORA_RANKS, _parse_stage, model_dims, name_of)
 from omnid.config.stages import _STAGE_KEYS as _STAGE_KEYS    # (the README's table of stage keys is tested on it)
@@ -36,7 +37,7 @@ from omnid.config_types import (FULL_WINDOW, Config, DaemonConfig, EdgeConfig, L
 from omnid.engines.capabilities import TENSOR_OUTPUTS, TENSOR_PROMPTS, capabilities  # (declared with the engines)
 
 __all__ = [
-    "load", "parse", "ConfigError", "Problem", "is_loopback", "ray_available", "model_dims", "name_of",
+    "load", "parse", "json_schema", "reference", "ConfigError", "Problem", "is_loopback", "ray_available", "model_dims", "name_of",
     "ENGINES", "STREAM_ENGINES", "PLACEMENTS", "MAX_REPLICAS", "CACHE_KINDS", "CACHE_DTYPES", "ENGINE_CORES",
     "LORA_KEYS", "VLLM_LORA_ARGS", "VLLM_LORA_RANKS", "TENSOR_OUTPUTS", "TENSOR_PROMPTS",
     "FULL_WINDOW", "Config", "DaemonConfig", "EdgeConfig", "LoraConfig", "OwnerPolicy", "PipelineConfig",
@@ -84,7 +85,7 @@ def _check_ray(c: _Checker, daemon: DaemonConfig, stages: Mapping[str, StageConf
 def parse(data: Mapping[str, Any], *, base: Path, source: str = "<config>") -> Config:
     """Validate already-parsed TOML data; raise ConfigError listing every problem."""
     c = _Checker()
-    c.unknown(data, ("daemon", "stages", "pipelines"), "")
+    c.unknown(data, ConfigFile.model_fields, "")
     daemon = _parse_daemon(c, data.get("daemon", {}), base)
     stages_raw = c.table(data.get("stages", {}), "stages")
     stages: dict[str, StageConfig] = {}

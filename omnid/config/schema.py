@@ -260,11 +260,6 @@ def _octal_mode(value: Any) -> None:
         raise ValueError("not a mode")
 
 
-def _owner_name(who: str) -> None:
-    if not (who == "default" or who.isdigit() or (who.startswith("key:") and len(who) > 4)):
-        raise ValueError("not an owner")
-
-
 def _what(value: Any) -> str:
     """A refused value: a string quoted, another kind by its name."""
     return repr(value) if isinstance(value, str) else _typename(value)
@@ -277,7 +272,7 @@ ListenAddress = Annotated[str, _check(_host_port_ok), says(
 Origin = Annotated[str, Field(pattern=r"^(\*|https?://[^/\s]+)$"), says(
     lambda v: f"must be an origin like \"https://chat.example.com\" (scheme and host, no path) or \"*\", "
               f"not {v!r}", types=True)]
-OwnerName = Annotated[str, _check(_owner_name), says("must be \"default\", a uid (\"1000\") or \"key:NAME\"")]
+OwnerName = Annotated[str, Field(pattern=r"^(default|[0-9]+|key:.+)$"), says("must be \"default\", a uid (\"1000\") or \"key:NAME\"")]
 
 
 class TracingTable(_Table):
@@ -555,7 +550,7 @@ class PipelineTable(_Table):
     realtime: RealtimeTable | None = Field(default=None, description="admission by capacity, for a pipeline of streams")
 
 
-StageName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$")]
+StageName = Annotated[str, Field(pattern=r"^[A-Za-z_-][A-Za-z0-9_-]*$")]    # (a pipeline's name too)
 
 
 class ConfigFile(_Table):
@@ -567,9 +562,6 @@ class ConfigFile(_Table):
 
 
 # ------------------------------------------------------------------------- what is generated
-
-SCHEMA_ID = "https://github.com/omnid/omnid/etc/omnid.schema.json"
-
 
 def json_schema() -> dict[str, Any]:
     """The JSON Schema of omnid.toml (draft 2020-12), for editors and checkers."""
@@ -583,8 +575,20 @@ def json_schema() -> dict[str, Any]:
             if prop.pop("omnid_required", False):
                 prop.pop("default", None)
                 table.setdefault("required", []).append(key)
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": SCHEMA_ID,
-            "title": "omnid.toml", **schema}
+    _only_patterns(schema)
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "omnid.toml", **schema}
+
+
+def _only_patterns(node: Any) -> None:
+    """A table whose keys have a form (owners, stages, pipelines) takes no key of another form."""
+    if isinstance(node, dict):
+        if "patternProperties" in node:
+            node.setdefault("additionalProperties", False)
+        for value in node.values():
+            _only_patterns(value)
+    elif isinstance(node, list):
+        for value in node:
+            _only_patterns(value)
 
 
 def _no_null(prop: dict[str, Any]) -> None:
