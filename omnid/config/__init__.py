@@ -37,7 +37,8 @@ from omnid.config_types import (FULL_WINDOW, Config, DaemonConfig, EdgeConfig, L
 from omnid.engines.capabilities import TENSOR_OUTPUTS, TENSOR_PROMPTS, capabilities  # (declared with the engines)
 
 __all__ = [
-    "load", "parse", "json_schema", "reference", "ConfigError", "Problem", "is_loopback", "ray_available", "model_dims", "name_of",
+    "load", "parse", "json_schema", "reference", "ConfigError", "Problem", "is_loopback", "ray_available",
+    "model_dims", "name_of",
     "ENGINES", "STREAM_ENGINES", "PLACEMENTS", "MAX_REPLICAS", "CACHE_KINDS", "CACHE_DTYPES", "ENGINE_CORES",
     "LORA_KEYS", "VLLM_LORA_ARGS", "VLLM_LORA_RANKS", "TENSOR_OUTPUTS", "TENSOR_PROMPTS",
     "FULL_WINDOW", "Config", "DaemonConfig", "EdgeConfig", "LoraConfig", "OwnerPolicy", "PipelineConfig",

@@ -182,46 +182,54 @@ def _parse_pipeline(c: _Checker, name: str, raw: Any, known_stages: Mapping[str,
     if "stages" in p and not members_raw:
         c.add(f"{path}.stages", "must name at least one stage")
     edges_raw = c.get(p, "edges", path, list)
-    edges: list[EdgeConfig] = []
     if edges_raw is None:
         # A plain chain: each stage feeds the next, outputs passed by name.
         edges = [EdgeConfig(src=a, dst=b) for a, b in zip(members, members[1:])]
         _check_media_edges(c, f"{path}.stages", edges, parsed)
     else:
-        seen: set[tuple[str, str]] = set()
-        named: set[str] = set()         # the stages each edge names, those refused too
-        for i, raw_edge in enumerate(edges_raw):
-            if isinstance(raw_edge, dict):
-                named |= {v for k in ("from", "to") if isinstance(v := raw_edge.get(k), str)}
-            edge = _parse_edge(c, raw_edge, f"{path}.edges[{i}]", tuple(members),
-                               {k: parsed.get(k, v) for k, v in known_stages.items()})
-            if edge is None:
-                continue
-            if (edge.src, edge.dst) in seen:
-                c.add(f"{path}.edges[{i}]", f"duplicate edge {edge.src} -> {edge.dst}")
-                continue
-            seen.add((edge.src, edge.dst))
-            edges.append(edge)
-            _check_media_edges(c, f"{path}.edges[{i}]", [edge], parsed)
-            _check_tensor_edges(c, f"{path}.edges[{i}]", edge, parsed)
-        for edge in edges:
-            others = [e.src for e in edges if e.dst == edge.dst and e is not edge]
-            if edge.window > 0 and others:
-                c.add(f"{path}.edges", f"stage {edge.dst!r} is fed by a window edge from {edge.src!r} and also by "
-                                       f"{', '.join(repr(o) for o in others)}: a stage fed by a window edge "
-                                       "takes no other input (merge them upstream, or use window = -1)")
-        cycle = _find_cycle(tuple(members), edges)
-        if cycle:
-            c.add(f"{path}.edges", f"the edges form a cycle: {' -> '.join(cycle)}")
-        elif members and len(members) > 1:
-            # (a stage an edge names, refused for another reason, is said once: by that edge)
-            linked = {e.src for e in edges} | {e.dst for e in edges} | named
-            for s in members:
-                if s not in linked:
-                    c.add(f"{path}.edges", f"stage {s!r} is in the pipeline but on no edge")
+        edges = _parse_edges(c, edges_raw, path, members, known_stages, parsed)
     keep = _parse_kept_outputs(c, p, path, members, edges)
     return PipelineConfig(name=name, stages=tuple(members), edges=tuple(edges), timeout_s=pl.timeout_s,
                           retries=pl.retries, keep=keep, realtime=_realtime(pl.realtime))
+
+
+def _parse_edges(c: _Checker, edges_raw: list[Any], path: str, members: list[str], known_stages: Mapping[str, Any],
+                 parsed: Mapping[str, StageConfig]) -> list[EdgeConfig]:
+    """A pipeline's `edges`: each edge, none twice, a stage fed by a window edge fed by no other, no
+    cycle, every stage on some edge."""
+    edges: list[EdgeConfig] = []
+    seen: set[tuple[str, str]] = set()
+    named: set[str] = set()         # the stages each edge names, those refused too
+    for i, raw_edge in enumerate(edges_raw):
+        if isinstance(raw_edge, dict):
+            named |= {v for k in ("from", "to") if isinstance(v := raw_edge.get(k), str)}
+        edge = _parse_edge(c, raw_edge, f"{path}.edges[{i}]", tuple(members),
+                           {k: parsed.get(k, v) for k, v in known_stages.items()})
+        if edge is None:
+            continue
+        if (edge.src, edge.dst) in seen:
+            c.add(f"{path}.edges[{i}]", f"duplicate edge {edge.src} -> {edge.dst}")
+            continue
+        seen.add((edge.src, edge.dst))
+        edges.append(edge)
+        _check_media_edges(c, f"{path}.edges[{i}]", [edge], parsed)
+        _check_tensor_edges(c, f"{path}.edges[{i}]", edge, parsed)
+    for edge in edges:
+        others = [e.src for e in edges if e.dst == edge.dst and e is not edge]
+        if edge.window > 0 and others:
+            c.add(f"{path}.edges", f"stage {edge.dst!r} is fed by a window edge from {edge.src!r} and also by "
+                                   f"{', '.join(repr(o) for o in others)}: a stage fed by a window edge "
+                                   "takes no other input (merge them upstream, or use window = -1)")
+    cycle = _find_cycle(tuple(members), edges)
+    if cycle:
+        c.add(f"{path}.edges", f"the edges form a cycle: {' -> '.join(cycle)}")
+    elif members and len(members) > 1:
+        # (a stage an edge names, refused for another reason, is said once: by that edge)
+        linked = {e.src for e in edges} | {e.dst for e in edges} | named
+        for s in members:
+            if s not in linked:
+                c.add(f"{path}.edges", f"stage {s!r} is in the pipeline but on no edge")
+    return edges
 
 
 def _realtime(r: RealtimeTable | None) -> RealtimeConfig | None:

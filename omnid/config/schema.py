@@ -272,7 +272,8 @@ ListenAddress = Annotated[str, _check(_host_port_ok), says(
 Origin = Annotated[str, Field(pattern=r"^(\*|https?://[^/\s]+)$"), says(
     lambda v: f"must be an origin like \"https://chat.example.com\" (scheme and host, no path) or \"*\", "
               f"not {v!r}", types=True)]
-OwnerName = Annotated[str, Field(pattern=r"^(default|[0-9]+|key:.+)$"), says("must be \"default\", a uid (\"1000\") or \"key:NAME\"")]
+OwnerName = Annotated[str, Field(pattern=r"^(default|[0-9]+|key:.+)$"),
+                      says("must be \"default\", a uid (\"1000\") or \"key:NAME\"")]
 
 
 class TracingTable(_Table):
@@ -298,7 +299,8 @@ class OwnerTable(_Table):
     max_priority: Annotated[int | None, Field(ge=-1_000_000, le=1_000_000), says(
         "must be an integer from -1000000 to 1000000")] = Field(
         default=None, description="the most urgent (lowest) priority its jobs may ask; 0 (root on the socket: any)")
-    max_queued: int | None = Field(default=None, gt=0, description="its jobs queued at once; past it: 429 with Retry-After")
+    max_queued: int | None = Field(
+        default=None, gt=0, description="its jobs queued at once; past it: 429 with Retry-After")
 
 
 class DaemonTable(_Table):
@@ -306,7 +308,8 @@ class DaemonTable(_Table):
     queues' owners, traces and realtime sessions."""
 
     socket: str | None = Field(default=None, description="the Unix socket (unset: the default paths)")
-    state_dir: str | None = Field(default=None, description="the job store, outputs and logs (unset: the default paths)")
+    state_dir: str | None = Field(
+        default=None, description="the job store, outputs and logs (unset: the default paths)")
     lock_dir: str | None = Field(default=None, description="the GPU lock files (unset: the default paths)")
     socket_mode: Annotated[int | str, SkipValidation] = Field(
         default="0660", description="the socket's permission bits: an octal string (\"0660\") or an integer")
@@ -317,13 +320,15 @@ class DaemonTable(_Table):
         default=600.0, gt=0, description="a job's timeout when neither it nor its pipeline sets one")
     max_request_bytes: int = Field(default=64 << 20, gt=0, description="a request body's limit (413 past it)")
     heartbeat_interval_s: float = Field(default=1.0, gt=0, description="how often a worker says it is alive")
-    heartbeat_timeout_s: float = Field(default=30.0, gt=0, description="a worker silent this long is killed and restarted")
+    heartbeat_timeout_s: float = Field(
+        default=30.0, gt=0, description="a worker silent this long is killed and restarted")
     startup_timeout_s: float = Field(default=900.0, gt=0,
                                      description="how long a stage may take to load before it is given up")
     cancel_grace_s: float = Field(
         default=5.0, gt=0, description="a running job that ignores its cancel this long gets its worker restarted")
     stop_grace_s: float = Field(default=10.0, gt=0, description="SIGTERM to SIGKILL, for a worker being stopped")
-    drain_timeout_s: float = Field(default=60.0, ge=0, description="on SIGTERM, how long running jobs may take to finish")
+    drain_timeout_s: float = Field(
+        default=60.0, ge=0, description="on SIGTERM, how long running jobs may take to finish")
     restart_backoff_s: float = Field(
         default=1.0, gt=0, description="the first wait before a crashed stage is started again, doubling")
     restart_backoff_max_s: float = Field(default=30.0, gt=0, description="... up to this")
@@ -338,9 +343,12 @@ class DaemonTable(_Table):
     shm_min_bytes: int = Field(
         default=1 << 20, gt=0, description="values from this size cross stages through shared memory")
     keep_jobs_days: float = Field(
-        default=30.0, ge=0, description="finished jobs created longer ago are removed with their events and files (0: off)")
-    keep_jobs: int = Field(default=10000, ge=0, description="finished jobs past this many, oldest first, are removed (0: off)")
-    retention_interval_s: float = Field(default=60.0, gt=0, description="how often retention runs (and once at start)")
+        default=30.0, ge=0,
+        description="finished jobs created longer ago are removed with their events and files (0: off)")
+    keep_jobs: int = Field(
+        default=10000, ge=0, description="finished jobs past this many, oldest first, are removed (0: off)")
+    retention_interval_s: float = Field(
+        default=60.0, gt=0, description="how often retention runs (and once at start)")
     client_idle_timeout_s: float = Field(
         default=30.0, gt=0, description="a connection that sends no request this long is closed")
     metrics_listen: HostPort | None = Field(default=None, description="\"127.0.0.1:9464\": /metrics over TCP too")
@@ -357,12 +365,14 @@ class DaemonTable(_Table):
                         "request with an API key")
     allow_origins: list[Origin] = Field(
         default=[], description="CORS on the TCP listener: browser origins let in (\"*\": any)")
-    metrics_without_key: bool = Field(default=False, description="GET /metrics on the TCP listener answers without a key")
+    metrics_without_key: bool = Field(
+        default=False, description="GET /metrics on the TCP listener answers without a key")
     min_free_mb: int = Field(
         default=512, ge=0, description="below this on the state dir's filesystem the daemon takes no new jobs")
     min_free_inodes: int = Field(default=1024, ge=0, description="... or below this many free inodes")
     ballast_mb: int = Field(
-        default=32, ge=0, description="space set aside in <state_dir>/ballast, given back when the disk fills (0: none)")
+        default=32, ge=0,
+        description="space set aside in <state_dir>/ballast, given back when the disk fills (0: none)")
     fair_share: bool = Field(
         default=True, description="within a priority level, stages take jobs in turn across owners, by weight; "
                           "false: in arrival order")
@@ -370,7 +380,8 @@ class DaemonTable(_Table):
         default=300.0, ge=0, description="a job that waited this long in a stage's queue goes ahead of those that "
                                  "have not (0: off)")
     owners: dict[OwnerName, OwnerTable] = Field(
-        default={}, description="[daemon.owners.WHO] (\"default\", a uid, \"key:NAME\"): weight, max_priority, max_queued")
+        default={},
+        description="[daemon.owners.WHO] (\"default\", a uid, \"key:NAME\"): weight, max_priority, max_queued")
     tracing: TracingTable | None = Field(
         default=None, description="OpenTelemetry traces of the jobs, over OTLP/HTTP (off when absent)")
     max_realtime_sessions: int = Field(default=64, gt=0, description="realtime sessions (/v1/realtime) open at once")
@@ -387,12 +398,15 @@ class MediaTable(_Table):
     """`[stages.NAME.media]` (vllm stages): how many items of each kind a job may give (default: 1 for
     each kind the model's config.json shows, else 0), and the limits on each item."""
 
-    image: int | None = Field(default=None, ge=0, description="images a job may give (default: 1 if the model takes them)")
+    image: int | None = Field(
+        default=None, ge=0, description="images a job may give (default: 1 if the model takes them)")
     audio: int | None = Field(default=None, ge=0, description="audio clips a job may give (default: 1 if the model "
                                                       "takes them)")
-    video: int | None = Field(default=None, ge=0, description="videos a job may give (default: 1 if the model takes them)")
+    video: int | None = Field(
+        default=None, ge=0, description="videos a job may give (default: 1 if the model takes them)")
     max_bytes: int = Field(default=DEFAULT_MAX_BYTES, gt=0, description="the largest item, in bytes")
-    max_pixels: int = Field(default=DEFAULT_MAX_PIXELS, gt=0, description="the largest image or video frame, in pixels")
+    max_pixels: int = Field(
+        default=DEFAULT_MAX_PIXELS, gt=0, description="the largest image or video frame, in pixels")
     max_audio_s: float = Field(default=DEFAULT_MAX_AUDIO_S, gt=0, description="the longest audio clip, in seconds")
     max_video_frames: int = Field(default=DEFAULT_MAX_VIDEO_FRAMES, gt=0, description="the most frames of a video")
 
@@ -456,10 +470,12 @@ class StageTable(_Table):
         default=None, description="python stages: the kinds of output it gives; else its function's own `produces`")
     python_path: list[Annotated[str, says(
         lambda v: f"must be a string (a directory), not {_typename(v)}", types=True)]] = Field(
-        default=[], description="folders put first on the worker's sys.path (relative: from the config file's folder)")
+        default=[],
+        description="folders put first on the worker's sys.path (relative: from the config file's folder)")
     devices: Annotated[list[int] | list[list[int]], SkipValidation] = Field(
         default=[], description="GPU indices ([]: the CPU; [[0], [1]]: one set per replica)")
-    exclusive: bool = Field(default=False, description="no other stage, nor another replica of it, may share its devices")
+    exclusive: bool = Field(
+        default=False, description="no other stage, nor another replica of it, may share its devices")
     replicas: Annotated[int | None, Field(ge=1, le=MAX_REPLICAS), says(
         lambda v: f"must be from 1 to {MAX_REPLICAS}, not {v}")] = Field(
         default=None, description="workers of this stage (default: 1, or one per device set)")
@@ -467,7 +483,8 @@ class StageTable(_Table):
                                                                 "job comes")
     max_inflight: int = Field(default=1, gt=0, description="jobs inside the stage at once (the engine batches them)")
     queue_capacity: int = Field(default=4, gt=0, description="the stage's input queue's high watermark")
-    shm_pool_mb: int = Field(default=1024, ge=0, description="the stage's shared-memory pool for large inputs (0: none)")
+    shm_pool_mb: int = Field(
+        default=1024, ge=0, description="the stage's shared-memory pool for large inputs (0: none)")
     args: dict[str, Any] = Field(default={}, description="engine construction arguments: EngineArgs for vLLM; "
                                                  "from_pretrained keyword arguments and dtype for diffusers")
     defaults: dict[str, Any] = Field(default={}, description="per-job parameters, which a job may override")
@@ -476,10 +493,12 @@ class StageTable(_Table):
         default=None, description="\"local\" (the default) or \"ray\": the worker runs as a Ray actor; a list gives "
                           "one per replica")
     ray: RayTable | None = Field(default=None, description="a Ray-placed worker's needs")
-    media: MediaTable | None = Field(default=None, description="vllm stages: the images, audio and video a job may give, "
+    media: MediaTable | None = Field(
+        default=None, description="vllm stages: the images, audio and video a job may give, "
                                                        "and their limits")
     max_rss_mb: int | None = Field(
-        default=None, gt=0, description="a leak guard: a worker whose resident memory is over it is restarted between jobs")
+        default=None, gt=0,
+        description="a leak guard: a worker whose resident memory is over it is restarted between jobs")
     engine_core: Annotated[EngineCore, says(
         lambda v: f"must be one of {', '.join(map(repr, ENGINE_CORES))}, not {v!r}")] = Field(
         default="process", description="vllm stages: the engine core in a process of its own, or inline in the "
@@ -491,13 +510,15 @@ class StageTable(_Table):
         default=[-1], description="vllm stages: which hidden states (output_hidden_states indices; -1: after the "
                           "final norm)")
     hidden_prompt: bool = Field(default=False, description="vllm stages: the prompt's rows of the hidden states too")
-    prompt_embeds: bool = Field(default=False, description="vllm stages: a job may give embeddings instead of a prompt")
+    prompt_embeds: bool = Field(
+        default=False, description="vllm stages: a job may give embeddings instead of a prompt")
     batching: Annotated[Batching, says(
         lambda v: f"must be one of {', '.join(map(repr, BATCHINGS))}, not {v!r}")] = Field(
         default="step", description="diffusers stages with max_inflight > 1: a job joins the running batch at the "
                             "next denoising step, or \"call\": one pipeline call per batch")
     cache: Annotated[dict[str, Any] | None, SkipValidation, WithJsonSchema(_cache_schema())] = Field(
-        default=None, description="diffusers DiT stages: { kind = \"first_block\", threshold = 0.5 } and the other kinds")
+        default=None,
+        description="diffusers DiT stages: { kind = \"first_block\", threshold = 0.5 } and the other kinds")
     lazy: bool = Field(default=False, description="python stages: true skips the function's load hook at start")
     lora: LoraTable | None = Field(default=None, description="vllm and diffusers stages: LoRA adapters of the "
                                                      "stage's model")
@@ -506,7 +527,8 @@ class StageTable(_Table):
 class EdgeTable(_Table):
     """An edge of a pipeline: `{ from, to, window, map, transform }`."""
 
-    from_: str | None = Field(default=None, alias="from", description="the upstream stage", json_schema_extra=_required)
+    from_: str | None = Field(
+        default=None, alias="from", description="the upstream stage", json_schema_extra=_required)
     to: str | None = Field(default=None, description="the downstream stage", json_schema_extra=_required)
     window: Annotated[int | list[int], SkipValidation] = Field(
         default=-1, description="-1: the downstream starts on the upstream's last segment; N: it streams, N "
@@ -539,15 +561,18 @@ class PipelineTable(_Table):
     """`[pipelines.NAME]`: a pipeline's stages, its edges, its timeout and retries."""
 
     stages: Annotated[list[str], SkipValidation] = Field(
-        default=[], description="the pipeline's stages; a chain unless edges says otherwise", json_schema_extra=_required)
+        default=[],
+        description="the pipeline's stages; a chain unless edges says otherwise", json_schema_extra=_required)
     edges: Annotated[list[EdgeTable] | None, SkipValidation] = Field(
         default=None, description="its edges (unset: each stage feeds the next, outputs passed by name)")
     timeout_s: float | None = Field(default=None, gt=0, description="a job's timeout (unset: the daemon's "
                                                             "default_timeout_s)")
     retries: int = Field(default=0, ge=0, description="how many times a job is retried when a worker dies under it")
     outputs: Annotated[dict[str, list[str]], SkipValidation] = Field(
-        default={}, description="{ STAGE = [\"name\", ...] }: outputs of a stage that is not last kept as the job's too")
-    realtime: RealtimeTable | None = Field(default=None, description="admission by capacity, for a pipeline of streams")
+        default={},
+        description="{ STAGE = [\"name\", ...] }: outputs of a stage that is not last kept as the job's too")
+    realtime: RealtimeTable | None = Field(
+        default=None, description="admission by capacity, for a pipeline of streams")
 
 
 StageName = Annotated[str, Field(pattern=r"^[A-Za-z_-][A-Za-z0-9_-]*$")]    # (a pipeline's name too)
@@ -557,8 +582,10 @@ class ConfigFile(_Table):
     """omnid.toml: the daemon, its stages and its pipelines."""
 
     daemon: DaemonTable = Field(default=DaemonTable(), description="the daemon's own settings")
-    stages: dict[StageName, StageTable] = Field(default={}, description="the stages, by name", json_schema_extra=_required)
-    pipelines: dict[StageName, PipelineTable] = Field(default={}, description="the pipelines, by name", json_schema_extra=_required)
+    stages: dict[StageName, StageTable] = Field(
+        default={}, description="the stages, by name", json_schema_extra=_required)
+    pipelines: dict[StageName, PipelineTable] = Field(
+        default={}, description="the pipelines, by name", json_schema_extra=_required)
 
 
 # ------------------------------------------------------------------------- what is generated

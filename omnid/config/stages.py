@@ -168,10 +168,50 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
     if "engine" not in s:
         c.add(f"{path}.engine", "is required")
     engine: str | None = st.engine
-    python_path = tuple(_resolve(base, p) for p in st.python_path)
-    model: Path | None = None
-    model_raw, function, batch_function, sessions = st.model, st.function, st.batch_function, st.sessions
     caps = capabilities(engine) if engine is not None else None
+    python_path = tuple(_resolve(base, p) for p in st.python_path)
+    model = _parse_code(c, st, path, base, python_path)
+    function, batch_function, sessions = st.function, st.batch_function, st.sessions
+    produces = _parse_produces(c, s, path, engine, caps is not None and caps.takes_function,
+                               sessions or function or batch_function, python_path)
+    devices, replica_devices, replicas = _parse_devices(c, s, path, st.replicas)
+    _check_engine_keys(c, st, path, devices, replica_devices)
+    media = _parse_media(c, st.media, path, engine, model)
+    engine_core = _engine_only(c, st, "engine_core", path, caps is None or caps.engine_core,
+                               "only vllm stages have an engine core to place")
+    batching = _engine_only(c, st, "batching", path, caps is None or caps.step_batching,
+                            "only diffusers stages choose how they batch")
+    placement = _parse_placement(c, s, path, replicas, devices)
+    ray = RayNeeds(**st.ray.model_dump()) if st.ray is not None else RayNeeds()
+    outputs, hidden_layers = _parse_tensors(c, s, path, engine, model)
+    cache = _parse_cache(c, s.get("cache"), path, engine, model)
+    lora = _parse_lora(c, st.lora, path, engine, model, base, st.args, st.defaults)
+    if st.lazy and caps is not None and not caps.takes_function:
+        c.add(f"{path}.lazy", f"only python stages load lazily; a {engine} stage loads its model at start")
+    if engine is None:
+        return None
+    return StageConfig(
+        name=name, engine=engine, model=model, function=function, python_path=python_path,
+        devices=tuple(devices), exclusive=st.exclusive, max_inflight=st.max_inflight,
+        queue_capacity=st.queue_capacity, shm_pool_mb=st.shm_pool_mb,
+        args=dict(st.args), defaults=dict(st.defaults), env=dict(st.env),
+        batch_function=batch_function, sessions=sessions, media=media, replicas=replicas,
+        replica_devices=replica_devices,
+        idle_unload_s=st.idle_unload_s, max_rss_mb=st.max_rss_mb, engine_core=engine_core, batching=batching,
+        placement=placement, ray=ray, outputs=outputs, hidden_layers=hidden_layers,
+        hidden_prompt=st.hidden_prompt and _tensors(engine), prompt_embeds=st.prompt_embeds and _tensors(engine),
+        cache=cache, lazy=st.lazy, lora=lora, produces=produces,
+    )
+
+
+def _parse_code(c: _Checker, st: StageTable, path: str, base: Path, python_path: tuple[Path, ...]) -> Path | None:
+    """What a stage runs: the model folder its engine loads (with the marker file the engine looks
+    for), or a python stage's function, batch_function or sessions class (findable on its
+    python_path), the model it may name besides. The model's path, when one is named."""
+    engine, model_raw = st.engine, st.model
+    function, batch_function, sessions = st.function, st.batch_function, st.sessions
+    caps = capabilities(engine) if engine is not None else None
+    model: Path | None = None
     if caps is not None and caps.model_marker is not None:
         if model_raw is None:
             c.add(f"{path}.model", f"is required for engine {engine!r}")
@@ -202,10 +242,15 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
             _check_callable_ref(c, batch_function, f"{path}.batch_function", python_path)
         if model_raw is not None:
             model = _resolve(base, model_raw)
-    produces = _parse_produces(c, s, path, engine, caps is not None and caps.takes_function,
-                               sessions or function or batch_function, python_path)
-    devices, replica_devices, replicas = _parse_devices(c, s, path, st.replicas)
-    max_inflight = st.max_inflight
+    return model
+
+
+def _check_engine_keys(c: _Checker, st: StageTable, path: str, devices: list[int],
+                       replica_devices: tuple[tuple[int, ...], ...]) -> None:
+    """What the stage's engine makes of `max_inflight` (its batch bound), `args` (parallelism and the
+    keys omnid sets itself) and `defaults` (the parameters it takes, and their rules)."""
+    engine, max_inflight, args = st.engine, st.max_inflight, st.args
+    caps = capabilities(engine) if engine is not None else None
     if caps is not None and caps.max_batch is not None and max_inflight > caps.max_batch:
         # up to max_inflight compatible jobs run as one batched pipeline call: keep that call bounded
         c.add(f"{path}.max_inflight", f"engine {engine!r} batches at most {caps.max_batch} jobs in one pipeline "
@@ -219,41 +264,14 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
             c.add(f"{path}.args.limit_mm_per_prompt", "set the media a job may give in the stage's media table "
                   "instead (media.image, media.audio, media.video): omnid passes them to vLLM as this, and "
                   "checks jobs against them")
-    media = _parse_media(c, st.media, path, engine, model)
-    defaults, env = st.defaults, st.env
     if caps is not None and engine is not None:
         known = caps.params
-        for k, v in defaults.items():
+        for k, v in st.defaults.items():
             if known is not None and k not in known:
                 c.add(f"{path}.defaults.{k}",
                       f"unknown parameter for engine {engine!r} (known: {', '.join(sorted(known))})")
             elif (why := check_param(engine, k, v)) is not None:
                 c.add(f"{path}.defaults.{k}", f"{why}, not {v!r}")
-    engine_core = _engine_only(c, st, "engine_core", path, engine, capabilities(engine).engine_core if engine else True,
-                               "only vllm stages have an engine core to place")
-    batching = _engine_only(c, st, "batching", path, engine, capabilities(engine).step_batching if engine else True,
-                            "only diffusers stages choose how they batch")
-    placement = _parse_placement(c, s, path, replicas, devices)
-    ray = RayNeeds(**st.ray.model_dump()) if st.ray is not None else RayNeeds()
-    outputs, hidden_layers = _parse_tensors(c, s, path, engine, model)
-    cache = _parse_cache(c, s.get("cache"), path, engine, model)
-    lora = _parse_lora(c, st.lora, path, engine, model, base, args, defaults)
-    lazy = st.lazy
-    if lazy and caps is not None and not caps.takes_function:
-        c.add(f"{path}.lazy", f"only python stages load lazily; a {engine} stage loads its model at start")
-    if engine is None:
-        return None
-    return StageConfig(
-        name=name, engine=engine, model=model, function=function, python_path=python_path,
-        devices=tuple(devices), exclusive=st.exclusive, max_inflight=max_inflight,
-        queue_capacity=st.queue_capacity, shm_pool_mb=st.shm_pool_mb,
-        args=dict(args), defaults=dict(defaults), env=dict(env),
-        batch_function=batch_function, sessions=sessions, media=media, replicas=replicas, replica_devices=replica_devices,
-        idle_unload_s=st.idle_unload_s, max_rss_mb=st.max_rss_mb, engine_core=engine_core, batching=batching,
-        placement=placement, ray=ray, outputs=outputs, hidden_layers=hidden_layers,
-        hidden_prompt=st.hidden_prompt and _tensors(engine), prompt_embeds=st.prompt_embeds and _tensors(engine),
-        cache=cache, lazy=lazy, lora=lora, produces=produces,
-    )
 
 
 def _parse_produces(c: _Checker, s: dict[str, Any], path: str, engine: str | None, python: bool,
@@ -328,13 +346,12 @@ def name_of(path: str) -> str:
     return path.split(".")[1]
 
 
-def _engine_only(c: _Checker, st: StageTable, key: str, path: str, engine: str | None, takes: bool,
-                 words: str) -> str:
+def _engine_only(c: _Checker, st: StageTable, key: str, path: str, takes: bool, words: str) -> str:
     """`engine_core` ("inline" | "process": a vllm stage's engine core in the worker's thread, or in a
     process of its own) or `batching` ("step" | "call": a diffusers stage's jobs join a batch at a
     denoising step, or only when a pipeline call starts): a key only one engine takes."""
-    if key in st.model_fields_set and engine is not None and not takes:
-        c.add(f"{path}.{key}", f"{words}, not {engine!r}")
+    if key in st.model_fields_set and st.engine is not None and not takes:
+        c.add(f"{path}.{key}", f"{words}, not {st.engine!r}")
     return str(getattr(st, key)) if takes else str(StageTable.model_fields[key].default)
 
 
