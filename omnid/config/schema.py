@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import types
 from collections.abc import Callable, Iterator
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
@@ -224,8 +225,6 @@ def _required(schema: dict[str, Any]) -> None:
     schema["omnid_required"] = True
 
 
-
-
 class _Table(BaseModel):
     # strict: TOML's types as they are (a `true` is no number, "5" no integer); a float key takes an integer
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
@@ -253,11 +252,6 @@ def _check(ok: Callable[[Any], Any]) -> WrapValidator:
 def _not_blank(value: str) -> None:
     if not value.strip():
         raise ValueError("blank")
-
-
-def _octal_mode(value: Any) -> None:
-    if not 0 <= (int(value, 8) if isinstance(value, str) else value) <= 0o777:
-        raise ValueError("not a mode")
 
 
 def _what(value: Any) -> str:
@@ -358,8 +352,9 @@ class DaemonTable(_Table):
     ray_address: str | None = Field(
         default=None, description="the Ray cluster of Ray-placed stages: the head's \"HOST:6379\", or \"auto\"")
     preload_workers: bool = Field(
-        default=True, description="a CPU stage's worker is forked from its engine's fork server (libraries imported "
-                          "already) instead of spawned bare")
+        default=True,
+        description="a CPU stage's worker is forked from its engine's fork server (libraries imported already) "
+                    "instead of spawned bare")
     listen: list[ListenAddress] = Field(
         default=[], description="TCP addresses ([\"127.0.0.1:8080\"]) that serve the socket's application, each "
                         "request with an API key")
@@ -374,11 +369,12 @@ class DaemonTable(_Table):
         default=32, ge=0,
         description="space set aside in <state_dir>/ballast, given back when the disk fills (0: none)")
     fair_share: bool = Field(
-        default=True, description="within a priority level, stages take jobs in turn across owners, by weight; "
-                          "false: in arrival order")
+        default=True,
+        description="within a priority level, stages take jobs in turn across owners, by weight; false: in arrival "
+                    "order")
     max_wait_s: float = Field(
-        default=300.0, ge=0, description="a job that waited this long in a stage's queue goes ahead of those that "
-                                 "have not (0: off)")
+        default=300.0, ge=0,
+        description="a job that waited this long in a stage's queue goes ahead of those that have not (0: off)")
     owners: dict[OwnerName, OwnerTable] = Field(
         default={},
         description="[daemon.owners.WHO] (\"default\", a uid, \"key:NAME\"): weight, max_priority, max_queued")
@@ -387,11 +383,12 @@ class DaemonTable(_Table):
     max_realtime_sessions: int = Field(default=64, gt=0, description="realtime sessions (/v1/realtime) open at once")
     max_realtime_sessions_per_key: int = Field(default=8, gt=0, description="... per API key (per uid on the socket)")
     realtime_idle_timeout_s: float = Field(
-        default=600.0, gt=0, description="a realtime session with no client event this long (and no response under "
-                                 "way) is closed")
+        default=600.0, gt=0,
+        description="a realtime session with no client event this long (and no response under way) is closed")
     realtime_transcription: str | None = Field(
-        default=None, description="a pipeline that takes audio and answers in text: it transcribes a realtime "
-                          "session's audio turns when the client asks")
+        default=None,
+        description="a pipeline that takes audio and answers in text: it transcribes a realtime session's audio "
+                    "turns when the client asks")
 
 
 class MediaTable(_Table):
@@ -400,8 +397,8 @@ class MediaTable(_Table):
 
     image: int | None = Field(
         default=None, ge=0, description="images a job may give (default: 1 if the model takes them)")
-    audio: int | None = Field(default=None, ge=0, description="audio clips a job may give (default: 1 if the model "
-                                                      "takes them)")
+    audio: int | None = Field(
+        default=None, ge=0, description="audio clips a job may give (default: 1 if the model takes them)")
     video: int | None = Field(
         default=None, ge=0, description="videos a job may give (default: 1 if the model takes them)")
     max_bytes: int = Field(default=DEFAULT_MAX_BYTES, gt=0, description="the largest item, in bytes")
@@ -464,8 +461,8 @@ class StageTable(_Table):
     batch_function: str | None = Field(
         default=None, description="python stages: the same, called once for several jobs")
     sessions: str | None = Field(
-        default=None, description="python stages: `package.module:Class`, whose instance steps every live job's "
-                          "session together")
+        default=None,
+        description="python stages: `package.module:Class`, whose instance steps every live job's session together")
     produces: Annotated[list[OutputKind] | None, SkipValidation] = Field(
         default=None, description="python stages: the kinds of output it gives; else its function's own `produces`")
     python_path: list[Annotated[str, says(
@@ -479,49 +476,52 @@ class StageTable(_Table):
     replicas: Annotated[int | None, Field(ge=1, le=MAX_REPLICAS), says(
         lambda v: f"must be from 1 to {MAX_REPLICAS}, not {v}")] = Field(
         default=None, description="workers of this stage (default: 1, or one per device set)")
-    idle_unload_s: float | None = Field(default=None, gt=0, description="no work this long: the stage sleeps until a "
-                                                                "job comes")
+    idle_unload_s: float | None = Field(
+        default=None, gt=0, description="no work this long: the stage sleeps until a job comes")
     max_inflight: int = Field(default=1, gt=0, description="jobs inside the stage at once (the engine batches them)")
     queue_capacity: int = Field(default=4, gt=0, description="the stage's input queue's high watermark")
     shm_pool_mb: int = Field(
         default=1024, ge=0, description="the stage's shared-memory pool for large inputs (0: none)")
-    args: dict[str, Any] = Field(default={}, description="engine construction arguments: EngineArgs for vLLM; "
-                                                 "from_pretrained keyword arguments and dtype for diffusers")
+    args: dict[str, Any] = Field(
+        default={},
+        description="engine construction arguments: EngineArgs for vLLM; from_pretrained keyword arguments and "
+                    "dtype for diffusers")
     defaults: dict[str, Any] = Field(default={}, description="per-job parameters, which a job may override")
     env: dict[str, str] = Field(default={}, description="extra environment for the worker")
     placement: Annotated[Placement | list[Placement] | None, SkipValidation] = Field(
-        default=None, description="\"local\" (the default) or \"ray\": the worker runs as a Ray actor; a list gives "
-                          "one per replica")
+        default=None,
+        description="\"local\" (the default) or \"ray\": the worker runs as a Ray actor; a list gives one per "
+                    "replica")
     ray: RayTable | None = Field(default=None, description="a Ray-placed worker's needs")
     media: MediaTable | None = Field(
-        default=None, description="vllm stages: the images, audio and video a job may give, "
-                                                       "and their limits")
+        default=None, description="vllm stages: the images, audio and video a job may give, and their limits")
     max_rss_mb: int | None = Field(
         default=None, gt=0,
         description="a leak guard: a worker whose resident memory is over it is restarted between jobs")
     engine_core: Annotated[EngineCore, says(
         lambda v: f"must be one of {', '.join(map(repr, ENGINE_CORES))}, not {v!r}")] = Field(
-        default="process", description="vllm stages: the engine core in a process of its own, or inline in the "
-                               "worker's thread")
+        default="process",
+        description="vllm stages: the engine core in a process of its own, or inline in the worker's thread")
     outputs: Annotated[list[str], SkipValidation, WithJsonSchema(
         {"type": "array", "items": {"enum": ["text", *TENSOR_OUTPUTS]}})] = Field(
         default=[], description="vllm stages: the tensors every job gives besides text (token_ids, hidden_states)")
     hidden_layers: Annotated[list[int], SkipValidation] = Field(
-        default=[-1], description="vllm stages: which hidden states (output_hidden_states indices; -1: after the "
-                          "final norm)")
+        default=[-1],
+        description="vllm stages: which hidden states (output_hidden_states indices; -1: after the final norm)")
     hidden_prompt: bool = Field(default=False, description="vllm stages: the prompt's rows of the hidden states too")
     prompt_embeds: bool = Field(
         default=False, description="vllm stages: a job may give embeddings instead of a prompt")
     batching: Annotated[Batching, says(
         lambda v: f"must be one of {', '.join(map(repr, BATCHINGS))}, not {v!r}")] = Field(
-        default="step", description="diffusers stages with max_inflight > 1: a job joins the running batch at the "
-                            "next denoising step, or \"call\": one pipeline call per batch")
+        default="step",
+        description="diffusers stages with max_inflight > 1: a job joins the running batch at the next denoising "
+                    "step, or \"call\": one pipeline call per batch")
     cache: Annotated[dict[str, Any] | None, SkipValidation, WithJsonSchema(_cache_schema())] = Field(
         default=None,
         description="diffusers DiT stages: { kind = \"first_block\", threshold = 0.5 } and the other kinds")
     lazy: bool = Field(default=False, description="python stages: true skips the function's load hook at start")
-    lora: LoraTable | None = Field(default=None, description="vllm and diffusers stages: LoRA adapters of the "
-                                                     "stage's model")
+    lora: LoraTable | None = Field(
+        default=None, description="vllm and diffusers stages: LoRA adapters of the stage's model")
 
 
 class EdgeTable(_Table):
@@ -552,8 +552,9 @@ class RealtimeTable(_Table):
         default=0.9, description="admit while the streams stay under margin x the capacity measured")
     warmup: Annotated[dict[str, Any] | bool, says(
         lambda v: f"must be a table or a boolean, not {_typename(v)}", types=True)] = Field(
-        default=True, description="the inputs of the warm-up job run before the pipeline is ready (true: "
-                          "{ prompt = \"warm up\" }; false: none)")
+        default=True,
+        description="the inputs of the warm-up job run before the pipeline is ready (true: { prompt = \"warm up\" "
+                    "}; false: none)")
     warmup_params: dict[str, Any] = Field(default={}, description="the warm-up job's params, by stage")
 
 
@@ -565,8 +566,8 @@ class PipelineTable(_Table):
         description="the pipeline's stages; a chain unless edges says otherwise", json_schema_extra=_required)
     edges: Annotated[list[EdgeTable] | None, SkipValidation] = Field(
         default=None, description="its edges (unset: each stage feeds the next, outputs passed by name)")
-    timeout_s: float | None = Field(default=None, gt=0, description="a job's timeout (unset: the daemon's "
-                                                            "default_timeout_s)")
+    timeout_s: float | None = Field(
+        default=None, gt=0, description="a job's timeout (unset: the daemon's default_timeout_s)")
     retries: int = Field(default=0, ge=0, description="how many times a job is retried when a worker dies under it")
     outputs: Annotated[dict[str, list[str]], SkipValidation] = Field(
         default={},
@@ -664,7 +665,7 @@ def _type_words(annotation: Any) -> str:
         return _type_words(args[0])
     if origin is Literal:
         return " | ".join(json.dumps(a) for a in args)
-    if origin in (Union, getattr(__import__("types"), "UnionType")):
+    if origin in (Union, types.UnionType):
         return " | ".join(_type_words(a) for a in args if a is not type(None))
     if origin is list:
         return f"array of {_type_words(args[0])}"
