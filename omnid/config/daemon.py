@@ -24,14 +24,14 @@ def _host_port(value: str) -> tuple[str, int]:
 
 
 # The keys whose values the parser turns into something else (paths, a mode, addresses, tables).
-_OWN_WORDS = ("socket", "state_dir", "lock_dir", "socket_mode", "metrics_listen", "listen", "allow_origins",
+_CONVERTED = ("socket", "state_dir", "lock_dir", "socket_mode", "metrics_listen", "listen", "allow_origins",
               "owners", "tracing")
 
 
 def _parse_daemon(c: _Checker, raw: Any, base: Path) -> DaemonConfig:
     d = read(c, DaemonTable, {} if raw is None else raw, "daemon") or DaemonTable()
     defaults = paths.defaults()
-    plain = d.model_dump(exclude=set(_OWN_WORDS))
+    plain = d.model_dump(exclude=set(_CONVERTED))
     return DaemonConfig(
         socket=_resolve(base, d.socket) if d.socket else defaults.socket,
         state_dir=_resolve(base, d.state_dir) if d.state_dir else defaults.state_dir,

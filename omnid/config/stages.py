@@ -446,7 +446,7 @@ def _device_list(c: _Checker, raw: list[Any], path: str) -> list[int]:
     devices: list[int] = []
     for i, d in enumerate(raw):
         if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-            c.add(f"{path}[{i}]", f"must be a GPU index >= 0, not {d!r}")
+            c.add(f"{path}[{i}]", f"must be a GPU index >= 0, not {d if type(d) is int else _typename(d)}")
         elif d in devices:
             c.add(f"{path}[{i}]", f"device {d} is given twice")
         else:

@@ -507,7 +507,7 @@ def test_stage_problems(tmp_path: Path, models: Path) -> None:
     assert "stages.many.max_inflight" not in found
     assert found["stages.ex.devices"] == ["device 1 is also given to shared, but this stage is exclusive"]
     assert found["stages.shared.devices[1]"] == ["must be a GPU index >= 0, not -1"]
-    assert found["stages.shared.devices[2]"] == ["must be a GPU index >= 0, not True"]
+    assert found["stages.shared.devices[2]"] == ["must be a GPU index >= 0, not a boolean"]
     assert "stages.shared.devices" not in found                 # only the exclusive stage complains
     assert "stages.bad-name!" in found
     assert found["stages.notable"] == ["must be a table, not a string"]

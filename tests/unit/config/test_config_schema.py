@@ -20,6 +20,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
+from conftest import demo_stage, python_stage, tiny_llm, tiny_sd
 from omnid import config as C
 from omnid.config import schema as S
 from omnid.config.checker import PRODUCED_KINDS, _Checker
@@ -92,6 +93,20 @@ def test_a_config_the_parser_takes_passes_the_schema(validator: jsonschema.Draft
                                                                   "map": {"prompt": "text"}}],
                                 "timeout_s": 5, "realtime": {"warmup": False}}}}
     C.parse(data, base=tmp_path)
+    assert refusals(validator, data) == []
+
+
+def test_the_test_suites_stages_pass_the_schema(validator: jsonschema.Draft202012Validator) -> None:
+    """The stages the integration tests write (tests/omnidtest.py) are what the schema describes."""
+    data = {"daemon": {"socket": "/tmp/x.sock", "max_restarts": 0, "owners": {"1000": {"max_priority": -5}}},
+            "stages": {"llm": tiny_llm({"max_tokens": 8}, max_inflight=4, outputs=["hidden_states"],
+                                       hidden_layers=[-1, 2], hidden_prompt=True),
+                       "sd": tiny_sd({"num_inference_steps": 2}, max_inflight=2, batching="call",
+                                     cache={"kind": "first_block", "threshold": 0.2}, lora={"max_loras": 2}),
+                       "echo": python_stage("teststages", "echo", sessions=None, idle_unload_s=5, lazy=True),
+                       "frame": demo_stage("frame", replicas=2, env={"A": "b"})},
+            "pipelines": {"t2i": {"stages": ["llm", "sd"], "edges": [{"from": "llm", "to": "sd", "window": 4}]}}}
+    del data["stages"]["echo"]["sessions"]
     assert refusals(validator, data) == []
 
 
