@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from omnid import paths
-from omnid.config.checker import _Checker, _resolve, _typename
+from omnid.config.checker import Checker, resolve_path, typename
 from omnid.config.schema import DaemonTable, read
 from omnid.config_types import DaemonConfig, OwnerPolicy, TracingConfig
 from omnid.keys import KeyFileError, key_path, read_keys
@@ -28,14 +28,14 @@ _CONVERTED = ("socket", "state_dir", "lock_dir", "socket_mode", "metrics_listen"
               "owners", "tracing")
 
 
-def _parse_daemon(c: _Checker, raw: Any, base: Path) -> DaemonConfig:
+def parse_daemon(c: Checker, raw: Any, base: Path) -> DaemonConfig:
     d = read(c, DaemonTable, {} if raw is None else raw, "daemon") or DaemonTable()
     defaults = paths.defaults()
     plain = d.model_dump(exclude=set(_CONVERTED))
     return DaemonConfig(
-        socket=_resolve(base, d.socket) if d.socket else defaults.socket,
-        state_dir=_resolve(base, d.state_dir) if d.state_dir else defaults.state_dir,
-        lock_dir=_resolve(base, d.lock_dir) if d.lock_dir else defaults.lock_dir,
+        socket=resolve_path(base, d.socket) if d.socket else defaults.socket,
+        state_dir=resolve_path(base, d.state_dir) if d.state_dir else defaults.state_dir,
+        lock_dir=resolve_path(base, d.lock_dir) if d.lock_dir else defaults.lock_dir,
         socket_mode=_socket_mode(c, raw.get("socket_mode", 0o660) if isinstance(raw, dict) else 0o660),
         metrics_listen=_host_port(d.metrics_listen) if d.metrics_listen else None,
         listen=_listen(c, d, raw.get("listen", []) if isinstance(raw, dict) else []),
@@ -46,7 +46,7 @@ def _parse_daemon(c: _Checker, raw: Any, base: Path) -> DaemonConfig:
     )
 
 
-def _socket_mode(c: _Checker, raw: Any) -> int:
+def _socket_mode(c: Checker, raw: Any) -> int:
     """`socket_mode`: an octal string ("0660") or an integer, from 0 to 0o777."""
     mode = 0o660
     if isinstance(raw, str):
@@ -57,14 +57,14 @@ def _socket_mode(c: _Checker, raw: Any) -> int:
     elif isinstance(raw, int) and not isinstance(raw, bool):
         mode = raw
     else:
-        c.add("daemon.socket_mode", f"must be an integer or a string, not {_typename(raw)}")
+        c.add("daemon.socket_mode", f"must be an integer or a string, not {typename(raw)}")
     if not 0 <= mode <= 0o777:
         c.add("daemon.socket_mode", "must be between 0000 and 0777")
         mode = 0o660
     return mode
 
 
-def _listen(c: _Checker, d: DaemonTable, raw: Any) -> tuple[tuple[str, int], ...]:
+def _listen(c: Checker, d: DaemonTable, raw: Any) -> tuple[tuple[str, int], ...]:
     """`listen`: the TCP listener's addresses (the model checked each), none twice."""
     listen: list[tuple[str, int]] = []
     for i, item in enumerate(raw if isinstance(raw, list) else []):
@@ -88,7 +88,7 @@ def is_loopback(host: str) -> bool:
         return False            # a name: it may resolve to anything
 
 
-def _check_listen_keys(c: _Checker, daemon: DaemonConfig) -> None:
+def check_listen_keys(c: Checker, daemon: DaemonConfig) -> None:
     """A TCP listener beyond loopback needs API keys first (anyone who reaches it could try)."""
     wide = [f"{h}:{p}" for h, p in daemon.listen if not is_loopback(h)]
     if not wide:

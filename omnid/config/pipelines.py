@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from omnid.config.checker import _check_callable_ref, _Checker, _typename
+from omnid.config.checker import Checker, check_callable_ref, typename
 from omnid.config.schema import EdgeTable, PipelineTable, RealtimeTable, read
 from omnid.config.stages import model_dims
 from omnid.config_types import FULL_WINDOW, EdgeConfig, PipelineConfig, RealtimeConfig, StageConfig
@@ -19,7 +19,7 @@ from omnid.media import MEDIA_KINDS
 STREAM_ENGINES = engines_that(lambda e: e.streamed_input)
 
 
-def _parse_edge(c: _Checker, raw: Any, path: str, members: tuple[str, ...],
+def _parse_edge(c: Checker, raw: Any, path: str, members: tuple[str, ...],
                 known_stages: Mapping[str, Any]) -> EdgeConfig | None:
     edge = read(c, EdgeTable, raw, path)
     if edge is None:
@@ -57,7 +57,7 @@ def _parse_edge(c: _Checker, raw: Any, path: str, members: tuple[str, ...],
         # A transform runs in the upstream stage's worker, with that stage's python_path.
         src_stage = known_stages.get(src) if src is not None else None
         src_path = src_stage.python_path if isinstance(src_stage, StageConfig) else ()
-        _check_callable_ref(c, transform, f"{path}.transform", src_path)
+        check_callable_ref(c, transform, f"{path}.transform", src_path)
     src_stage = known_stages.get(src) if isinstance(src, str) else None
     gives = capabilities(src_stage.engine).gives if isinstance(src_stage, StageConfig) else None
     if mapping is not None and isinstance(src_stage, StageConfig) and gives is not None:
@@ -71,7 +71,7 @@ def _parse_edge(c: _Checker, raw: Any, path: str, members: tuple[str, ...],
     return EdgeConfig(src=src, dst=dst, window=window, map=mapping, transform=transform, schedule=schedule)
 
 
-def _parse_window(c: _Checker, raw: Any, path: str) -> tuple[int | None, tuple[int, ...]]:
+def _parse_window(c: Checker, raw: Any, path: str) -> tuple[int | None, tuple[int, ...]]:
     """`window`: -1, N > 0, or a schedule [N1, N2, ...] (the last size repeats): (first, schedule),
     or (None, ()) when it is none of them."""
     if isinstance(raw, int) and not isinstance(raw, bool):
@@ -89,11 +89,11 @@ def _parse_window(c: _Checker, raw: Any, path: str) -> tuple[int | None, tuple[i
         if bad:
             return None, ()
         return int(raw[0]), tuple(int(n) for n in raw)
-    c.add(path, f"must be an integer, not {_typename(raw)} (or a list of integers: a schedule)")
+    c.add(path, f"must be an integer, not {typename(raw)} (or a list of integers: a schedule)")
     return None, ()
 
 
-def _check_tensor_edges(c: _Checker, path: str, edge: EdgeConfig, stages: Mapping[str, StageConfig]) -> None:
+def _check_tensor_edges(c: Checker, path: str, edge: EdgeConfig, stages: Mapping[str, StageConfig]) -> None:
     """An edge that hands a vllm stage `prompt_embeds` or `prompt_token_ids` from a vllm stage must
     give what it can take: hidden states of its width (one layer), token ids."""
     src, dst = stages.get(edge.src), stages.get(edge.dst)
@@ -119,7 +119,7 @@ def _check_tensor_edges(c: _Checker, path: str, edge: EdgeConfig, stages: Mappin
                          f"\"prompt_token_ids\"), not {up!r}")
 
 
-def _check_media_edges(c: _Checker, path: str, edges: list[EdgeConfig], stages: Mapping[str, StageConfig]) -> None:
+def _check_media_edges(c: Checker, path: str, edges: list[EdgeConfig], stages: Mapping[str, StageConfig]) -> None:
     """An edge that hands media (by its map, or a diffusers stage's `image` by name) to a vllm stage
     whose model takes none would fail every job: said now."""
     for edge in edges:
@@ -161,7 +161,7 @@ def _find_cycle(stages: tuple[str, ...], edges: list[EdgeConfig]) -> list[str] |
     return None
 
 
-def _parse_pipeline(c: _Checker, name: str, raw: Any, known_stages: Mapping[str, Any],
+def parse_pipeline(c: Checker, name: str, raw: Any, known_stages: Mapping[str, Any],
                     parsed: Mapping[str, StageConfig]) -> PipelineConfig | None:
     path = f"pipelines.{name}"
     pl = read(c, PipelineTable, raw, path)
@@ -172,7 +172,7 @@ def _parse_pipeline(c: _Checker, name: str, raw: Any, known_stages: Mapping[str,
     members: list[str] = []
     for i, s in enumerate(members_raw):
         if not isinstance(s, str):
-            c.add(f"{path}.stages[{i}]", f"must be a stage name, not {_typename(s)}")
+            c.add(f"{path}.stages[{i}]", f"must be a stage name, not {typename(s)}")
         elif s not in known_stages:
             c.add(f"{path}.stages[{i}]", f"unknown stage {s!r}")
         elif s in members:
@@ -193,7 +193,7 @@ def _parse_pipeline(c: _Checker, name: str, raw: Any, known_stages: Mapping[str,
                           retries=pl.retries, keep=keep, realtime=_realtime(pl.realtime))
 
 
-def _parse_edges(c: _Checker, edges_raw: list[Any], path: str, members: list[str], known_stages: Mapping[str, Any],
+def _parse_edges(c: Checker, edges_raw: list[Any], path: str, members: list[str], known_stages: Mapping[str, Any],
                  parsed: Mapping[str, StageConfig]) -> list[EdgeConfig]:
     """A pipeline's `edges`: each edge, none twice, a stage fed by a window edge fed by no other, no
     cycle, every stage on some edge."""
@@ -242,7 +242,7 @@ def _realtime(r: RealtimeTable | None) -> RealtimeConfig | None:
                           warmup=warmup, warmup_params=dict(r.warmup_params))
 
 
-def _parse_kept_outputs(c: _Checker, p: Mapping[str, Any], path: str, members: list[str],
+def _parse_kept_outputs(c: Checker, p: Mapping[str, Any], path: str, members: list[str],
                         edges: list[EdgeConfig]) -> dict[str, tuple[str, ...]]:
     """A pipeline's `outputs = { STAGE = ["name", ...] }`: outputs of stages that are not last,
     kept as the job's too."""

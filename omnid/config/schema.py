@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation, ValidationError, WithJsonSchema, WrapValidator
 from pydantic_core import PydanticCustomError
 
-from omnid.config.checker import _Checker, _typename
+from omnid.config.checker import Checker, typename
 from omnid.config_types import OVERLOAD_MODES
 from omnid.engines.capabilities import CAPABILITIES, TENSOR_OUTPUTS
 from omnid.media import DEFAULT_MAX_AUDIO_S, DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, DEFAULT_MAX_VIDEO_FRAMES
@@ -114,7 +114,7 @@ def _words(err: Any, model: type[BaseModel]) -> str:
     if kind == "omnid":
         return str(err["msg"])
     if kind in _KIND_WORDS:
-        return f"must be {_KIND_WORDS[kind]}, not {_typename(value)}"
+        return f"must be {_KIND_WORDS[kind]}, not {typename(value)}"
     if kind in _BOUND_WORDS:
         key, sign = _BOUND_WORDS[kind]
         bound = err["ctx"][key]
@@ -196,12 +196,12 @@ def _sweep(data: Any) -> Any:
 T = TypeVar("T", bound=BaseModel)
 
 
-def read(c: _Checker, model: type[T], raw: Any, path: str) -> T | None:
+def read(c: Checker, model: type[T], raw: Any, path: str) -> T | None:
     """`raw` (a TOML table) validated by `model`: every problem added to `c` at its key path, in the
     house's words, unknown keys first; a refused value gives way to its default. None when `raw` is
     not a table."""
     if not isinstance(raw, dict):
-        c.add(path, f"must be a table, not {_typename(raw)}")
+        c.add(path, f"must be a table, not {typename(raw)}")
         return None
     try:
         return model.model_validate(raw)
@@ -256,7 +256,7 @@ def _not_blank(value: str) -> None:
 
 def _what(value: Any) -> str:
     """A refused value: a string quoted, another kind by its name."""
-    return repr(value) if isinstance(value, str) else _typename(value)
+    return repr(value) if isinstance(value, str) else typename(value)
 
 
 HostPort = Annotated[str, _check(_host_port_ok), says(
@@ -413,7 +413,7 @@ class LoraTable(_Table):
     diffusers stages)."""
 
     adapters: dict[str, Annotated[str, says(
-        lambda v: f"must be a string (the adapter's folder), not {_typename(v)}", types=True)]] = Field(
+        lambda v: f"must be a string (the adapter's folder), not {typename(v)}", types=True)]] = Field(
         default={}, description="the stage's adapters: name -> folder (relative: from the config file's folder)")
     max_loras: int = Field(default=4, gt=0, description="vllm: adapters in one batch (vLLM's max_loras)")
     max_lora_rank: int = Field(default=16, gt=0, description="the highest rank an adapter may have (vLLM: one of "
@@ -466,7 +466,7 @@ class StageTable(_Table):
     produces: Annotated[list[OutputKind] | None, SkipValidation] = Field(
         default=None, description="python stages: the kinds of output it gives; else its function's own `produces`")
     python_path: list[Annotated[str, says(
-        lambda v: f"must be a string (a directory), not {_typename(v)}", types=True)]] = Field(
+        lambda v: f"must be a string (a directory), not {typename(v)}", types=True)]] = Field(
         default=[],
         description="folders put first on the worker's sys.path (relative: from the config file's folder)")
     devices: Annotated[list[int] | list[list[int]], SkipValidation] = Field(
@@ -534,7 +534,7 @@ class EdgeTable(_Table):
         default=-1, description="-1: the downstream starts on the upstream's last segment; N: it streams, N "
                         "segments at a time; [4, 8, 16, 25]: a schedule (the last size repeats)")
     map: dict[str, Annotated[str, says(
-        lambda v: f"must name an upstream output (a string), not {_typename(v)}", types=True)]] | None = Field(
+        lambda v: f"must name an upstream output (a string), not {typename(v)}", types=True)]] | None = Field(
         default=None, description="{ downstream_input = \"upstream_output\" } (unset: outputs passed by name)")
     transform: str | None = Field(default=None, description="`module:function` run on what the edge hands on")
 
@@ -551,7 +551,7 @@ class RealtimeTable(_Table):
         lambda v: f"must be in (0, 1], the share of the measured capacity to fill, not {v}")] = Field(
         default=0.9, description="admit while the streams stay under margin x the capacity measured")
     warmup: Annotated[dict[str, Any] | bool, says(
-        lambda v: f"must be a table or a boolean, not {_typename(v)}", types=True)] = Field(
+        lambda v: f"must be a table or a boolean, not {typename(v)}", types=True)] = Field(
         default=True,
         description="the inputs of the warm-up job run before the pipeline is ready (true: { prompt = \"warm up\" "
                     "}; false: none)")

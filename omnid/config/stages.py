@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from omnid import lora as L
-from omnid.config.checker import PRODUCED_KINDS, _check_callable_ref, _Checker, _resolve, _typename, declared_produces
+from omnid.config.checker import (PRODUCED_KINDS, Checker, check_callable_ref, declared_produces, resolve_path,
+                                  typename)
 from omnid.config.schema import (BATCHINGS, CACHE_DTYPES, CACHE_KINDS, ENGINE_CORES, ENGINES, MAX_REPLICAS,
                                  PLACEMENTS, VLLM_LORA_RANKS, LoraTable, MediaTable, StageTable, read)
 from omnid.config_types import LoraConfig, RayNeeds, StageConfig
@@ -23,13 +24,13 @@ from omnid.params import parallel_size
 __all__ = ["BATCHINGS", "CACHE_DTYPES", "CACHE_KINDS", "ENGINE_CORES", "ENGINES", "MAX_REPLICAS", "PLACEMENTS",
            "VLLM_LORA_RANKS", "LORA_KEYS", "VLLM_LORA_ARGS", "model_dims", "name_of"]
 
-_STAGE_KEYS = tuple(f.alias or k for k, f in StageTable.model_fields.items())     # (the model's keys)
+STAGE_KEYS = tuple(f.alias or k for k, f in StageTable.model_fields.items())     # (the model's keys)
 _TENSOR_KEYS = ("outputs", "hidden_layers", "hidden_prompt", "prompt_embeds")
 _MARKER_WORDS = {"image": "vision_config (nor image token)", "audio": "audio_config (nor audio token)",
                  "video": "video token"}
 
 
-def _parse_media(c: _Checker, m: MediaTable | None, path: str, engine: str | None, model: Path | None
+def _parse_media(c: Checker, m: MediaTable | None, path: str, engine: str | None, model: Path | None
                  ) -> MediaLimits:
     """`[stages.NAME.media]`: per kind, how many items a job may give (default: 1 for each kind the
     model's config.json shows, else 0), and the limits on each item."""
@@ -55,7 +56,7 @@ def _parse_media(c: _Checker, m: MediaTable | None, path: str, engine: str | Non
                        max_video_frames=m.max_video_frames, detected=detected)
 
 
-def _check_vllm_parallelism(c: _Checker, path: str, args: Mapping[str, Any], devices: list[int]) -> None:
+def _check_vllm_parallelism(c: Checker, path: str, args: Mapping[str, Any], devices: list[int]) -> None:
     """Tensor/pipeline parallelism needs one process per GPU: not the in-process `uni` executor, and
     as many devices as processes."""
     size = parallel_size(args)
@@ -112,7 +113,7 @@ def _names_component(entry: Any) -> bool:
     return isinstance(entry, list) and len(entry) == 2 and entry[0] is not None and entry[1] is not None
 
 
-def _parse_cache(c: _Checker, raw: Any, path: str, engine: str | None, model: Path | None) -> dict[str, Any]:
+def _parse_cache(c: Checker, raw: Any, path: str, engine: str | None, model: Path | None) -> dict[str, Any]:
     """`cache = { kind = "first_block", threshold = 0.2 }`: one of CACHE_KINDS and its options, on a
     diffusers stage whose pipeline has a `transformer` (a DiT; its model_index.json says so)."""
     path = f"{path}.cache"
@@ -159,7 +160,7 @@ def _parse_cache(c: _Checker, raw: Any, path: str, engine: str | None, model: Pa
     return dict(t) if ok else {}
 
 
-def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | None:
+def parse_stage(c: Checker, name: str, raw: Any, base: Path) -> StageConfig | None:
     path = f"stages.{name}"
     st = read(c, StageTable, raw, path)
     if st is None:
@@ -169,7 +170,7 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
         c.add(f"{path}.engine", "is required")
     engine: str | None = st.engine
     caps = capabilities(engine) if engine is not None else None
-    python_path = tuple(_resolve(base, p) for p in st.python_path)
+    python_path = tuple(resolve_path(base, p) for p in st.python_path)
     model = _parse_code(c, st, path, base, python_path)
     function, batch_function, sessions = st.function, st.batch_function, st.sessions
     produces = _parse_produces(c, s, path, engine, caps is not None and caps.takes_function,
@@ -204,7 +205,7 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
     )
 
 
-def _parse_code(c: _Checker, st: StageTable, path: str, base: Path, python_path: tuple[Path, ...]) -> Path | None:
+def _parse_code(c: Checker, st: StageTable, path: str, base: Path, python_path: tuple[Path, ...]) -> Path | None:
     """What a stage runs: the model folder its engine loads (with the marker file the engine looks
     for), or a python stage's function, batch_function or sessions class (findable on its
     python_path), the model it may name besides. The model's path, when one is named."""
@@ -216,7 +217,7 @@ def _parse_code(c: _Checker, st: StageTable, path: str, base: Path, python_path:
         if model_raw is None:
             c.add(f"{path}.model", f"is required for engine {engine!r}")
         else:
-            model = _resolve(base, model_raw)
+            model = resolve_path(base, model_raw)
             marker = caps.model_marker
             if not model.is_dir():
                 c.add(f"{path}.model", f"directory {str(model)!r} does not exist")
@@ -235,17 +236,17 @@ def _parse_code(c: _Checker, st: StageTable, path: str, base: Path, python_path:
         elif function is None and batch_function is None and sessions is None:     # one of them
             c.add(f"{path}.function", f"is required for engine {engine!r} (or a batch_function, or sessions)")
         if sessions is not None:
-            _check_callable_ref(c, sessions, f"{path}.sessions", python_path)
+            check_callable_ref(c, sessions, f"{path}.sessions", python_path)
         if function is not None:
-            _check_callable_ref(c, function, f"{path}.function", python_path)
+            check_callable_ref(c, function, f"{path}.function", python_path)
         if batch_function is not None:
-            _check_callable_ref(c, batch_function, f"{path}.batch_function", python_path)
+            check_callable_ref(c, batch_function, f"{path}.batch_function", python_path)
         if model_raw is not None:
-            model = _resolve(base, model_raw)
+            model = resolve_path(base, model_raw)
     return model
 
 
-def _check_engine_keys(c: _Checker, st: StageTable, path: str, devices: list[int],
+def _check_engine_keys(c: Checker, st: StageTable, path: str, devices: list[int],
                        replica_devices: tuple[tuple[int, ...], ...]) -> None:
     """What the stage's engine makes of `max_inflight` (its batch bound), `args` (parallelism and the
     keys omnid sets itself) and `defaults` (the parameters it takes, and their rules)."""
@@ -274,7 +275,7 @@ def _check_engine_keys(c: _Checker, st: StageTable, path: str, devices: list[int
                 c.add(f"{path}.defaults.{k}", f"{why}, not {v!r}")
 
 
-def _parse_produces(c: _Checker, s: dict[str, Any], path: str, engine: str | None, python: bool,
+def _parse_produces(c: Checker, s: dict[str, Any], path: str, engine: str | None, python: bool,
                     ref: str | None, python_path: tuple[Path, ...]) -> tuple[str, ...] | None:
     """A python stage's kinds of output: its `produces` key, else what its function or class declares
     (`declared_produces`); None when neither says."""
@@ -298,7 +299,7 @@ LORA_KEYS = tuple(LoraTable.model_fields)
 VLLM_LORA_ARGS = ("enable_lora", "max_loras", "max_lora_rank", "lora_modules")
 
 
-def _parse_lora(c: _Checker, t: LoraTable | None, path: str, engine: str | None, model: Path | None, base: Path,
+def _parse_lora(c: Checker, t: LoraTable | None, path: str, engine: str | None, model: Path | None, base: Path,
                 args: Mapping[str, Any], defaults: Mapping[str, Any]) -> LoraConfig | None:
     """`lora = { adapters = { sql = "path" }, max_loras = 4, max_lora_rank = 16 }`: each adapter
     checked (a LoRA, its rank within max_lora_rank, made for the stage's model: `omnid.lora`)."""
@@ -327,7 +328,7 @@ def _parse_lora(c: _Checker, t: LoraTable | None, path: str, engine: str | None,
         if (why := L.name_problem(name)) is not None:
             c.add(where, why)
             continue
-        folder = _resolve(base, value)
+        folder = resolve_path(base, value)
         try:
             L.check(folder, model if model is not None and model.is_dir() else None, max_rank)
         except (L.AdapterError, OSError) as e:
@@ -346,7 +347,7 @@ def name_of(path: str) -> str:
     return path.split(".")[1]
 
 
-def _engine_only(c: _Checker, st: StageTable, key: str, path: str, takes: bool, words: str) -> str:
+def _engine_only(c: Checker, st: StageTable, key: str, path: str, takes: bool, words: str) -> str:
     """`engine_core` ("inline" | "process": a vllm stage's engine core in the worker's thread, or in a
     process of its own) or `batching` ("step" | "call": a diffusers stage's jobs join a batch at a
     denoising step, or only when a pipeline call starts): a key only one engine takes."""
@@ -378,7 +379,7 @@ def model_dims(model: Path | None) -> tuple[int, int] | None:
     return None
 
 
-def _parse_tensors(c: _Checker, s: Mapping[str, Any], path: str, engine: str | None, model: Path | None
+def _parse_tensors(c: Checker, s: Mapping[str, Any], path: str, engine: str | None, model: Path | None
                    ) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """A vllm stage's tensor keys: outputs, hidden_layers (hidden_prompt and prompt_embeds, two
     booleans, its model checked)."""
@@ -405,7 +406,7 @@ def _parse_tensors(c: _Checker, s: Mapping[str, Any], path: str, engine: str | N
         c.add(f"{path}.hidden_layers", "must name at least one layer (-1: the last)")
     for i, k in enumerate(layers_raw):
         if not isinstance(k, int) or isinstance(k, bool):
-            c.add(f"{path}.hidden_layers[{i}]", f"must be a layer index (an integer), not {_typename(k)}")
+            c.add(f"{path}.hidden_layers[{i}]", f"must be a layer index (an integer), not {typename(k)}")
         elif k == 0:
             c.add(f"{path}.hidden_layers[{i}]", "0 would be the input embeddings; layers count from 1 "
                                                 "(transformers' output_hidden_states), -1 is the last")
@@ -419,7 +420,7 @@ def _parse_tensors(c: _Checker, s: Mapping[str, Any], path: str, engine: str | N
     return tuple(outputs), tuple(layers) or (-1,)
 
 
-def _parse_placement(c: _Checker, s: Mapping[str, Any], path: str, replicas: int,
+def _parse_placement(c: Checker, s: Mapping[str, Any], path: str, replicas: int,
                      devices: list[int]) -> tuple[str, ...]:
     """`placement`: "local" (the default), "ray", or one of them per replica."""
     raw = c.get(s, "placement", path, (str, list))
@@ -442,11 +443,11 @@ def _parse_placement(c: _Checker, s: Mapping[str, Any], path: str, replicas: int
     return tuple(out) if "ray" in out else ()
 
 
-def _device_list(c: _Checker, raw: list[Any], path: str) -> list[int]:
+def _device_list(c: Checker, raw: list[Any], path: str) -> list[int]:
     devices: list[int] = []
     for i, d in enumerate(raw):
         if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-            c.add(f"{path}[{i}]", f"must be a GPU index >= 0, not {d if type(d) is int else _typename(d)}")
+            c.add(f"{path}[{i}]", f"must be a GPU index >= 0, not {d if type(d) is int else typename(d)}")
         elif d in devices:
             c.add(f"{path}[{i}]", f"device {d} is given twice")
         else:
@@ -454,7 +455,7 @@ def _device_list(c: _Checker, raw: list[Any], path: str) -> list[int]:
     return devices
 
 
-def _parse_devices(c: _Checker, s: Mapping[str, Any], path: str, replicas: int | None
+def _parse_devices(c: Checker, s: Mapping[str, Any], path: str, replicas: int | None
                    ) -> tuple[list[int], tuple[tuple[int, ...], ...], int]:
     """`devices` and `replicas`: (the union of the devices, each replica's own set or (), replicas).
 

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from conftest import demo_stage, python_stage, tiny_llm, tiny_sd
 from omnid import config as C
 from omnid.config import schema as S
-from omnid.config.checker import PRODUCED_KINDS, _Checker
+from omnid.config.checker import PRODUCED_KINDS, Checker
 from omnid.config_types import OVERLOAD_MODES, RealtimeConfig
 from omnid.media import NO_MEDIA
 
@@ -173,7 +173,7 @@ def test_the_media_tables_defaults_are_no_medias() -> None:
 
 def test_the_daemon_and_stage_keys_are_the_parsed_fields() -> None:
     assert set(S.DaemonTable.model_fields) == {f.name for f in dataclasses.fields(C.DaemonConfig)}
-    assert set(C._STAGE_KEYS) == set(S.StageTable.model_fields)
+    assert set(C.STAGE_KEYS) == set(S.StageTable.model_fields)
 
 
 def test_a_keys_choices_are_what_its_users_know() -> None:
@@ -193,7 +193,7 @@ def test_no_wrong_value_of_any_key_is_said_in_pydantics_words(table: str) -> Non
     model = S.TABLES[table]
     for key in (f.alias or name for name, f in model.model_fields.items()):
         for value in WRONG:
-            c = _Checker()
+            c = Checker()
             S.read(c, model, {key: value}, "t")
             for p in c.problems:
                 assert p.path == f"t.{key}" or p.path.startswith((f"t.{key}.", f"t.{key}[")), (key, value, p)
@@ -202,7 +202,7 @@ def test_no_wrong_value_of_any_key_is_said_in_pydantics_words(table: str) -> Non
 
 
 def test_a_refused_value_gives_way_to_its_default_and_the_rest_stands() -> None:
-    c = _Checker()
+    c = Checker()
     d = S.read(c, S.DaemonTable, {"max_queued_jobs": 0, "keep_jobs": 7, "colour": 1,
                                   "owners": {"bob": {}, "default": {"weight": -1, "max_queued": 2}}}, "daemon")
     assert d is not None and (d.max_queued_jobs, d.keep_jobs) == (256, 7)
