@@ -57,6 +57,18 @@ def test_omnid_config_schema_prints_it() -> None:
     assert json.loads(r.stdout) == C.json_schema() and r.stdout == SHIPPED.read_text()
 
 
+def test_the_schema_speaks_toml() -> None:
+    """TOML has no null: a key that may be left out is of its own type, with no `null` default; a key
+    the parser requires is required."""
+    text = SHIPPED.read_text()
+    assert '"null"' not in text and '"default": null' not in text
+    schema = json.loads(text)
+    assert schema["required"] == ["stages", "pipelines"]
+    assert schema["$defs"]["StageTable"]["required"] == ["engine"]
+    assert schema["$defs"]["EdgeTable"]["required"] == ["from", "to"]
+    assert "default" not in schema["$defs"]["StageTable"]["properties"]["engine"]
+
+
 def test_the_repos_configs_are_found() -> None:
     names = {p.relative_to(ROOT).as_posix() for p in CONFIGS}
     assert {"etc/omnid.toml", "etc/omnid-demo.toml", "etc/omnid-ray-demo.toml"} <= names, names
