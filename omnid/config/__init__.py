@@ -9,9 +9,11 @@ Validation collects *every* problem with its key path (`stages.draw.model`)
 instead of stopping at the first, so one `omnid --check` run shows them all.
 
 Here: `load` and `parse`, and the checks across tables (devices shared between stages, Ray-placed
-stages and the daemon's ray_address, the tensors the pipelines ask of a stage). Each table has its
-room: checker.py (Problem, ConfigError, the checker), daemon.py, stages.py, pipelines.py; their
-names are handed on from here, as are the parsed config's types.
+stages and the daemon's ray_address, the tensors the pipelines ask of a stage). The file's shape is
+defined once, in schema.py: a pydantic model per table, which every table is read through, and from
+which `json_schema()` (`omnid config-schema`) and `reference()` (the configuration reference) are
+generated. Each table has its room: checker.py (Problem, ConfigError, the checker), daemon.py,
+stages.py, pipelines.py; their names are handed on from here, as are the parsed config's types.
 """
 
 from __future__ import annotations
