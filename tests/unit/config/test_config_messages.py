@@ -14,12 +14,15 @@ from __future__ import annotations
 import copy
 import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from conftest import toml_dumps
 from omnid import config as C
 
 SNAPSHOT = Path(__file__).with_name("config_messages.snap.txt")
@@ -180,3 +183,19 @@ def test_every_message_names_its_key_and_no_library_words(case: str, base: Path)
         assert re.match(r"(daemon|stages|pipelines)\b", path) or case == "top-level unknown key", line
         for word in ("type=", "Input should", "pydantic", "validation error", "Traceback"):
             assert word not in message, line
+
+
+@pytest.mark.parametrize("case", ["daemon bad listen entries", "edge cycle and duplicate"])
+def test_omnid_check_prints_the_same_and_exits_2(case: str, base: Path) -> None:
+    path = base / f"{case.replace(' ', '-')}.toml"
+    path.write_text(toml_dumps(merge(tomllib.loads(BASE), tomllib.loads(CASES[case]))))
+    r = subprocess.run([sys.executable, "-m", "omnid", "--check", "-c", str(path)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    head, *lines = r.stderr.replace(str(base), "<base>").splitlines()
+    assert head == f"omnid: invalid configuration <base>/{path.name}:"
+    assert [line.removeprefix("  ") for line in lines] == read_snapshot()[case]
+    path.write_text(toml_dumps(tomllib.loads(BASE)))
+    ok = subprocess.run([sys.executable, "-m", "omnid", "--check", "-c", str(path)], capture_output=True, text=True,
+                        timeout=60)
+    assert ok.returncode == 0, ok.stderr
