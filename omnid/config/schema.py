@@ -30,7 +30,7 @@ from pydantic_core import PydanticCustomError
 
 from omnid.config.checker import Checker, typename
 from omnid.config_types import OVERLOAD_MODES
-from omnid.engines.capabilities import CAPABILITIES, TENSOR_OUTPUTS
+from omnid.engines.capabilities import CAPABILITIES, TENSOR_OUTPUTS, stage_accepts, stage_params_schema
 from omnid.media import DEFAULT_MAX_AUDIO_S, DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, DEFAULT_MAX_VIDEO_FRAMES
 
 ENGINES = tuple(CAPABILITIES)       # the names `engine = "..."` takes; what each can do: engines/capabilities.py
@@ -449,9 +449,20 @@ def _cache_schema() -> dict[str, Any]:
     return {"oneOf": kinds, "description": "a DiT cache: its kind and that kind's options"}
 
 
+def _defaults_by_engine(schema: dict[str, Any]) -> None:
+    """A stage's `defaults` in the JSON Schema: the parameters its engine takes, with their rules (the
+    ones a job's params are checked by), for each engine that lists them."""
+    schema["allOf"] = [
+        {"if": {"properties": {"engine": {"const": engine}}, "required": ["engine"]},
+         "then": {"properties": {"defaults": stage_params_schema(engine, {})}}}
+        for engine in ENGINES if stage_accepts(engine, {}) is not None]
+
+
 class StageTable(_Table):
     """`[stages.NAME]`: a stage, its engine and model (or function), its workers and devices, and
     what its engine takes besides."""
+
+    model_config = ConfigDict(json_schema_extra=_defaults_by_engine)
 
     engine: Annotated[Engine | None, says(
         lambda v: f"unknown engine {v!r} (known: {', '.join(ENGINES)})")] = Field(
