@@ -484,9 +484,9 @@ class StageTable(_Table):
         default=[], description="GPU indices ([]: the CPU; [[0], [1]]: one set per replica)")
     exclusive: bool = Field(
         default=False, description="no other stage, nor another replica of it, may share its devices")
-    replicas: Annotated[int | None, Field(ge=1, le=MAX_REPLICAS), says(
+    replicas: Annotated[int, Field(ge=1, le=MAX_REPLICAS), says(
         lambda v: f"must be from 1 to {MAX_REPLICAS}, not {v}")] = Field(
-        default=None, description="workers of this stage (default: 1, or one per device set)")
+        default=1, description="workers of this stage (devices = [[0], [1]]: one per device set)")
     idle_unload_s: float | None = Field(
         default=None, gt=0, description="no work this long: the stage sleeps until a job comes")
     max_inflight: int = Field(default=1, gt=0, description="jobs inside the stage at once (the engine batches them)")
@@ -499,13 +499,13 @@ class StageTable(_Table):
                     "dtype for diffusers")
     defaults: dict[str, Any] = Field(default={}, description="per-job parameters, which a job may override")
     env: dict[str, str] = Field(default={}, description="extra environment for the worker")
-    placement: Annotated[Placement | list[Placement] | None, SkipValidation] = Field(
-        default=None,
+    placement: Annotated[Placement | list[Placement], SkipValidation] = Field(
+        default="local",
         description="\"local\" (the default) or \"ray\": the worker runs as a Ray actor; a list gives one per "
                     "replica")
-    ray: RayTable | None = Field(default=None, description="a Ray-placed worker's needs")
-    media: MediaTable | None = Field(
-        default=None, description="vllm stages: the images, audio and video a job may give, and their limits")
+    ray: RayTable = Field(default=RayTable(), description="a Ray-placed worker's needs")
+    media: MediaTable = Field(
+        default=MediaTable(), description="vllm stages: the images, audio and video a job may give, and their limits")
     max_rss_mb: int | None = Field(
         default=None, gt=0,
         description="a leak guard: a worker whose resident memory is over it is restarted between jobs")
@@ -611,6 +611,8 @@ def json_schema() -> dict[str, Any]:
         for key, prop in props.items():
             prop.pop("title", None)
             _no_null(prop)
+            if isinstance(prop.get("default"), dict) and ("$ref" in prop or "allOf" in prop):
+                prop["default"] = {}        # a table left out: every key of it at its default
             if prop.pop("omnid_required", False):
                 prop.pop("default", None)
                 table.setdefault("required", []).append(key)
@@ -663,7 +665,8 @@ def reference() -> list[tuple[str, str, str, str, str]]:
     for table, model in TABLES.items():
         for name, field in model.model_fields.items():
             key = field.alias or name
-            rows.append((table, key, _type_words(field.annotation), _toml(field.default),
+            required = field.json_schema_extra is _required
+            rows.append((table, key, _type_words(field.annotation), "" if required else _toml(field.default),
                          field.description or ""))
     return rows
 

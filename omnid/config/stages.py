@@ -175,15 +175,16 @@ def parse_stage(c: Checker, name: str, raw: Any, base: Path) -> StageConfig | No
     function, batch_function, sessions = st.function, st.batch_function, st.sessions
     produces = _parse_produces(c, s, path, engine, caps is not None and caps.takes_function,
                                sessions or function or batch_function, python_path)
-    devices, replica_devices, replicas = _parse_devices(c, s, path, st.replicas)
+    devices, replica_devices, replicas = _parse_devices(c, s, path,
+                                                        st.replicas if "replicas" in st.model_fields_set else None)
     _check_engine_keys(c, st, path, devices, replica_devices)
-    media = _parse_media(c, st.media, path, engine, model)
+    media = _parse_media(c, st.media if "media" in st.model_fields_set else None, path, engine, model)
     engine_core = _engine_only(c, st, "engine_core", path, caps is None or caps.engine_core,
                                "only vllm stages have an engine core to place")
     batching = _engine_only(c, st, "batching", path, caps is None or caps.step_batching,
                             "only diffusers stages choose how they batch")
     placement = _parse_placement(c, s, path, replicas, devices)
-    ray = RayNeeds(**st.ray.model_dump()) if st.ray is not None else RayNeeds()
+    ray = RayNeeds(**st.ray.model_dump())
     outputs, hidden_layers = _parse_tensors(c, s, path, engine, model)
     cache = _parse_cache(c, s.get("cache"), path, engine, model)
     lora = _parse_lora(c, st.lora, path, engine, model, base, st.args, st.defaults)
