@@ -1,6 +1,8 @@
 """A `[pipelines.NAME]` table: its stages, its edges (`from`, `to`, `window` or a window schedule,
 `map`, `transform`), no cycle, every stage on an edge, the outputs kept from stages that are not
-last; and what an edge hands on must be what its stages can give and take (media, tensors).
+last; and what an edge hands on must be what its stages can give and take (media, tensors). The
+tables' keys, types and bounds are their models' (schema.py's `PipelineTable`, `EdgeTable`,
+`RealtimeTable`, which they are read through).
 """
 
 from __future__ import annotations

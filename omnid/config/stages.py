@@ -2,6 +2,8 @@
 Ray needs, and the tables a stage may carry: `media`, `cache` (a DiT's), `lora`, its tensor keys
 (`outputs`, `hidden_layers`, ...), `engine_core`. What each engine takes is read from
 engines/capabilities.py; models are looked at on disk (config.json, model_index.json), never loaded.
+The table's keys, types and bounds are its model's (schema.py's `StageTable`, which it is read
+through); here, what depends on the engine, on other keys or on the disk.
 """
 
 from __future__ import annotations
