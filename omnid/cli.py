@@ -1,4 +1,5 @@
-"""`omnid`: run the daemon in the foreground, or check a configuration.
+"""`omnid`: run the daemon in the foreground, or check a configuration; `omnid config-schema` prints
+the JSON Schema of the configuration file (for editors: taplo, Even Better TOML).
 
 Runs in the supervisor process's main thread. `main()` parses the command
 line; `omnid.supervisor.daemon.run()` is the library call tests use.
@@ -16,15 +17,18 @@ from omnid import __version__, paths
 from omnid.config import ConfigError, load
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, invoke_without_command=True)
 @click.option("-c", "--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
               envvar="OMNID_CONFIG", help="The daemon's TOML file (default: /etc/omnid/omnid.toml for root, "
               "$XDG_CONFIG_HOME/omnid/omnid.toml otherwise).")
 @click.option("--check", is_flag=True, help="Validate the configuration, print every problem, and exit "
               "(0 valid, 2 invalid).")
 @click.version_option(__version__, prog_name="omnid")
-def main(config_path: Path | None, check: bool) -> None:
+@click.pass_context
+def main(ctx: click.Context, config_path: Path | None, check: bool) -> None:
     """Serve multi-stage inference pipelines on warm stage workers."""
+    if ctx.invoked_subcommand is not None:
+        return
     path = config_path or paths.defaults().config
     try:
         config = load(path)
@@ -48,6 +52,13 @@ def main(config_path: Path | None, check: bool) -> None:
     from omnid.supervisor.daemon import run
     logs.configure(config.daemon.log_level, config.daemon.log_format)
     sys.exit(run(config))
+
+
+@main.command("config-schema")
+def config_schema() -> None:
+    """Print the JSON Schema of the configuration file (the repo ships it as etc/omnid.schema.json)."""
+    from omnid.config.schema import schema_text
+    click.echo(schema_text(), nl=False)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,11 @@ Validation collects *every* problem with its key path (`stages.draw.model`)
 instead of stopping at the first, so one `omnid --check` run shows them all.
 
 Here: `load` and `parse`, and the checks across tables (devices shared between stages, Ray-placed
-stages and the daemon's ray_address, the tensors the pipelines ask of a stage). Each table has its
-room: checker.py (Problem, ConfigError, the checker), daemon.py, stages.py, pipelines.py; their
-names are handed on from here, as are the parsed config's types.
+stages and the daemon's ray_address, the tensors the pipelines ask of a stage). The file's shape is
+defined once, in schema.py: a pydantic model per table, which every table is read through, and from
+which `json_schema()` (`omnid config-schema`) and `reference()` (the configuration reference) are
+generated. Each table has its room: checker.py (Problem, ConfigError, the checker), daemon.py,
+stages.py, pipelines.py; their names are handed on from here, as are the parsed config's types.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from omnid.config.checker import ConfigError, Problem, _Checker
-from omnid.config.daemon import _check_listen_keys, _parse_daemon, is_loopback
-from omnid.config.pipelines import STREAM_ENGINES, _parse_pipeline
+from omnid.config.checker import Checker, ConfigError, Problem
+from omnid.config.daemon import check_listen_keys, is_loopback, parse_daemon
+from omnid.config.pipelines import STREAM_ENGINES, parse_pipeline
+from omnid.config.schema import ConfigFile, json_schema, reference
 from omnid.config.stages import (CACHE_DTYPES, CACHE_KINDS, ENGINE_CORES, ENGINES, LORA_KEYS, MAX_REPLICAS,
-                                 PLACEMENTS, VLLM_LORA_ARGS, VLLM_LORA_RANKS, _parse_stage, model_dims, name_of)
-from omnid.config.stages import _STAGE_KEYS as _STAGE_KEYS    # (the README's table of stage keys is tested on it)
+                                 PLACEMENTS, VLLM_LORA_ARGS, VLLM_LORA_RANKS, parse_stage, model_dims, name_of)
+from omnid.config.stages import STAGE_KEYS
+from omnid.config.stages import STAGE_KEYS as _STAGE_KEYS    # (the name the README's table test knows)
 # The parsed config's types (standard library only, so that the engines and the protocol can name
 # them from below); named here too, where most readers look for them.
 from omnid.config_types import (FULL_WINDOW, Config, DaemonConfig, EdgeConfig, LoraConfig, OwnerPolicy,
@@ -36,15 +40,16 @@ from omnid.config_types import (FULL_WINDOW, Config, DaemonConfig, EdgeConfig, L
 from omnid.engines.capabilities import TENSOR_OUTPUTS, TENSOR_PROMPTS, capabilities  # (declared with the engines)
 
 __all__ = [
-    "load", "parse", "ConfigError", "Problem", "is_loopback", "ray_available", "model_dims", "name_of",
+    "load", "parse", "json_schema", "reference", "ConfigError", "Problem", "is_loopback", "ray_available",
+    "model_dims", "name_of",
     "ENGINES", "STREAM_ENGINES", "PLACEMENTS", "MAX_REPLICAS", "CACHE_KINDS", "CACHE_DTYPES", "ENGINE_CORES",
-    "LORA_KEYS", "VLLM_LORA_ARGS", "VLLM_LORA_RANKS", "TENSOR_OUTPUTS", "TENSOR_PROMPTS",
+    "LORA_KEYS", "STAGE_KEYS", "VLLM_LORA_ARGS", "VLLM_LORA_RANKS", "TENSOR_OUTPUTS", "TENSOR_PROMPTS",
     "FULL_WINDOW", "Config", "DaemonConfig", "EdgeConfig", "LoraConfig", "OwnerPolicy", "PipelineConfig",
     "RayNeeds", "StageConfig", "TracingConfig",
 ]
 
 
-def _check_devices(c: _Checker, stages: Mapping[str, StageConfig]) -> None:
+def _check_devices(c: Checker, stages: Mapping[str, StageConfig]) -> None:
     users: dict[int, list[StageConfig]] = {}
     for s in stages.values():
         for d in s.devices:
@@ -67,7 +72,7 @@ def ray_available() -> bool:
         return False
 
 
-def _check_ray(c: _Checker, daemon: DaemonConfig, stages: Mapping[str, StageConfig]) -> None:
+def _check_ray(c: Checker, daemon: DaemonConfig, stages: Mapping[str, StageConfig]) -> None:
     """Ray-placed stages need the `ray` extra and a cluster to run on."""
     placed = [s.name for s in stages.values() if "ray" in s.placement]
     if not placed:
@@ -83,30 +88,30 @@ def _check_ray(c: _Checker, daemon: DaemonConfig, stages: Mapping[str, StageConf
 
 def parse(data: Mapping[str, Any], *, base: Path, source: str = "<config>") -> Config:
     """Validate already-parsed TOML data; raise ConfigError listing every problem."""
-    c = _Checker()
-    c.unknown(data, ("daemon", "stages", "pipelines"), "")
-    daemon = _parse_daemon(c, data.get("daemon", {}), base)
+    c = Checker()
+    c.unknown(data, ConfigFile.model_fields, "")
+    daemon = parse_daemon(c, data.get("daemon", {}), base)
     stages_raw = c.table(data.get("stages", {}), "stages")
     stages: dict[str, StageConfig] = {}
     for name, raw in stages_raw.items():
         if not name.replace("-", "_").isidentifier():
             c.add(f"stages.{name}", "a stage name is letters, digits, '_' and '-'")
             continue
-        st = _parse_stage(c, name, raw, base)
+        st = parse_stage(c, name, raw, base)
         if st is not None:
             stages[name] = st
     if not stages_raw:
         c.add("stages", "no stages are defined")
     _check_devices(c, stages)
     _check_ray(c, daemon, stages)
-    _check_listen_keys(c, daemon)
+    check_listen_keys(c, daemon)
     pipes_raw = c.table(data.get("pipelines", {}), "pipelines")
     pipelines: dict[str, PipelineConfig] = {}
     for name, raw in pipes_raw.items():
         if not name.replace("-", "_").isidentifier():
             c.add(f"pipelines.{name}", "a pipeline name is letters, digits, '_' and '-'")
             continue
-        pl = _parse_pipeline(c, name, raw, stages_raw, stages)
+        pl = parse_pipeline(c, name, raw, stages_raw, stages)
         if pl is not None:
             pipelines[name] = pl
     if not pipes_raw:
@@ -118,7 +123,7 @@ def parse(data: Mapping[str, Any], *, base: Path, source: str = "<config>") -> C
     return Config(source=None, daemon=daemon, stages=stages, pipelines=pipelines)
 
 
-def _check_transcription(c: _Checker, daemon: DaemonConfig, stages: Mapping[str, StageConfig],
+def _check_transcription(c: Checker, daemon: DaemonConfig, stages: Mapping[str, StageConfig],
                          pipelines: Mapping[str, PipelineConfig]) -> None:
     """`daemon.realtime_transcription` names a pipeline whose first stage takes audio."""
     name = daemon.realtime_transcription
@@ -131,7 +136,7 @@ def _check_transcription(c: _Checker, daemon: DaemonConfig, stages: Mapping[str,
         c.add("daemon.realtime_transcription", f"pipeline {name!r} takes no audio (its first stage's media)")
 
 
-def _derive_tensors(c: _Checker, stages: dict[str, StageConfig],
+def _derive_tensors(c: Checker, stages: dict[str, StageConfig],
                     pipelines: Mapping[str, PipelineConfig]) -> dict[str, StageConfig]:
     """Each vllm stage with what the pipelines ask of it: its tensor outputs (`outputs` and every
     edge that maps one out of it) and whether an edge hands it prompt_embeds."""

@@ -1,5 +1,5 @@
 """The config parser's tools: a `Problem` (one error, at its key path), `ConfigError` (all of them),
-and `_Checker`, which reads untrusted TOML values and collects every problem instead of stopping at
+and `Checker`, which reads untrusted TOML values and collects every problem instead of stopping at
 the first; with the small value helpers the tables share (type names, paths, `module:function`
 references).
 
@@ -39,7 +39,7 @@ class ConfigError(Exception):
         super().__init__(f"{source}: {len(problems)} problem(s)\n{lines}")
 
 
-class _Checker:
+class Checker:
     """Collects problems while reading untrusted TOML data."""
 
     def __init__(self) -> None:
@@ -50,7 +50,7 @@ class _Checker:
 
     def table(self, data: Any, path: str) -> dict[str, Any]:
         if not isinstance(data, dict):
-            self.add(path, f"must be a table, not {_typename(data)}")
+            self.add(path, f"must be a table, not {typename(data)}")
             return {}
         return data
 
@@ -75,20 +75,12 @@ class _Checker:
             self.add(full, f"must be {_kindname(kinds)}, not a boolean")
             return default
         if not isinstance(value, kinds):
-            self.add(full, f"must be {_kindname(kinds)}, not {_typename(value)}")
-            return default
-        return value
-
-    def positive(self, data: Mapping[str, Any], key: str, path: str, default: float | None,
-                 *, integer: bool = False, allow_zero: bool = False) -> Any:
-        value = self.get(data, key, path, int if integer else (int, float), default)
-        if value is not default and (value < 0 or (value == 0 and not allow_zero)):
-            self.add(f"{path}.{key}", f"must be {'>= 0' if allow_zero else '> 0'}, not {value}")
+            self.add(full, f"must be {_kindname(kinds)}, not {typename(value)}")
             return default
         return value
 
 
-def _typename(value: Any) -> str:
+def typename(value: Any) -> str:
     return {dict: "a table", list: "an array", str: "a string", bool: "a boolean",
             int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
 
@@ -99,12 +91,12 @@ def _kindname(kinds: tuple[type, ...]) -> str:
     return " or ".join(names.get(k, k.__name__) for k in kinds)
 
 
-def _resolve(base: Path, value: str) -> Path:
+def resolve_path(base: Path, value: str) -> Path:
     p = Path(os.path.expandvars(os.path.expanduser(value)))
     return p if p.is_absolute() else (base / p)
 
 
-def _check_callable_ref(c: _Checker, ref: str, path: str, python_path: tuple[Path, ...]) -> None:
+def check_callable_ref(c: Checker, ref: str, path: str, python_path: tuple[Path, ...]) -> None:
     """`package.module:function`: check the form, and that the module can be found."""
     module, sep, func = ref.partition(":")
     if not sep or not module or not func or not func.isidentifier() or \

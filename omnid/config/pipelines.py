@@ -1,6 +1,8 @@
 """A `[pipelines.NAME]` table: its stages, its edges (`from`, `to`, `window` or a window schedule,
 `map`, `transform`), no cycle, every stage on an edge, the outputs kept from stages that are not
-last; and what an edge hands on must be what its stages can give and take (media, tensors).
+last; and what an edge hands on must be what its stages can give and take (media, tensors). The
+tables' keys, types and bounds are their models' (schema.py's `PipelineTable`, `EdgeTable`,
+`RealtimeTable`, which they are read through).
 """
 
 from __future__ import annotations
@@ -8,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from omnid.config.checker import _check_callable_ref, _Checker, _typename
+from omnid.config.checker import Checker, check_callable_ref, typename
+from omnid.config.schema import EdgeTable, PipelineTable, RealtimeTable, read
 from omnid.config.stages import model_dims
-from omnid.config_types import FULL_WINDOW, OVERLOAD_MODES, EdgeConfig, PipelineConfig, RealtimeConfig, StageConfig
+from omnid.config_types import FULL_WINDOW, EdgeConfig, PipelineConfig, RealtimeConfig, StageConfig
 from omnid.engines.capabilities import capabilities, engines_that
 from omnid.media import MEDIA_KINDS
 
@@ -18,14 +21,15 @@ from omnid.media import MEDIA_KINDS
 STREAM_ENGINES = engines_that(lambda e: e.streamed_input)
 
 
-def _parse_edge(c: _Checker, raw: Any, path: str, members: tuple[str, ...],
+def _parse_edge(c: Checker, raw: Any, path: str, members: tuple[str, ...],
                 known_stages: Mapping[str, Any]) -> EdgeConfig | None:
-    e = c.table(raw, path)
-    if not isinstance(raw, dict):
+    edge = read(c, EdgeTable, raw, path)
+    if edge is None:
         return None
-    c.unknown(e, ("from", "to", "window", "map", "transform"), path)
-    src = c.get(e, "from", path, str, required=True)
-    dst = c.get(e, "to", path, str, required=True)
+    for key in ("from", "to"):
+        if key not in raw:
+            c.add(f"{path}.{key}", "is required")
+    src, dst = edge.from_, edge.to
     ok = src is not None and dst is not None
     for key, stage in (("from", src), ("to", dst)):
         if stage is None:
@@ -39,7 +43,7 @@ def _parse_edge(c: _Checker, raw: Any, path: str, members: tuple[str, ...],
     if ok and src == dst:
         c.add(path, f"an edge from {src!r} to itself is a cycle")
         ok = False
-    window, schedule = _parse_window(c, e.get("window", FULL_WINDOW), f"{path}.window")
+    window, schedule = _parse_window(c, raw.get("window", FULL_WINDOW), f"{path}.window")
     if window is None:
         window, ok = FULL_WINDOW, False
     dst_stage = known_stages.get(dst) if isinstance(dst, str) else None
@@ -48,18 +52,14 @@ def _parse_edge(c: _Checker, raw: Any, path: str, members: tuple[str, ...],
         c.add(f"{path}.window", f"stage {dst!r} ({dst_stage.engine}) cannot be fed by a window edge: "
                                 f"{whole}. Only {', '.join(STREAM_ENGINES)} stages take streamed inputs; use window = -1")
         ok = False
-    mapping = c.get(e, "map", path, dict)
-    if mapping is not None:
-        for k, v in mapping.items():
-            if not isinstance(v, str):
-                c.add(f"{path}.map.{k}", f"must name an upstream output (a string), not {_typename(v)}")
-                ok = False
-    transform = c.get(e, "transform", path, str)
+    mapping, transform = edge.map, edge.transform
+    if isinstance(raw.get("map"), dict) and not all(isinstance(v, str) for v in raw["map"].values()):
+        ok = False                      # (the model said which)
     if transform is not None:
         # A transform runs in the upstream stage's worker, with that stage's python_path.
-        src_stage = known_stages.get(src) if isinstance(known_stages, Mapping) else None
+        src_stage = known_stages.get(src) if src is not None else None
         src_path = src_stage.python_path if isinstance(src_stage, StageConfig) else ()
-        _check_callable_ref(c, transform, f"{path}.transform", src_path)
+        check_callable_ref(c, transform, f"{path}.transform", src_path)
     src_stage = known_stages.get(src) if isinstance(src, str) else None
     gives = capabilities(src_stage.engine).gives if isinstance(src_stage, StageConfig) else None
     if mapping is not None and isinstance(src_stage, StageConfig) and gives is not None:
@@ -68,12 +68,12 @@ def _parse_edge(c: _Checker, raw: Any, path: str, members: tuple[str, ...],
                 c.add(f"{path}.map.{k}", f"stage {src!r} ({src_stage.engine}) cannot give {v!r}: it gives "
                                          f"{', '.join(gives)}")
                 ok = False
-    if not ok:
+    if not ok or src is None or dst is None:
         return None
     return EdgeConfig(src=src, dst=dst, window=window, map=mapping, transform=transform, schedule=schedule)
 
 
-def _parse_window(c: _Checker, raw: Any, path: str) -> tuple[int | None, tuple[int, ...]]:
+def _parse_window(c: Checker, raw: Any, path: str) -> tuple[int | None, tuple[int, ...]]:
     """`window`: -1, N > 0, or a schedule [N1, N2, ...] (the last size repeats): (first, schedule),
     or (None, ()) when it is none of them."""
     if isinstance(raw, int) and not isinstance(raw, bool):
@@ -91,11 +91,11 @@ def _parse_window(c: _Checker, raw: Any, path: str) -> tuple[int | None, tuple[i
         if bad:
             return None, ()
         return int(raw[0]), tuple(int(n) for n in raw)
-    c.add(path, f"must be an integer, not {_typename(raw)} (or a list of integers: a schedule)")
+    c.add(path, f"must be an integer, not {typename(raw)} (or a list of integers: a schedule)")
     return None, ()
 
 
-def _check_tensor_edges(c: _Checker, path: str, edge: EdgeConfig, stages: Mapping[str, StageConfig]) -> None:
+def _check_tensor_edges(c: Checker, path: str, edge: EdgeConfig, stages: Mapping[str, StageConfig]) -> None:
     """An edge that hands a vllm stage `prompt_embeds` or `prompt_token_ids` from a vllm stage must
     give what it can take: hidden states of its width (one layer), token ids."""
     src, dst = stages.get(edge.src), stages.get(edge.dst)
@@ -121,7 +121,7 @@ def _check_tensor_edges(c: _Checker, path: str, edge: EdgeConfig, stages: Mappin
                          f"\"prompt_token_ids\"), not {up!r}")
 
 
-def _check_media_edges(c: _Checker, path: str, edges: list[EdgeConfig], stages: Mapping[str, StageConfig]) -> None:
+def _check_media_edges(c: Checker, path: str, edges: list[EdgeConfig], stages: Mapping[str, StageConfig]) -> None:
     """An edge that hands media (by its map, or a diffusers stage's `image` by name) to a vllm stage
     whose model takes none would fail every job: said now."""
     for edge in edges:
@@ -163,18 +163,18 @@ def _find_cycle(stages: tuple[str, ...], edges: list[EdgeConfig]) -> list[str] |
     return None
 
 
-def _parse_pipeline(c: _Checker, name: str, raw: Any, known_stages: Mapping[str, Any],
+def parse_pipeline(c: Checker, name: str, raw: Any, known_stages: Mapping[str, Any],
                     parsed: Mapping[str, StageConfig]) -> PipelineConfig | None:
     path = f"pipelines.{name}"
-    p = c.table(raw, path)
-    if not isinstance(raw, dict):
+    pl = read(c, PipelineTable, raw, path)
+    if pl is None:
         return None
-    c.unknown(p, ("stages", "edges", "timeout_s", "retries", "outputs", "realtime"), path)
+    p: dict[str, Any] = raw             # (the keys given, and those the parser checks itself)
     members_raw = c.get(p, "stages", path, list, [], required=True)
     members: list[str] = []
     for i, s in enumerate(members_raw):
         if not isinstance(s, str):
-            c.add(f"{path}.stages[{i}]", f"must be a stage name, not {_typename(s)}")
+            c.add(f"{path}.stages[{i}]", f"must be a stage name, not {typename(s)}")
         elif s not in known_stages:
             c.add(f"{path}.stages[{i}]", f"unknown stage {s!r}")
         elif s in members:
@@ -184,86 +184,67 @@ def _parse_pipeline(c: _Checker, name: str, raw: Any, known_stages: Mapping[str,
     if "stages" in p and not members_raw:
         c.add(f"{path}.stages", "must name at least one stage")
     edges_raw = c.get(p, "edges", path, list)
-    edges: list[EdgeConfig] = []
     if edges_raw is None:
         # A plain chain: each stage feeds the next, outputs passed by name.
         edges = [EdgeConfig(src=a, dst=b) for a, b in zip(members, members[1:])]
         _check_media_edges(c, f"{path}.stages", edges, parsed)
     else:
-        seen: set[tuple[str, str]] = set()
-        named: set[str] = set()         # the stages each edge names, those refused too
-        for i, raw_edge in enumerate(edges_raw):
-            if isinstance(raw_edge, dict):
-                named |= {v for k in ("from", "to") if isinstance(v := raw_edge.get(k), str)}
-            edge = _parse_edge(c, raw_edge, f"{path}.edges[{i}]", tuple(members),
-                               {k: parsed.get(k, v) for k, v in known_stages.items()})
-            if edge is None:
-                continue
-            if (edge.src, edge.dst) in seen:
-                c.add(f"{path}.edges[{i}]", f"duplicate edge {edge.src} -> {edge.dst}")
-                continue
-            seen.add((edge.src, edge.dst))
-            edges.append(edge)
-            _check_media_edges(c, f"{path}.edges[{i}]", [edge], parsed)
-            _check_tensor_edges(c, f"{path}.edges[{i}]", edge, parsed)
-        for edge in edges:
-            others = [e.src for e in edges if e.dst == edge.dst and e is not edge]
-            if edge.window > 0 and others:
-                c.add(f"{path}.edges", f"stage {edge.dst!r} is fed by a window edge from {edge.src!r} and also by "
-                                       f"{', '.join(repr(o) for o in others)}: a stage fed by a window edge "
-                                       "takes no other input (merge them upstream, or use window = -1)")
-        cycle = _find_cycle(tuple(members), edges)
-        if cycle:
-            c.add(f"{path}.edges", f"the edges form a cycle: {' -> '.join(cycle)}")
-        elif members and len(members) > 1:
-            # (a stage an edge names, refused for another reason, is said once: by that edge)
-            linked = {e.src for e in edges} | {e.dst for e in edges} | named
-            for s in members:
-                if s not in linked:
-                    c.add(f"{path}.edges", f"stage {s!r} is in the pipeline but on no edge")
-    timeout = c.get(p, "timeout_s", path, (int, float))
-    if timeout is not None and timeout <= 0:
-        c.add(f"{path}.timeout_s", f"must be > 0, not {timeout}")
-        timeout = None
-    retries = c.get(p, "retries", path, int, 0)
-    if retries < 0:
-        c.add(f"{path}.retries", "must be >= 0")
+        edges = _parse_edges(c, edges_raw, path, members, known_stages, parsed)
     keep = _parse_kept_outputs(c, p, path, members, edges)
-    realtime = _parse_realtime(c, p["realtime"], f"{path}.realtime") if "realtime" in p else None
-    return PipelineConfig(name=name, stages=tuple(members), edges=tuple(edges),
-                          timeout_s=float(timeout) if timeout is not None else None,
-                          retries=max(0, retries), keep=keep, realtime=realtime)
+    return PipelineConfig(name=name, stages=tuple(members), edges=tuple(edges), timeout_s=pl.timeout_s,
+                          retries=pl.retries, keep=keep, realtime=_realtime(pl.realtime))
 
 
-def _parse_realtime(c: _Checker, raw: Any, path: str) -> RealtimeConfig | None:
+def _parse_edges(c: Checker, edges_raw: list[Any], path: str, members: list[str], known_stages: Mapping[str, Any],
+                 parsed: Mapping[str, StageConfig]) -> list[EdgeConfig]:
+    """A pipeline's `edges`: each edge, none twice, a stage fed by a window edge fed by no other, no
+    cycle, every stage on some edge."""
+    edges: list[EdgeConfig] = []
+    seen: set[tuple[str, str]] = set()
+    named: set[str] = set()         # the stages each edge names, those refused too
+    for i, raw_edge in enumerate(edges_raw):
+        if isinstance(raw_edge, dict):
+            named |= {v for k in ("from", "to") if isinstance(v := raw_edge.get(k), str)}
+        edge = _parse_edge(c, raw_edge, f"{path}.edges[{i}]", tuple(members),
+                           {k: parsed.get(k, v) for k, v in known_stages.items()})
+        if edge is None:
+            continue
+        if (edge.src, edge.dst) in seen:
+            c.add(f"{path}.edges[{i}]", f"duplicate edge {edge.src} -> {edge.dst}")
+            continue
+        seen.add((edge.src, edge.dst))
+        edges.append(edge)
+        _check_media_edges(c, f"{path}.edges[{i}]", [edge], parsed)
+        _check_tensor_edges(c, f"{path}.edges[{i}]", edge, parsed)
+    for edge in edges:
+        others = [e.src for e in edges if e.dst == edge.dst and e is not edge]
+        if edge.window > 0 and others:
+            c.add(f"{path}.edges", f"stage {edge.dst!r} is fed by a window edge from {edge.src!r} and also by "
+                                   f"{', '.join(repr(o) for o in others)}: a stage fed by a window edge "
+                                   "takes no other input (merge them upstream, or use window = -1)")
+    cycle = _find_cycle(tuple(members), edges)
+    if cycle:
+        c.add(f"{path}.edges", f"the edges form a cycle: {' -> '.join(cycle)}")
+    elif members and len(members) > 1:
+        # (a stage an edge names, refused for another reason, is said once: by that edge)
+        linked = {e.src for e in edges} | {e.dst for e in edges} | named
+        for s in members:
+            if s not in linked:
+                c.add(f"{path}.edges", f"stage {s!r} is in the pipeline but on no edge")
+    return edges
+
+
+def _realtime(r: RealtimeTable | None) -> RealtimeConfig | None:
     """`realtime = { overload = "queue" | "refuse", max_waiting_streams = N, margin = 0.9,
     warmup = { INPUT = VALUE } | false, warmup_params = { STAGE = { ... } } }`."""
-    r = c.table(raw, path)
-    if not isinstance(raw, dict):
+    if r is None:
         return None
-    c.unknown(r, ("overload", "max_waiting_streams", "margin", "warmup", "warmup_params"), path)
-    d = RealtimeConfig()
-    overload = c.get(r, "overload", path, str, d.overload)
-    if overload not in OVERLOAD_MODES:
-        c.add(f"{path}.overload", f"must be {' or '.join(repr(m) for m in OVERLOAD_MODES)}, not {overload!r}")
-        overload = d.overload
-    waiting = c.get(r, "max_waiting_streams", path, int, d.max_waiting_streams)
-    if waiting < 0:
-        c.add(f"{path}.max_waiting_streams", f"must be >= 0, not {waiting}")
-        waiting = d.max_waiting_streams
-    margin = c.get(r, "margin", path, (int, float), d.margin)
-    if not 0 < margin <= 1:
-        c.add(f"{path}.margin", f"must be in (0, 1], the share of the measured capacity to fill, not {margin}")
-        margin = d.margin
-    warmup = c.get(r, "warmup", path, (dict, bool), d.warmup)
-    if warmup is True:
-        warmup = d.warmup
-    warmup_params = c.get(r, "warmup_params", path, dict, {})
-    return RealtimeConfig(overload=overload, max_waiting_streams=waiting, margin=float(margin),
-                          warmup=None if warmup is False else dict(warmup), warmup_params=dict(warmup_params))
+    warmup = RealtimeConfig().warmup if r.warmup is True else None if r.warmup is False else dict(r.warmup)
+    return RealtimeConfig(overload=r.overload, max_waiting_streams=r.max_waiting_streams, margin=r.margin,
+                          warmup=warmup, warmup_params=dict(r.warmup_params))
 
 
-def _parse_kept_outputs(c: _Checker, p: Mapping[str, Any], path: str, members: list[str],
+def _parse_kept_outputs(c: Checker, p: Mapping[str, Any], path: str, members: list[str],
                         edges: list[EdgeConfig]) -> dict[str, tuple[str, ...]]:
     """A pipeline's `outputs = { STAGE = ["name", ...] }`: outputs of stages that are not last,
     kept as the job's too."""

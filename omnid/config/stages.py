@@ -2,6 +2,8 @@
 Ray needs, and the tables a stage may carry: `media`, `cache` (a DiT's), `lora`, its tensor keys
 (`outputs`, `hidden_layers`, ...), `engine_core`. What each engine takes is read from
 engines/capabilities.py; models are looked at on disk (config.json, model_index.json), never loaded.
+The table's keys, types and bounds are its model's (schema.py's `StageTable`, which it is read
+through); here, what depends on the engine, on other keys or on the disk.
 """
 
 from __future__ import annotations
@@ -12,58 +14,51 @@ from pathlib import Path
 from typing import Any
 
 from omnid import lora as L
-from omnid.config.checker import PRODUCED_KINDS, _check_callable_ref, _Checker, _resolve, _typename, declared_produces
+from omnid.config.checker import (PRODUCED_KINDS, Checker, check_callable_ref, declared_produces, resolve_path,
+                                  typename)
+from omnid.config.schema import (BATCHINGS, CACHE_DTYPES, CACHE_KINDS, ENGINE_CORES, ENGINES, MAX_REPLICAS,
+                                 PLACEMENTS, VLLM_LORA_RANKS, LoraTable, MediaTable, StageTable, read)
 from omnid.config_types import LoraConfig, RayNeeds, StageConfig
-from omnid.engines.capabilities import CAPABILITIES, TENSOR_OUTPUTS, capabilities, check_param, engines_that
+from omnid.engines.capabilities import TENSOR_OUTPUTS, capabilities, check_param, engines_that
 from omnid.media import MEDIA_KINDS, NO_MEDIA, MediaLimits, detect_kinds
 from omnid.params import parallel_size
 
-ENGINES = tuple(CAPABILITIES)       # the names `engine = "..."` takes; what each can do: engines/capabilities.py
-_STAGE_KEYS = ("engine", "model", "function", "python_path", "devices", "exclusive",
-               "max_inflight", "queue_capacity", "shm_pool_mb", "args", "defaults", "env", "batch_function", "sessions",
-               "replicas", "idle_unload_s", "media", "placement", "ray", "max_rss_mb",
-               "engine_core", "outputs", "hidden_layers", "hidden_prompt", "prompt_embeds", "cache", "lazy", "lora",
-               "produces", "batching")
+__all__ = ["BATCHINGS", "CACHE_DTYPES", "CACHE_KINDS", "ENGINE_CORES", "ENGINES", "MAX_REPLICAS", "PLACEMENTS",
+           "VLLM_LORA_RANKS", "LORA_KEYS", "VLLM_LORA_ARGS", "model_dims", "name_of"]
+
+STAGE_KEYS = tuple(f.alias or k for k, f in StageTable.model_fields.items())     # (the model's keys)
 _TENSOR_KEYS = ("outputs", "hidden_layers", "hidden_prompt", "prompt_embeds")
-PLACEMENTS = ("local", "ray")
-MAX_REPLICAS = 64
-_MEDIA_KEYS = (*MEDIA_KINDS, "max_bytes", "max_pixels", "max_audio_s", "max_video_frames")
 _MARKER_WORDS = {"image": "vision_config (nor image token)", "audio": "audio_config (nor audio token)",
                  "video": "video token"}
 
 
-def _parse_media(c: _Checker, raw: Any, path: str, engine: str | None, model: Path | None) -> MediaLimits:
+def _parse_media(c: Checker, m: MediaTable | None, path: str, engine: str | None, model: Path | None
+                 ) -> MediaLimits:
     """`[stages.NAME.media]`: per kind, how many items a job may give (default: 1 for each kind the
     model's config.json shows, else 0), and the limits on each item."""
     path = f"{path}.media"
     takes_media = engine is not None and capabilities(engine).media
     detected = detect_kinds(model) if takes_media else ()
-    if raw is None:
+    if m is None:
         return MediaLimits(**{k: 1 for k in detected}, detected=detected) if detected else NO_MEDIA
-    m = c.table(raw, path)
     if engine is not None and not takes_media:
         c.add(path, f"only {', '.join(engines_that(lambda e: e.media))} stages take media inputs (a {engine} "
                     "stage gets its inputs as they are)")
         return NO_MEDIA
-    c.unknown(m, _MEDIA_KEYS, path)
     counts: dict[str, int] = {}
     for kind in MEDIA_KINDS:
-        n = c.positive(m, kind, path, 1 if kind in detected else 0, integer=True, allow_zero=True)
-        if kind in m and n > 0 and kind not in detected and model is not None and (model / "config.json").is_file():
+        given = getattr(m, kind)
+        n = (1 if kind in detected else 0) if given is None else given
+        if given is not None and n > 0 and kind not in detected and model is not None \
+                and (model / "config.json").is_file():
             c.add(f"{path}.{kind}", f"the model {str(model)!r} takes no {kind} input: its config.json has "
                                     f"no {_MARKER_WORDS[kind]} (set 0, or leave it out)")
         counts[kind] = n
-    return MediaLimits(
-        **counts,
-        max_bytes=c.positive(m, "max_bytes", path, NO_MEDIA.max_bytes, integer=True),
-        max_pixels=c.positive(m, "max_pixels", path, NO_MEDIA.max_pixels, integer=True),
-        max_audio_s=float(c.positive(m, "max_audio_s", path, NO_MEDIA.max_audio_s)),
-        max_video_frames=c.positive(m, "max_video_frames", path, NO_MEDIA.max_video_frames, integer=True),
-        detected=detected,
-    )
+    return MediaLimits(**counts, max_bytes=m.max_bytes, max_pixels=m.max_pixels, max_audio_s=m.max_audio_s,
+                       max_video_frames=m.max_video_frames, detected=detected)
 
 
-def _check_vllm_parallelism(c: _Checker, path: str, args: Mapping[str, Any], devices: list[int]) -> None:
+def _check_vllm_parallelism(c: Checker, path: str, args: Mapping[str, Any], devices: list[int]) -> None:
     """Tensor/pipeline parallelism needs one process per GPU: not the in-process `uni` executor, and
     as many devices as processes."""
     size = parallel_size(args)
@@ -79,34 +74,6 @@ def _check_vllm_parallelism(c: _Checker, path: str, args: Mapping[str, Any], dev
                                  f"{len(devices)} ({devices})")
 
 
-# `cache` of a diffusers stage: its kinds (diffusers' hook configs, named without "Config") and the
-# options each takes, by the kind of TOML value: "int", "number", "bool", "string", "range" (two
-# integers [lo, hi]), "numbers" / "strings" (arrays of those). Options that are callables or tensors
-# in diffusers are left out; the engine fills the timestep callback in. The supervisor checks them
-# here without importing diffusers.
-CACHE_KINDS: dict[str, dict[str, str]] = {
-    "first_block": {"threshold": "number"},
-    "mag_cache": {"threshold": "number", "max_skip_steps": "int", "retention_ratio": "number",
-                  "num_inference_steps": "int", "mag_ratios": "numbers", "calibrate": "bool"},
-    "taylorseer": {"cache_interval": "int", "disable_cache_before_step": "int", "disable_cache_after_step": "int",
-                   "max_order": "int", "taylor_factors_dtype": "string", "skip_predict_identifiers": "strings",
-                   "cache_identifiers": "strings", "use_lite_mode": "bool"},
-    "pyramid_attention_broadcast": {
-        "spatial_attention_block_skip_range": "int", "temporal_attention_block_skip_range": "int",
-        "cross_attention_block_skip_range": "int", "spatial_attention_timestep_skip_range": "range",
-        "temporal_attention_timestep_skip_range": "range", "cross_attention_timestep_skip_range": "range"},
-    "faster_cache": {
-        "spatial_attention_block_skip_range": "int", "temporal_attention_block_skip_range": "int",
-        "spatial_attention_timestep_skip_range": "range", "temporal_attention_timestep_skip_range": "range",
-        "low_frequency_weight_update_timestep_range": "range",
-        "high_frequency_weight_update_timestep_range": "range", "alpha_low_frequency": "number",
-        "alpha_high_frequency": "number", "unconditional_batch_skip_range": "int",
-        "unconditional_batch_timestep_skip_range": "range", "tensor_format": "string",
-        "is_guidance_distilled": "bool"},
-    "sea_cache": {"threshold": "number", "residual_order": "int", "retention_steps": "int", "cache_end_steps": "int",
-                  "max_consecutive_cached": "int", "power_exp": "number"},
-}
-CACHE_DTYPES = ("float32", "float16", "bfloat16")
 _CACHE_VALUE_WORDS = {"int": "an integer", "number": "a number", "bool": "true or false", "string": "a string",
                       "range": "two integers [lo, hi]", "numbers": "an array of numbers",
                       "strings": "an array of strings"}
@@ -148,7 +115,7 @@ def _names_component(entry: Any) -> bool:
     return isinstance(entry, list) and len(entry) == 2 and entry[0] is not None and entry[1] is not None
 
 
-def _parse_cache(c: _Checker, raw: Any, path: str, engine: str | None, model: Path | None) -> dict[str, Any]:
+def _parse_cache(c: Checker, raw: Any, path: str, engine: str | None, model: Path | None) -> dict[str, Any]:
     """`cache = { kind = "first_block", threshold = 0.2 }`: one of CACHE_KINDS and its options, on a
     diffusers stage whose pipeline has a `transformer` (a DiT; its model_index.json says so)."""
     path = f"{path}.cache"
@@ -195,32 +162,65 @@ def _parse_cache(c: _Checker, raw: Any, path: str, engine: str | None, model: Pa
     return dict(t) if ok else {}
 
 
-def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | None:
+def parse_stage(c: Checker, name: str, raw: Any, base: Path) -> StageConfig | None:
     path = f"stages.{name}"
-    s = c.table(raw, path)
-    if not isinstance(raw, dict):      # an empty table still needs its keys checked
+    st = read(c, StageTable, raw, path)
+    if st is None:
         return None
-    c.unknown(s, _STAGE_KEYS, path)
-    engine = c.get(s, "engine", path, str, required=True)
-    if engine is not None and engine not in ENGINES:
-        c.add(f"{path}.engine", f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
-        engine = None
-    python_path_raw = c.get(s, "python_path", path, list, [])
-    for i, p in enumerate(python_path_raw):
-        if not isinstance(p, str):
-            c.add(f"{path}.python_path[{i}]", f"must be a string (a directory), not {_typename(p)}")
-    python_path = tuple(_resolve(base, p) for p in python_path_raw if isinstance(p, str))
-    model: Path | None = None
-    model_raw = c.get(s, "model", path, str)
-    function = c.get(s, "function", path, str)
-    batch_function = c.get(s, "batch_function", path, str)
-    sessions = c.get(s, "sessions", path, str)
+    s: dict[str, Any] = raw             # (the keys given, and those the parser checks itself)
+    if "engine" not in s:
+        c.add(f"{path}.engine", "is required")
+    engine: str | None = st.engine
     caps = capabilities(engine) if engine is not None else None
+    python_path = tuple(resolve_path(base, p) for p in st.python_path)
+    model = _parse_code(c, st, path, base, python_path)
+    function, batch_function, sessions = st.function, st.batch_function, st.sessions
+    produces = _parse_produces(c, s, path, engine, caps is not None and caps.takes_function,
+                               sessions or function or batch_function, python_path)
+    devices, replica_devices, replicas = _parse_devices(c, s, path,
+                                                        st.replicas if "replicas" in st.model_fields_set else None)
+    _check_engine_keys(c, st, path, devices, replica_devices)
+    media = _parse_media(c, st.media if "media" in st.model_fields_set else None, path, engine, model)
+    engine_core = _engine_only(c, st, "engine_core", path, caps is None or caps.engine_core,
+                               "only vllm stages have an engine core to place")
+    batching = _engine_only(c, st, "batching", path, caps is None or caps.step_batching,
+                            "only diffusers stages choose how they batch")
+    placement = _parse_placement(c, s, path, replicas, devices)
+    ray = RayNeeds(**st.ray.model_dump())
+    outputs, hidden_layers = _parse_tensors(c, s, path, engine, model)
+    cache = _parse_cache(c, s.get("cache"), path, engine, model)
+    lora = _parse_lora(c, st.lora, path, engine, model, base, st.args, st.defaults)
+    if st.lazy and caps is not None and not caps.takes_function:
+        c.add(f"{path}.lazy", f"only python stages load lazily; a {engine} stage loads its model at start")
+    if engine is None:
+        return None
+    return StageConfig(
+        name=name, engine=engine, model=model, function=function, python_path=python_path,
+        devices=tuple(devices), exclusive=st.exclusive, max_inflight=st.max_inflight,
+        queue_capacity=st.queue_capacity, shm_pool_mb=st.shm_pool_mb,
+        args=dict(st.args), defaults=dict(st.defaults), env=dict(st.env),
+        batch_function=batch_function, sessions=sessions, media=media, replicas=replicas,
+        replica_devices=replica_devices,
+        idle_unload_s=st.idle_unload_s, max_rss_mb=st.max_rss_mb, engine_core=engine_core, batching=batching,
+        placement=placement, ray=ray, outputs=outputs, hidden_layers=hidden_layers,
+        hidden_prompt=st.hidden_prompt and _tensors(engine), prompt_embeds=st.prompt_embeds and _tensors(engine),
+        cache=cache, lazy=st.lazy, lora=lora, produces=produces,
+    )
+
+
+def _parse_code(c: Checker, st: StageTable, path: str, base: Path, python_path: tuple[Path, ...]) -> Path | None:
+    """What a stage runs: the model folder its engine loads (with the marker file the engine looks
+    for), or a python stage's function, batch_function or sessions class (findable on its
+    python_path), the model it may name besides. The model's path, when one is named."""
+    engine, model_raw = st.engine, st.model
+    function, batch_function, sessions = st.function, st.batch_function, st.sessions
+    caps = capabilities(engine) if engine is not None else None
+    model: Path | None = None
     if caps is not None and caps.model_marker is not None:
         if model_raw is None:
             c.add(f"{path}.model", f"is required for engine {engine!r}")
         else:
-            model = _resolve(base, model_raw)
+            model = resolve_path(base, model_raw)
             marker = caps.model_marker
             if not model.is_dir():
                 c.add(f"{path}.model", f"directory {str(model)!r} does not exist")
@@ -239,22 +239,27 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
         elif function is None and batch_function is None and sessions is None:     # one of them
             c.add(f"{path}.function", f"is required for engine {engine!r} (or a batch_function, or sessions)")
         if sessions is not None:
-            _check_callable_ref(c, sessions, f"{path}.sessions", python_path)
+            check_callable_ref(c, sessions, f"{path}.sessions", python_path)
         if function is not None:
-            _check_callable_ref(c, function, f"{path}.function", python_path)
+            check_callable_ref(c, function, f"{path}.function", python_path)
         if batch_function is not None:
-            _check_callable_ref(c, batch_function, f"{path}.batch_function", python_path)
+            check_callable_ref(c, batch_function, f"{path}.batch_function", python_path)
         if model_raw is not None:
-            model = _resolve(base, model_raw)
-    produces = _parse_produces(c, s, path, engine, caps is not None and caps.takes_function,
-                               sessions or function or batch_function, python_path)
-    devices, replica_devices, replicas = _parse_devices(c, s, path)
-    max_inflight = c.positive(s, "max_inflight", path, 1, integer=True)
+            model = resolve_path(base, model_raw)
+    return model
+
+
+def _check_engine_keys(c: Checker, st: StageTable, path: str, devices: list[int],
+                       replica_devices: tuple[tuple[int, ...], ...]) -> None:
+    """What the stage's engine makes of `max_inflight` (its batch bound), `args` (parallelism and the
+    keys omnid sets itself) and `defaults` (the parameters it takes, and their rules)."""
+    engine, max_inflight, args = st.engine, st.max_inflight, st.args
+    caps = capabilities(engine) if engine is not None else None
     if caps is not None and caps.max_batch is not None and max_inflight > caps.max_batch:
         # up to max_inflight compatible jobs run as one batched pipeline call: keep that call bounded
         c.add(f"{path}.max_inflight", f"engine {engine!r} batches at most {caps.max_batch} jobs in one pipeline "
                                       f"call; must be from 1 to {caps.max_batch}, not {max_inflight}")
-    args = c.get(s, "args", path, dict, {})
+    args = st.args
     if caps is not None and caps.parallel:
         for one in (replica_devices or (tuple(devices),)):
             _check_vllm_parallelism(c, path, args, list(one))
@@ -263,52 +268,17 @@ def _parse_stage(c: _Checker, name: str, raw: Any, base: Path) -> StageConfig | 
             c.add(f"{path}.args.limit_mm_per_prompt", "set the media a job may give in the stage's media table "
                   "instead (media.image, media.audio, media.video): omnid passes them to vLLM as this, and "
                   "checks jobs against them")
-    media = _parse_media(c, s.get("media"), path, engine, model)
-    defaults = c.get(s, "defaults", path, dict, {})
-    env = c.get(s, "env", path, dict, {})
-    for k, v in env.items():
-        if not isinstance(v, str):
-            c.add(f"{path}.env.{k}", f"must be a string, not {_typename(v)}")
-    if caps is not None:
+    if caps is not None and engine is not None:
         known = caps.params
-        for k, v in defaults.items():
+        for k, v in st.defaults.items():
             if known is not None and k not in known:
                 c.add(f"{path}.defaults.{k}",
                       f"unknown parameter for engine {engine!r} (known: {', '.join(sorted(known))})")
             elif (why := check_param(engine, k, v)) is not None:
                 c.add(f"{path}.defaults.{k}", f"{why}, not {v!r}")
-    exclusive = bool(c.get(s, "exclusive", path, bool, False))
-    queue_capacity = c.positive(s, "queue_capacity", path, 4, integer=True)
-    shm_pool_mb = c.positive(s, "shm_pool_mb", path, 1024, integer=True, allow_zero=True)
-    idle_unload_s = c.positive(s, "idle_unload_s", path, None)
-    max_rss_mb = c.positive(s, "max_rss_mb", path, None, integer=True)
-    engine_core = _parse_engine_core(c, s, path, engine)
-    batching = _parse_batching(c, s, path, engine)
-    placement = _parse_placement(c, s, path, replicas, devices)
-    ray = _parse_ray_needs(c, s, path)
-    outputs, hidden_layers, hidden_prompt, prompt_embeds = _parse_tensors(c, s, path, engine, model, args)
-    cache = _parse_cache(c, s.get("cache"), path, engine, model)
-    lora = _parse_lora(c, s.get("lora"), path, engine, model, base, args, defaults)
-    lazy = bool(c.get(s, "lazy", path, bool, False))
-    if lazy and caps is not None and not caps.takes_function:
-        c.add(f"{path}.lazy", f"only python stages load lazily; a {engine} stage loads its model at start")
-    if engine is None:
-        return None
-    return StageConfig(
-        name=name, engine=engine, model=model, function=function, python_path=python_path,
-        devices=tuple(devices), exclusive=exclusive, max_inflight=max_inflight,
-        queue_capacity=queue_capacity, shm_pool_mb=shm_pool_mb,
-        args=dict(args), defaults=dict(defaults), env={k: str(v) for k, v in env.items()},
-        batch_function=batch_function, sessions=sessions, media=media, replicas=replicas, replica_devices=replica_devices,
-        idle_unload_s=float(idle_unload_s) if idle_unload_s is not None else None,
-        max_rss_mb=int(max_rss_mb) if max_rss_mb is not None else None, engine_core=engine_core, batching=batching,
-        placement=placement, ray=ray, outputs=outputs, hidden_layers=hidden_layers,
-        hidden_prompt=hidden_prompt, prompt_embeds=prompt_embeds, cache=cache, lazy=lazy, lora=lora,
-        produces=produces,
-    )
 
 
-def _parse_produces(c: _Checker, s: dict[str, Any], path: str, engine: str | None, python: bool,
+def _parse_produces(c: Checker, s: dict[str, Any], path: str, engine: str | None, python: bool,
                     ref: str | None, python_path: tuple[Path, ...]) -> tuple[str, ...] | None:
     """A python stage's kinds of output: its `produces` key, else what its function or class declares
     (`declared_produces`); None when neither says."""
@@ -328,13 +298,11 @@ def _parse_produces(c: _Checker, s: dict[str, Any], path: str, engine: str | Non
     return tuple(sorted(set(raw)))
 
 
-# vLLM's own choices of max_lora_rank (its LoRAConfig's MaxLoRARanks)
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-LORA_KEYS = ("adapters", "max_loras", "max_lora_rank")
+LORA_KEYS = tuple(LoraTable.model_fields)
 VLLM_LORA_ARGS = ("enable_lora", "max_loras", "max_lora_rank", "lora_modules")
 
 
-def _parse_lora(c: _Checker, raw: Any, path: str, engine: str | None, model: Path | None, base: Path,
+def _parse_lora(c: Checker, t: LoraTable | None, path: str, engine: str | None, model: Path | None, base: Path,
                 args: Mapping[str, Any], defaults: Mapping[str, Any]) -> LoraConfig | None:
     """`lora = { adapters = { sql = "path" }, max_loras = 4, max_lora_rank = 16 }`: each adapter
     checked (a LoRA, its rank within max_lora_rank, made for the stage's model: `omnid.lora`)."""
@@ -344,32 +312,26 @@ def _parse_lora(c: _Checker, raw: Any, path: str, engine: str | None, model: Pat
             if key in args:
                 c.add(f"{path}.args.{key}", "set LoRA in the stage's lora table instead (lora.adapters, "
                                             "lora.max_loras, lora.max_lora_rank): omnid turns vLLM's LoRA on with it")
-    if raw is None:
+    if t is None:
         for key in ("adapter", "adapters"):
             if key in defaults:
                 c.add(f"{path}.defaults.{key}", "the stage has no adapters (no lora table)")
         return None
     path = f"{path}.lora"
-    t = c.table(raw, path)
-    c.unknown(t, LORA_KEYS, path)
     if caps is not None and not caps.lora:
         c.add(path, f"only {', '.join(engines_that(lambda e: e.lora))} stages take LoRA adapters "
                     f"(this one is {engine!r})")
         return None
-    max_loras = c.positive(t, "max_loras", path, 4, integer=True)
-    max_rank = c.positive(t, "max_lora_rank", path, 16, integer=True)
+    max_loras, max_rank = t.max_loras, t.max_lora_rank
     if caps is not None and caps.parallel and max_rank not in VLLM_LORA_RANKS:
         c.add(f"{path}.max_lora_rank", f"vLLM takes one of {', '.join(map(str, VLLM_LORA_RANKS))}, not {max_rank}")
     adapters: dict[str, Path] = {}
-    for name, value in c.get(t, "adapters", path, dict, {}).items():
+    for name, value in t.adapters.items():
         where = f"{path}.adapters.{name}"
         if (why := L.name_problem(name)) is not None:
             c.add(where, why)
             continue
-        if not isinstance(value, str):
-            c.add(where, f"must be a string (the adapter's folder), not {_typename(value)}")
-            continue
-        folder = _resolve(base, value)
+        folder = resolve_path(base, value)
         try:
             L.check(folder, model if model is not None and model.is_dir() else None, max_rank)
         except (L.AdapterError, OSError) as e:
@@ -388,32 +350,19 @@ def name_of(path: str) -> str:
     return path.split(".")[1]
 
 
-ENGINE_CORES = ("inline", "process")
+def _engine_only(c: Checker, st: StageTable, key: str, path: str, takes: bool, words: str) -> str:
+    """`engine_core` ("inline" | "process": a vllm stage's engine core in the worker's thread, or in a
+    process of its own) or `batching` ("step" | "call": a diffusers stage's jobs join a batch at a
+    denoising step, or only when a pipeline call starts): a key only one engine takes."""
+    if key in st.model_fields_set and st.engine is not None and not takes:
+        c.add(f"{path}.{key}", f"{words}, not {st.engine!r}")
+    return str(getattr(st, key)) if takes else str(StageTable.model_fields[key].default)
 
 
-def _parse_engine_core(c: _Checker, s: Mapping[str, Any], path: str, engine: str | None) -> str:
-    """`engine_core = "inline" | "process"`: a vllm stage's engine core in the worker's thread, or in
-    a process of its own."""
-    where = c.get(s, "engine_core", path, str, "process")
-    if "engine_core" in s and engine is not None and not capabilities(engine).engine_core:
-        c.add(f"{path}.engine_core", f"only vllm stages have an engine core to place, not {engine!r}")
-    elif where not in ENGINE_CORES:
-        c.add(f"{path}.engine_core", f"must be one of {', '.join(map(repr, ENGINE_CORES))}, not {where!r}")
-    return where if where in ENGINE_CORES else "process"
-
-
-BATCHINGS = ("step", "call")
-
-
-def _parse_batching(c: _Checker, s: Mapping[str, Any], path: str, engine: str | None) -> str:
-    """`batching = "step" | "call"`: a diffusers stage's jobs join a batch at a denoising step, or
-    only when a pipeline call starts."""
-    how = c.get(s, "batching", path, str, "step")
-    if "batching" in s and engine is not None and not capabilities(engine).step_batching:
-        c.add(f"{path}.batching", f"only diffusers stages choose how they batch, not {engine!r}")
-    elif how not in BATCHINGS:
-        c.add(f"{path}.batching", f"must be one of {', '.join(map(repr, BATCHINGS))}, not {how!r}")
-    return how if how in BATCHINGS else "step"
+def _tensors(engine: str | None) -> bool:
+    """Whether a stage of `engine` gives tensors (and takes the tensor keys)."""
+    caps = capabilities(engine) if engine is not None else None
+    return caps is not None and caps.tensors and caps.gives is not None
 
 
 def model_dims(model: Path | None) -> tuple[int, int] | None:
@@ -433,16 +382,17 @@ def model_dims(model: Path | None) -> tuple[int, int] | None:
     return None
 
 
-def _parse_tensors(c: _Checker, s: Mapping[str, Any], path: str, engine: str | None, model: Path | None,
-                   args: Mapping[str, Any]) -> tuple[tuple[str, ...], tuple[int, ...], bool, bool]:
-    """A vllm stage's tensor keys: outputs, hidden_layers, hidden_prompt, prompt_embeds."""
+def _parse_tensors(c: Checker, s: Mapping[str, Any], path: str, engine: str | None, model: Path | None
+                   ) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """A vllm stage's tensor keys: outputs, hidden_layers (hidden_prompt and prompt_embeds, two
+    booleans, its model checked)."""
     caps = capabilities(engine) if engine is not None else None
     if caps is None or not caps.tensors or caps.gives is None:
         for key in _TENSOR_KEYS:
             if key in s and engine is not None:
                 c.add(f"{path}.{key}", f"only {', '.join(engines_that(lambda e: e.tensors))} stages take {key}, "
                                        f"not {engine!r}")
-        return (), (-1,), False, False
+        return (), (-1,)
     outputs_raw = c.get(s, "outputs", path, list, [])
     outputs: list[str] = []
     for i, name in enumerate(outputs_raw):
@@ -459,7 +409,7 @@ def _parse_tensors(c: _Checker, s: Mapping[str, Any], path: str, engine: str | N
         c.add(f"{path}.hidden_layers", "must name at least one layer (-1: the last)")
     for i, k in enumerate(layers_raw):
         if not isinstance(k, int) or isinstance(k, bool):
-            c.add(f"{path}.hidden_layers[{i}]", f"must be a layer index (an integer), not {_typename(k)}")
+            c.add(f"{path}.hidden_layers[{i}]", f"must be a layer index (an integer), not {typename(k)}")
         elif k == 0:
             c.add(f"{path}.hidden_layers[{i}]", "0 would be the input embeddings; layers count from 1 "
                                                 "(transformers' output_hidden_states), -1 is the last")
@@ -470,12 +420,10 @@ def _parse_tensors(c: _Checker, s: Mapping[str, Any], path: str, engine: str | N
             c.add(f"{path}.hidden_layers[{i}]", f"layer {k} is listed twice")
         else:
             layers.append(k)
-    hidden_prompt = bool(c.get(s, "hidden_prompt", path, bool, False))
-    prompt_embeds = bool(c.get(s, "prompt_embeds", path, bool, False))
-    return tuple(outputs), tuple(layers) or (-1,), hidden_prompt, prompt_embeds
+    return tuple(outputs), tuple(layers) or (-1,)
 
 
-def _parse_placement(c: _Checker, s: Mapping[str, Any], path: str, replicas: int,
+def _parse_placement(c: Checker, s: Mapping[str, Any], path: str, replicas: int,
                      devices: list[int]) -> tuple[str, ...]:
     """`placement`: "local" (the default), "ray", or one of them per replica."""
     raw = c.get(s, "placement", path, (str, list))
@@ -498,35 +446,11 @@ def _parse_placement(c: _Checker, s: Mapping[str, Any], path: str, replicas: int
     return tuple(out) if "ray" in out else ()
 
 
-def _parse_ray_needs(c: _Checker, s: Mapping[str, Any], path: str) -> RayNeeds:
-    """`ray = { num_cpus, num_gpus, memory_mb, resources = {...}, labels = {...} }`."""
-    if "ray" not in s:
-        return RayNeeds()
-    where = f"{path}.ray"
-    r = c.table(s["ray"], where)
-    c.unknown(r, ("num_cpus", "num_gpus", "memory_mb", "resources", "labels"), where)
-    resources = c.get(r, "resources", where, dict, {})
-    for k, v in resources.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-            c.add(f"{where}.resources.{k}", f"must be a number > 0, not {v!r}")
-    labels = c.get(r, "labels", where, dict, {})
-    for k, v in labels.items():
-        if not isinstance(v, str):
-            c.add(f"{where}.labels.{k}", f"must be a string, not {_typename(v)}")
-    memory = c.positive(r, "memory_mb", where, None, integer=True)
-    return RayNeeds(num_cpus=float(c.positive(r, "num_cpus", where, 1.0, allow_zero=True)),
-                    num_gpus=float(c.positive(r, "num_gpus", where, 0.0, allow_zero=True)),
-                    memory_mb=memory,
-                    resources={k: float(v) for k, v in resources.items()
-                               if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0},
-                    labels={k: v for k, v in labels.items() if isinstance(v, str)})
-
-
-def _device_list(c: _Checker, raw: list[Any], path: str) -> list[int]:
+def _device_list(c: Checker, raw: list[Any], path: str) -> list[int]:
     devices: list[int] = []
     for i, d in enumerate(raw):
         if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-            c.add(f"{path}[{i}]", f"must be a GPU index >= 0, not {d!r}")
+            c.add(f"{path}[{i}]", f"must be a GPU index >= 0, not {d if type(d) is int else typename(d)}")
         elif d in devices:
             c.add(f"{path}[{i}]", f"device {d} is given twice")
         else:
@@ -534,7 +458,7 @@ def _device_list(c: _Checker, raw: list[Any], path: str) -> list[int]:
     return devices
 
 
-def _parse_devices(c: _Checker, s: Mapping[str, Any], path: str
+def _parse_devices(c: Checker, s: Mapping[str, Any], path: str, replicas: int | None
                    ) -> tuple[list[int], tuple[tuple[int, ...], ...], int]:
     """`devices` and `replicas`: (the union of the devices, each replica's own set or (), replicas).
 
@@ -542,10 +466,6 @@ def _parse_devices(c: _Checker, s: Mapping[str, Any], path: str
     `devices = [[0], [1]]`: one set per replica, as many sets as `replicas` (which it implies).
     """
     raw = c.get(s, "devices", path, list, [])
-    replicas = c.positive(s, "replicas", path, None, integer=True)
-    if replicas is not None and replicas > MAX_REPLICAS:
-        c.add(f"{path}.replicas", f"must be from 1 to {MAX_REPLICAS}, not {replicas}")
-        replicas = MAX_REPLICAS
     if raw and all(isinstance(d, list) for d in raw):
         sets = [_device_list(c, d, f"{path}.devices[{i}]") for i, d in enumerate(raw)]
         if replicas is not None and replicas != len(sets):

@@ -318,7 +318,7 @@ def test_pipeline_problems(tmp_path: Path) -> None:
     data["pipelines"]["bad name!"] = {"stages": ["a"]}
     found = problems(data, tmp_path)
     assert found["pipelines.p.timeout_s"] == ["must be > 0, not 0"]
-    assert found["pipelines.p.retries"] == ["must be >= 0"]
+    assert found["pipelines.p.retries"] == ["must be >= 0, not -1"]
     assert any("unknown key" in m for m in found["pipelines.p.stage"])
     assert found["pipelines.empty.stages"] == ["must name at least one stage"]
     assert found["pipelines.nostages.stages"] == ["is required"]
@@ -507,7 +507,7 @@ def test_stage_problems(tmp_path: Path, models: Path) -> None:
     assert "stages.many.max_inflight" not in found
     assert found["stages.ex.devices"] == ["device 1 is also given to shared, but this stage is exclusive"]
     assert found["stages.shared.devices[1]"] == ["must be a GPU index >= 0, not -1"]
-    assert found["stages.shared.devices[2]"] == ["must be a GPU index >= 0, not True"]
+    assert found["stages.shared.devices[2]"] == ["must be a GPU index >= 0, not a boolean"]
     assert "stages.shared.devices" not in found                 # only the exclusive stage complains
     assert "stages.bad-name!" in found
     assert found["stages.notable"] == ["must be a table, not a string"]
@@ -565,7 +565,7 @@ def test_replicas_share_devices_or_get_one_set_each(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("stage, path, fragment", [
-    ({"replicas": 0}, "stages.a.replicas", "must be > 0"),
+    ({"replicas": 0}, "stages.a.replicas", "must be from 1 to 64, not 0"),
     ({"replicas": 65}, "stages.a.replicas", "from 1 to 64"),
     ({"replicas": "2"}, "stages.a.replicas", "must be an integer"),
     ({"devices": [[0], [1]], "replicas": 3}, "stages.a.devices", "gives 2 device sets (one per replica), but replicas = 3"),

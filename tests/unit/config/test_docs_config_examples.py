@@ -126,6 +126,7 @@ def check(block: str, top: Path, name: str) -> list[str]:
     for key in ("socket", "state_dir", "lock_dir"):
         data["daemon"][key] = str(folder / "run" / key)
     path = folder / "omnid.toml"
+    path.unlink(missing_ok=True)        # (a link to the checkout's etc/omnid.toml: never written through)
     path.write_text(toml_dumps(data))
     try:
         C.load(path)
