@@ -4,8 +4,8 @@ Runs in the supervisor's event-loop thread, inside the socket API's aiohttp appl
 daemon mounts it: `OpenAiApi(api).mount(api.app)`). Handlers never block: they submit a job through the
 scheduler and follow it (openai_jobs.py: its event queue, a hang-up cancelling the job), reading small
 output files in the loop's default executor. A request's checks are admission's (admission.py), in
-OpenAI's words where the OpenAI shape has its own (openai_requests.py: the body, the sampling fields,
-a chat's messages and media; openai_models.py: the `model`).
+OpenAI's words where the OpenAI shape has its own (openai_protocol.py: each body's shape, by its model;
+openai_requests.py: the sampling fields, a chat's messages and media; openai_models.py: the `model`).
 
 - `GET /v1/models`, `GET /v1/models/{model}`: the pipelines as models (`omnid.outputs`: what each
   produces: `text` for a vLLM last stage, `image` for diffusers; for a python last stage, what it
@@ -45,13 +45,13 @@ from omnid.lora import pipeline_adapters
 from omnid.supervisor.http import admission
 from omnid.supervisor.http.http_common import DISCONNECT_POLL_S as DISCONNECT_POLL_S    # (re-exported)
 from omnid.supervisor.http.http_common import follow, sse_response, sse_send
-from omnid.supervisor.http.openai_audio import OpenAiAudio, audio_request
+from omnid.supervisor.http.openai_audio import OpenAiAudio
 from omnid.supervisor.http.openai_errors import OpenAiError, bad, openai_errors
 from omnid.supervisor.http.openai_jobs import (Generation, OpenAiJobs, Opening, generation, on_prepare, pick,
                                                read_output, succeeded, usage)
 from omnid.supervisor.http.openai_models import adapter_model, find_pipeline, model_doc, pipeline_for
-from omnid.supervisor.http.openai_requests import (chat_messages, media_inputs, read_body, refuse_chat_features,
-                                                   sampling, stream_options)
+from omnid.supervisor.http.openai_protocol import ChatCompletionRequest, CompletionRequest
+from omnid.supervisor.http.openai_requests import chat_messages, media_inputs, read_body, sampling
 from omnid.vocabulary import ErrorCode, JobRecord
 
 if TYPE_CHECKING:
@@ -103,12 +103,12 @@ class OpenAiApi:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_body(request)
-        refuse_chat_features(body)
-        audio = audio_request(body)
+        chat = ChatCompletionRequest.parse(body)
+        audio = chat.audio_format()
         p = pipeline_for(self.api.config, self.api.store, body, "text", *(["audio"] if audio is not None else []))
-        stream, include_usage = stream_options(body)
-        messages, parts = chat_messages(body.get("messages"))
-        params = sampling(self.api.config, p, body, {"include_prompt": False})
+        stream, include_usage = chat.stream_flags()
+        messages, parts = chat_messages(chat.messages)
+        params = sampling(self.api.config, p, chat.sampling_values(), {"include_prompt": False})
         if not parts:
             inputs, summary = admission.inputs(self.api.config, {"messages": json.dumps(messages)}, p)
         else:
@@ -119,25 +119,15 @@ class OpenAiApi:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_body(request)
+        completion = CompletionRequest.parse(body)
         p = pipeline_for(self.api.config, self.api.store, body, "text")
-        stream, include_usage = stream_options(body)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise bad("prompt", "prompt must be a string (or a list of one string); token arrays and "
-                      "batches are not supported")
-        for name, ok in (("suffix", None), ("logprobs", None), ("best_of", 1)):
-            if body.get(name) not in (None, ok):
-                raise bad(name, f"{name} is not supported here")
-        echo = body.get("echo")
-        if echo is not None and not isinstance(echo, bool):
-            raise bad("echo", "echo must be true or false")
+        stream, include_usage = completion.stream_flags()
+        prompt, echo = completion.text, completion.echo
         stage = admission.token_stage(self.api.config, p)
         extra: dict[str, Any] = {"include_prompt": False}
         if stage is not None and self.api.config.stages[stage].defaults.get("prompt_template"):
             extra["prompt_template"] = ""           # a completion continues the prompt as it is
-        params = sampling(self.api.config, p, body, extra)
+        params = sampling(self.api.config, p, completion.sampling_values(), extra)
         inputs, summary = admission.inputs(self.api.config, {"prompt": prompt}, p)
         return await self._text_job(request, p, inputs, params, summary, stream, include_usage, chat=False,
                                     echo=prompt if echo else "")

@@ -32,31 +32,8 @@ from omnid.vocabulary import ErrorCode, JobRecord, JobState
 
 log = structlog.get_logger("omnid.openai")
 
-AUDIO_FORMATS = ("wav", "pcm16")
 SPEECH_FORMATS = ("wav", "pcm")
 AUDIO_EXPIRES_S = 3600          # how long a chat's audio id is said to be good (the job's files may outlive it)
-
-
-def audio_request(body: dict[str, Any]) -> str | None:
-    """A chat's `modalities` and `audio`: None for a text answer, else the audio format asked
-    ("wav" or "pcm16"). OpenAI's rule: `audio` is required with the "audio" modality."""
-    modalities = body.get("modalities")
-    if modalities is not None and (not isinstance(modalities, list)
-                                   or any(m not in ("text", "audio") for m in modalities)):
-        raise bad("modalities", "modalities must be a list of \"text\" and \"audio\"")
-    wants = modalities is not None and "audio" in modalities
-    audio = body.get("audio")
-    if not wants:
-        if audio is not None:
-            raise bad("audio", "audio is for modalities [\"text\", \"audio\"]")
-        return None
-    if not isinstance(audio, dict) or not isinstance(audio.get("voice"), (str, dict)):
-        raise bad("audio", "modalities [\"text\", \"audio\"] need audio: {\"voice\": ..., \"format\": \"wav\"}")
-    fmt = audio.get("format")
-    if fmt not in AUDIO_FORMATS:
-        raise bad("audio.format", f"audio.format must be one of {', '.join(AUDIO_FORMATS)} (omnid writes PCM; "
-                  f"mp3, opus, flac and aac are not supported), not {fmt!r}")
-    return str(fmt)
 
 
 def _audio_name(store: JobStore, p: PipelineConfig) -> str:

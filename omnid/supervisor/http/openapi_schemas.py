@@ -11,13 +11,19 @@ the description cannot drift from the behaviour.
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from pydantic.json_schema import models_json_schema
+
 from omnid.config import Config, StageConfig
 from omnid.engines.capabilities import CAPABILITIES, capabilities, stage_params_schema
+from omnid.lora import pipeline_adapters
 from omnid.media import MEDIA_KINDS
 from omnid.params import PLAIN_VALUE_SCHEMA
+from omnid.supervisor.http.openai_protocol import PRIORITY_SCHEMA, REQUESTS
 from omnid.vocabulary import JOB_LINKS, ErrorCode, EventType, JobState, StageRunState, WorkerState
 
 
@@ -60,10 +66,7 @@ _INPUT_VALUE = {"anyOf": [PLAIN_VALUE_SCHEMA, _FILE_INPUT, _SAMPLES_INPUT,
 
 
 # A job's priority (omnid/fair_queue.py): lower runs earlier; 0 by default; past the owner's max_priority: 403
-PRIORITY = {"type": "integer", "minimum": -1_000_000, "maximum": 1_000_000,
-            "description": "lower runs earlier (0 by default, as in vLLM); more urgent than the owner's "
-                           "max_priority (daemon.owners; 0 unless configured, root on the socket: any): 403 "
-                           "priority_not_allowed"}
+PRIORITY = PRIORITY_SCHEMA
 # Where a queued job waits, per stage (GET /v1/jobs/{id}; omnictl status JOB)
 QUEUE_PLACE = {"type": "object", "description": "a queued job's place in each stage's queue that holds it (or "
                "whose feeder does): position 1 is next; ahead, by priority; running there now",
@@ -310,3 +313,28 @@ def openai_schemas() -> dict[str, Any]:
                                                                     "default)"},
         "Reloaded": obj({"status": STR, "reloaded": BOOL}, ["status", "reloaded"]),
     }
+
+
+def answer_models(config: Config, kind: str) -> dict[str, Any]:
+    """`model`: the pipelines whose last stages' engines may give this kind of answer (and their adapters)."""
+    names = [name for p in config.pipelines.values()
+             if any(capabilities(config.stages[s].engine).may_answer(kind) for s in p.sinks)
+             for name in (p.name, *(f"{p.name}:{a}" for a in pipeline_adapters(config, p)))]
+    return {"type": "string", "enum": names} if names else {"type": "string",
+                                                              "description": "no pipeline here gives this answer"}
+
+
+@functools.cache
+def _request_schemas() -> dict[str, Any]:
+    _, found = models_json_schema([(model, "validation") for model in REQUESTS.values()],
+                                  ref_template="#/components/schemas/{model}")
+    return dict(found["$defs"])
+
+
+def openai_request_schemas(config: Config) -> dict[str, Any]:
+    """The OpenAI paths' request bodies (and the parts they are made of), as their models describe
+    them (openai_protocol.py); `model` names the config's pipelines that give the answer."""
+    found = copy.deepcopy(_request_schemas())
+    for name in REQUESTS:
+        found[name]["properties"]["model"] = answer_models(config, "text")
+    return found

@@ -1,18 +1,21 @@
-"""An OpenAI request's body checked into a job's params, in process
-(`omnid.supervisor.http.openai_requests`): `n` / `stream` / `stream_options`, the sampling fields as
-the token stage's params (checked by omnid's rules, each refusal naming its field), and the chat
-features refused rather than ignored. (A chat's messages and media: tests/unit/test_media_config.py.)"""
+"""An OpenAI request's body checked into a job's params, in process: its shape by its model
+(`omnid.supervisor.http.openai_protocol`: `n` / `stream` / `stream_options`, the chat features refused
+rather than ignored, every problem said at once in omnid's words), then the sampling fields as the
+token stage's params (`openai_requests.sampling`: checked by omnid's rules, each refusal naming its
+field). (A chat's messages and media: tests/unit/config/test_media_config.py.)"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
+from pydantic import Field
 
 from omnid.config import Config, DaemonConfig, PipelineConfig, StageConfig
 from omnid.supervisor.http.openai_errors import OpenAiError
-from omnid.supervisor.http.openai_requests import refuse_chat_features, sampling, stream_options
+from omnid.supervisor.http.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestBody
+from omnid.supervisor.http.openai_requests import sampling
 
 D = Path("/nonexistent")
 
@@ -22,6 +25,17 @@ def config() -> Config:
               "frame": StageConfig("frame", "python", function="m:f")}
     pipelines = {"chat": PipelineConfig("chat", ("gen",), ()), "framed": PipelineConfig("framed", ("frame",), ())}
     return Config(None, DaemonConfig(socket=D, state_dir=D, lock_dir=D), stages, pipelines)
+
+
+CHAT = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    return ChatCompletionRequest.parse({**CHAT, **body}).stream_flags()
+
+
+def refuse_chat_features(body: dict[str, Any]) -> None:
+    ChatCompletionRequest.parse({**CHAT, **body})
 
 
 def refused(check: Any, *args: Any) -> OpenAiError:
@@ -40,13 +54,16 @@ def test_n_stream_and_its_options() -> None:
     assert refused(stream_options, {"stream_options": {"include_usage": True}}).message == \
         "stream_options is only allowed when stream is true"
     assert refused(stream_options, {"stream": True, "stream_options": {"include_usage": 1}}).param == "stream_options"
+    assert stream_options({"n": 1.0}) == (False, False)                 # JSON's one
 
 
 def test_the_sampling_fields_are_the_token_stages_params() -> None:
     cfg = config()
     chat = cfg.pipelines["chat"]
     body = {"max_completion_tokens": 8, "temperature": 0.5, "stop": [], "seed": None, "ignore_eos": True}
-    assert sampling(cfg, chat, body, {"include_prompt": False}) == {
+    given = ChatCompletionRequest.parse({**CHAT, **body}).sampling_values()
+    assert given == {"max_completion_tokens": 8, "temperature": 0.5, "stop": [], "ignore_eos": True}
+    assert sampling(cfg, chat, given, {"include_prompt": False}) == {
         "gen": {"max_tokens": 8, "temperature": 0.5, "ignore_eos": True, "include_prompt": False}}
     e = refused(sampling, cfg, chat, {"temperature": "hot"}, {})
     assert e.param == "temperature" and e.message.startswith("temperature: ")
@@ -62,3 +79,33 @@ def test_the_chat_features_omnid_does_not_do_are_refused() -> None:
                         ({"logit_bias": {"1": 2}}, "logit_bias"),
                         ({"response_format": {"type": "json_object"}}, "response_format")):
         assert refused(refuse_chat_features, body).param == param
+
+
+def test_every_problem_of_a_body_is_said_at_once_in_plain_words() -> None:
+    e = refused(refuse_chat_features, {"n": 2, "stream": "yes", "tools": [{"type": "function"}], "top_logprobs": 3})
+    assert e.param == "n"
+    assert e.message == ("n must be 1 here (one job, one answer), not 2; stream must be true or false; tools and "
+                         "function calling are not supported; logprobs are not supported")
+    e = refused(CompletionRequest.parse, {"model": "chat", "prompt": ["a", "b"], "echo": "y", "best_of": 2})
+    assert e.param == "prompt"
+    assert e.message == ("prompt must be a string (or a list of one string); token arrays and batches are not "
+                         "supported; echo must be true or false; best_of is not supported here")
+    assert CompletionRequest.parse({"model": "chat", "prompt": ["once"]}).text == "once"
+
+
+def test_a_problem_no_message_names_is_still_said_in_plain_words() -> None:
+    """Pydantic's own words ("Input should be ...", "[type=...]") never reach a caller."""
+    e = refused(refuse_chat_features, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+    assert (e.param, e.message) == ("messages[0].content[0]",
+                                    "messages[0].content[0].image_url must be {\"url\": \"data:image/...;base64,...\"}")
+    e = refused(refuse_chat_features, {"stream_options": {"include_usage": True}, "stream": True, "model": ""})
+    assert (e.param, e.message) == ("model", "you must provide a model parameter (a pipeline's name)")
+
+    class Sized(RequestBody):                 # a body whose fields have no message of their own
+        width: int
+        tags: Annotated[list[str], Field(max_length=1)] = []
+
+    e = refused(Sized.parse, {"width": "8", "tags": ["a", "b"]})
+    assert (e.param, e.message) == ("width", "width must be an integer, not '8'; tags must have at most 1 item(s), "
+                                             "not ['a', 'b']")
+    assert refused(Sized.parse, {}).message == "width is required"
