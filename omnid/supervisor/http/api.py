@@ -245,7 +245,7 @@ class Api:
             return
         state = self.disk.check()
         if state.full:
-            self.metrics.refused.labels(str(ErrorCode.DISK_FULL)).inc()
+            self.metrics.refused.labels(ErrorCode.DISK_FULL).inc()
             raise Refused(507, ErrorCode.INSUFFICIENT_STORAGE, f"the daemon is short of disk space and takes no new "
                           f"jobs: {state.reason}. Jobs already taken go on; free space (omnictl rm, or retention: "
                           f"daemon.keep_jobs) and submit again", retry_after_s=STORAGE_RETRY_AFTER_S,
@@ -510,7 +510,7 @@ class Api:
         body["disk"] = state.as_doc(self.disk)
         if state.full:
             body["ready"] = False
-            body.setdefault("reasons", []).append(str(ErrorCode.DISK_FULL))
+            body.setdefault("reasons", []).append(ErrorCode.DISK_FULL)
 
     async def get_metrics(self, request: web.Request) -> web.Response:
         from prometheus_client.exposition import choose_encoder

@@ -221,7 +221,7 @@ class OpenAiApi:
             if not images:
                 raise OpenAiError(500, f"job {job.id} of {p.name!r} produced no image "
                                   f"(its outputs: {', '.join(o['name'] for o in record.outputs) or 'none'})",
-                                  code=str(ErrorCode.NO_IMAGE), retry=False)
+                                  code=ErrorCode.NO_IMAGE, retry=False)
             revised_out = pick(record.outputs, "text", "prompt", None)
             revised = (await read_output(self.api.store, record, revised_out)).decode("utf-8", "replace") \
                 if revised_out else None

@@ -74,7 +74,7 @@ class OpenAiAudio:
             out = next((o for o in record.outputs if o["kind"] == "audio"), None)
             if out is None:
                 raise OpenAiError(500, f"job {job.id} of model {p.name!r} ended with no audio output",
-                                  code=str(ErrorCode.INTERNAL_ERROR))
+                                  code=ErrorCode.INTERNAL_ERROR)
             data = wav_bytes(await read_output(self.api.store, record, out))
             if fmt == "pcm16":
                 data = data[WAV_HEADER_BYTES:]

@@ -162,11 +162,11 @@ def media_inputs(config: Config, p: PipelineConfig, messages: str,
                              f"{', '.join(limits.kinds) or 'none'})", "media_not_accepted")
         if len(items) >= limits.count(kind):
             raise bad(where, f"model {p.name!r} takes at most {limits.count(kind)} {kind} item(s) per request",
-                      str(ErrorCode.INVALID_MEDIA))
+                      ErrorCode.INVALID_MEDIA)
         try:
             (doc,) = M.check_media(kind, data, limits)
         except M.MediaError as e:
-            raise bad(where, f"{where}: {e}", str(ErrorCode.INVALID_MEDIA)) from None
+            raise bad(where, f"{where}: {e}", ErrorCode.INVALID_MEDIA) from None
         items.append(data)
         summary.setdefault(kind, []).append({"filename": None, "size": len(data), **doc})
     try:

@@ -270,7 +270,7 @@ def schemas(config: Config) -> dict[str, Any]:
                       "lazy": {"type": "array", "items": STR,
                                "description": "python stages with `lazy = true`: ready before their function "
                                                "has loaded what it needs (it does so on its first job)"},
-                      "reasons": {"type": "array", "items": {"enum": [str(ErrorCode.DISK_FULL)]},
+                      "reasons": {"type": "array", "items": {"enum": [ErrorCode.DISK_FULL]},
                                   "description": "why not ready besides the stages: disk_full"},
                       "disk": obj({"full": BOOL, "reason": {"type": ["string", "null"]}, "free_mb": INT,
                                    "min_free_mb": INT, "free_inodes": {"type": ["integer", "null"]},
