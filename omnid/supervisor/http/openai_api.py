@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -50,7 +49,7 @@ from omnid.supervisor.http.openai_errors import OpenAiError, bad, openai_errors
 from omnid.supervisor.http.openai_jobs import (Generation, OpenAiJobs, Opening, generation, on_prepare, pick,
                                                read_output, succeeded, usage)
 from omnid.supervisor.http.openai_models import adapter_model, find_pipeline, model_doc, pipeline_for
-from omnid.supervisor.http.openai_protocol import ChatCompletionRequest, CompletionRequest
+from omnid.supervisor.http.openai_protocol import ChatCompletionRequest, CompletionRequest, ImageRequest
 from omnid.supervisor.http.openai_requests import chat_messages, media_inputs, read_body, sampling
 from omnid.vocabulary import ErrorCode, JobRecord
 
@@ -58,8 +57,6 @@ if TYPE_CHECKING:
     from omnid.supervisor.http.api import Api
 
 log = structlog.get_logger("omnid.openai")
-
-_SIZE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
 
 
 class OpenAiApi:
@@ -185,33 +182,21 @@ class OpenAiApi:
 
     async def images(self, request: web.Request) -> web.Response:
         body = await read_body(request)
+        asked = ImageRequest.parse(body)
         p = pipeline_for(self.api.config, self.api.store, body, "image")
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str) or not prompt:
-            raise bad("prompt", "prompt must be a non-empty string")
-        n = body.get("n")
-        if n is not None and (isinstance(n, bool) or n != 1):
-            raise bad("n", f"n must be 1 here (one job, one image), not {n!r}")
-        if body.get("response_format") not in (None, "b64_json"):
-            raise bad("response_format", "only response_format \"b64_json\" is supported (omnid serves no URLs)")
-        if body.get("output_format") not in (None, "png"):
-            raise bad("output_format", "only output_format \"png\" is supported")
         draw = admission.image_stage(self.api.config, p)
         params: dict[str, dict[str, Any]] = {}
-        size = body.get("size")
-        if size is not None and size != "auto":
-            m = _SIZE.match(size) if isinstance(size, str) else None
-            if m is None:
-                raise bad("size", f"size must be \"WIDTHxHEIGHT\" (e.g. \"64x64\") or \"auto\", not {size!r}")
+        size = asked.width_height()
+        if size is not None:
             if draw is None:
                 raise bad("size", f"model {p.name!r} has no diffusers stage to set the size of")
-            params[draw] = {"width": int(m.group(1)), "height": int(m.group(2))}
+            params[draw] = {"width": size[0], "height": size[1]}
             stage = self.api.config.stages[draw]
             for key, value in params[draw].items():
                 why = job_param_problem(draw, stage.engine, stage.defaults, key, value)
                 if why is not None:
                     raise bad("size", f"size: {why}")
-        inputs, summary = admission.inputs(self.api.config, {admission.prompt_key(self.api.config, p): prompt}, p)
+        inputs, summary = admission.inputs(self.api.config, {admission.prompt_key(self.api.config, p): asked.prompt}, p)
         job = self.jobs.submit(request, p, inputs, params, summary)
         try:
             async for _ in follow(request, self.api.scheduler, job.id):

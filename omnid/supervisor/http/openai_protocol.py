@@ -21,7 +21,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field
 from pydantic_core import ErrorDetails
 
 from omnid.engines.capabilities import engines_that, param_schema
-from omnid.supervisor.http.openai_errors import OpenAiError, bad
+from omnid.supervisor.http.openai_errors import bad
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI's sampling fields, then the extensions vLLM's own server takes in the same body (`vllm bench
@@ -67,12 +67,23 @@ def _sampling(name: str) -> Any:
     return _checked_later(param_schema(_SAMPLER, "max_tokens" if name == "max_completion_tokens" else name))
 
 
+def _fixed(message: str) -> Say:
+    return lambda at, value: message
+
+
 class RequestBody(BaseModel):
     """A request body: its fields checked strictly (a string is no number, "true" no boolean); fields
-    omnid does not know are ignored, as OpenAI's clients send some."""
+    omnid does not know are ignored, as OpenAI's clients send some. Each names its `model` (a pipeline:
+    the handler looks it up) and may give vLLM's `priority`."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
-    MESSAGES: ClassVar[Said] = {}
+    ANSWER: ClassVar[str] = "text"          # what the model named must give (its schema lists those)
+    MESSAGES: ClassVar[Said] = {
+        ("model",): (_fixed("you must provide a model parameter (a pipeline's name)"), None),
+    }
+
+    model: Annotated[str, Field(min_length=1)]
+    priority: Any = _checked_later(PRIORITY_SCHEMA)     # (read_body reads it: admission.priority)
 
     @classmethod
     def parse(cls: type[B], body: dict[str, Any]) -> B:
@@ -140,10 +151,6 @@ def _plain(err: ErrorDetails, at: str) -> str:
         else f"{at} {words}"
 
 
-def _fixed(message: str) -> Say:
-    return lambda at, value: message
-
-
 # ------------------------------------------------------------------ what /v1/chat/completions and /v1/completions share
 
 
@@ -155,11 +162,9 @@ class StreamOptions(BaseModel):
 
 
 class TextBody(RequestBody):
-    model: Annotated[str, Field(min_length=1)]
     n: One = _checked_later({"const": 1})
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    priority: Any = _checked_later(PRIORITY_SCHEMA)     # (read_body reads it: admission.priority)
     max_tokens: Any = _sampling("max_tokens")
     max_completion_tokens: Any = _sampling("max_completion_tokens")
     temperature: Any = _sampling("temperature")
@@ -175,7 +180,7 @@ class TextBody(RequestBody):
     ignore_eos: Any = _sampling("ignore_eos")
 
     MESSAGES: ClassVar[Said] = {
-        ("model",): (_fixed("you must provide a model parameter (a pipeline's name)"), None),
+        **RequestBody.MESSAGES,
         ("n",): (lambda at, v: f"n must be 1 here (one job, one answer), not {v!r}", None),
         ("stream",): (_fixed("stream must be true or false"), None),
         ("stream_options",): (_fixed("stream_options must be an object"), None),
@@ -341,5 +346,59 @@ class CompletionRequest(TextBody):
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
+# ------------------------------------------------------------------ POST /v1/images/generations
+
+
+class ImageRequest(RequestBody):
+    """An image, drawn by an image-ending pipeline, answered as b64_json (a PNG)."""
+
+    ANSWER = "image"
+    prompt: Annotated[str, Field(min_length=1)]
+    n: One = _checked_later({"const": 1})
+    # WIDTHxHEIGHT or "auto": what the pipeline's diffusers stage takes is its rule's (the schema says it)
+    size: Annotated[str, Field(pattern=r"^(?:auto|[1-9][0-9]{0,4}x[1-9][0-9]{0,4})$")] | None = None
+    response_format: Literal["b64_json"] | None = None
+    output_format: Literal["png"] | None = None
+
+    MESSAGES = {
+        **RequestBody.MESSAGES,
+        ("prompt",): (_fixed("prompt must be a non-empty string"), None),
+        ("n",): (lambda at, v: f"n must be 1 here (one job, one image), not {v!r}", None),
+        ("size",): (lambda at, v: f"size must be \"WIDTHxHEIGHT\" (e.g. \"64x64\") or \"auto\", not {v!r}", None),
+        ("response_format",): (_fixed("only response_format \"b64_json\" is supported (omnid serves no URLs)"), None),
+        ("output_format",): (_fixed("only output_format \"png\" is supported"), None),
+    }
+
+    def width_height(self) -> tuple[int, int] | None:
+        """The size asked, None for "auto" (the stage's own)."""
+        if self.size is None or self.size == "auto":
+            return None
+        width, _, height = self.size.partition("x")
+        return int(width), int(height)
+
+
+# ------------------------------------------------------------------ POST /v1/audio/speech
+
+
+class SpeechRequest(RequestBody):
+    """Speech, by an audio-ending pipeline, streamed as it is produced."""
+
+    ANSWER = "audio"
+    input: Annotated[str, Field(min_length=1)]
+    voice: Any = Field(None, description="given to a last stage that has `voice` in its defaults")
+    response_format: Literal["wav", "pcm"] | None = None
+    stream_format: Literal["audio", "sse"] | None = None
+
+    MESSAGES = {
+        **RequestBody.MESSAGES,
+        ("input",): (_fixed("input must be a non-empty string"), None),
+        ("response_format",): (lambda at, v: "response_format must be one of wav, pcm (omnid writes PCM: mp3, opus, "
+                               f"aac and flac are not supported), not {v!r}", None),
+        ("stream_format",): (_fixed("stream_format must be \"audio\" (the bytes, as they come) or \"sse\" "
+                                    "(speech.audio.delta events)"), None),
+    }
+
+
 REQUESTS: dict[str, type[RequestBody]] = {"ChatCompletionRequest": ChatCompletionRequest,
-                                    "CompletionRequest": CompletionRequest}
+                                          "CompletionRequest": CompletionRequest, "ImageRequest": ImageRequest,
+                                          "SpeechRequest": SpeechRequest}

@@ -23,8 +23,8 @@ from omnid.config import Config, PipelineConfig, StageConfig
 from omnid.engines.capabilities import capabilities, describe_stage_params
 from omnid.media import IMAGE_FORMATS
 from omnid.lora import describe as describe_lora
-from omnid.supervisor.http.openapi_schemas import (BOOL, INT, LORA, PRIORITY, STR, answer_models, enum, name_adapters,
-                                                   obj, openai_request_schemas, openai_schemas, ref, schemas)
+from omnid.supervisor.http.openapi_schemas import (INT, LORA, STR, enum, name_adapters, obj,
+                                                   openai_request_schemas, openai_schemas, ref, schemas)
 from omnid.supervisor.workers.stage_logs import SINCE_PATTERN
 from omnid.vocabulary import ErrorCode, JobState
 
@@ -256,15 +256,12 @@ def _with_resource_refusals(method: str, path: str, op: dict[str, Any]) -> dict[
 
 
 # ------------------------------------------------------------------ the OpenAI-compatible paths and the keys
-# Their bodies as openai_api.py checks them (a field it refuses is described by what it takes: the chat's
-# and the completion's by their models, openai_protocol.py); their errors in OpenAI's shape. What they answer is OpenAI's own schema (tests validate it against OpenAI's
-# published document); here it is described by its main fields.
+# Their bodies are described by the models that check them (openai_protocol.py: a field refused is
+# described by what it takes; the component schemas are openapi_schemas.py's); their errors in OpenAI's
+# shape. What they answer is OpenAI's own schema (tests validate it against OpenAI's published
+# document); here it is described by its main fields.
 
 _OPENAI_ERROR = {"$ref": "#/components/responses/OpenAIError"}
-_NULL = {"type": "null"}
-def _maybe(schema: dict[str, Any]) -> dict[str, Any]:
-    """A field the server takes as absent when it is null."""
-    return {"anyOf": [schema, _NULL]}
 
 
 def _openai_op(summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -273,27 +270,6 @@ def _openai_op(summary: str, responses: dict[str, Any], **extra: Any) -> dict[st
 
 def _body(schema: dict[str, Any]) -> dict[str, Any]:
     return {"required": True, "content": {"application/json": {"schema": schema}}}
-
-
-def _image_request(config: Config) -> dict[str, Any]:
-    sides = "|".join(str(n) for n in range(8, 4097, 8))     # the diffusers rule: 8 to 4096, multiples of 8
-    drawn = any(capabilities(st.engine).image_size for st in config.stages.values())
-    size = {"anyOf": [{"const": "auto"}, {"type": "string", "pattern": f"^(?:{sides})x(?:{sides})$"}]} if drawn \
-        else {"const": "auto"}
-    return obj({
-        "model": answer_models(config, "image"), "prompt": {"type": "string", "minLength": 1},
-        "n": _maybe({"const": 1}), "size": _maybe(size), "response_format": _maybe({"const": "b64_json"}),
-        "output_format": _maybe({"const": "png"}), "priority": _maybe(PRIORITY),
-    }, ["model", "prompt"])
-
-
-def _speech_request(config: Config) -> dict[str, Any]:
-    return obj({
-        "model": answer_models(config, "audio"), "input": {"type": "string", "minLength": 1},
-        "voice": {"description": "given to a last stage that has `voice` in its defaults"},
-        "response_format": _maybe(enum(("wav", "pcm"))), "stream_format": _maybe(enum(("audio", "sse"))),
-        "priority": _maybe(PRIORITY),
-    }, ["model", "input"])
 
 
 def config_operations(config: Config) -> dict[tuple[str, str], dict[str, Any]]:
@@ -326,12 +302,12 @@ def config_operations(config: Config) -> dict[tuple[str, str], dict[str, Any]]:
             "An image, drawn by an image-ending pipeline (one job)",
             {"200": _json(obj({"created": INT, "data": {"type": "array", "items": obj(
                 {"b64_json": STR, "revised_prompt": STR}, ["b64_json"])}}, ["created", "data"]), "the image")},
-            requestBody=_body(_image_request(config))),
+            requestBody=_body(ref("ImageRequest"))),
         ("POST", "/v1/audio/speech"): _openai_op(
             "Speech, by an audio-ending pipeline (one job), streamed as it is produced",
             {"200": {"description": "a WAV file, sent as it is produced",
                      "content": {"audio/wav": {"schema": {"type": "string", "format": "binary"}}}}},
-            requestBody=_body(_speech_request(config))),
+            requestBody=_body(ref("SpeechRequest"))),
         ("GET", "/v1/realtime"): _openai_op(
             "OpenAI's Realtime API: a WebSocket session holding a conversation with a pipeline (each response "
             "one job)",

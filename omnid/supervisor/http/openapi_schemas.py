@@ -335,6 +335,11 @@ def openai_request_schemas(config: Config) -> dict[str, Any]:
     """The OpenAI paths' request bodies (and the parts they are made of), as their models describe
     them (openai_protocol.py); `model` names the config's pipelines that give the answer."""
     found = copy.deepcopy(_request_schemas())
-    for name in REQUESTS:
-        found[name]["properties"]["model"] = answer_models(config, "text")
+    for name, model in REQUESTS.items():
+        found[name]["properties"]["model"] = answer_models(config, model.ANSWER)
+    sides = "|".join(str(n) for n in range(8, 4097, 8))     # the diffusers rule: 8 to 4096, multiples of 8
+    drawn = any(capabilities(st.engine).image_size for st in config.stages.values())
+    size = {"anyOf": [{"const": "auto"}, {"type": "string", "pattern": f"^(?:{sides})x(?:{sides})$"}]} if drawn \
+        else {"const": "auto"}
+    found["ImageRequest"]["properties"]["size"] = nullable(size)
     return found

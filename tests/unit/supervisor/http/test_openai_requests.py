@@ -14,7 +14,8 @@ from pydantic import Field
 
 from omnid.config import Config, DaemonConfig, PipelineConfig, StageConfig
 from omnid.supervisor.http.openai_errors import OpenAiError
-from omnid.supervisor.http.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestBody
+from omnid.supervisor.http.openai_protocol import (REQUESTS, ChatCompletionRequest, CompletionRequest, ImageRequest,
+                                                   RequestBody, SpeechRequest)
 from omnid.supervisor.http.openai_requests import sampling
 
 D = Path("/nonexistent")
@@ -105,7 +106,78 @@ def test_a_problem_no_message_names_is_still_said_in_plain_words() -> None:
         width: int
         tags: Annotated[list[str], Field(max_length=1)] = []
 
-    e = refused(Sized.parse, {"width": "8", "tags": ["a", "b"]})
+    e = refused(Sized.parse, {"model": "m", "width": "8", "tags": ["a", "b"]})
     assert (e.param, e.message) == ("width", "width must be an integer, not '8'; tags must have at most 1 item(s), "
                                              "not ['a', 'b']")
-    assert refused(Sized.parse, {}).message == "width is required"
+    assert refused(Sized.parse, {"model": "m"}).message == "width is required"
+
+
+def test_images_and_speech_bodies() -> None:
+    image = {"model": "t2i", "prompt": "a fox"}
+    assert ImageRequest.parse({**image, "size": "64x48"}).width_height() == (64, 48)
+    assert ImageRequest.parse({**image, "size": "auto"}).width_height() is None
+    e = refused(ImageRequest.parse, {**image, "prompt": "", "n": 2, "output_format": "jpeg"})
+    assert e.param == "prompt" and e.message == ("prompt must be a non-empty string; n must be 1 here (one job, one "
+                                                 "image), not 2; only output_format \"png\" is supported")
+    speech = SpeechRequest.parse({"model": "speak", "input": "hi", "voice": {"id": "v"}, "stream_format": "sse"})
+    assert (speech.input, speech.voice, speech.response_format, speech.stream_format) == ("hi", {"id": "v"}, None, "sse")
+    assert refused(SpeechRequest.parse, {"model": "speak", "input": "hi", "stream_format": "ws"}).param == "stream_format"
+
+
+# Bodies whose shape alone decides (no sampling value a stage's rule refuses, no rule across fields).
+SHAPES: list[tuple[type[RequestBody], dict[str, Any]]] = [
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]}),
+    (ChatCompletionRequest, {"messages": [{"role": "assistant", "content": None}, {"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}], "n": 1, "stream": True,
+        "stream_options": {"include_usage": False}, "tools": [], "tool_choice": "auto", "logprobs": False,
+        "logit_bias": {}, "response_format": {"type": "text"}, "modalities": ["text", "audio"],
+        "audio": {"voice": "alloy", "format": "pcm16"}, "temperature": 0.5, "priority": -3}),
+    (ChatCompletionRequest, {"messages": []}), (ChatCompletionRequest, {"messages": [{"role": "robot", "content": ""}]}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": 5}]}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "video"}]}]}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "n": 2}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "audio": {"voice": "a", "format": "mp3"}}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json"}}),
+    (CompletionRequest, {"prompt": "x", "echo": True, "best_of": 1, "max_tokens": 4}),
+    (CompletionRequest, {"prompt": ["x"]}), (CompletionRequest, {"prompt": ["x", "y"]}), (CompletionRequest, {}),
+    (CompletionRequest, {"prompt": [1, 2]}), (CompletionRequest, {"prompt": "x", "suffix": "y"}),
+    (CompletionRequest, {"prompt": "x", "echo": 1}),
+    (ImageRequest, {"prompt": "a fox", "size": "64x64", "n": 1, "response_format": "b64_json", "output_format": "png"}),
+    (ImageRequest, {"prompt": ""}), (ImageRequest, {"prompt": "a", "size": "big"}),
+    (ImageRequest, {"prompt": "a", "response_format": "url"}),
+    (SpeechRequest, {"input": "hi", "voice": "v", "response_format": "pcm", "stream_format": "audio"}),
+    (SpeechRequest, {"input": ""}), (SpeechRequest, {"input": "hi", "response_format": "mp3"}),
+]
+
+
+@pytest.mark.parametrize("model, body", SHAPES)
+def test_the_openapi_schema_is_the_model(model: type[RequestBody], body: dict[str, Any]) -> None:
+    """The OpenAPI document's schema of each body (generated from its model) takes what the model
+    takes and refuses what it refuses."""
+    import jsonschema
+    from aiohttp import web
+
+    from omnid.supervisor.http.openapi import openapi_document
+    doc = openapi_document(web.Application(), draw_config(), "1")
+    name = next(n for n, m in REQUESTS.items() if m is model)
+    validator = jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", **doc})
+    body = {"model": doc["components"]["schemas"][name]["properties"]["model"]["enum"][0], **body}
+    try:
+        model.parse(body)
+        parsed = True
+    except OpenAiError:
+        parsed = False
+    assert validator.is_valid(body) == parsed, (body, parsed)
+
+
+def draw_config() -> Config:
+    stages = {"gen": StageConfig("gen", "vllm", model=D), "draw": StageConfig("draw", "diffusers", model=D),
+              "speak": StageConfig("speak", "python", function="m:f", produces=("audio",))}
+    pipelines = {"chat": PipelineConfig("chat", ("gen",), ()), "t2i": PipelineConfig("t2i", ("draw",), ()),
+                 "speak": PipelineConfig("speak", ("speak",), ())}
+    return Config(None, DaemonConfig(socket=D, state_dir=D, lock_dir=D), stages, pipelines)
