@@ -26,7 +26,7 @@ from omnid.supervisor.errors import Refused
 from omnid.supervisor.http import admission, prompt_length
 from omnid.supervisor.http.http_common import json_body
 from omnid.supervisor.http.openai_errors import OpenAiError, bad
-from omnid.supervisor.http.openai_protocol import SAMPLING, ChatMessage, ContentPart, ImagePart, TextPart
+from omnid.supervisor.http.openai_protocol import SAMPLING, ChatMessage, ContentPart
 from omnid.vocabulary import ErrorCode
 
 MODEL_KEY = "openai_model"              # request key: the body's `model` (a `PIPELINE:ADAPTER` sets the adapter)
@@ -88,12 +88,12 @@ def chat_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], li
     out: list[dict[str, Any]] = []
     media: list[tuple[str, bytes, str]] = []
     for i, m in enumerate(messages):
-        if m.content is None and m.role != "assistant":
+        role, content = m["role"], m.get("content")
+        if content is None and role != "assistant":
             raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string or an array of "
                       "content parts")
-        content = _content_parts(m.content, f"messages[{i}].content", media) if isinstance(m.content, list) \
-            else m.content or ""
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        text = _content_parts(content, f"messages[{i}].content", media) if isinstance(content, list) else content or ""
+        out.append({"role": "system" if role == "developer" else role, "content": text})
     return out, media
 
 
@@ -103,13 +103,13 @@ def _content_parts(parts: list[ContentPart], where: str, media: list[tuple[str, 
     out: list[dict[str, Any]] = []
     for j, part in enumerate(parts):
         at = f"{where}[{j}]"
-        if isinstance(part, TextPart):
-            out.append({"type": "text", "text": part.text})
-        elif isinstance(part, ImagePart):
-            media.append(("image", _image_url(part.image_url, at), at))
+        if part["type"] == "text":
+            out.append({"type": "text", "text": part["text"]})
+        elif part["type"] == "image_url":
+            media.append(("image", _image_url(part["image_url"], at), at))
             out.append({"type": "image"})
         else:
-            media.append(("audio", _input_audio(part.input_audio, at), at))
+            media.append(("audio", _input_audio(part["input_audio"], at), at))
             out.append({"type": "audio"})
     if all(p["type"] == "text" for p in out):
         return "\n".join(p["text"] for p in out)
