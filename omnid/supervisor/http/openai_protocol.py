@@ -73,6 +73,12 @@ def _fixed(message: str) -> Say:
     return lambda at, value: message
 
 
+def _shown(value: Any) -> str:
+    """A wrong value as a message shows it: its repr, cut (a body may hold megabytes in one field)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:60] + f"... ({len(text)} characters)"
+
+
 class RequestBody(BaseModel):
     """A request body: its fields checked strictly (a string is no number, "true" no boolean); fields
     omnid does not know are ignored, as OpenAI's clients send some. Each names its `model` (a pipeline:
@@ -149,7 +155,7 @@ def _plain(err: ErrorDetails, at: str) -> str:
                     f"{ctx.get('min_length', ctx.get('max_length'))} item(s)"
         else:
             words = err["msg"].replace("Input should be", "must be")
-    return f"{at or 'the request body'} {words}, not {err['input']!r}" if err["type"] != "missing" \
+    return f"{at or 'the request body'} {words}, not {_shown(err['input'])}" if err["type"] != "missing" \
         else f"{at} {words}"
 
 
@@ -183,7 +189,7 @@ class TextBody(RequestBody):
 
     MESSAGES: ClassVar[Said] = {
         **RequestBody.MESSAGES,
-        ("n",): (lambda at, v: f"n must be 1 here (one job, one answer), not {v!r}", None),
+        ("n",): (lambda at, v: f"n must be 1 here (one job, one answer), not {_shown(v)}", None),
         ("stream",): (_fixed("stream must be true or false"), None),
         ("stream_options",): (_fixed("stream_options must be an object"), None),
         ("stream_options", "include_usage"): (_fixed("stream_options.include_usage must be true or false"),
@@ -291,7 +297,7 @@ class ChatCompletionRequest(TextBody):
         **TextBody.MESSAGES,
         ("messages",): (_fixed("messages must be a non-empty array of {\"role\", \"content\"}"), None),
         ("messages", "*"): (lambda at, v: f"{at} must be an object", None),
-        ("messages", "*", "role"): (lambda at, v: f"{at} must be one of {', '.join(sorted(ROLES))}, not {v!r}", None),
+        ("messages", "*", "role"): (lambda at, v: f"{at} must be one of {', '.join(sorted(ROLES))}, not {_shown(v)}", None),
         ("messages", "*", "content"): (lambda at, v: f"{at} must be a string or an array of content parts", None),
         ("messages", "*", "content", "*"): (lambda at, v: (
             f"{at}: content parts are text ({{\"type\": \"text\", \"text\"}}), image_url (a data: URL) or "
@@ -310,7 +316,7 @@ class ChatCompletionRequest(TextBody):
         ("audio",): (_fixed("modalities [\"text\", \"audio\"] need audio: {\"voice\": ..., \"format\": \"wav\"}"),
                      None),
         ("audio", "format"): (lambda at, v: "audio.format must be one of wav, pcm16 (omnid writes PCM; mp3, opus, "
-                              f"flac and aac are not supported), not {v!r}", None),
+                              f"flac and aac are not supported), not {_shown(v)}", None),
     }
 
     def audio_format(self) -> str | None:
@@ -370,8 +376,8 @@ class ImageRequest(RequestBody):
     MESSAGES = {
         **RequestBody.MESSAGES,
         ("prompt",): (_fixed("prompt must be a non-empty string"), None),
-        ("n",): (lambda at, v: f"n must be 1 here (one job, one image), not {v!r}", None),
-        ("size",): (lambda at, v: f"size must be \"WIDTHxHEIGHT\" (e.g. \"64x64\") or \"auto\", not {v!r}", None),
+        ("n",): (lambda at, v: f"n must be 1 here (one job, one image), not {_shown(v)}", None),
+        ("size",): (lambda at, v: f"size must be \"WIDTHxHEIGHT\" (e.g. \"64x64\") or \"auto\", not {_shown(v)}", None),
         ("response_format",): (_fixed("only response_format \"b64_json\" is supported (omnid serves no URLs)"), None),
         ("output_format",): (_fixed("only output_format \"png\" is supported"), None),
     }
@@ -400,7 +406,7 @@ class SpeechRequest(RequestBody):
         **RequestBody.MESSAGES,
         ("input",): (_fixed("input must be a non-empty string"), None),
         ("response_format",): (lambda at, v: "response_format must be one of wav, pcm (omnid writes PCM: mp3, opus, "
-                               f"aac and flac are not supported), not {v!r}", None),
+                               f"aac and flac are not supported), not {_shown(v)}", None),
         ("stream_format",): (_fixed("stream_format must be \"audio\" (the bytes, as they come) or \"sse\" "
                                     "(speech.audio.delta events)"), None),
     }

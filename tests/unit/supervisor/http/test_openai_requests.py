@@ -181,3 +181,8 @@ def draw_config() -> Config:
     pipelines = {"chat": PipelineConfig("chat", ("gen",), ()), "t2i": PipelineConfig("t2i", ("draw",), ()),
                  "speak": PipelineConfig("speak", ("speak",), ())}
     return Config(None, DaemonConfig(socket=D, state_dir=D, lock_dir=D), stages, pipelines)
+
+
+def test_a_huge_wrong_value_is_shown_cut() -> None:
+    e = refused(refuse_chat_features, {"messages": [{"role": "x" * 1_000_000, "content": "hi"}]})
+    assert e.param == "messages[0].role" and len(e.message) < 200 and "(1000002 characters)" in e.message
