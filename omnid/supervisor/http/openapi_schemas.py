@@ -1,6 +1,7 @@
 """The OpenAPI document's component schemas: every document the API answers (a job, its events,
 a pipeline and its description, a stage, health and readiness, the keys, the OpenAI paths' models and
-errors), the job request with each pipeline's inputs and each stage's params, and the small JSON
+errors), the job request with each pipeline's inputs and each stage's params, the OpenAI paths'
+request bodies (generated from the models that check them: openai_protocol.py), and the small JSON
 Schema builders they are written with.
 
 Pure functions of the config, called by openapi.py as it builds `GET /v1/openapi.json` (in the
