@@ -186,3 +186,29 @@ def draw_config() -> Config:
 def test_a_huge_wrong_value_is_shown_cut() -> None:
     e = refused(refuse_chat_features, {"messages": [{"role": "x" * 1_000_000, "content": "hi"}]})
     assert e.param == "messages[0].role" and len(e.message) < 200 and "(1000002 characters)" in e.message
+
+
+def test_a_message_without_content_is_an_assistants_only() -> None:
+    from omnid.supervisor.http.openai_requests import chat_messages
+    chat = ChatCompletionRequest.parse({**CHAT, "messages": [{"role": "developer", "content": "be brief"},
+                                                             {"role": "assistant"}, {"role": "user", "content": "hi"}]})
+    assert chat_messages(chat.messages) == ([{"role": "system", "content": "be brief"},
+                                             {"role": "assistant", "content": ""},
+                                             {"role": "user", "content": "hi"}], [])
+    with pytest.raises(OpenAiError) as e:
+        chat_messages(ChatCompletionRequest.parse({**CHAT, "messages": [{"role": "user", "content": None}]}).messages)
+    assert (e.value.param, e.value.message) == ("messages[0].content", "messages[0].content must be a string or an "
+                                                                       "array of content parts")
+
+
+def test_an_image_size_is_described_by_the_diffusers_rule() -> None:
+    """The body's model takes any WIDTHxHEIGHT; the document says what the config's diffusers stage
+    takes (8 to 4096, multiples of 8), which the handler checks after."""
+    import jsonschema
+    from aiohttp import web
+
+    from omnid.supervisor.http.openapi import openapi_document
+    doc = openapi_document(web.Application(), draw_config(), "1")
+    size = jsonschema.Draft202012Validator(doc["components"]["schemas"]["ImageRequest"]["properties"]["size"])
+    assert [size.is_valid(s) for s in ("64x64", "auto", None, "60x60", "8x4104")] == [True, True, True, False, False]
+    assert ImageRequest.parse({"model": "t2i", "prompt": "a", "size": "60x60"}).width_height() == (60, 60)
