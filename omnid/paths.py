@@ -1,13 +1,15 @@
-"""Default file locations: system paths for root, XDG paths for everyone else; and the modes of
-what the daemon creates there.
+"""Default file locations: system paths for root, XDG paths for everyone else; the modes of
+what the daemon creates there; and where in a job's folder its live outputs stream.
 
 Pure functions and constants, no I/O; used by the config loader in the supervisor and by
-`omnid --check`, and for the modes by the job store and the workers' output writer.
+`omnid --check`, for the modes by the job store and the workers' output writer, and for the stream
+files by that writer and the API that reads them (`?stream=1`, a speech's live audio).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +24,16 @@ from pathlib import Path
 UMASK = 0o077
 PRIVATE_DIR = 0o700
 PRIVATE_FILE = 0o600
+
+
+# A job's live outputs: a pipeline's last stage appends each output's segments to its stream file in
+# the job's folder while the job runs (worker/outputs.py writes them; the API reads them as they grow).
+STREAM_DIR = ".stream"
+
+
+def stream_file(job_dir: Path, name: str) -> Path:
+    """Where a pipeline's last stage appends an output's segments while the job runs."""
+    return job_dir / STREAM_DIR / (re.sub(r"[^A-Za-z0-9_.-]", "_", name).lstrip(".")[:100] or "output")
 
 
 @dataclass(frozen=True)

@@ -248,6 +248,27 @@ def job_links(job_id: str) -> dict[str, str]:
     return {"self": base, "events": f"{base}/events", "cancel": f"{base}/cancel", "outputs": f"{base}/outputs"}
 
 
+@dataclass(frozen=True)
+class JobError:
+    """Why a job ended badly: its document's and its last state event's `error`,
+    `{"code", "message", "stage"}` (`stage`: where it happened, when one stage is to blame)."""
+
+    code: ErrorCode
+    message: str
+    stage: str | None = None
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"code": str(self.code), "message": self.message, "stage": self.stage}
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> JobError:
+        try:
+            code = ErrorCode(str(doc.get("code")))
+        except ValueError:          # (a code this version no longer has, in an old record)
+            code = ErrorCode.INTERNAL_ERROR
+        return cls(code, str(doc.get("message") or ""), doc.get("stage"))
+
+
 @dataclass
 class JobRecord:
     """A job as the API shows it and the store keeps it (`to_doc` is the API's JSON object)."""
@@ -264,7 +285,7 @@ class JobRecord:
     started_at: float | None = None
     finished_at: float | None = None
     outputs: list[dict[str, Any]] = field(default_factory=list)
-    error: dict[str, Any] | None = None
+    error: JobError | None = None
     priority: int = 0                           # lower runs earlier (omnid/fair_queue.py)
     key: str | None = None                      # the API key it came with (TCP); its owner for fair share
 
@@ -272,7 +293,7 @@ class JobRecord:
     def terminal(self) -> bool:
         return self.state.terminal
 
-    def set_state(self, state: JobState, now: float, error: dict[str, Any] | None = None) -> None:
+    def set_state(self, state: JobState, now: float, error: JobError | None = None) -> None:
         """Change state, stamping `started_at` on running and `finished_at` (and `error`) at the end."""
         self.state = state
         if state is JobState.RUNNING:
@@ -288,7 +309,8 @@ class JobRecord:
             "created_at": self.created_at, "started_at": self.started_at, "finished_at": self.finished_at,
             "timeout_s": self.timeout_s, "inputs": self.inputs, "params": self.params,
             "stages": {name: run.to_doc() for name, run in self.stages.items()},
-            "outputs": self.outputs, "error": self.error, "priority": self.priority, "key": self.key,
+            "outputs": self.outputs, "error": self.error.to_doc() if self.error else None, "priority": self.priority,
+            "key": self.key,
         }
 
     @classmethod
@@ -298,4 +320,5 @@ class JobRecord:
                    params=doc["params"], stages={n: StageRun.from_doc(s) for n, s in doc["stages"].items()},
                    state=JobState(doc["state"]), started_at=doc.get("started_at"),
                    finished_at=doc.get("finished_at"), outputs=list(doc.get("outputs") or []),
-                   error=doc.get("error"), priority=int(doc.get("priority") or 0), key=doc.get("key"))
+                   error=JobError.from_doc(doc["error"]) if doc.get("error") else None,
+                   priority=int(doc.get("priority") or 0), key=doc.get("key"))

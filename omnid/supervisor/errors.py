@@ -1,4 +1,5 @@
-"""Requests the daemon refuses: one exception that the socket API turns into its JSON error.
+"""Requests the daemon refuses: one exception that the socket API turns into its JSON error, and the
+Retry-After header of a refusal that may pass by itself (every front end's).
 
 Raised in the supervisor's event-loop thread (by the API's handlers and the scheduler's
 admission checks) and caught by the API's error middleware; nothing here blocks.
@@ -12,6 +13,17 @@ from omnid.vocabulary import ErrorCode
 
 
 STORAGE_RETRY_AFTER_S = 10     # what a 507 (the disk is full) suggests to wait: rm, retention or an operator frees it
+RETRY_AFTER_S = 2      # what 429 and 503 answers suggest to wait before trying again (507: STORAGE_RETRY_AFTER_S)
+
+
+def retry_after(status: int, seconds: Any = None) -> dict[str, str]:
+    """The Retry-After header of a refusal that may pass by itself (429, 503, 507); `seconds`: the
+    refusal's own figure (a real-time pipeline's: when its first stream should end)."""
+    if isinstance(seconds, int) and not isinstance(seconds, bool) and status in (429, 503, 507):
+        return {"Retry-After": str(seconds)}
+    if status == 507:
+        return {"Retry-After": str(STORAGE_RETRY_AFTER_S)}
+    return {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else {}
 
 
 class Refused(Exception):

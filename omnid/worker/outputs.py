@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from omnid.config import PipelineConfig
-from omnid.paths import PRIVATE_DIR, PRIVATE_FILE
+from omnid.paths import PRIVATE_DIR, PRIVATE_FILE, STREAM_DIR, stream_file
 from omnid.protocol import Output
 
 
@@ -121,14 +121,6 @@ def _file_stem(name: str, taken: set[str]) -> str:
         candidate = f"{stem}_{n}"
     taken.add(candidate)
     return candidate
-
-
-STREAM_DIR = ".stream"
-
-
-def stream_file(job_dir: Path, name: str) -> Path:
-    """Where a pipeline's last stage appends an output's segments while the job runs."""
-    return job_dir / STREAM_DIR / (re.sub(r"[^A-Za-z0-9_.-]", "_", name).lstrip(".")[:100] or "output")
 
 
 def clear_stream(job_dir: Path, prefix: str = "") -> None:

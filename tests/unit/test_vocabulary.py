@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from omnid.vocabulary import (LIVE_JOB_STATES, TERMINAL_JOB_STATES, WARM_WORKER_STATES, ErrorCode, EventType,
-                              JobRecord, JobState, StageRun, StageRunState, WorkerState)
+                              JobError, JobRecord, JobState, StageRun, StageRunState, WorkerState)
 
 # The strings the API, the database and omnictl use: changing one breaks clients and stored jobs.
 API_STRINGS: dict[type, list[str]] = {
@@ -104,7 +104,7 @@ def finished_record() -> JobRecord:
     rec.stages["expand"].set_state(StageRunState.SUCCEEDED, 11.75)
     rec.stages["draw"].set_state(StageRunState.FAILED, 12.0)
     rec.outputs.append({"name": "image", "file": "image.png", "size": 10})
-    rec.set_state(JobState.FAILED, 12.0, error={"code": "stage_failed", "message": "boom", "stage": "draw"})
+    rec.set_state(JobState.FAILED, 12.0, error=JobError(ErrorCode.STAGE_FAILED, "boom", "draw"))
     return rec
 
 
@@ -135,7 +135,7 @@ def test_job_set_state_stamps_times() -> None:
     rec.set_state(JobState.RUNNING, 5.0)
     assert (rec.state, rec.started_at, rec.finished_at, rec.error) == (JobState.RUNNING, 5.0, None, None)
     assert not rec.terminal
-    error = {"code": "timed_out", "message": "after 600 s"}
+    error = JobError(ErrorCode.TIMED_OUT, "after 600 s")
     rec.set_state(JobState.TIMED_OUT, 9.0, error=error)
     assert (rec.state, rec.started_at, rec.finished_at, rec.error) == (JobState.TIMED_OUT, 5.0, 9.0, error)
     assert rec.terminal
@@ -144,9 +144,10 @@ def test_job_set_state_stamps_times() -> None:
 @pytest.mark.parametrize("state", sorted(TERMINAL_JOB_STATES))
 def test_job_set_state_terminal_stamps_finished_at_and_error(state: JobState) -> None:
     rec = a_record()
-    rec.set_state(state, 7.0, error=None if state is JobState.SUCCEEDED else {"code": str(state)})
+    error = None if state is JobState.SUCCEEDED else JobError(ErrorCode.STAGE_FAILED, str(state))
+    rec.set_state(state, 7.0, error=error)
     assert rec.finished_at == 7.0 and rec.started_at is None and rec.terminal
-    assert rec.error == (None if state is JobState.SUCCEEDED else {"code": str(state)})
+    assert rec.error == error
 
 
 def test_job_set_state_queued_stamps_nothing() -> None:
@@ -181,3 +182,17 @@ def test_doc_holds_plain_strings() -> None:
     assert '"state": "failed"' in text and '"state": "succeeded"' in text
     assert "JobState" not in text and "StageRunState" not in text
     assert json.loads(text) == doc
+
+
+def test_a_job_error_is_typed_and_its_json_is_as_before() -> None:
+    """`JobError` serialises to the `{"code", "message", "stage"}` the API has always shown; a record
+    the store kept before (a dict without `stage`, or with a code this version no longer has) reads back."""
+    error = JobError(ErrorCode.WORKER_DIED, "stage 'a' died", "a")
+    assert error.to_doc() == {"code": "worker_died", "message": "stage 'a' died", "stage": "a"}
+    assert json.dumps(error.to_doc()) == '{"code": "worker_died", "message": "stage \'a\' died", "stage": "a"}'
+    assert JobError.from_doc(json.loads(json.dumps(error.to_doc()))) == error
+    assert type(JobError.from_doc({"code": "timed_out", "message": "m"}).code) is ErrorCode
+    assert JobError.from_doc({"code": "daemon_restarted", "message": "m"}) == JobError(ErrorCode.DAEMON_RESTARTED, "m")
+    assert JobError.from_doc({"code": "gone_code", "message": "m"}).code is ErrorCode.INTERNAL_ERROR
+    doc = finished_record().to_doc()
+    assert doc["error"] == {"code": "stage_failed", "message": "boom", "stage": "draw"}

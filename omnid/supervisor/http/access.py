@@ -104,7 +104,7 @@ class Access:
             return await handler(request)            # (it reads no uid)
         key = self._identify(request)
         if key is None and realtime_events.is_upgrade(request):      # a WebSocket: an error event and a close
-            return await realtime_events.refuse(request, str(ErrorCode.INVALID_API_KEY), "no API key, or not one "
+            return await realtime_events.refuse(request, ErrorCode.INVALID_API_KEY, "no API key, or not one "
                                                 "of this daemon's: send it as \"Authorization: Bearer KEY\"",
                                                 realtime_events.CLOSE_POLICY, "invalid_request_error", 401)
         if key is None:
@@ -119,7 +119,7 @@ class Access:
             if wait is not None:
                 log.info("refused", why="rate", rps=key.rps, method=request.method, path=request.path)
                 if realtime_events.is_upgrade(request):
-                    return await realtime_events.refuse(request, str(ErrorCode.RATE_LIMITED), f"key {key.name!r} "
+                    return await realtime_events.refuse(request, ErrorCode.RATE_LIMITED, f"key {key.name!r} "
                                                         f"may make {key.rps:g} request(s) per second",
                                                         realtime_events.CLOSE_TRY_LATER, "rate_limit_error", 429)
                 return _refuse(request, 429, ErrorCode.RATE_LIMITED, f"key {key.name!r} may make {key.rps:g} "

@@ -44,7 +44,8 @@ from omnid.supervisor.http.adapters import Adapters
 from omnid.lora import describe as lora_view
 from omnid.supervisor.workers import stage_logs
 from omnid.supervisor.jobs.submission import Submission
-from omnid.supervisor.errors import STORAGE_RETRY_AFTER_S, Refused
+from omnid.supervisor.errors import RETRY_AFTER_S as RETRY_AFTER_S  # (re-exported)
+from omnid.supervisor.errors import STORAGE_RETRY_AFTER_S, Refused, retry_after
 from omnid.supervisor.http.http_common import (MAX_BYTES_KEY, flag, follow_batches, json_body, output_file, send_log,
                                           stream_output)
 from omnid.supervisor.resources import DiskWatch
@@ -82,19 +83,6 @@ class DaemonInfo:
     @property
     def stopping(self) -> bool:
         return self.state is DaemonState.STOPPING
-
-
-RETRY_AFTER_S = 2      # what 429 and 503 answers suggest to wait before trying again (507: STORAGE_RETRY_AFTER_S)
-
-
-def retry_after(status: int, seconds: Any = None) -> dict[str, str]:
-    """The Retry-After header of a refusal that may pass by itself (429, 503, 507); `seconds`: the
-    refusal's own figure (a real-time pipeline's: when its first stream should end)."""
-    if isinstance(seconds, int) and not isinstance(seconds, bool) and status in (429, 503, 507):
-        return {"Retry-After": str(seconds)}
-    if status == 507:
-        return {"Retry-After": str(STORAGE_RETRY_AFTER_S)}
-    return {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else {}
 
 
 def error(status: int, code: ErrorCode, message: str, **extra: Any) -> web.Response:
@@ -257,7 +245,7 @@ class Api:
             return
         state = self.disk.check()
         if state.full:
-            self.metrics.refused.labels(str(ErrorCode.DISK_FULL)).inc()
+            self.metrics.refused.labels(ErrorCode.DISK_FULL).inc()
             raise Refused(507, ErrorCode.INSUFFICIENT_STORAGE, f"the daemon is short of disk space and takes no new "
                           f"jobs: {state.reason}. Jobs already taken go on; free space (omnictl rm, or retention: "
                           f"daemon.keep_jobs) and submit again", retry_after_s=STORAGE_RETRY_AFTER_S,
@@ -522,7 +510,7 @@ class Api:
         body["disk"] = state.as_doc(self.disk)
         if state.full:
             body["ready"] = False
-            body.setdefault("reasons", []).append(str(ErrorCode.DISK_FULL))
+            body.setdefault("reasons", []).append(ErrorCode.DISK_FULL)
 
     async def get_metrics(self, request: web.Request) -> web.Response:
         from prometheus_client.exposition import choose_encoder

@@ -20,13 +20,13 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from omnid.paths import stream_file
 from omnid.store import JobStore
 from omnid.supervisor.workers import stage_logs
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.jobs.live_job import LAGGED
 from omnid.supervisor.jobs.scheduler import Scheduler
 from omnid.vocabulary import ErrorCode, JobRecord
-from omnid.worker.outputs import stream_file
 
 log = structlog.get_logger("omnid.api")
 

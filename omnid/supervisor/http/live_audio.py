@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import BinaryIO
 
-from omnid.worker.outputs import STREAM_DIR
+from omnid.paths import STREAM_DIR
 
 WAV_HEADER_BYTES = 44           # omnid's streamed WAVs: RIFF, fmt (16 bytes of PCM format), data
 

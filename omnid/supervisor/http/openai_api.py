@@ -4,8 +4,8 @@ Runs in the supervisor's event-loop thread, inside the socket API's aiohttp appl
 daemon mounts it: `OpenAiApi(api).mount(api.app)`). Handlers never block: they submit a job through the
 scheduler and follow it (openai_jobs.py: its event queue, a hang-up cancelling the job), reading small
 output files in the loop's default executor. A request's checks are admission's (admission.py), in
-OpenAI's words where the OpenAI shape has its own (openai_requests.py: the body, the sampling fields,
-a chat's messages and media; openai_models.py: the `model`).
+OpenAI's words where the OpenAI shape has its own (openai_protocol.py: each body's shape, by its model;
+openai_requests.py: the sampling fields, a chat's messages and media; openai_models.py: the `model`).
 
 - `GET /v1/models`, `GET /v1/models/{model}`: the pipelines as models (`omnid.outputs`: what each
   produces: `text` for a vLLM last stage, `image` for diffusers; for a python last stage, what it
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -45,21 +44,19 @@ from omnid.lora import pipeline_adapters
 from omnid.supervisor.http import admission
 from omnid.supervisor.http.http_common import DISCONNECT_POLL_S as DISCONNECT_POLL_S    # (re-exported)
 from omnid.supervisor.http.http_common import follow, sse_response, sse_send
-from omnid.supervisor.http.openai_audio import OpenAiAudio, audio_request
+from omnid.supervisor.http.openai_audio import OpenAiAudio
 from omnid.supervisor.http.openai_errors import OpenAiError, bad, openai_errors
 from omnid.supervisor.http.openai_jobs import (Generation, OpenAiJobs, Opening, generation, on_prepare, pick,
                                                read_output, succeeded, usage)
 from omnid.supervisor.http.openai_models import adapter_model, find_pipeline, model_doc, pipeline_for
-from omnid.supervisor.http.openai_requests import (chat_messages, media_inputs, read_body, refuse_chat_features,
-                                                   sampling, stream_options)
+from omnid.supervisor.http.openai_protocol import ChatCompletionRequest, CompletionRequest, ImageRequest
+from omnid.supervisor.http.openai_requests import chat_messages, media_inputs, read_body, sampling
 from omnid.vocabulary import ErrorCode, JobRecord
 
 if TYPE_CHECKING:
     from omnid.supervisor.http.api import Api
 
 log = structlog.get_logger("omnid.openai")
-
-_SIZE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
 
 
 class OpenAiApi:
@@ -103,12 +100,12 @@ class OpenAiApi:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_body(request)
-        refuse_chat_features(body)
-        audio = audio_request(body)
+        chat = ChatCompletionRequest.parse(body)
+        audio = chat.audio_format()
         p = pipeline_for(self.api.config, self.api.store, body, "text", *(["audio"] if audio is not None else []))
-        stream, include_usage = stream_options(body)
-        messages, parts = chat_messages(body.get("messages"))
-        params = sampling(self.api.config, p, body, {"include_prompt": False})
+        stream, include_usage = chat.stream_flags()
+        messages, parts = chat_messages(chat.messages)
+        params = sampling(self.api.config, p, chat.sampling_values(), {"include_prompt": False})
         if not parts:
             inputs, summary = admission.inputs(self.api.config, {"messages": json.dumps(messages)}, p)
         else:
@@ -119,25 +116,15 @@ class OpenAiApi:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_body(request)
+        completion = CompletionRequest.parse(body)
         p = pipeline_for(self.api.config, self.api.store, body, "text")
-        stream, include_usage = stream_options(body)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise bad("prompt", "prompt must be a string (or a list of one string); token arrays and "
-                      "batches are not supported")
-        for name, ok in (("suffix", None), ("logprobs", None), ("best_of", 1)):
-            if body.get(name) not in (None, ok):
-                raise bad(name, f"{name} is not supported here")
-        echo = body.get("echo")
-        if echo is not None and not isinstance(echo, bool):
-            raise bad("echo", "echo must be true or false")
+        stream, include_usage = completion.stream_flags()
+        prompt, echo = completion.text, completion.echo
         stage = admission.token_stage(self.api.config, p)
         extra: dict[str, Any] = {"include_prompt": False}
         if stage is not None and self.api.config.stages[stage].defaults.get("prompt_template"):
             extra["prompt_template"] = ""           # a completion continues the prompt as it is
-        params = sampling(self.api.config, p, body, extra)
+        params = sampling(self.api.config, p, completion.sampling_values(), extra)
         inputs, summary = admission.inputs(self.api.config, {"prompt": prompt}, p)
         return await self._text_job(request, p, inputs, params, summary, stream, include_usage, chat=False,
                                     echo=prompt if echo else "")
@@ -195,33 +182,21 @@ class OpenAiApi:
 
     async def images(self, request: web.Request) -> web.Response:
         body = await read_body(request)
+        asked = ImageRequest.parse(body)
         p = pipeline_for(self.api.config, self.api.store, body, "image")
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str) or not prompt:
-            raise bad("prompt", "prompt must be a non-empty string")
-        n = body.get("n")
-        if n is not None and (isinstance(n, bool) or n != 1):
-            raise bad("n", f"n must be 1 here (one job, one image), not {n!r}")
-        if body.get("response_format") not in (None, "b64_json"):
-            raise bad("response_format", "only response_format \"b64_json\" is supported (omnid serves no URLs)")
-        if body.get("output_format") not in (None, "png"):
-            raise bad("output_format", "only output_format \"png\" is supported")
         draw = admission.image_stage(self.api.config, p)
         params: dict[str, dict[str, Any]] = {}
-        size = body.get("size")
-        if size is not None and size != "auto":
-            m = _SIZE.match(size) if isinstance(size, str) else None
-            if m is None:
-                raise bad("size", f"size must be \"WIDTHxHEIGHT\" (e.g. \"64x64\") or \"auto\", not {size!r}")
+        size = asked.width_height()
+        if size is not None:
             if draw is None:
                 raise bad("size", f"model {p.name!r} has no diffusers stage to set the size of")
-            params[draw] = {"width": int(m.group(1)), "height": int(m.group(2))}
+            params[draw] = {"width": size[0], "height": size[1]}
             stage = self.api.config.stages[draw]
             for key, value in params[draw].items():
                 why = job_param_problem(draw, stage.engine, stage.defaults, key, value)
                 if why is not None:
                     raise bad("size", f"size: {why}")
-        inputs, summary = admission.inputs(self.api.config, {admission.prompt_key(self.api.config, p): prompt}, p)
+        inputs, summary = admission.inputs(self.api.config, {admission.prompt_key(self.api.config, p): asked.prompt}, p)
         job = self.jobs.submit(request, p, inputs, params, summary)
         try:
             async for _ in follow(request, self.api.scheduler, job.id):
@@ -231,7 +206,7 @@ class OpenAiApi:
             if not images:
                 raise OpenAiError(500, f"job {job.id} of {p.name!r} produced no image "
                                   f"(its outputs: {', '.join(o['name'] for o in record.outputs) or 'none'})",
-                                  code=str(ErrorCode.NO_IMAGE), retry=False)
+                                  code=ErrorCode.NO_IMAGE, retry=False)
             revised_out = pick(record.outputs, "text", "prompt", None)
             revised = (await read_output(self.api.store, record, revised_out)).decode("utf-8", "replace") \
                 if revised_out else None

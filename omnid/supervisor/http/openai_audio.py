@@ -23,40 +23,17 @@ from omnid.supervisor.errors import Refused
 from omnid.supervisor.http import admission
 from omnid.supervisor.http.http_common import follow, output_file, sse_response, sse_send, stream_output
 from omnid.supervisor.http.live_audio import WAV_HEADER_BYTES, LiveAudio, wav_bytes
-from omnid.supervisor.http.openai_errors import OpenAiError, bad, error_event
+from omnid.supervisor.http.openai_errors import OpenAiError, error_event
 from omnid.supervisor.http.openai_jobs import (CONTENT_TYPE_KEY, WAIT_KEY, Generation, OpenAiJobs, Opening, generation,
                                                read_output, succeeded, usage)
 from omnid.supervisor.http.openai_models import pipeline_for
+from omnid.supervisor.http.openai_protocol import SpeechRequest
 from omnid.supervisor.http.openai_requests import read_body
 from omnid.vocabulary import ErrorCode, JobRecord, JobState
 
 log = structlog.get_logger("omnid.openai")
 
-AUDIO_FORMATS = ("wav", "pcm16")
-SPEECH_FORMATS = ("wav", "pcm")
 AUDIO_EXPIRES_S = 3600          # how long a chat's audio id is said to be good (the job's files may outlive it)
-
-
-def audio_request(body: dict[str, Any]) -> str | None:
-    """A chat's `modalities` and `audio`: None for a text answer, else the audio format asked
-    ("wav" or "pcm16"). OpenAI's rule: `audio` is required with the "audio" modality."""
-    modalities = body.get("modalities")
-    if modalities is not None and (not isinstance(modalities, list)
-                                   or any(m not in ("text", "audio") for m in modalities)):
-        raise bad("modalities", "modalities must be a list of \"text\" and \"audio\"")
-    wants = modalities is not None and "audio" in modalities
-    audio = body.get("audio")
-    if not wants:
-        if audio is not None:
-            raise bad("audio", "audio is for modalities [\"text\", \"audio\"]")
-        return None
-    if not isinstance(audio, dict) or not isinstance(audio.get("voice"), (str, dict)):
-        raise bad("audio", "modalities [\"text\", \"audio\"] need audio: {\"voice\": ..., \"format\": \"wav\"}")
-    fmt = audio.get("format")
-    if fmt not in AUDIO_FORMATS:
-        raise bad("audio.format", f"audio.format must be one of {', '.join(AUDIO_FORMATS)} (omnid writes PCM; "
-                  f"mp3, opus, flac and aac are not supported), not {fmt!r}")
-    return str(fmt)
 
 
 def _audio_name(store: JobStore, p: PipelineConfig) -> str:
@@ -97,7 +74,7 @@ class OpenAiAudio:
             out = next((o for o in record.outputs if o["kind"] == "audio"), None)
             if out is None:
                 raise OpenAiError(500, f"job {job.id} of model {p.name!r} ended with no audio output",
-                                  code=str(ErrorCode.INTERNAL_ERROR))
+                                  code=ErrorCode.INTERNAL_ERROR)
             data = wav_bytes(await read_output(self.api.store, record, out))
             if fmt == "pcm16":
                 data = data[WAV_HEADER_BYTES:]
@@ -144,19 +121,9 @@ class OpenAiAudio:
 
     async def speech(self, request: web.Request) -> web.StreamResponse:
         body = await read_body(request)
+        asked = SpeechRequest.parse(body)
         p = pipeline_for(self.api.config, self.api.store, body, "audio")
-        text = body.get("input")
-        if not isinstance(text, str) or not text:
-            raise bad("input", "input must be a non-empty string")
-        fmt = body.get("response_format") or "wav"
-        if fmt not in SPEECH_FORMATS:
-            raise bad("response_format", f"response_format must be one of {', '.join(SPEECH_FORMATS)} (omnid writes "
-                      f"PCM: mp3, opus, aac and flac are not supported), not {fmt!r}")
-        sse = body.get("stream_format") == "sse"
-        if body.get("stream_format") not in (None, "audio", "sse"):
-            raise bad("stream_format", "stream_format must be \"audio\" (the bytes, as they come) or \"sse\" "
-                      "(speech.audio.delta events)")
-        voice = body.get("voice")
+        text, fmt, sse, voice = asked.input, asked.response_format or "wav", asked.stream_format == "sse", asked.voice
         params: dict[str, dict[str, Any]] = {}
         for s in p.sinks:        # `voice` goes to a last stage that declares it in its defaults
             if voice is not None and "voice" in self.api.config.stages[s].defaults:

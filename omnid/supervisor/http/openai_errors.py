@@ -14,8 +14,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from omnid.supervisor.errors import Refused
-from omnid.supervisor.http.api import retry_after
+from omnid.supervisor.errors import Refused, retry_after
 
 log = structlog.get_logger("omnid.openai")
 

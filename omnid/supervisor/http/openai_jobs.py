@@ -91,7 +91,7 @@ def generation(config: Config, p: PipelineConfig) -> Generation:
     """A text job's answer so far: its text stage's segments, its token stage's counts."""
     text = admission.text_stage(config, p)
     if text is None:
-        raise bad("model", f"model {p.name!r} does not end in text", str(ErrorCode.MODEL_NOT_SUPPORTED))
+        raise bad("model", f"model {p.name!r} does not end in text", ErrorCode.MODEL_NOT_SUPPORTED)
     return Generation(text, admission.token_stage(config, p))
 
 
@@ -130,13 +130,12 @@ def succeeded(scheduler: Scheduler, job_id: str) -> JobRecord:
         raise OpenAiError(500, f"job {job_id} was deleted before it was answered", code="unknown_job",
                           retry=False)
     if record.state is not JobState.SUCCEEDED:
-        err = record.error or {}
-        if err.get("code") == ErrorCode.INPUT_REJECTED:     # the request's fault, found by the engine
-            raise OpenAiError(400, f"the model refused the request: {err.get('message') or 'no reason given'}",
-                              code=str(ErrorCode.INPUT_REJECTED), retry=False)
-        raise OpenAiError(504 if record.state is JobState.TIMED_OUT else 500,
-                          f"job {job_id} {record.state}: {err.get('message') or 'no reason given'}",
-                          code=str(err.get("code") or record.state), retry=False)
+        err = record.error
+        why = (err.message if err else "") or "no reason given"
+        if err is not None and err.code is ErrorCode.INPUT_REJECTED:     # the request's fault, found by the engine
+            raise OpenAiError(400, f"the model refused the request: {why}", code=str(err.code), retry=False)
+        raise OpenAiError(504 if record.state is JobState.TIMED_OUT else 500, f"job {job_id} {record.state}: {why}",
+                          code=str(err.code if err else record.state), retry=False)
     return record
 
 
@@ -147,7 +146,7 @@ async def read_output(store: JobStore, record: JobRecord, out: dict[str, Any]) -
         return await asyncio.get_running_loop().run_in_executor(None, path.read_bytes)
     except FileNotFoundError:
         raise OpenAiError(410, f"output {out['name']!r} of job {record.id} is no longer on disk",
-                          code=str(ErrorCode.OUTPUT_GONE)) from None
+                          code=ErrorCode.OUTPUT_GONE) from None
 
 
 class Opening:

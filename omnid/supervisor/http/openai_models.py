@@ -46,11 +46,11 @@ def find_pipeline(config: Config, name: Any) -> PipelineConfig:
         known = pipeline_adapters(config, p) if p is not None else []
         if p is not None and adapter not in known:
             raise OpenAiError(404, f"The model `{name}` does not exist: pipeline {base!r} has no adapter {adapter!r} "
-                              f"(its adapters: {', '.join(known) or 'none'})", "model", str(ErrorCode.MODEL_NOT_FOUND))
+                              f"(its adapters: {', '.join(known) or 'none'})", "model", ErrorCode.MODEL_NOT_FOUND)
     if p is None:
         raise OpenAiError(404, f"The model `{name}` does not exist (the pipelines: "
                           f"{', '.join(sorted(config.pipelines))})", "model",
-                          str(ErrorCode.MODEL_NOT_FOUND))
+                          ErrorCode.MODEL_NOT_FOUND)
     return p
 
 
@@ -63,7 +63,7 @@ def pipeline_for(config: Config, store: JobStore, body: dict[str, Any], *kinds: 
         if produces is not None and kind not in produces:
             raise bad("model", f"model {p.name!r} produces {', '.join(produces) or 'nothing'}, not {kind}; "
                       f"{ENDPOINTS[kind][0]} needs a pipeline that ends in {kind}",
-                      str(ErrorCode.MODEL_NOT_SUPPORTED))
+                      ErrorCode.MODEL_NOT_SUPPORTED)
     return p
 
 

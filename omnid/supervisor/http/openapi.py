@@ -20,11 +20,11 @@ from typing import Any
 from aiohttp import web
 
 from omnid.config import Config, PipelineConfig, StageConfig
-from omnid.engines.capabilities import capabilities, describe_stage_params, engines_that, param_schema
+from omnid.engines.capabilities import capabilities, describe_stage_params
 from omnid.media import IMAGE_FORMATS
-from omnid.lora import describe as describe_lora, pipeline_adapters
-from omnid.supervisor.http.openapi_schemas import (BOOL, INT, LORA, PRIORITY, STR, enum, name_adapters, obj,
-                                                   openai_schemas, ref, schemas)
+from omnid.lora import describe as describe_lora
+from omnid.supervisor.http.openapi_schemas import (INT, LORA, STR, enum, name_adapters, obj,
+                                                   openai_request_schemas, openai_schemas, ref, schemas)
 from omnid.supervisor.workers.stage_logs import SINCE_PATTERN
 from omnid.vocabulary import ErrorCode, JobState
 
@@ -256,20 +256,12 @@ def _with_resource_refusals(method: str, path: str, op: dict[str, Any]) -> dict[
 
 
 # ------------------------------------------------------------------ the OpenAI-compatible paths and the keys
-# Their bodies as openai_api.py checks them (a field it refuses is described by what it takes); their
-# errors in OpenAI's shape. What they answer is OpenAI's own schema (tests validate it against OpenAI's
-# published document); here it is described by its main fields.
+# Their bodies are described by the models that check them (openai_protocol.py: a field refused is
+# described by what it takes; the component schemas are openapi_schemas.py's); their errors in OpenAI's
+# shape. What they answer is OpenAI's own schema (tests validate it against OpenAI's published
+# document); here it is described by its main fields.
 
 _OPENAI_ERROR = {"$ref": "#/components/responses/OpenAIError"}
-_NULL = {"type": "null"}
-_ROLES = ("system", "developer", "user", "assistant", "tool")
-_SAMPLING = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
-             "frequency_penalty", "top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos")
-
-
-def _maybe(schema: dict[str, Any]) -> dict[str, Any]:
-    """A field the server takes as absent when it is null."""
-    return {"anyOf": [schema, _NULL]}
 
 
 def _openai_op(summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -278,81 +270,6 @@ def _openai_op(summary: str, responses: dict[str, Any], **extra: Any) -> dict[st
 
 def _body(schema: dict[str, Any]) -> dict[str, Any]:
     return {"required": True, "content": {"application/json": {"schema": schema}}}
-
-
-def _models(config: Config, kind: str) -> dict[str, Any]:
-    """`model`: the pipelines whose last stages' engines may give this kind of answer."""
-    names = [name for p in config.pipelines.values()
-             if any(capabilities(config.stages[s].engine).may_answer(kind) for s in p.sinks)
-             for name in (p.name, *(f"{p.name}:{a}" for a in pipeline_adapters(config, p)))]
-    return {"type": "string", "enum": names} if names else {"type": "string",
-                                                              "description": "no pipeline here gives this answer"}
-
-
-def _sampling_fields() -> dict[str, Any]:
-    sampler = engines_that(lambda e: e.sampling)[0]      # (the engine whose params the sampling fields set)
-    fields = {}
-    for name in _SAMPLING:
-        key = "max_tokens" if name == "max_completion_tokens" else name
-        fields[name] = _maybe(param_schema(sampler, key))
-    return fields
-
-
-def _chat_request(config: Config) -> dict[str, Any]:
-    text_part = obj({"type": {"const": "text"}, "text": STR}, ["type", "text"])
-    content = {"anyOf": [STR, {"type": "array", "items": text_part}]}
-    message = {"anyOf": [
-        obj({"role": {"enum": list(_ROLES)}, "content": content}, ["role", "content"]),
-        obj({"role": {"const": "assistant"}, "content": _NULL}, ["role"]),
-    ]}
-    empty_list = {"type": "array", "maxItems": 0}
-    return obj({
-        "model": _models(config, "text"),
-        "messages": {"type": "array", "items": message, "minItems": 1},
-        "n": _maybe({"const": 1}), "stream": _maybe(BOOL),
-        "stream_options": _maybe(obj({"include_usage": _maybe(BOOL)})),
-        **_sampling_fields(), "priority": _maybe(PRIORITY),
-        "tools": _maybe(empty_list), "functions": _maybe(empty_list), "function_call": _maybe({"const": "none"}),
-        "tool_choice": _maybe(enum(("none", "auto"))), "logprobs": _maybe({"const": False}),
-        "top_logprobs": _NULL, "logit_bias": _maybe({"type": "object", "maxProperties": 0}),
-        "response_format": _maybe(obj({"type": {"const": "text"}}, ["type"])),
-        "modalities": _maybe({"type": "array", "items": enum(("text", "audio"))}),
-        "audio": _maybe(obj({"voice": {"anyOf": [STR, {"type": "object"}]},
-                             "format": enum(("wav", "pcm16"))}, ["voice", "format"])),
-    }, ["model", "messages"]) | {"description": "stream_options only with stream: true; audio with modalities "
-                                 "[\"text\", \"audio\"] (and only then), on a pipeline that ends in audio"}
-
-
-def _completion_request(config: Config) -> dict[str, Any]:
-    return obj({
-        "model": _models(config, "text"),
-        "prompt": {"anyOf": [STR, {"type": "array", "items": STR, "minItems": 1, "maxItems": 1}]},
-        "n": _maybe({"const": 1}), "stream": _maybe(BOOL),
-        "stream_options": _maybe(obj({"include_usage": _maybe(BOOL)})),
-        "echo": _maybe(BOOL), "suffix": _NULL, "logprobs": _NULL, "best_of": _maybe({"const": 1}),
-        **_sampling_fields(),
-    }, ["model", "prompt"]) | {"description": "stream_options only with stream: true"}
-
-
-def _image_request(config: Config) -> dict[str, Any]:
-    sides = "|".join(str(n) for n in range(8, 4097, 8))     # the diffusers rule: 8 to 4096, multiples of 8
-    drawn = any(capabilities(st.engine).image_size for st in config.stages.values())
-    size = {"anyOf": [{"const": "auto"}, {"type": "string", "pattern": f"^(?:{sides})x(?:{sides})$"}]} if drawn \
-        else {"const": "auto"}
-    return obj({
-        "model": _models(config, "image"), "prompt": {"type": "string", "minLength": 1},
-        "n": _maybe({"const": 1}), "size": _maybe(size), "response_format": _maybe({"const": "b64_json"}),
-        "output_format": _maybe({"const": "png"}), "priority": _maybe(PRIORITY),
-    }, ["model", "prompt"])
-
-
-def _speech_request(config: Config) -> dict[str, Any]:
-    return obj({
-        "model": _models(config, "audio"), "input": {"type": "string", "minLength": 1},
-        "voice": {"description": "given to a last stage that has `voice` in its defaults"},
-        "response_format": _maybe(enum(("wav", "pcm"))), "stream_format": _maybe(enum(("audio", "sse"))),
-        "priority": _maybe(PRIORITY),
-    }, ["model", "input"])
 
 
 def config_operations(config: Config) -> dict[tuple[str, str], dict[str, Any]]:
@@ -376,21 +293,21 @@ def config_operations(config: Config) -> dict[tuple[str, str], dict[str, Any]]:
         ("POST", "/v1/chat/completions"): _openai_op(
             "A chat, answered by a text-ending pipeline (one job)", {"200": {"description": "a chat.completion, "
                                                                              "or its chunks", "content": json_or_sse}},
-            requestBody=_body(_chat_request(config))),
+            requestBody=_body(ref("ChatCompletionRequest"))),
         ("POST", "/v1/completions"): _openai_op(
             "A completion, answered by a text-ending pipeline (one job)",
             {"200": {"description": "a text_completion, or its chunks", "content": json_or_sse}},
-            requestBody=_body(_completion_request(config))),
+            requestBody=_body(ref("CompletionRequest"))),
         ("POST", "/v1/images/generations"): _openai_op(
             "An image, drawn by an image-ending pipeline (one job)",
             {"200": _json(obj({"created": INT, "data": {"type": "array", "items": obj(
                 {"b64_json": STR, "revised_prompt": STR}, ["b64_json"])}}, ["created", "data"]), "the image")},
-            requestBody=_body(_image_request(config))),
+            requestBody=_body(ref("ImageRequest"))),
         ("POST", "/v1/audio/speech"): _openai_op(
             "Speech, by an audio-ending pipeline (one job), streamed as it is produced",
             {"200": {"description": "a WAV file, sent as it is produced",
                      "content": {"audio/wav": {"schema": {"type": "string", "format": "binary"}}}}},
-            requestBody=_body(_speech_request(config))),
+            requestBody=_body(ref("SpeechRequest"))),
         ("GET", "/v1/realtime"): _openai_op(
             "OpenAI's Realtime API: a WebSocket session holding a conversation with a pipeline (each response "
             "one job)",
@@ -452,7 +369,7 @@ def openapi_document(app: web.Application, config: Config, version: str) -> dict
         "servers": [{"url": "http://omnid", "description": "the daemon's Unix socket (curl --unix-socket PATH)"}],
         "paths": paths,
         "components": {
-            "schemas": {**schemas(config), **openai_schemas()},
+            "schemas": {**schemas(config), **openai_schemas(), **openai_request_schemas(config)},
             "responses": {"Error": _json(ref("Error"), "refused: {\"error\": {\"code\", \"message\"}}"),
                           "OpenAIError": _json(ref("OpenAIError"), "refused, in OpenAI's shape: {\"error\": "
                                                "{\"message\", \"type\", \"param\", \"code\"}}"),

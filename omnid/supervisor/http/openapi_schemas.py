@@ -1,6 +1,7 @@
 """The OpenAPI document's component schemas: every document the API answers (a job, its events,
 a pipeline and its description, a stage, health and readiness, the keys, the OpenAI paths' models and
-errors), the job request with each pipeline's inputs and each stage's params, and the small JSON
+errors), the job request with each pipeline's inputs and each stage's params, the OpenAI paths'
+request bodies (generated from the models that check them: openai_protocol.py), and the small JSON
 Schema builders they are written with.
 
 Pure functions of the config, called by openapi.py as it builds `GET /v1/openapi.json` (in the
@@ -11,13 +12,19 @@ the description cannot drift from the behaviour.
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from pydantic.json_schema import models_json_schema
+
 from omnid.config import Config, StageConfig
 from omnid.engines.capabilities import CAPABILITIES, capabilities, stage_params_schema
+from omnid.lora import pipeline_adapters
 from omnid.media import MEDIA_KINDS
 from omnid.params import PLAIN_VALUE_SCHEMA
+from omnid.supervisor.http.openai_protocol import PRIORITY_SCHEMA, REQUESTS
 from omnid.vocabulary import JOB_LINKS, ErrorCode, EventType, JobState, StageRunState, WorkerState
 
 
@@ -60,10 +67,7 @@ _INPUT_VALUE = {"anyOf": [PLAIN_VALUE_SCHEMA, _FILE_INPUT, _SAMPLES_INPUT,
 
 
 # A job's priority (omnid/fair_queue.py): lower runs earlier; 0 by default; past the owner's max_priority: 403
-PRIORITY = {"type": "integer", "minimum": -1_000_000, "maximum": 1_000_000,
-            "description": "lower runs earlier (0 by default, as in vLLM); more urgent than the owner's "
-                           "max_priority (daemon.owners; 0 unless configured, root on the socket: any): 403 "
-                           "priority_not_allowed"}
+PRIORITY = PRIORITY_SCHEMA
 # Where a queued job waits, per stage (GET /v1/jobs/{id}; omnictl status JOB)
 QUEUE_PLACE = {"type": "object", "description": "a queued job's place in each stage's queue that holds it (or "
                "whose feeder does): position 1 is next; ahead, by priority; running there now",
@@ -267,7 +271,7 @@ def schemas(config: Config) -> dict[str, Any]:
                       "lazy": {"type": "array", "items": STR,
                                "description": "python stages with `lazy = true`: ready before their function "
                                                "has loaded what it needs (it does so on its first job)"},
-                      "reasons": {"type": "array", "items": {"enum": [str(ErrorCode.DISK_FULL)]},
+                      "reasons": {"type": "array", "items": {"enum": [ErrorCode.DISK_FULL]},
                                   "description": "why not ready besides the stages: disk_full"},
                       "disk": obj({"full": BOOL, "reason": {"type": ["string", "null"]}, "free_mb": INT,
                                    "min_free_mb": INT, "free_inodes": {"type": ["integer", "null"]},
@@ -310,3 +314,33 @@ def openai_schemas() -> dict[str, Any]:
                                                                     "default)"},
         "Reloaded": obj({"status": STR, "reloaded": BOOL}, ["status", "reloaded"]),
     }
+
+
+def answer_models(config: Config, kind: str) -> dict[str, Any]:
+    """`model`: the pipelines whose last stages' engines may give this kind of answer (and their adapters)."""
+    names = [name for p in config.pipelines.values()
+             if any(capabilities(config.stages[s].engine).may_answer(kind) for s in p.sinks)
+             for name in (p.name, *(f"{p.name}:{a}" for a in pipeline_adapters(config, p)))]
+    return {"type": "string", "enum": names} if names else {"type": "string",
+                                                              "description": "no pipeline here gives this answer"}
+
+
+@functools.cache
+def _request_schemas() -> dict[str, Any]:
+    _, found = models_json_schema([(model, "validation") for model in REQUESTS.values()],
+                                  ref_template="#/components/schemas/{model}")
+    return dict(found["$defs"])
+
+
+def openai_request_schemas(config: Config) -> dict[str, Any]:
+    """The OpenAI paths' request bodies (and the parts they are made of), as their models describe
+    them (openai_protocol.py); `model` names the config's pipelines that give the answer."""
+    found = copy.deepcopy(_request_schemas())
+    for name, model in REQUESTS.items():
+        found[name]["properties"]["model"] = answer_models(config, model.ANSWER)
+    sides = "|".join(str(n) for n in range(8, 4097, 8))     # the diffusers rule: 8 to 4096, multiples of 8
+    drawn = any(capabilities(st.engine).image_size for st in config.stages.values())
+    size = {"anyOf": [{"const": "auto"}, {"type": "string", "pattern": f"^(?:{sides})x(?:{sides})$"}]} if drawn \
+        else {"const": "auto"}
+    found["ImageRequest"]["properties"]["size"] = nullable(size)
+    return found

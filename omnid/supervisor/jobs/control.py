@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from omnid.store import JobStore
 from omnid.supervisor.jobs.live_job import LiveJob
-from omnid.vocabulary import JobState
+from omnid.vocabulary import JobError, JobState
 
 if TYPE_CHECKING:
     from omnid.config import Config
@@ -30,7 +30,7 @@ class JobControl(Protocol):
     stages: Mapping[str, StageGroup]
     store: JobStore
 
-    def finish(self, job: LiveJob, state: JobState, error: dict[str, Any] | None = None) -> None:
+    def finish(self, job: LiveJob, state: JobState, error: JobError | None = None) -> None:
         """Move a live job to a terminal state (once), stop its work, clean every worker."""
 
     def rank(self, job: LiveJob) -> None:

@@ -26,7 +26,7 @@ import structlog
 from omnid import protocol as P
 from omnid.supervisor.jobs.control import EndControl
 from omnid.supervisor.jobs.live_job import LiveJob
-from omnid.vocabulary import EventType, JobRecord, JobState, StageRunState
+from omnid.vocabulary import ErrorCode, EventType, JobError, JobRecord, JobState, StageRunState
 
 log = structlog.get_logger("omnid.scheduler")
 
@@ -49,7 +49,7 @@ class Ending:
         """Start the job's deadline: its `timeout_s` from now."""
         job.timer = self._jobs.loop.call_later(job.record.timeout_s, self._timed_out, job.id)
 
-    def finish(self, job: LiveJob, state: JobState, error: dict[str, Any] | None = None) -> None:
+    def finish(self, job: LiveJob, state: JobState, error: JobError | None = None) -> None:
         """Move a live job to a terminal state (once), stop its work, clean every worker."""
         jobs = self._jobs
         if job.id not in jobs.live_jobs:
@@ -71,7 +71,7 @@ class Ending:
         jobs.store.save(record)
         fields: dict[str, Any] = {"state": str(state)}
         if error:
-            fields["error"] = error
+            fields["error"] = error.to_doc()
         job.events.emit(EventType.STATE, **fields)
         job.events.close()
         for name in job.pipeline.stages:
@@ -96,7 +96,7 @@ class Ending:
             if state is JobState.SUCCEEDED and job.audio_s > 0:
                 metrics.real_time_factor(job.pipeline.name, (now - record.created_at) / job.audio_s)
         log.info("job finished", job=job.id, pipeline=job.pipeline.name, state=str(state),
-                 error=error["message"] if error else None)
+                 error=error.message if error else None)
 
     def _write_manifest(self, record: JobRecord) -> None:
         folder = self._jobs.store.job_dir(record.id)
@@ -139,7 +139,7 @@ class Ending:
         else:
             message = f"timed out after {job.record.timeout_s:g} s" + \
                 (f" while {where[1]} stage {where[0]!r}" if where else "")
-        self.finish(job, reason, {"code": str(reason), "stage": where[0] if where else None, "message": message})
+        self.finish(job, reason, JobError(ErrorCode(str(reason)), message, where[0] if where else None))
         return job.record
 
     @staticmethod

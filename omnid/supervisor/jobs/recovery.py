@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from omnid import protocol as P
 from omnid.supervisor.jobs.control import JobControl
 from omnid.supervisor.jobs.live_job import LiveJob
-from omnid.vocabulary import ErrorCode, EventType, JobState, StageRunState, WorkerState
+from omnid.vocabulary import ErrorCode, EventType, JobError, JobState, StageRunState, WorkerState
 
 if TYPE_CHECKING:
     from omnid.supervisor.jobs.dispatch import Dispatch
@@ -87,23 +87,21 @@ class Recovery:
                 # them: it cannot be resent, nor retried without a cross-stage reset.
                 run.set_state(StageRunState.FAILED, now)
                 msg = f"stage {name!r} {reason} while streaming this job (a streamed job is not retried)"
-                job.events.emit(EventType.ERROR, stage=name, code=str(ErrorCode.WORKER_DIED), message=msg)
-                self._jobs.finish(job, JobState.FAILED,
-                                  {"code": str(ErrorCode.WORKER_DIED), "message": msg, "stage": name})
+                job.events.emit(EventType.ERROR, stage=name, code=ErrorCode.WORKER_DIED, message=msg)
+                self._jobs.finish(job, JobState.FAILED, JobError(ErrorCode.WORKER_DIED, msg, name))
             elif run.state is StageRunState.RUNNING:
                 if job.attempts < job.pipeline.retries:
                     job.attempts += 1
                     self._jobs.store.keep_inputs(job.id, job.inputs, job.attempts)
-                    job.events.emit(EventType.ERROR, stage=name, code=str(ErrorCode.WORKER_DIED),
+                    job.events.emit(EventType.ERROR, stage=name, code=ErrorCode.WORKER_DIED,
                                     message=f"stage {name!r} {reason}; retrying (attempt {job.attempts + 1})")
                     run.set_state(StageRunState.QUEUED, now)
                     self._later(job, name)
                 else:
                     run.set_state(StageRunState.FAILED, now)
                     msg = f"stage {name!r} {reason} while running this job"
-                    job.events.emit(EventType.ERROR, stage=name, code=str(ErrorCode.WORKER_DIED), message=msg)
-                    self._jobs.finish(job, JobState.FAILED,
-                                      {"code": str(ErrorCode.WORKER_DIED), "message": msg, "stage": name})
+                    job.events.emit(EventType.ERROR, stage=name, code=ErrorCode.WORKER_DIED, message=msg)
+                    self._jobs.finish(job, JobState.FAILED, JobError(ErrorCode.WORKER_DIED, msg, name))
             elif run.state is StageRunState.QUEUED or undelivered:
                 run.set_state(StageRunState.QUEUED, now)
                 self._later(job, name)
@@ -172,5 +170,4 @@ class Recovery:
         for job in list(self._jobs.live_jobs.values()):
             if name in job.record.stages:
                 msg = f"stage {name!r} has failed: {error}"
-                self._jobs.finish(job, JobState.FAILED,
-                                  {"code": str(ErrorCode.STAGE_FAILED), "message": msg, "stage": name})
+                self._jobs.finish(job, JobState.FAILED, JobError(ErrorCode.STAGE_FAILED, msg, name))

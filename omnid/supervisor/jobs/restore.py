@@ -22,7 +22,7 @@ from omnid.store import Unfinished
 from omnid.supervisor.jobs.control import JobControl
 from omnid.supervisor.jobs.dispatch import Dispatch
 from omnid.supervisor.jobs.live_job import LiveJob
-from omnid.vocabulary import ErrorCode, EventType, JobState, StageRun
+from omnid.vocabulary import ErrorCode, EventType, JobError, JobState, StageRun
 
 log = structlog.get_logger("omnid.scheduler")
 
@@ -50,7 +50,7 @@ def take_back(jobs: JobControl, dispatch: Dispatch, pipelines: Mapping[str, Pipe
             problem = ("the daemon was interrupted while this job was running"
                        + (f" (retries = {pipeline.retries}, all used)" if pipeline.retries else ""))
         if problem is not None or pipeline is None:
-            jobs.finish(job, JobState.FAILED, {"code": str(ErrorCode.DAEMON_RESTARTED), "message": problem})
+            jobs.finish(job, JobState.FAILED, JobError(ErrorCode.DAEMON_RESTARTED, str(problem)))
             continue
         record.stages = {s: StageRun() for s in pipeline.stages}
         jobs.rank(job)                  # its priority kept, its fair-share tag given again, oldest first
@@ -58,7 +58,7 @@ def take_back(jobs: JobControl, dispatch: Dispatch, pipelines: Mapping[str, Pipe
         if was_running:
             job.attempts += 1
             jobs.store.keep_inputs(job.id, job.inputs, job.attempts)
-            job.events.emit(EventType.ERROR, code=str(ErrorCode.DAEMON_RESTARTED),
+            job.events.emit(EventType.ERROR, code=ErrorCode.DAEMON_RESTARTED,
                             message=f"the daemon was interrupted; running the job again "
                                     f"(attempt {job.attempts + 1})")
         jobs.store.save(record)

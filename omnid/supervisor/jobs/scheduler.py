@@ -50,7 +50,7 @@ from omnid.supervisor.workers.stage_group import StageGroup
 from omnid.supervisor.jobs.stage_sleep import SleepTender
 from omnid.supervisor.jobs.streams import Gate
 from omnid.supervisor.jobs.submission import Submission
-from omnid.vocabulary import ErrorCode, EventType, JobRecord, JobState, StageRun, StageRunState, WorkerState
+from omnid.vocabulary import ErrorCode, EventType, JobError, JobRecord, JobState, StageRun, StageRunState, WorkerState
 
 if TYPE_CHECKING:
     from omnid.tracing import Tracing
@@ -467,20 +467,19 @@ class Scheduler:
     def on_failed_job(self, job: LiveJob, stage: str, msg: P.Failed) -> None:
         job.stage(stage).set_state(StageRunState.FAILED, time.time())
         job.events.emit(EventType.ERROR, stage=stage, code=str(msg.code), message=msg.error)
-        self.finish(job, JobState.FAILED, {"code": str(msg.code), "message": f"stage {stage!r}: {msg.error}",
-                                           "stage": stage})
+        self.finish(job, JobState.FAILED, JobError(ErrorCode(msg.code), f"stage {stage!r}: {msg.error}", stage))
 
     def on_stopped(self, job: LiveJob, stage: str, msg: P.Stopped) -> None:
         # Only a job that already ended gets here when it was cancelled (it is not live any more).
         # A live one was stopped by its stage on its own (a function that raised Cancelled): it
         # cannot go on without that stage's outputs.
         job.stage(stage).set_state(StageRunState.CANCELLED, time.time())
-        self.finish(job, JobState.FAILED, {"code": str(ErrorCode.STAGE_FAILED), "stage": stage,
-                                           "message": f"stage {stage!r} stopped the job without a cancel"})
+        self.finish(job, JobState.FAILED, JobError(ErrorCode.STAGE_FAILED, f"stage {stage!r} stopped the job "
+                                                   "without a cancel", stage))
 
     # ------------------------------------------------------------------ ending jobs (ending.py)
 
-    def finish(self, job: LiveJob, state: JobState, error: dict[str, Any] | None = None) -> None:
+    def finish(self, job: LiveJob, state: JobState, error: JobError | None = None) -> None:
         """Move a live job to a terminal state (once), stop its work, clean every worker."""
         self.ending.finish(job, state, error)
 

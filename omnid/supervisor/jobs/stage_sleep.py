@@ -17,7 +17,7 @@ from omnid.supervisor.jobs.control import SleepControl
 from omnid.supervisor.jobs.live_job import LiveJob
 from omnid.supervisor.workers.stage import StageHandle
 from omnid.supervisor.workers.stage_group import StageGroup
-from omnid.vocabulary import ErrorCode, EventType, JobState
+from omnid.vocabulary import ErrorCode, EventType, JobError, JobState
 
 
 class SleepTender:
@@ -65,8 +65,8 @@ class SleepTender:
             job.events.emit(EventType.STAGE_AWAKE, stage=stage, wake_s=group.wake_s)
             return
         why = group.sleep_error or group.last_error or "it could not load"
-        self._jobs.finish(job, JobState.FAILED, {"code": str(ErrorCode.WAKE_FAILED), "stage": stage,
-                                                 "message": f"stage {stage!r} was asleep and could not wake: {why}"})
+        self._jobs.finish(job, JobState.FAILED, JobError(ErrorCode.WAKE_FAILED, f"stage {stage!r} was asleep and "
+                                                         f"could not wake: {why}", stage))
 
     def tend(self) -> None:
         """Once a second: a stage idle for its `idle_unload_s` goes to sleep; a stage with work is not idle."""

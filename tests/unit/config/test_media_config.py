@@ -20,7 +20,8 @@ from omnid.media import MediaLimits
 from omnid.engines.vllm_engine import engine_args
 from omnid.store import _decode_inputs, _encode_inputs
 from omnid.supervisor.http.openai_errors import OpenAiError
-from omnid.supervisor.http.openai_requests import chat_messages
+from omnid.supervisor.http.openai_protocol import ChatCompletionRequest
+from omnid.supervisor.http.openai_requests import chat_messages as messages_of
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -124,6 +125,11 @@ def test_store_keeps_lists_of_files() -> None:
 # ------------------------------------------------------------------ OpenAI content parts
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 8
+
+
+def chat_messages(raw: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[tuple[str, bytes, str]]]:
+    """A chat's messages as the door reads them: the body's model, then its media decoded."""
+    return messages_of(ChatCompletionRequest.parse({"model": "m", "messages": raw}).messages)
 
 
 def data_url(data: bytes, ctype: str = "image/png") -> str:

@@ -9,7 +9,7 @@ import wave
 from pathlib import Path
 
 from omnid.supervisor.http.live_audio import WAV_HEADER_BYTES, LiveAudio, wav_bytes
-from omnid.worker.outputs import STREAM_DIR
+from omnid.paths import STREAM_DIR
 
 
 def streamed_wav(pcm: bytes, rate: int = 24000) -> bytes:

@@ -12,7 +12,7 @@ import pytest
 
 from omnid.supervisor.http.openai_errors import OpenAiError
 from omnid.supervisor.http.openai_jobs import Generation, Opening, pick, succeeded, take, usage
-from omnid.vocabulary import ErrorCode, EventType, JobState
+from omnid.vocabulary import ErrorCode, EventType, JobError, JobState
 
 
 def test_a_text_jobs_events_make_its_answer() -> None:
@@ -46,21 +46,21 @@ def test_the_output_picked_and_the_opening_chunk() -> None:
     assert Opening(None).take() == []
 
 
-def job(state: JobState, error: dict[str, Any] | None = None) -> Any:
+def job(state: JobState, error: JobError | None = None) -> Any:
     return SimpleNamespace(job=lambda _id: SimpleNamespace(id="j1", state=state, error=error))
 
 
 def test_a_job_that_did_not_succeed_is_an_openai_error() -> None:
     assert succeeded(job(JobState.SUCCEEDED), "j1").state is JobState.SUCCEEDED
     cases = [(SimpleNamespace(job=lambda _id: None), 500, "unknown_job"),
-             (job(JobState.FAILED, {"code": ErrorCode.INPUT_REJECTED, "message": "too long"}), 400,
+             (job(JobState.FAILED, JobError(ErrorCode.INPUT_REJECTED, "too long")), 400,
               str(ErrorCode.INPUT_REJECTED)),
              (job(JobState.TIMED_OUT), 504, str(JobState.TIMED_OUT)),
-             (job(JobState.FAILED, {"code": "worker_died", "message": "boom"}), 500, "worker_died")]
+             (job(JobState.FAILED, JobError(ErrorCode.WORKER_DIED, "boom")), 500, "worker_died")]
     for scheduler, status, code in cases:
         with pytest.raises(OpenAiError) as e:
             succeeded(scheduler, "j1")
         assert (e.value.status, e.value.code, e.value.retry) == (status, code, False)
     with pytest.raises(OpenAiError) as e:
-        succeeded(job(JobState.FAILED, {"code": "worker_died", "message": "boom"}), "j1")
+        succeeded(job(JobState.FAILED, JobError(ErrorCode.WORKER_DIED, "boom")), "j1")
     assert e.value.message == "job j1 failed: boom"

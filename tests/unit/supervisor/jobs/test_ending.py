@@ -15,7 +15,7 @@ from omnid import protocol as P
 from omnid.config import PipelineConfig
 from omnid.supervisor.jobs.ending import Ending
 from omnid.supervisor.jobs.live_job import LiveJob
-from omnid.vocabulary import JobRecord, JobState, StageRun, StageRunState
+from omnid.vocabulary import ErrorCode, JobError, JobRecord, JobState, StageRun, StageRunState
 
 
 class Stage:
@@ -88,7 +88,7 @@ def test_a_job_ends_once_and_every_stage_is_told_to_drop_it(tmp_path: Path) -> N
         ending = Ending(jobs, forgotten.append)     # type: ignore[arg-type]
         job = live_job(jobs, "j")
         job.record.stages["a"].set_state(StageRunState.RUNNING, 1.0)
-        ending.finish(job, JobState.FAILED, {"code": "x", "message": "boom"})
+        ending.finish(job, JobState.FAILED, JobError(ErrorCode.STAGE_FAILED, "boom"))
         ending.finish(job, JobState.SUCCEEDED)      # once only
         assert job.record.state is JobState.FAILED and "j" not in jobs.live_jobs
         assert {n: r.state for n, r in job.record.stages.items()} == {"a": StageRunState.CANCELLED,
@@ -98,7 +98,7 @@ def test_a_job_ends_once_and_every_stage_is_told_to_drop_it(tmp_path: Path) -> N
         assert forgotten == ["j"] and jobs.store.dropped == ["j"]
         assert jobs.store.flushed_at == [len(jobs.store.events)]   # committed with its end, before a reader hears it
         assert jobs.store.events[-1] == {**jobs.store.events[-1], "type": "state", "state": "failed",
-                                         "error": {"code": "x", "message": "boom"}}
+                                         "error": {"code": "stage_failed", "message": "boom", "stage": None}}
         assert set(ending.stopping) == {(P.address("a", 0), "j")}      # it was running in a
         ending.stopped(P.address("a", 0), "j")
         assert ending.stopping == {}
@@ -125,7 +125,7 @@ def test_a_worker_that_ignores_its_cancel_is_killed_after_the_grace(tmp_path: Pa
         jobs.stages["a"].running = ("j",)
         assert ending.cancel("j") is job.record
         assert ending.cancel("j") is None            # not live any more
-        assert job.record.error == {"code": "cancelled", "stage": "a", "message": "cancelled by request"}
+        assert job.record.error.to_doc() == {"code": "cancelled", "stage": "a", "message": "cancelled by request"}
         await asyncio.sleep(0.15)
         assert jobs.stages["a"].kills == [("job j did not stop within 0.05 s of its cancel", False)]
         assert ending.stopping == {}
@@ -155,6 +155,6 @@ def test_a_deadline_times_the_job_out_saying_where_it_was(tmp_path: Path) -> Non
         ending.arm(job)
         await asyncio.sleep(0.15)
         assert job.record.state is JobState.TIMED_OUT
-        assert job.record.error == {"code": "timed_out", "stage": "b",
+        assert job.record.error.to_doc() == {"code": "timed_out", "stage": "b",
                                     "message": "timed out after 0.05 s while running in stage 'b'"}
     asyncio.run(main())

@@ -14,7 +14,7 @@ from omnid.config import PipelineConfig
 from omnid.store import Unfinished
 from omnid.supervisor.jobs.live_job import LiveJob
 from omnid.supervisor.jobs.restore import take_back
-from omnid.vocabulary import ErrorCode, JobRecord, JobState, StageRun, StageRunState
+from omnid.vocabulary import ErrorCode, JobError, JobRecord, JobState, StageRun, StageRunState
 
 
 class Store:
@@ -44,7 +44,7 @@ class Jobs:
         self.store: Any = Store()
         self.finished: list[tuple[str, JobState, dict[str, Any] | None]] = []
 
-    def finish(self, job: LiveJob, state: JobState, error: dict[str, Any] | None = None) -> None:
+    def finish(self, job: LiveJob, state: JobState, error: JobError | None = None) -> None:
         self.live_jobs.pop(job.id, None)
         self.finished.append((job.id, state, error))
 
@@ -105,8 +105,8 @@ def test_a_running_job_without_a_retry_left_fails_as_interrupted() -> None:
     assert back == [] and dispatch.fed == [] and jobs.live_jobs == {}
     (r, r_state, r_error), (s, s_state, s_error) = jobs.finished
     assert (r, r_state, s, s_state) == ("r", JobState.FAILED, "s", JobState.FAILED)
-    assert r_error is not None and "(retries = 1, all used)" in r_error["message"]
-    assert s_error is not None and s_error["code"] == str(ErrorCode.DAEMON_RESTARTED)
+    assert r_error is not None and "(retries = 1, all used)" in r_error.message
+    assert s_error is not None and s_error.code is ErrorCode.DAEMON_RESTARTED
 
 
 def test_a_job_whose_pipeline_is_gone_or_whose_inputs_were_not_kept_fails() -> None:
@@ -115,5 +115,5 @@ def test_a_job_whose_pipeline_is_gone_or_whose_inputs_were_not_kept_fails() -> N
     lost = Unfinished(lost.record, None, 0, 0)
     jobs, dispatch, back = restore(gone, lost)
     assert back == [] and dispatch.routed == []
-    messages = {job: error["message"] for job, _, error in jobs.finished if error is not None}
+    messages = {job: error.message for job, _, error in jobs.finished if error is not None}
     assert "without its pipeline 'removed'" in messages["g"] and "submit it again" in messages["l"]

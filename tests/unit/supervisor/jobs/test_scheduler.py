@@ -227,7 +227,7 @@ def test_a_stage_failure_fails_the_job_and_cancels_the_rest(tmp_path: Path) -> N
         h.say("a", P.Failed(job, "boom", code=ErrorCode.STAGE_FAILED))
         record = h.sched.job(job)
         assert record is not None and record.state is JobState.FAILED
-        assert record.error == {"code": "stage_failed", "message": "stage 'a': boom", "stage": "a"}
+        assert record.error.to_doc() == {"code": "stage_failed", "message": "stage 'a': boom", "stage": "a"}
         assert record.stages["a"].state is StageRunState.FAILED
         assert record.stages["b"].state is StageRunState.CANCELLED
         for stage in h.stages.values():
@@ -249,7 +249,7 @@ def test_cancel_is_idempotent_and_kills_a_stage_that_ignores_it(tmp_path: Path) 
         h.stages["a"].running = (stubborn,)
         record = h.sched.job(stubborn)
         assert record is not None and record.state is JobState.CANCELLED
-        assert record.error == {"code": "cancelled", "stage": "a", "message": "cancelled by request"}
+        assert record.error.to_doc() == {"code": "cancelled", "stage": "a", "message": "cancelled by request"}
         assert [m.reason for m in h.stages["a"].sent_of(P.Cancel, stubborn)] == ["cancelled"]
         assert h.stages["a"].kills == []
         await asyncio.sleep(0.35)                                      # cancel_grace_s = 0.2
@@ -282,7 +282,7 @@ def test_a_timeout_says_where_the_job_was(tmp_path: Path) -> None:
         await asyncio.sleep(0.3)
         record = h.sched.job(job)
         assert record is not None and record.state is JobState.TIMED_OUT
-        assert record.error == {"code": "timed_out", "stage": "b",
+        assert record.error.to_doc() == {"code": "timed_out", "stage": "b",
                                 "message": "timed out after 0.1 s while queued for stage 'b'"}
         assert [m.reason for m in h.stages["b"].sent_of(P.Cancel, job)] == ["timed_out"]
     run(tmp_path, CHAIN, test)
@@ -316,7 +316,7 @@ def test_a_worker_death_fails_its_running_job_and_requeues_the_rest(tmp_path: Pa
         h.sched.on_exit(h.stages["a"], "worker (pid 1) was killed by SIGKILL")
         failed = h.sched.job(running)
         assert failed is not None and failed.state is JobState.FAILED
-        assert failed.error == {"code": "worker_died", "stage": "a",
+        assert failed.error.to_doc() == {"code": "worker_died", "stage": "a",
                                 "message": "stage 'a' worker (pid 1) was killed by SIGKILL while running this job"}
         assert h.sched.recovery.resend_after_restart["a.0"] == {queued, done_upstream}
         h.say("a", P.Ready(pid=2, load_s=0.1))                  # back: the lost inputs are asked for again
@@ -370,7 +370,7 @@ def test_a_stage_given_up_fails_every_job_that_needs_it(tmp_path: Path) -> None:
         for job in jobs:
             record = h.sched.job(job)
             assert record is not None and record.state is JobState.FAILED
-            assert record.error == {"code": "stage_failed", "stage": "b",
+            assert record.error.to_doc() == {"code": "stage_failed", "stage": "b",
                                     "message": "stage 'b' has failed: crashed 6 times"}
         assert h.sched.job(other).state is JobState.QUEUED
     run(tmp_path, {"p": {"stages": ["a", "b"]}, "q": {"stages": ["a"]}}, test)
@@ -443,8 +443,8 @@ def test_the_next_start_runs_queued_jobs_in_order_and_reruns_or_fails_running_on
             assert fed == [jobs[0], jobs[2], jobs[3]]                 # in their order
             failed = h.sched.job(jobs[1])
             assert failed is not None and failed.state is JobState.FAILED
-            assert failed.error is not None and failed.error["code"] == "daemon_restarted"
-            assert "interrupted while this job was running" in failed.error["message"]
+            assert failed.error is not None and failed.error.code == "daemon_restarted"
+            assert "interrupted while this job was running" in failed.error.message
             rerun = h.sched.job(jobs[2])
             assert rerun is not None and rerun.state is JobState.RUNNING        # never back to queued
             assert rerun.stages["a"].state is StageRunState.PENDING
@@ -571,7 +571,7 @@ def test_a_dead_replica_touches_only_its_own_jobs(tmp_path: Path) -> None:
         h.sched.on_exit(replica(h, "a", 1), "worker (pid 9) was killed by SIGKILL")
         states = [h.sched.job(j).state for j in jobs]
         assert states == [JobState.RUNNING, JobState.FAILED, JobState.QUEUED, JobState.QUEUED]
-        assert "(replica 1)" in h.sched.job(jobs[1]).error["message"]
+        assert "(replica 1)" in h.sched.job(jobs[1]).error.message
         assert h.sched.recovery.resend_after_restart == {"a.1": {jobs[3]}}
     run(tmp_path, ONE, test, replicas={"a": 2})
 

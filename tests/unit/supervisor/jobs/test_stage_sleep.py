@@ -14,7 +14,7 @@ from typing import Any
 from omnid.config import PipelineConfig, StageConfig
 from omnid.supervisor.jobs.live_job import LiveJob
 from omnid.supervisor.jobs.stage_sleep import SleepTender
-from omnid.vocabulary import ErrorCode, JobRecord, JobState, StageRun, StageRunState, WorkerState
+from omnid.vocabulary import ErrorCode, JobError, JobRecord, JobState, StageRun, StageRunState, WorkerState
 
 
 @dataclass
@@ -81,7 +81,7 @@ class Jobs:
         self.config: Any = type("C", (), {"daemon": type("D", (), {"stop_grace_s": 1.0})()})()
         self.finished: list[tuple[str, JobState, dict[str, Any] | None]] = []
 
-    def finish(self, job: LiveJob, state: JobState, error: dict[str, Any] | None = None) -> None:
+    def finish(self, job: LiveJob, state: JobState, error: JobError | None = None) -> None:
         self.live_jobs.pop(job.id, None)
         self.finished.append((job.id, state, error))
 
@@ -145,6 +145,7 @@ def test_a_job_wakes_its_sleeping_stage_and_fails_when_it_cannot_wake() -> None:
         assert good.woken >= 1 and bad.woken == 1
         assert [(j, s) for j, s, _ in jobs.finished] == [("doomed", JobState.FAILED)]
         error = jobs.finished[0][2]
-        assert error is not None and error["code"] == str(ErrorCode.WAKE_FAILED) and "no GPU" in error["message"]
+        assert error is not None
+        assert error == JobError(ErrorCode.WAKE_FAILED, error.message, "bad") and "no GPU" in error.message
         assert "fine" in jobs.live_jobs
     run(main)
