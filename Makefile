@@ -27,7 +27,7 @@ PYTEST_ARGS ?=
 # the longest files first (tests/conftest.py LONGEST_FIRST). XDIST= runs it in one process.
 XDIST ?= -n 3 --dist loadfile --no-loadscope-reorder
 
-.PHONY: setup models demo typecheck docs test test-fast test-vllm clean schemathesis install uninstall mutants
+.PHONY: setup models demo typecheck lint docs test test-fast test-vllm clean schemathesis install uninstall mutants
 setup: $(VENV)/.omnid-$(ACCEL)
 
 $(VENV)/.omnid-$(ACCEL): pyproject.toml
@@ -96,12 +96,16 @@ demo: setup models
 typecheck: setup
 	$(VENV)/bin/mypy
 
+# ruff: pyflakes and import sorting (pyproject's [tool.ruff]); `ruff check --fix` sorts the imports
+lint: setup
+	$(VENV)/bin/ruff check omnid omnictl tests
+
 # make docs: the documentation site (mkdocs.yml, docs/) into site/. --strict: a broken link, an anchor that
 # is not there or a page left out of the nav fails it. Nothing is fetched. make test builds it first.
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
-test: setup models typecheck docs
+test: setup models typecheck lint docs
 	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup

@@ -19,8 +19,8 @@ from __future__ import annotations
 import base64
 import http.client
 import json
-import mimetypes
 import math
+import mimetypes
 import os
 import re
 import socket
@@ -30,8 +30,17 @@ from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import quote
 
-from omnictl.transport import (JSON, ApiError, ClientError, ConnectionLost, DaemonUnreachable,  # noqa: F401 (re-exported)
-                               EventsIdleTimeout, ProtocolError, Transport, UnixHTTPConnection)
+from omnictl.transport import (  # noqa: F401 (re-exported)
+    JSON,
+    ApiError,
+    ClientError,
+    ConnectionLost,
+    DaemonUnreachable,
+    EventsIdleTimeout,
+    ProtocolError,
+    Transport,
+    UnixHTTPConnection,
+)
 from omnid.vocabulary import TERMINAL_JOB_STATES, JobState
 
 __all__ = [

@@ -34,7 +34,6 @@ from omnictl.cli_base import (
 from omnictl.client import JOB_STATES, TERMINAL_STATES, ApiError, Client, ClientError, file_input
 from omnid.vocabulary import JobState
 
-
 # --- parsing KEY=VALUE arguments ---------------------------------------------------------------
 
 

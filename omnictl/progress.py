@@ -14,7 +14,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-
 MIN_WIDTH = 64       # the bar, "123/1000", "12.3 steps/s" and "0:00:12" fit in this, beside a stage name
 
 

@@ -616,7 +616,7 @@ class EventPrinter:
     def _bar(self, stage: str) -> StepBar:
         bar = self._bars.get(stage)
         if bar is None:
-            from omnictl.progress import StepBar   # rich is loaded only when a bar is drawn
+            from omnictl.progress import StepBar  # rich is loaded only when a bar is drawn
 
             try:
                 columns = os.get_terminal_size(self.stream.fileno()).columns

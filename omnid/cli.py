@@ -45,7 +45,7 @@ def main(ctx: click.Context, config_path: Path | None, check: bool) -> None:
                        else f"  {name}: {pipeline.stages[0]}")
         vllm_stages = [name for name, st in config.stages.items() if st.engine == "vllm"]
         if vllm_stages:
-            from omnid.engines import vllm_compat     # (reads package metadata; imports no vLLM)
+            from omnid.engines import vllm_compat  # (reads package metadata; imports no vLLM)
             click.echo(f"{vllm_compat.describe()} (stages {', '.join(vllm_stages)})")
         sys.exit(0)
     from omnid import logs

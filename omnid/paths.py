@@ -13,7 +13,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-
 # Private by default: the state dir, its job database, the job folders and every output file are
 # the daemon's user's alone (0700/0600, like PostgreSQL's data directory). The API is how a user
 # reads their own jobs (it checks the caller's uid); a group bit here would hand every job to

@@ -41,11 +41,23 @@ _REPO = str(Path(__file__).resolve().parent.parent)
 if sys.path[:1] != [_REPO]:
     sys.path.insert(0, _REPO)
 
-from omnictl.client import (TERMINAL_STATES, Client, ClientError, DaemonUnreachable,
-                            EventsIdleTimeout)
 # The helpers the benchmarks share (tests/omnidtest.py), re-exported: tests import them from here.
-from omnidtest import (EXAMPLES, FIXTURES, MODELS, ROOT, TINY_LLM_ARGS, build_tiny_models,  # noqa: F401
-                       demo_stage, python_stage, stop_process, tiny_llm, tiny_sd, toml_dumps)
+from omnidtest import (  # noqa: F401
+    EXAMPLES,
+    FIXTURES,
+    MODELS,
+    ROOT,
+    TINY_LLM_ARGS,
+    build_tiny_models,
+    demo_stage,
+    python_stage,
+    stop_process,
+    tiny_llm,
+    tiny_sd,
+    toml_dumps,
+)
+
+from omnictl.client import TERMINAL_STATES, Client, ClientError, DaemonUnreachable, EventsIdleTimeout
 
 # Every process this session starts (daemons, workers, engine cores, Ray's nodes, CLIs) inherits
 # this mark in its environment; at the session's end none may be left (`pytest_sessionfinish`).

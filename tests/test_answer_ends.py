@@ -23,9 +23,18 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
-from conftest import (ROOT, RunningDaemon, build_tiny_models, demo_stage, module_daemon, omnictl, openai_on_socket, py_stage,
-                      short_tmpdir, tiny_llm)
+from conftest import (
+    ROOT,
+    RunningDaemon,
+    build_tiny_models,
+    demo_stage,
+    module_daemon,
+    omnictl,
+    openai_on_socket,
+    py_stage,
+    short_tmpdir,
+    tiny_llm,
+)
 
 openai = pytest.importorskip("openai")
 aiohttp = pytest.importorskip("aiohttp")

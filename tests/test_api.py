@@ -18,13 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-
-from omnictl.client import ApiError, Client, UnixHTTPConnection
 from conftest import RunningDaemon, py_stage, report_from_a_child, wait_for, wait_started
 
-
-
-
+from omnictl.client import ApiError, Client, UnixHTTPConnection
 
 NOBODY = 65534
 MAX_BODY = 4096

@@ -22,8 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import (ROOT, RunningDaemon, module_daemon, py_stage, run_on_a_pty, short_tmpdir, sigint_default,
-                      sleeper)
+from conftest import ROOT, RunningDaemon, module_daemon, py_stage, run_on_a_pty, short_tmpdir, sigint_default, sleeper
 
 from omnictl.cli import client_version
 

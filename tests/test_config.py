@@ -18,13 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import FIXTURES, ROOT, edge, toml_dumps
 
 from omnid import config as C
 from omnid.engines.capabilities import stage_accepts
-from conftest import FIXTURES, ROOT, edge, toml_dumps
-
-
-
 
 # ------------------------------------------------------------------------- helpers
 

@@ -14,8 +14,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
-from conftest import RunningDaemon, py_stage, wait_for
 
+from conftest import RunningDaemon, py_stage, wait_for
 
 T = 0.3            # one stage's work in the pipelining test, seconds
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from conftest import RunningDaemon
 
-
 SLOW_IMPORT = '''
 import os, time
 time.sleep(float(os.environ.get("SLOW_IMPORT_S", "1.0")))

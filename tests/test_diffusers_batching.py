@@ -22,9 +22,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from PIL import Image
-
 from conftest import MODELS, RunningDaemon, module_daemon, short_tmpdir, wait_for, wait_started
+from PIL import Image
 
 pytestmark = pytest.mark.engines
 

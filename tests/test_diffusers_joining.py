@@ -23,10 +23,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from PIL import Image
-
 from conftest import MODELS, RunningDaemon, module_daemon, short_tmpdir, wait_for
 from omnidtest import build_tiny_models
+from PIL import Image
 
 pytestmark = pytest.mark.engines
 

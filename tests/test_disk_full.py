@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from omnictl.client import UnixHTTPConnection
 from conftest import FIXTURES, RunningDaemon, omnictl, short_tmpdir, wait_for
 from omnidtest import tmpfs
+
+from omnictl.client import UnixHTTPConnection
 
 DISK_MB = 24
 FLOORS = {"min_free_mb": 4, "min_free_inodes": 64, "ballast_mb": 2, "log_level": "info",

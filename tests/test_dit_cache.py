@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import MODELS, RunningDaemon, module_daemon, short_tmpdir, toml_dumps, wait_for
 
 from omnid import config as C
-from conftest import MODELS, RunningDaemon, module_daemon, short_tmpdir, toml_dumps, wait_for
 
 pytestmark = pytest.mark.engines
 

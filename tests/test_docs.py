@@ -14,9 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from docs_pages import (METRICS_PAGE, OMNICTL_PAGE, OPENAPI_PAGE, REGENERATE, metrics_page, omnictl_page,
-                        openapi_page)
+from docs_pages import METRICS_PAGE, OMNICTL_PAGE, OPENAPI_PAGE, REGENERATE, metrics_page, omnictl_page, openapi_page
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

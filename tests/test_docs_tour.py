@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import MODELS, short_tmpdir, sigint_default
 
 ROOT = Path(__file__).resolve().parents[1]

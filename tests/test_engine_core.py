@@ -21,13 +21,22 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import inject
 import numpy as np
 import psutil
-import inject
 import pytest
-
-from conftest import (MODELS, TERMINAL, TINY_LLM_ARGS, RunningDaemon, close_in, module_daemon, short_tmpdir,
-                      wait_for, wait_gone, watch_descriptors)
+from conftest import (
+    MODELS,
+    TERMINAL,
+    TINY_LLM_ARGS,
+    RunningDaemon,
+    close_in,
+    module_daemon,
+    short_tmpdir,
+    wait_for,
+    wait_gone,
+    watch_descriptors,
+)
 
 pytestmark = pytest.mark.vllm
 

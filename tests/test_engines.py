@@ -17,10 +17,19 @@ from typing import Any
 
 import psutil
 import pytest
+from conftest import (
+    MODELS,
+    RunningDaemon,
+    build_tiny_models,
+    demo_stage,
+    module_daemon,
+    short_tmpdir,
+    sleeper,
+    tiny_llm,
+    tiny_sd,
+)
 
 from omnictl.client import ApiError
-from conftest import (MODELS, RunningDaemon, build_tiny_models, demo_stage, module_daemon, short_tmpdir, sleeper,
-                      tiny_llm, tiny_sd)
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm]
 

@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable
 
 import psutil
-
 from conftest import RunningDaemon, py_stage, tiny_llm, wait_for
 
 

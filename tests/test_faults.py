@@ -14,15 +14,12 @@ import threading
 import time
 from collections.abc import Callable
 
-
 import inject
 import psutil
 import pytest
-
-from omnictl.client import ApiError
 from conftest import RunningDaemon, close_in, py_stage, sleeper, wait_for, wait_gone, wait_started, watch_descriptors
 
-
+from omnictl.client import ApiError
 
 # ------------------------------------------------------------------ a worker killed mid-job
 

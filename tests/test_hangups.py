@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from conftest import MODELS, RunningDaemon, module_daemon, python_stage, short_tmpdir, tiny_llm, wait_for
 
 from omnid.supervisor.http.openai_api import DISCONNECT_POLL_S
-from conftest import MODELS, RunningDaemon, module_daemon, python_stage, short_tmpdir, tiny_llm, wait_for
 
 pytestmark = pytest.mark.vllm
 

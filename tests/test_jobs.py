@@ -14,9 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import RunningDaemon, py_stage, sleeper, wait_for, wait_started
 
 from omnictl.client import ApiError, EventsIdleTimeout
-from conftest import RunningDaemon, py_stage, sleeper, wait_for, wait_started
 
 
 def event_types(d: RunningDaemon, job: str) -> list[str]:

@@ -18,12 +18,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-from omnid.locks import DeviceBusy, DeviceLocks, lock_path, read_holder
 from conftest import ANY_EXIT, RunningDaemon, py_stage
 
-
-
+from omnid.locks import DeviceBusy, DeviceLocks, lock_path, read_holder
 
 # A process that takes the given devices and holds them until its stdin closes.
 HOLDER = r"""

@@ -19,10 +19,20 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import (
+    MODELS,
+    RunningDaemon,
+    build_tiny_models,
+    module_daemon,
+    omnictl,
+    openai_on_socket,
+    short_tmpdir,
+    tiny_llm,
+    tiny_sd,
+    wait_for,
+)
 from PIL import Image
 
-from conftest import (MODELS, RunningDaemon, build_tiny_models, module_daemon, omnictl, openai_on_socket, short_tmpdir,
-                      tiny_llm, tiny_sd, wait_for)
 from omnictl.client import ApiError
 
 # (the daemon starts in the first test: two model loads, slow on a loaded 2-core host)

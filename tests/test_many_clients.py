@@ -20,10 +20,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from omnictl.client import ApiError
-from conftest import (metric, FIXTURES, RunningDaemon, daemon_config, short_tmpdir, sigint_default, stop_and_check,
-                      wait_for, wait_ready)
+from conftest import (
+    FIXTURES,
+    RunningDaemon,
+    daemon_config,
+    metric,
+    short_tmpdir,
+    sigint_default,
+    stop_and_check,
+    wait_for,
+    wait_ready,
+)
 from omnidtest import RefusedStream, open_event_stream
+
+from omnictl.client import ApiError
 
 STREAMS_WANTED = 5000          # what the issue asks this box to hold (when the limit allows)
 

@@ -22,9 +22,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from conftest import (metric, FIXTURES, RunningDaemon, daemon_config, short_tmpdir, sigint_default, stop_and_check,
-                      wait_for, wait_ready)
+from conftest import (
+    FIXTURES,
+    RunningDaemon,
+    daemon_config,
+    metric,
+    short_tmpdir,
+    sigint_default,
+    stop_and_check,
+    wait_for,
+    wait_ready,
+)
 
 
 def res_stage(function: str, **extra: Any) -> dict[str, Any]:

@@ -28,10 +28,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import (
+    MODELS,
+    ROOT,
+    RunningDaemon,
+    build_tiny_models,
+    demo_stage,
+    module_daemon,
+    openai_on_socket,
+    python_stage,
+    short_tmpdir,
+    tiny_llm,
+    tiny_sd,
+)
 
-from conftest import (MODELS, ROOT, RunningDaemon, build_tiny_models, demo_stage, module_daemon, openai_on_socket,
-                      python_stage, short_tmpdir, tiny_llm, tiny_sd)
-from omnictl.client import ApiError, file_input
+from omnictl.client import ApiError
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm]
 

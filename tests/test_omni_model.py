@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
 from conftest import MODELS, RunningDaemon, module_daemon, short_tmpdir
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm]

@@ -22,8 +22,16 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
-from conftest import MODELS, TINY_LLM_ARGS, RunningDaemon, module_daemon, openai_on_socket, short_tmpdir, wait_for, wait_started
+from conftest import (
+    MODELS,
+    TINY_LLM_ARGS,
+    RunningDaemon,
+    module_daemon,
+    openai_on_socket,
+    short_tmpdir,
+    wait_for,
+    wait_started,
+)
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm]
 

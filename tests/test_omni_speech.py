@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-
 from conftest import MODELS
 
 pytestmark = pytest.mark.engines
@@ -341,9 +340,8 @@ def test_the_talker_sessions_class_gives_each_job_its_codes_in_one_batch(model: 
     closing frees the slots."""
     import torch
 
-    from omnid.omni.stages import Talker
-
     from omnid.engines.python_engine import LoadContext
+    from omnid.omni.stages import Talker
 
     stage = Talker(LoadContext("talker", str(OMNI), (), max_inflight=4))
     jobs, expected, inputs = [], [], {}

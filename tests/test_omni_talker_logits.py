@@ -21,7 +21,6 @@ import sys
 from typing import Any
 
 import pytest
-
 from conftest import MODELS
 
 pytestmark = pytest.mark.engines

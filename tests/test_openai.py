@@ -14,9 +14,18 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
-from conftest import (MODELS, RunningDaemon, omnictl, build_tiny_models, chat_draw_speak, module_daemon, openai_on_socket, py_stage,
-                      short_tmpdir, wait_for)
+from conftest import (
+    MODELS,
+    RunningDaemon,
+    build_tiny_models,
+    chat_draw_speak,
+    module_daemon,
+    omnictl,
+    openai_on_socket,
+    py_stage,
+    short_tmpdir,
+    wait_for,
+)
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -110,7 +119,7 @@ def test_completion(client: Any, daemon: RunningDaemon) -> None:
     text = done.choices[0].text
     assert done.object == "text_completion" and text.strip() and not text.startswith("The morning")
     assert done.usage.completion_tokens == 5 and done.choices[0].finish_reason == "length"
-    from tokenizers import Tokenizer        # the stage's tokenizer, read here: the count is the real one
+    from tokenizers import Tokenizer  # the stage's tokenizer, read here: the count is the real one
     ids = Tokenizer.from_file(str(MODELS / "llm" / "tokenizer.json")).encode("The morning was").ids
     assert done.usage.prompt_tokens == len(ids), (done.usage, ids)
     echoed = client.completions.create(model="chat", prompt="The morning was", max_tokens=5, temperature=0,

@@ -10,7 +10,6 @@ SIGKILL and started again on its state (priorities kept with the queue).
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 from collections import Counter
@@ -18,9 +17,19 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-
-from conftest import (RunningDaemon, build_tiny_models, module_daemon, omnictl, py_stage, short_tmpdir, sleeper,
-                      tiny_llm, wait_end, wait_for, wait_started)
+from conftest import (
+    RunningDaemon,
+    build_tiny_models,
+    module_daemon,
+    omnictl,
+    py_stage,
+    short_tmpdir,
+    sleeper,
+    tiny_llm,
+    wait_end,
+    wait_for,
+    wait_started,
+)
 
 httpx = pytest.importorskip("httpx")
 

@@ -23,11 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import py_stage, short_tmpdir
+
 from omnid.store import JobStore
 from omnid.worker.outputs import StreamWriter, stream_file, write_outputs
-
 
 NOBODY = 65534
 

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import FIXTURES, RunningDaemon, daemon_config, module_daemon, short_tmpdir, wait_for, wait_started
 
 

@@ -42,7 +42,6 @@ from typing import Any
 
 import psutil
 import pytest
-
 from conftest import FIXTURES, RunningDaemon, py_stage, wait_for, wait_gone, wait_started
 from raycluster import CLIENT_ENV, RayCluster, start_cluster
 

@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
 from conftest import FIXTURES, MODELS, TINY_LLM_ARGS, RunningDaemon, module_daemon, short_tmpdir, tiny_llm, wait_for
 
 openai = pytest.importorskip("openai")

@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import RunningDaemon, py_stage, sleeper, wait_for, wait_started
 
 from omnictl.client import ApiError
 from omnid.protocol import EXIT_LOAD_FAILED
-from conftest import RunningDaemon, py_stage, sleeper, wait_for, wait_started
 
 FLAKY_LOADER = '''
 import os, time

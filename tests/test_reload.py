@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-
 from conftest import ROOT, RunningDaemon, daemon_config, py_stage, sleeper, wait_for, wait_started
 
 from omnictl.client import ApiError, Client

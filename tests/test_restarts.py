@@ -16,7 +16,6 @@ import signal
 import socket
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from conftest import RunningDaemon, py_stage, short_tmpdir, wait_for, wait_gone, wait_started
 

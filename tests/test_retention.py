@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import RunningDaemon, py_stage, sleeper, wait_for
+
 from omnictl.client import Client
 
 JOBS = int(os.environ.get("OMNID_SOAK_JOBS", "1000"))

@@ -24,7 +24,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from conftest import FIXTURES, RunningDaemon, omnictl, py_stage, sleeper, wait_for
 
 pytest.importorskip("schemathesis")

@@ -13,10 +13,8 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
-
 from conftest import FIXTURES, ROOT, RunningDaemon, module_daemon, short_tmpdir, wait_for
 
 

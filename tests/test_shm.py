@@ -31,7 +31,6 @@ from typing import Any
 
 import psutil
 import pytest
-
 from conftest import FIXTURES, RunningDaemon, wait_for, wait_gone
 
 if str(FIXTURES) not in sys.path:

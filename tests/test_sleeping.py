@@ -17,7 +17,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import RunningDaemon, py_stage, wait_for, wait_gone, wait_started
 from conftest import omnictl as run_omnictl
 

@@ -21,10 +21,6 @@ import psutil
 import pytest
 from conftest import RunningDaemon, py_stage, short_tmpdir, wait_gone
 
-
-
-
-
 TOKEN_VAR = "OMNID_TEST_TOKEN"
 
 

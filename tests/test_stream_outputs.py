@@ -17,12 +17,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import ROOT, RunningDaemon, module_daemon, python_stage, report_from_a_child, run_on_a_pty, short_tmpdir
 
 NOBODY = 65534

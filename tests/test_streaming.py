@@ -23,9 +23,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from conftest import (RunningDaemon, build_tiny_models, check_config, module_daemon, py_stage, short_tmpdir,
-                      tiny_llm, tiny_sd, wait_end, wait_for)
+from conftest import (
+    RunningDaemon,
+    build_tiny_models,
+    check_config,
+    module_daemon,
+    py_stage,
+    short_tmpdir,
+    tiny_llm,
+    tiny_sd,
+    wait_end,
+    wait_for,
+)
 
 Start = Callable[..., RunningDaemon]
 

@@ -10,7 +10,6 @@ wait in a known place (or are refused at once), and the capacity follows the sta
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import signal
@@ -20,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import FIXTURES, RunningDaemon, check_config, module_daemon, short_tmpdir, wait_for
+
 from omnictl.transport import UnixHTTPConnection
 
 SPEAKER = {"engine": "python", "sessions": "speakers:Speaker", "python_path": [str(FIXTURES)], "max_inflight": 8,
@@ -266,7 +265,6 @@ def test_a_client_that_hangs_up_while_waiting_leaves_the_line_at_once(d: Running
 
 def test_the_stream_documents_match_the_openapi_document(d: RunningDaemon) -> None:
     import jsonschema
-
     from test_discovery import check
 
     conn = UnixHTTPConnection(str(d.socket), timeout=30)

@@ -22,13 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import ROOT, daemon_config, py_stage, short_tmpdir
 
 from omnictl.client import Client
 from omnid import systemd
-from conftest import ROOT, daemon_config, py_stage, short_tmpdir
-
-
-
 
 UNITS = ROOT / "systemd"
 VENV_OMNID = Path(sys.executable).parent / "omnid"

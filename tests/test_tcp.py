@@ -26,9 +26,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import (
+    FIXTURES,
+    ROOT,
+    RunningDaemon,
+    build_tiny_models,
+    chat_draw_speak,
+    daemon_config,
+    module_daemon,
+    omnictl,
+    py_stage,
+    short_tmpdir,
+    sleeper,
+    wait_for,
+)
 
-from conftest import (FIXTURES, ROOT, RunningDaemon, build_tiny_models, chat_draw_speak, daemon_config, module_daemon,
-                      omnictl, py_stage, short_tmpdir, sleeper, wait_for)
 from omnictl.client import Client
 from omnid.keys import KeyStore, key_path
 

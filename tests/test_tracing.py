@@ -26,9 +26,22 @@ from typing import Any
 
 import psutil
 import pytest
-
-from conftest import (LOG_TAIL, RunningDaemon, build_tiny_models, daemon_config, omnictl, py_stage, short_tmpdir,
-                      sigint_default, sleeper, stop_and_check, tiny_llm, wait_for, wait_ready, wait_started)
+from conftest import (
+    LOG_TAIL,
+    RunningDaemon,
+    build_tiny_models,
+    daemon_config,
+    omnictl,
+    py_stage,
+    short_tmpdir,
+    sigint_default,
+    sleeper,
+    stop_and_check,
+    tiny_llm,
+    wait_for,
+    wait_ready,
+    wait_started,
+)
 
 httpx = pytest.importorskip("httpx")
 web = pytest.importorskip("aiohttp.web")

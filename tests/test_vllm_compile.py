@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import MODELS, RunningDaemon, module_daemon, short_tmpdir
-from omnid.engines import vllm_compat
 from omnidtest import tmpfs
+
+from omnid.engines import vllm_compat
 
 LLM = MODELS / "llm"
 # every other tiny model vLLM loads: stage name -> model folder

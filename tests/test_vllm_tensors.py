@@ -22,12 +22,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import conftest
 import numpy as np
 import pytest
-
-import conftest
-from conftest import (MODELS, RunningDaemon, build_tiny_models, check_config, module_daemon, python_stage,
-                      short_tmpdir, tiny_llm, wait_for)
+from conftest import (
+    MODELS,
+    RunningDaemon,
+    build_tiny_models,
+    check_config,
+    module_daemon,
+    python_stage,
+    short_tmpdir,
+    tiny_llm,
+    wait_for,
+)
 
 pytestmark = pytest.mark.vllm
 

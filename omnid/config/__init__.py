@@ -29,14 +29,36 @@ from omnid.config.checker import Checker, ConfigError, Problem
 from omnid.config.daemon import check_listen_keys, is_loopback, parse_daemon
 from omnid.config.pipelines import STREAM_ENGINES, parse_pipeline
 from omnid.config.schema import ConfigFile, json_schema, reference
-from omnid.config.stages import (CACHE_DTYPES, CACHE_KINDS, ENGINE_CORES, ENGINES, LORA_KEYS, MAX_REPLICAS,
-                                 PLACEMENTS, VLLM_LORA_ARGS, VLLM_LORA_RANKS, parse_stage, model_dims, name_of)
-from omnid.config.stages import STAGE_KEYS
-from omnid.config.stages import STAGE_KEYS as _STAGE_KEYS    # (the name the README's table test knows)
+from omnid.config.stages import (
+    CACHE_DTYPES,
+    CACHE_KINDS,
+    ENGINE_CORES,
+    ENGINES,
+    LORA_KEYS,
+    MAX_REPLICAS,
+    PLACEMENTS,
+    VLLM_LORA_ARGS,
+    VLLM_LORA_RANKS,
+    model_dims,
+    name_of,
+    parse_stage,
+)
+from omnid.config.stages import STAGE_KEYS as STAGE_KEYS  # (the docs' config reference is checked against it)
+
 # The parsed config's types (standard library only, so that the engines and the protocol can name
 # them from below); named here too, where most readers look for them.
-from omnid.config_types import (FULL_WINDOW, Config, DaemonConfig, EdgeConfig, LoraConfig, OwnerPolicy,
-                                PipelineConfig, RayNeeds, StageConfig, TracingConfig)
+from omnid.config_types import (
+    FULL_WINDOW,
+    Config,
+    DaemonConfig,
+    EdgeConfig,
+    LoraConfig,
+    OwnerPolicy,
+    PipelineConfig,
+    RayNeeds,
+    StageConfig,
+    TracingConfig,
+)
 from omnid.engines.capabilities import TENSOR_OUTPUTS, TENSOR_PROMPTS, capabilities  # (declared with the engines)
 
 __all__ = [

@@ -14,10 +14,21 @@ from pathlib import Path
 from typing import Any
 
 from omnid import lora as L
-from omnid.config.checker import (PRODUCED_KINDS, Checker, check_callable_ref, declared_produces, resolve_path,
-                                  typename)
-from omnid.config.schema import (BATCHINGS, CACHE_DTYPES, CACHE_KINDS, ENGINE_CORES, ENGINES, MAX_REPLICAS,
-                                 PLACEMENTS, VLLM_LORA_RANKS, LoraTable, MediaTable, StageTable, read)
+from omnid.config.checker import PRODUCED_KINDS, Checker, check_callable_ref, declared_produces, resolve_path, typename
+from omnid.config.schema import (
+    BATCHINGS,
+    CACHE_DTYPES,
+    CACHE_KINDS,
+    ENGINE_CORES,
+    ENGINES,
+    MAX_REPLICAS,
+    PLACEMENTS,
+    VLLM_LORA_RANKS,
+    LoraTable,
+    MediaTable,
+    StageTable,
+    read,
+)
 from omnid.config_types import LoraConfig, RayNeeds, StageConfig
 from omnid.engines.capabilities import TENSOR_OUTPUTS, capabilities, check_param, engines_that
 from omnid.media import MEDIA_KINDS, NO_MEDIA, MediaLimits, detect_kinds

@@ -14,9 +14,25 @@ from typing import Any
 import structlog
 
 from omnid.dataplane import cuda_ipc, shm
-from omnid.dataplane.wire import (ACK_ADMITTED, ACK_DROPPED, ACK_FULL, GPU_REQUEST, IPC_ITEM, NO_IPC, NO_POOL,
-                                  OFFSET, POOL_REQUEST, RESERVE, RESERVED, SHM_ITEM, Closing, WorkItem, decode,
-                                  recv_frame, send_frame)
+from omnid.dataplane.wire import (
+    ACK_ADMITTED,
+    ACK_DROPPED,
+    ACK_FULL,
+    GPU_REQUEST,
+    IPC_ITEM,
+    NO_IPC,
+    NO_POOL,
+    OFFSET,
+    POOL_REQUEST,
+    RESERVE,
+    RESERVED,
+    SHM_ITEM,
+    Closing,
+    WorkItem,
+    decode,
+    recv_frame,
+    send_frame,
+)
 
 log = structlog.get_logger("omnid.dataplane")
 

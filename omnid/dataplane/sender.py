@@ -16,9 +16,29 @@ from typing import Any
 import structlog
 
 from omnid.dataplane import shm
-from omnid.dataplane.wire import (ACK_ADMITTED, ACK_FULL, BUSY_POLL_S, GPU_REQUEST, HEADER, IPC_ITEM, NO_IPC,
-                                  OFFER_TIMEOUT_S, OFFSET, POLL_S, POOL_REQUEST, RESERVE, RESERVED, SHM_ITEM,
-                                  NeedsPlain, RawItem, WorkItem, encode, recv_exact, recv_frame, send_frame)
+from omnid.dataplane.wire import (
+    ACK_ADMITTED,
+    ACK_FULL,
+    BUSY_POLL_S,
+    GPU_REQUEST,
+    HEADER,
+    IPC_ITEM,
+    NO_IPC,
+    OFFER_TIMEOUT_S,
+    OFFSET,
+    POLL_S,
+    POOL_REQUEST,
+    RESERVE,
+    RESERVED,
+    SHM_ITEM,
+    NeedsPlain,
+    RawItem,
+    WorkItem,
+    encode,
+    recv_exact,
+    recv_frame,
+    send_frame,
+)
 
 log = structlog.get_logger("omnid.dataplane")
 

@@ -14,14 +14,13 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from omnid.engines.capabilities import Capabilities
-
 from omnid import protocol as P
+from omnid.engines.capabilities import Capabilities
 from omnid.vocabulary import ErrorCode
 
 

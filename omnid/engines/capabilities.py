@@ -14,8 +14,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnid.params import (OBJECT_PARAMS, ANY_PARAMS, DIFFUSERS_PARAMS, DIFFUSERS_RULES, PLAIN_VALUE_SCHEMA, VLLM_PARAMS, VLLM_RULES, Rule,
-                          plain_value, token_bounds_problem)
+from omnid.params import (
+    ANY_PARAMS,
+    DIFFUSERS_PARAMS,
+    DIFFUSERS_RULES,
+    OBJECT_PARAMS,
+    PLAIN_VALUE_SCHEMA,
+    VLLM_PARAMS,
+    VLLM_RULES,
+    Rule,
+    plain_value,
+    token_bounds_problem,
+)
 
 _TEXT_OUTPUT: dict[str, Any] = {"name": "text", "kind": "text", "file": "text.txt",
                                 "content_type": "text/plain; charset=utf-8"}

@@ -55,8 +55,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnid.config_types import StageConfig
-from omnid.engines.capabilities import DIFFUSERS, check_param
 from omnid.engines.base import Cancelled, Engine, RequestContext
+from omnid.engines.capabilities import DIFFUSERS, check_param
 from omnid.engines.diffusers_loop import Driver, Row, driver_for
 from omnid.lora import job_adapters
 from omnid.params import merged

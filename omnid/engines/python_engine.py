@@ -55,10 +55,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from omnid.config_types import StageConfig
-from omnid.params import merged
-from omnid.engines.capabilities import PYTHON
 from omnid.engines.base import Cancelled, Engine, InputStream, RequestContext
+from omnid.engines.capabilities import PYTHON
 from omnid.engines.python_sessions import SessionRunner, streams_ready
+from omnid.params import merged
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,6 @@ from typing import Any
 
 from omnid.engines.base import Cancelled, InputStream, RequestContext
 
-
 DEFAULT_PACE_AHEAD_S = 3.0  # a stream this far ahead of its listener waits (the parameter `pace_ahead_s`)
 
 

@@ -25,8 +25,8 @@ supervisor and `omnid --check` can say it; a stage worker reports `vllm.__versio
 
 from __future__ import annotations
 
-import sys
 import dataclasses
+import sys
 from collections.abc import Callable
 from importlib import metadata
 from typing import Any

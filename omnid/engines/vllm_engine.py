@@ -42,17 +42,23 @@ from typing import Any
 
 from omnid import media as M
 from omnid.config_types import StageConfig
+from omnid.engines import vllm_compat
+from omnid.engines.base import Engine, RequestContext
+from omnid.engines.capabilities import VLLM, check_param
+from omnid.engines.vllm_prompt import (
+    DEFAULT_AUDIO_RATE,
+    chat_prompt,
+    load_processor,
+    media_chat,
+    media_inputs,
+    tensor_prompt,
+)
+from omnid.engines.vllm_tap import TAP_CLASS, TAP_ERROR, unpack
+from omnid.engines.vllm_tensors import TensorInputError, step_tensors, whole_tensors
+from omnid.params import VLLM_OMNID_PARAMS, merged, parallel_size
 from omnid.procwatch import ChildWatch, Exit
 from omnid.protocol import EXIT_ENGINE_DIED
 from omnid.vocabulary import ErrorCode
-from omnid.params import VLLM_OMNID_PARAMS, merged, parallel_size
-from omnid.engines import vllm_compat
-from omnid.engines.capabilities import VLLM, check_param
-from omnid.engines.base import Engine, RequestContext
-from omnid.engines.vllm_tap import TAP_CLASS, TAP_ERROR, unpack
-from omnid.engines.vllm_prompt import (DEFAULT_AUDIO_RATE, chat_prompt, load_processor, media_chat, media_inputs,
-                                       tensor_prompt)
-from omnid.engines.vllm_tensors import TensorInputError, step_tensors, whole_tensors
 
 
 @dataclass

@@ -40,8 +40,7 @@ class TalkerSession:
         Qwen2_5OmniTalkerForConditionalGeneration, `text_embedding` the thinker's input embedding
         table, `speaker` one entry of the model's speaker map (`spk_dict.pt`)."""
         import torch
-        from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, \
-            SuppressTokensLogitsProcessor
+        from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, SuppressTokensLogitsProcessor
 
         self._torch = torch
         self.talker = talker

@@ -43,18 +43,18 @@ from omnid import protocol as P
 from omnid.config import Config, is_loopback
 from omnid.keys import KeyFileError, KeyStore, key_path
 from omnid.locks import DeviceBusy, DeviceLeases, DeviceLocks
-from omnid.supervisor.metrics import Metrics
 from omnid.retention import Retention
 from omnid.store import JobStore, StateDirBusy
 from omnid.supervisor import resources
 from omnid.supervisor.http import trace_context
 from omnid.supervisor.http.access import Access
 from omnid.supervisor.http.api import Api, DaemonInfo, error
-from omnid.supervisor.live import Live
 from omnid.supervisor.http.openai_api import OpenAiApi
 from omnid.supervisor.http.realtime import RealtimeApi
-from omnid.supervisor.reload import Reloader
 from omnid.supervisor.jobs.scheduler import Scheduler
+from omnid.supervisor.live import Live
+from omnid.supervisor.metrics import Metrics
+from omnid.supervisor.reload import Reloader
 from omnid.supervisor.workers.stage import StageHandle
 from omnid.supervisor.workers.stage_group import StageGroup
 from omnid.supervisor.workers.stage_logs import DaemonLogHandler, install_daemon_log, remove_daemon_log
@@ -255,7 +255,7 @@ class Daemon:
         # `config`: the one a reload makes it under, before that one is in force; None: the one in force.
         def make_replica(config: Config | None, name: str, replica: int) -> StageHandle:
             if (config if config is not None else self.live.worker).stages[name].placement_of(replica) == "ray":
-                from omnid.supervisor.workers.ray_stage import RayStageHandle     # imports ray when first used
+                from omnid.supervisor.workers.ray_stage import RayStageHandle  # imports ray when first used
                 self._uses_ray = True
                 return RayStageHandle(self.live, name, self.data_dir, store.jobs_dir, self._load_locks, replica,
                                       config)
@@ -350,7 +350,6 @@ class Daemon:
         application as the socket, behind its door (access.py: API keys). An inherited socket
         beyond loopback is refused without keys, as `omnid --check` refuses such a `listen`."""
         assert self._runner is not None and self.keys is not None
-        cfg = self.config.daemon
         taken: set[tuple[str, int]] = set()
         for sock in inherited:
             host, port = sock.getsockname()[:2]

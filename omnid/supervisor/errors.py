@@ -11,7 +11,6 @@ from typing import Any
 
 from omnid.vocabulary import ErrorCode
 
-
 STORAGE_RETRY_AFTER_S = 10     # what a 507 (the disk is full) suggests to wait: rm, retention or an operator frees it
 RETRY_AFTER_S = 2      # what 429 and 503 answers suggest to wait before trying again (507: STORAGE_RETRY_AFTER_S)
 

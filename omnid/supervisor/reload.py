@@ -30,8 +30,8 @@ import structlog
 from omnid import systemd
 from omnid.config import Config, ConfigError, PipelineConfig, load
 from omnid.locks import DeviceBusy, DeviceLocks
-from omnid.supervisor.live import Live
 from omnid.supervisor.jobs.scheduler import Scheduler
+from omnid.supervisor.live import Live
 from omnid.supervisor.workers.stage import StageHandle
 from omnid.supervisor.workers.stage_group import StageGroup
 from omnid.vocabulary import WorkerState

@@ -81,18 +81,68 @@ from collections.abc import Callable
 from pathlib import Path
 
 from omnid.tinymodels.build import FORMAT_VERSION, MARKER_NAME, SEED, _offline_env, _quiet_env, is_built
-from omnid.tinymodels.diffusion import (CLIP_BOS, CLIP_EOS, CLIP_WORDS, DIT_DOUBLE_LAYERS, DIT_HEAD_DIM, DIT_HEADS,
-                                        DIT_LATENT_CHANNELS, DIT_SINGLE_LAYERS, SD_MAX_LENGTH, SD_SAMPLE_SIZE,
-                                        build_dit, build_sd)
-from omnid.tinymodels.loras import LLM_LORA_TARGETS, LLM_LORAS, LORA_RANK, LORA_STD, SD_LORAS, build_llm_loras, \
-    build_sd_loras
-from omnid.tinymodels.multimodal import (ALM_MAX_POSITIONS, ALM_SAMPLE_RATE, VLM_CHAT_TEMPLATE, VLM_IMAGE_SIZE,
-                                         VLM_MAX_POSITIONS, VLM_PATCH, build_alm, build_vlm)
-from omnid.tinymodels.speech import (OMNI_AUDIO_RMS, OMNI_CODEC_VOCAB, OMNI_ROPE, OMNI_SAMPLE_RATE, OMNI_SPEAKER,
-                                     OMNI_SPECIAL_TOKENS, TTS_CODE_TOKEN, TTS_CODES, build_omni, build_tts)
-from omnid.tinymodels.text import (BOS, CORPUS, EOS, LLM_CHAT_TEMPLATE, LLM_DTYPE, LLM_HEAD_DIM, LLM_HEADS,
-                                   LLM_HIDDEN, LLM_INTERMEDIATE, LLM_LAYERS, LLM_MAX_POSITIONS, LLM_VOCAB, PAD, UNK,
-                                   build_llm)
+from omnid.tinymodels.diffusion import (
+    CLIP_BOS,
+    CLIP_EOS,
+    CLIP_WORDS,
+    DIT_DOUBLE_LAYERS,
+    DIT_HEAD_DIM,
+    DIT_HEADS,
+    DIT_LATENT_CHANNELS,
+    DIT_SINGLE_LAYERS,
+    SD_MAX_LENGTH,
+    SD_SAMPLE_SIZE,
+    build_dit,
+    build_sd,
+)
+from omnid.tinymodels.loras import (
+    LLM_LORA_TARGETS,
+    LLM_LORAS,
+    LORA_RANK,
+    LORA_STD,
+    SD_LORAS,
+    build_llm_loras,
+    build_sd_loras,
+)
+from omnid.tinymodels.multimodal import (
+    ALM_MAX_POSITIONS,
+    ALM_SAMPLE_RATE,
+    VLM_CHAT_TEMPLATE,
+    VLM_IMAGE_SIZE,
+    VLM_MAX_POSITIONS,
+    VLM_PATCH,
+    build_alm,
+    build_vlm,
+)
+from omnid.tinymodels.speech import (
+    OMNI_AUDIO_RMS,
+    OMNI_CODEC_VOCAB,
+    OMNI_ROPE,
+    OMNI_SAMPLE_RATE,
+    OMNI_SPEAKER,
+    OMNI_SPECIAL_TOKENS,
+    TTS_CODE_TOKEN,
+    TTS_CODES,
+    build_omni,
+    build_tts,
+)
+from omnid.tinymodels.text import (
+    BOS,
+    CORPUS,
+    EOS,
+    LLM_CHAT_TEMPLATE,
+    LLM_DTYPE,
+    LLM_HEAD_DIM,
+    LLM_HEADS,
+    LLM_HIDDEN,
+    LLM_INTERMEDIATE,
+    LLM_LAYERS,
+    LLM_MAX_POSITIONS,
+    LLM_VOCAB,
+    PAD,
+    UNK,
+    build_llm,
+)
 
 __all__ = [
     "BUILDERS", "build_all", "main", "is_built", "build_llm", "build_sd", "build_dit", "build_vlm", "build_alm",

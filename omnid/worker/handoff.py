@@ -27,8 +27,8 @@ from omnid.config import EdgeConfig
 from omnid.dataplane.wire import WorkItem
 from omnid.engines.base import RequestContext
 from omnid.vocabulary import ErrorCode
-from omnid.worker.reporter import clip
 from omnid.worker.jobs import JobTable, WorkerJob
+from omnid.worker.reporter import clip
 from omnid.worker.windows import WindowBuilder
 
 

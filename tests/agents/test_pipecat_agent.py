@@ -34,8 +34,15 @@ def voice() -> Iterator[tuple[RunningDaemon, str, str]]:
 
 def test_a_pipecat_voice_agent_greets_takes_two_spoken_turns_and_is_interrupted_by_voice(
         voice: tuple[RunningDaemon, str, str]) -> None:
-    from pipecat.frames.frames import (ErrorFrame, Frame, InputAudioRawFrame, LLMFullResponseEndFrame, LLMRunFrame,
-                                       TTSAudioRawFrame, UserStartedSpeakingFrame)
+    from pipecat.frames.frames import (
+        ErrorFrame,
+        Frame,
+        InputAudioRawFrame,
+        LLMFullResponseEndFrame,
+        LLMRunFrame,
+        TTSAudioRawFrame,
+        UserStartedSpeakingFrame,
+    )
     from pipecat.pipeline.pipeline import Pipeline
     from pipecat.pipeline.runner import PipelineRunner
     from pipecat.pipeline.task import PipelineParams, PipelineTask

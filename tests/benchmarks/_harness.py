@@ -37,8 +37,9 @@ if str(_ROOT) not in sys.path:
 if str(BENCH_DIR.parent) not in sys.path:
     sys.path.append(str(BENCH_DIR.parent))
 
-from omnictl.client import TERMINAL_STATES, Client, ClientError, EventsIdleTimeout  # noqa: E402
 from omnidtest import MODELS, ROOT, TINY_LLM_ARGS, stop_process, tiny_llm, tiny_sd, toml_dumps  # noqa: E402, F401
+
+from omnictl.client import TERMINAL_STATES, Client, ClientError, EventsIdleTimeout  # noqa: E402
 
 Event = dict[str, Any]
 N = TypeVar("N", int, float)

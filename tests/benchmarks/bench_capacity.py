@@ -11,8 +11,20 @@ from __future__ import annotations
 
 import time
 
-from _harness import (Ctx, Daemon, Row, at_least, at_most, fmt, in_threads, p50, py_stage, raise_first,
-                      start_daemon, vllm_stage)
+from _harness import (
+    Ctx,
+    Daemon,
+    Row,
+    at_least,
+    at_most,
+    fmt,
+    in_threads,
+    p50,
+    py_stage,
+    raise_first,
+    start_daemon,
+    vllm_stage,
+)
 
 
 def _burst(d: Daemon, pipeline: str, n: int, cpu_s: float) -> float:

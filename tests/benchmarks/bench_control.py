@@ -14,8 +14,8 @@ import time
 from typing import Any
 
 import psutil
-
 from _harness import Ctx, Daemon, Row, at_least, at_most, fmt, health_p50, in_threads, p50, pct, raise_first
+
 from omnictl.client import ApiError, Client
 
 

@@ -14,8 +14,7 @@ import sys
 import time
 from typing import Any
 
-from _harness import (BENCH_DIR, MODELS, VLLM_ARGS, Ctx, Daemon, Row, at_least, engines_config, fmt,
-                      p50, start_daemon)
+from _harness import BENCH_DIR, MODELS, VLLM_ARGS, Ctx, Daemon, Row, at_least, engines_config, fmt, p50, start_daemon
 
 
 def _steps(ts: list[float], skip: int) -> float:

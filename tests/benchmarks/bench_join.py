@@ -19,8 +19,7 @@ import random
 import time
 from typing import Any
 
-from _harness import (MODELS, Ctx, Daemon, Row, at_least, at_most, fmt, p50, pct,
-                      start_daemon)
+from _harness import MODELS, Ctx, Daemon, Row, at_least, at_most, fmt, p50, pct, start_daemon
 
 MODELS_ = {"sd": MODELS / "sd", "dit": MODELS / "dit"}
 LABEL = {"sd": "tiny SD", "dit": "tiny DiT"}

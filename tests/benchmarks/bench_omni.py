@@ -14,7 +14,7 @@ import statistics
 import time
 from typing import Any
 
-from _harness import MODELS, TINY_LLM_ARGS, Ctx, Row, at_least, at_most, fmt, in_threads, kill_daemon, p50, raise_first
+from _harness import MODELS, TINY_LLM_ARGS, Ctx, Row, at_least, at_most, in_threads, kill_daemon, p50, raise_first
 from bench_tensors import _launch
 
 TOKENS = 24                         # 8 concurrent jobs' answers

@@ -35,7 +35,19 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from _harness import BENCH_DIR, MODELS, VLLM_ARGS, Ctx, Goal, Row, at_least, at_most, kill_daemon, start_daemon, tiny_llm
+from _harness import (
+    BENCH_DIR,
+    MODELS,
+    VLLM_ARGS,
+    Ctx,
+    Goal,
+    Row,
+    at_least,
+    at_most,
+    kill_daemon,
+    start_daemon,
+    tiny_llm,
+)
 
 CLI = BENCH_DIR / "_vllm_cli.py"
 CONCURRENCY = (1, 32, 128)

@@ -16,6 +16,7 @@ from typing import Any
 
 from _harness import Ctx, Row, at_least, at_most, fmt, kill_daemon, py_stage, start_daemon, vllm_stage
 from bench_control import _hammer
+
 from omnictl.client import Client
 
 RUN_S = 0.05            # one job's work in the fair-share row

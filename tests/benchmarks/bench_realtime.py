@@ -15,12 +15,11 @@ lateness of its own.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
-
-import base64
 
 import bench_tensors
 from _harness import BENCH_DAEMON, Ctx, Row, at_most, in_threads, kill_daemon, p50, raise_first

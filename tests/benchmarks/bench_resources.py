@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 import time
 
-from _harness import Ctx, Row, at_most, fmt, health_p50, p50
+from _harness import Ctx, Row, at_most, fmt, health_p50
 from omnidtest import open_event_stream
 
 

@@ -22,8 +22,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _harness import (BENCH_DAEMON, MODELS, ROOT, Ctx, Daemon, Row, at_most, fmt, kill_daemon, p50, py_stage,
-                      short_tmpdir, toml_dumps, vllm_stage, wait_ready)
+from _harness import (
+    BENCH_DAEMON,
+    MODELS,
+    ROOT,
+    Ctx,
+    Daemon,
+    Row,
+    at_most,
+    fmt,
+    kill_daemon,
+    p50,
+    py_stage,
+    short_tmpdir,
+    toml_dumps,
+    vllm_stage,
+    wait_ready,
+)
 
 TOKENS = 64
 BATCH = 4

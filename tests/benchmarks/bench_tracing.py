@@ -28,9 +28,9 @@ import time
 import urllib.request
 from typing import Any
 
-from omnid.process_stats import tree_cpu_seconds
-
 from _harness import Ctx, Daemon, Row, at_least, at_most, fmt, kill_daemon, p50, start_daemon, vllm_stage
+
+from omnid.process_stats import tree_cpu_seconds
 
 JOBS = 128              # a throughput run's jobs: its wall spans a few export periods
 PAIRS = 4               # fresh daemon pairs (two daemons of one config differ by up to 5 %: each pair is a draw)

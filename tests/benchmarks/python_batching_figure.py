@@ -19,8 +19,15 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
 
-from conftest import FIXTURES, RunningDaemon, daemon_config, launch, short_tmpdir, stop_and_check, \
-    wait_ready  # noqa: E402
+from conftest import (
+    FIXTURES,
+    RunningDaemon,
+    daemon_config,
+    launch,
+    short_tmpdir,
+    stop_and_check,
+    wait_ready,  # noqa: E402
+)
 
 
 def _run(d: RunningDaemon, pipeline: str, jobs: int, concurrent: int, rounds: int) -> float:

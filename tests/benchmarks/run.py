@@ -26,7 +26,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import ROOT, Ctx, Row, Shared, fmt, shared_daemons  # noqa: E402
 import bench_capacity  # noqa: E402
 import bench_control  # noqa: E402
 import bench_dataplane  # noqa: E402
@@ -46,6 +45,7 @@ import bench_streaming  # noqa: E402
 import bench_tensors  # noqa: E402
 import bench_tracing  # noqa: E402
 import bench_vad  # noqa: E402
+from _harness import ROOT, Ctx, Row, Shared, fmt, shared_daemons  # noqa: E402
 
 
 @dataclass

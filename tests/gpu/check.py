@@ -38,7 +38,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +103,7 @@ class Ctx:
         self.dry = dry
         self.models = models
         self.work = work
-        import conftest         # tests/conftest.py: real daemons, deadlines (imported once sys.path has tests/)
+        import conftest  # tests/conftest.py: real daemons, deadlines (imported once sys.path has tests/)
         self.h = conftest
         self._n = 0
 
@@ -467,7 +467,7 @@ def check_ray(ctx: Ctx) -> list[Row]:
         return [Row(name, SKIP, "ray not installed")]
     if ctx.dry:
         return [Row(name, SKIP, "dry run: no GPU")]
-    import raycluster           # tests/raycluster.py: a head and a second raylet of its own, stopped by pid
+    import raycluster  # tests/raycluster.py: a head and a second raylet of its own, stopped by pid
     cluster = raycluster.start_cluster()      # the head finds the GPU itself (Ray's own detection)
     try:
         stages = {"rg": py("visible", placement="ray", ray={"num_gpus": 1})}

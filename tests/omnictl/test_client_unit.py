@@ -21,9 +21,16 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
+from fake_daemon import (
+    ALSO_STATUS,
+    ERROR_STATUS,
+    REPO_ROOT,
+    FakeDaemon,
+    FakeHandler,
+    daemon,  # noqa: F401  (the fixture)
+    error_status,
+)
 
-from fake_daemon import ALSO_STATUS, ERROR_STATUS, REPO_ROOT, FakeDaemon, FakeHandler, error_status
-from fake_daemon import daemon  # noqa: F401  (the fixture)
 from omnictl import ApiError, Client, ConnectionLost, DaemonUnreachable, default_socket_path
 from omnictl.cli import cli, parse_param_value
 from omnictl.client import JOB_STATES, TERMINAL_STATES

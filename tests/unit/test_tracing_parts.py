@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import FIXTURES
+
 from omnictl.timeline import timeline, waterfall
 from omnid import config as C
 from omnid import protocol as P

@@ -8,8 +8,19 @@ from typing import Any
 
 import pytest
 
-from omnid.vocabulary import (LIVE_JOB_STATES, TERMINAL_JOB_STATES, WARM_WORKER_STATES, ErrorCode, EventType,
-                              JobError, JobRecord, JobState, StageRun, StageRunState, WorkerState)
+from omnid.vocabulary import (
+    LIVE_JOB_STATES,
+    TERMINAL_JOB_STATES,
+    WARM_WORKER_STATES,
+    ErrorCode,
+    EventType,
+    JobError,
+    JobRecord,
+    JobState,
+    StageRun,
+    StageRunState,
+    WorkerState,
+)
 
 # The strings the API, the database and omnictl use: changing one breaks clients and stored jobs.
 API_STRINGS: dict[type, list[str]] = {

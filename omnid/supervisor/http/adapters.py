@@ -26,9 +26,9 @@ import structlog
 from aiohttp import web
 
 from omnid import lora as L
-from omnid.lora import describe
 from omnid.config_types import Config, StageConfig
 from omnid.engines.capabilities import capabilities
+from omnid.lora import describe
 from omnid.protocol import Reconfigure
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.http.http_common import json_body

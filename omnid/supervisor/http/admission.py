@@ -26,13 +26,13 @@ from omnid import media
 from omnid.config import TENSOR_PROMPTS, Config, PipelineConfig, StageConfig
 from omnid.engines.capabilities import capabilities, job_param_problem, values_problem
 from omnid.fair_queue import PRIORITY_LIMIT
-from omnid.params import merged, plain_value
 from omnid.lora import adapter_problem
+from omnid.params import merged, plain_value
 from omnid.store import JobStore
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.http import prompt_length
 from omnid.supervisor.jobs.submission import Submission
-from omnid.vocabulary import ErrorCode, JobState
+from omnid.vocabulary import ErrorCode
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 SUMMARY_CHARS = 1000          # how much of a long text input the job document shows

@@ -37,24 +37,30 @@ import structlog
 from aiohttp import web
 
 from omnid.config import Config
-from omnid.supervisor.metrics import Metrics
-from omnid.store import JobStore, StoreWriteFailed
-from omnid.supervisor.http import admission, trace_context
-from omnid.supervisor.http.adapters import Adapters
 from omnid.lora import describe as lora_view
-from omnid.supervisor.workers import stage_logs
-from omnid.supervisor.jobs.submission import Submission
+from omnid.store import JobStore, StoreWriteFailed
 from omnid.supervisor.errors import RETRY_AFTER_S as RETRY_AFTER_S  # (re-exported)
 from omnid.supervisor.errors import STORAGE_RETRY_AFTER_S, Refused, retry_after
-from omnid.supervisor.http.http_common import (MAX_BYTES_KEY, flag, follow_batches, json_body, output_file, send_log,
-                                          stream_output)
-from omnid.supervisor.resources import DiskWatch
+from omnid.supervisor.http import admission, trace_context
+from omnid.supervisor.http.adapters import Adapters
+from omnid.supervisor.http.http_common import (
+    MAX_BYTES_KEY,
+    flag,
+    follow_batches,
+    json_body,
+    output_file,
+    send_log,
+    stream_output,
+)
 from omnid.supervisor.http.openapi import describe_pipeline, openapi_document
 from omnid.supervisor.jobs.scheduler import Scheduler
-from omnid.supervisor.workers.stage_group import StageGroup
+from omnid.supervisor.jobs.submission import Submission
 from omnid.supervisor.live import Live
-from omnid.vocabulary import (TERMINAL_JOB_STATES, DaemonState, ErrorCode, JobRecord, JobState, WorkerState,
-                              job_links)
+from omnid.supervisor.metrics import Metrics
+from omnid.supervisor.resources import DiskWatch
+from omnid.supervisor.workers import stage_logs
+from omnid.supervisor.workers.stage_group import StageGroup
+from omnid.vocabulary import TERMINAL_JOB_STATES, DaemonState, ErrorCode, JobRecord, JobState, WorkerState, job_links
 
 log = structlog.get_logger("omnid.api")
 

@@ -22,10 +22,10 @@ from aiohttp import web
 
 from omnid.paths import stream_file
 from omnid.store import JobStore
-from omnid.supervisor.workers import stage_logs
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.jobs.live_job import LAGGED
 from omnid.supervisor.jobs.scheduler import Scheduler
+from omnid.supervisor.workers import stage_logs
 from omnid.vocabulary import ErrorCode, JobRecord
 
 log = structlog.get_logger("omnid.api")

@@ -42,12 +42,21 @@ from omnid.config import PipelineConfig
 from omnid.engines.capabilities import job_param_problem
 from omnid.lora import pipeline_adapters
 from omnid.supervisor.http import admission
-from omnid.supervisor.http.http_common import DISCONNECT_POLL_S as DISCONNECT_POLL_S    # (re-exported)
+from omnid.supervisor.http.http_common import DISCONNECT_POLL_S as DISCONNECT_POLL_S  # (re-exported)
 from omnid.supervisor.http.http_common import follow, sse_response, sse_send
 from omnid.supervisor.http.openai_audio import OpenAiAudio
 from omnid.supervisor.http.openai_errors import OpenAiError, bad, openai_errors
-from omnid.supervisor.http.openai_jobs import (Generation, OpenAiJobs, Opening, generation, on_prepare, pick,
-                                               read_output, succeeded, usage)
+from omnid.supervisor.http.openai_jobs import (
+    Generation,
+    OpenAiJobs,
+    Opening,
+    generation,
+    on_prepare,
+    pick,
+    read_output,
+    succeeded,
+    usage,
+)
 from omnid.supervisor.http.openai_models import adapter_model, find_pipeline, model_doc, pipeline_for
 from omnid.supervisor.http.openai_protocol import ChatCompletionRequest, CompletionRequest, ImageRequest
 from omnid.supervisor.http.openai_requests import chat_messages, media_inputs, read_body, sampling

@@ -24,8 +24,17 @@ from omnid.supervisor.http import admission
 from omnid.supervisor.http.http_common import follow, output_file, sse_response, sse_send, stream_output
 from omnid.supervisor.http.live_audio import WAV_HEADER_BYTES, LiveAudio, wav_bytes
 from omnid.supervisor.http.openai_errors import OpenAiError, error_event
-from omnid.supervisor.http.openai_jobs import (CONTENT_TYPE_KEY, WAIT_KEY, Generation, OpenAiJobs, Opening, generation,
-                                               read_output, succeeded, usage)
+from omnid.supervisor.http.openai_jobs import (
+    CONTENT_TYPE_KEY,
+    WAIT_KEY,
+    Generation,
+    OpenAiJobs,
+    Opening,
+    generation,
+    read_output,
+    succeeded,
+    usage,
+)
 from omnid.supervisor.http.openai_models import pipeline_for
 from omnid.supervisor.http.openai_protocol import SpeechRequest
 from omnid.supervisor.http.openai_requests import read_body

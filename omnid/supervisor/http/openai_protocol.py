@@ -17,8 +17,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, WithJsonSchema,
-                      with_config)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    WithJsonSchema,
+    with_config,
+)
 from pydantic_core import ErrorDetails
 from typing_extensions import NotRequired, TypedDict
 

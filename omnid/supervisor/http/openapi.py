@@ -21,10 +21,20 @@ from aiohttp import web
 
 from omnid.config import Config, PipelineConfig, StageConfig
 from omnid.engines.capabilities import capabilities, describe_stage_params
-from omnid.media import IMAGE_FORMATS
 from omnid.lora import describe as describe_lora
-from omnid.supervisor.http.openapi_schemas import (INT, LORA, STR, enum, name_adapters, obj,
-                                                   openai_request_schemas, openai_schemas, ref, schemas)
+from omnid.media import IMAGE_FORMATS
+from omnid.supervisor.http.openapi_schemas import (
+    INT,
+    LORA,
+    STR,
+    enum,
+    name_adapters,
+    obj,
+    openai_request_schemas,
+    openai_schemas,
+    ref,
+    schemas,
+)
 from omnid.supervisor.workers.stage_logs import SINCE_PATTERN
 from omnid.vocabulary import ErrorCode, JobState
 

@@ -27,7 +27,6 @@ from omnid.params import PLAIN_VALUE_SCHEMA
 from omnid.supervisor.http.openai_protocol import PRIORITY_SCHEMA, REQUESTS
 from omnid.vocabulary import JOB_LINKS, ErrorCode, EventType, JobState, StageRunState, WorkerState
 
-
 # ------------------------------------------------------------------ the builders
 
 

@@ -21,8 +21,8 @@ from omnid import protocol as P
 from omnid.dataplane.sender import Sender
 from omnid.dataplane.wire import WorkItem
 from omnid.supervisor.jobs.feeder import Feeder
-from omnid.supervisor.live import Live
 from omnid.supervisor.jobs.live_job import LiveJob
+from omnid.supervisor.live import Live
 from omnid.supervisor.workers.stage_group import StageGroup
 
 log = structlog.get_logger("omnid.scheduler")

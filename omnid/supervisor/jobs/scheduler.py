@@ -35,21 +35,21 @@ import structlog
 
 from omnid import protocol as P
 from omnid.config import Config
-from omnid.supervisor.metrics import Metrics
+from omnid.fair_queue import FairShare, positions
 from omnid.store import JobStore, StoreWriteFailed, Unfinished
+from omnid.supervisor.errors import STORAGE_RETRY_AFTER_S, Refused
 from omnid.supervisor.jobs.dispatch import Dispatch
 from omnid.supervisor.jobs.ending import Ending, exemplar
-from omnid.fair_queue import FairShare, positions
-from omnid.supervisor.errors import STORAGE_RETRY_AFTER_S, Refused
-from omnid.supervisor.live import Live
 from omnid.supervisor.jobs.live_job import EventQueue, LiveJob
 from omnid.supervisor.jobs.recovery import Recovery
 from omnid.supervisor.jobs.restore import take_back
-from omnid.supervisor.workers.stage import StageHandle
-from omnid.supervisor.workers.stage_group import StageGroup
 from omnid.supervisor.jobs.stage_sleep import SleepTender
 from omnid.supervisor.jobs.streams import Gate
 from omnid.supervisor.jobs.submission import Submission
+from omnid.supervisor.live import Live
+from omnid.supervisor.metrics import Metrics
+from omnid.supervisor.workers.stage import StageHandle
+from omnid.supervisor.workers.stage_group import StageGroup
 from omnid.vocabulary import ErrorCode, EventType, JobError, JobRecord, JobState, StageRun, StageRunState, WorkerState
 
 if TYPE_CHECKING:

@@ -45,7 +45,7 @@ from omnid.config import Config
 from omnid.dataplane.listener import Listener
 from omnid.dataplane.sender import Sender
 from omnid.dataplane.shm import ShmPool
-from omnid.dataplane.wire import ACK_FULL, OFFSET, POOL_REQUEST, RESERVE, SHM_ITEM, Closing, NeedsPlain, RawItem
+from omnid.dataplane.wire import OFFSET, POOL_REQUEST, RESERVE, SHM_ITEM, Closing, NeedsPlain, RawItem
 from omnid.process_stats import ProcessSample
 from omnid.supervisor.live import Live
 from omnid.supervisor.workers.stage import StageHandle, error_summary
@@ -318,6 +318,7 @@ class RayStageHandle(StageHandle):
     def _admit(self, raw: RawItem) -> bool | None:
         """The bridge: one item for the worker (a listener thread); blocks while the worker's queue is full."""
         import ray
+
         from omnid.worker.ray_actor import ADMITTED, CLOSING, DROPPED
         actor = self._actor
         try:

@@ -37,9 +37,9 @@ import structlog
 from omnid import protocol as P
 from omnid.config import Config, StageConfig
 from omnid.process_stats import ProcessSampler
+from omnid.supervisor.live import Follower, Live
 from omnid.supervisor.workers import worker_process
 from omnid.supervisor.workers.control_pipe import ControlPipe
-from omnid.supervisor.live import Follower, Live
 from omnid.supervisor.workers.liveness import Liveness
 from omnid.supervisor.workers.memory_watch import MemoryWatch
 from omnid.supervisor.workers.restart_policy import GiveUp, RestartPolicy

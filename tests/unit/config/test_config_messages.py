@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import toml_dumps
+
 from omnid import config as C
 
 SNAPSHOT = Path(__file__).with_name("config_messages.snap.txt")

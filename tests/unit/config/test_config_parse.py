@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import FIXTURES, edge
+
 from omnid import config as C
 from omnid import paths
 from omnid.engines.capabilities import stage_accepts

@@ -114,7 +114,7 @@ VLLM_ONLY = {"media", "engine_core", "outputs", "hidden_layers", "hidden_prompt"
 
 def test_the_stage_table_lists_every_key_with_its_default(tmp: Path) -> None:
     rows = table("`[stages.NAME]` key")
-    assert set(rows) == set(C._STAGE_KEYS)
+    assert set(rows) == set(C.STAGE_KEYS)
     for key, value in documented(rows).items():
         engine = "vllm" if key in VLLM_ONLY else "diffusers" if key in ("cache", "batching") else "python"
         assert parse(tmp, stage={key: value}, engine=engine).stages["s"] == \

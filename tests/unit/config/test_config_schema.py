@@ -18,9 +18,9 @@ from typing import Any, get_args
 
 import jsonschema
 import pytest
+from conftest import demo_stage, python_stage, tiny_llm, tiny_sd
 from pydantic import BaseModel
 
-from conftest import demo_stage, python_stage, tiny_llm, tiny_sd
 from omnid import config as C
 from omnid.config import schema as S
 from omnid.config.checker import PRODUCED_KINDS, Checker

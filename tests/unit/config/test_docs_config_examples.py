@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
+from omnidtest import toml_dumps
 
 from omnid import config as C
-from omnidtest import toml_dumps
 
 ROOT = Path(__file__).resolve().parents[3]
 MODELS = ROOT / ".models"

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from omnid import config as C
-from omnid.media import MediaLimits
 from omnid.engines.vllm_engine import engine_args
+from omnid.media import MediaLimits
 from omnid.store import _decode_inputs, _encode_inputs
 from omnid.supervisor.http.openai_errors import OpenAiError
 from omnid.supervisor.http.openai_protocol import ChatCompletionRequest

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import FIXTURES
+
 from omnid import config as C
 from omnid.config import StageConfig
 from omnid.engines.base import Cancelled, InputStream, RequestContext

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from conftest import FIXTURES
+
 from omnid import config as C
 from omnid.config import StageConfig
 from omnid.engines.base import InputStream, Outcome, RequestContext

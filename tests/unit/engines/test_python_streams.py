@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from conftest import FIXTURES
+
 from omnid.config import StageConfig
 from omnid.engines.base import InputStream, RequestContext
 from omnid.engines.python_engine import PythonEngine

@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from omnidtest import tmpfs
 
 from omnid import config as C
-from omnidtest import tmpfs
 from omnid.engines.vllm_engine import COMPILE_ROOM, compile_cache_dirs, eager_if_no_room, engine_args, free_bytes
 
 pytestmark = pytest.mark.vllm

@@ -70,6 +70,7 @@ def test_the_gpus_ray_gives_become_the_stage_devices() -> None:
     from pathlib import Path
 
     from conftest import FIXTURES
+
     from omnid import config as C
     from omnid import protocol as P
     data = {"daemon": {"ray_address": "auto"},

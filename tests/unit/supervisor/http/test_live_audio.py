@@ -8,8 +8,8 @@ import io
 import wave
 from pathlib import Path
 
-from omnid.supervisor.http.live_audio import WAV_HEADER_BYTES, LiveAudio, wav_bytes
 from omnid.paths import STREAM_DIR
+from omnid.supervisor.http.live_audio import WAV_HEADER_BYTES, LiveAudio, wav_bytes
 
 
 def streamed_wav(pcm: bytes, rate: int = 24000) -> bytes:

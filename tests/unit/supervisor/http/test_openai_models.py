@@ -12,8 +12,7 @@ import pytest
 from omnid.config import Config, DaemonConfig, EdgeConfig, PipelineConfig, StageConfig
 from omnid.config_types import LoraConfig
 from omnid.supervisor.http.openai_errors import OpenAiError
-from omnid.supervisor.http.openai_models import (adapter_choice, adapter_model, find_pipeline, model_doc,
-                                                 pipeline_for)
+from omnid.supervisor.http.openai_models import adapter_choice, adapter_model, find_pipeline, model_doc, pipeline_for
 
 D = Path("/nonexistent")
 

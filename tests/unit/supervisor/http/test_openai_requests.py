@@ -14,8 +14,14 @@ from pydantic import Field
 
 from omnid.config import Config, DaemonConfig, PipelineConfig, StageConfig
 from omnid.supervisor.http.openai_errors import OpenAiError
-from omnid.supervisor.http.openai_protocol import (REQUESTS, ChatCompletionRequest, CompletionRequest, ImageRequest,
-                                                   RequestBody, SpeechRequest)
+from omnid.supervisor.http.openai_protocol import (
+    REQUESTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ImageRequest,
+    RequestBody,
+    SpeechRequest,
+)
 from omnid.supervisor.http.openai_requests import sampling
 
 D = Path("/nonexistent")

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import MODELS, build_tiny_models
+
 from omnid.config import StageConfig
 from omnid.supervisor.http import prompt_length as PL
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from omnid.config import DaemonConfig, Config, PipelineConfig, StageConfig
+from omnid.config import Config, DaemonConfig, PipelineConfig, StageConfig
 from omnid.media import MediaLimits
 from omnid.supervisor.http.realtime_conversation import INPUT_RATE, MAX_ITEMS, Conversation, Item
 from omnid.supervisor.http.realtime_events import EventError

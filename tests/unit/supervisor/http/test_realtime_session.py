@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import FIXTURES, MODELS, build_tiny_models
+
 from omnid import config as C
 from omnid.media import MediaLimits
 from omnid.supervisor.http import realtime_conversation as R

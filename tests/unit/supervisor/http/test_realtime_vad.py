@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
+
 from omnid.supervisor.http import realtime_vad as V
 
 pytest.importorskip("onnxruntime")

@@ -19,8 +19,7 @@ from aiohttp import web
 from omnictl.client import parse_prometheus
 from omnictl.render import pipeline_detail, ready_text
 from omnid.config import Config, DaemonConfig, EdgeConfig, PipelineConfig, StageConfig
-from omnid.engines.capabilities import CAPABILITIES
-from omnid.engines.capabilities import describe_stage_params, stage_params_schema
+from omnid.engines.capabilities import CAPABILITIES, describe_stage_params, stage_params_schema
 from omnid.params import ANY_PARAMS, PLAIN_VALUE_SCHEMA
 from omnid.supervisor.http.openapi import OPERATIONS, describe_pipeline, openapi_document, routes
 

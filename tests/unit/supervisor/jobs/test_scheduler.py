@@ -26,13 +26,13 @@ from omnid.config import Config, parse
 from omnid.dataplane.listener import Listener
 from omnid.dataplane.wire import WorkItem
 from omnid.store import JobStore
-from omnid.supervisor.jobs import scheduler as scheduler_module
 from omnid.supervisor.errors import Refused
+from omnid.supervisor.jobs import scheduler as scheduler_module
 from omnid.supervisor.jobs.scheduler import Scheduler
 from omnid.supervisor.jobs.submission import Submission
 from omnid.supervisor.live import Live
 from omnid.supervisor.workers.stage_group import StageGroup
-from omnid.vocabulary import ErrorCode, EventType, JobState, StageRunState, WorkerState
+from omnid.vocabulary import ErrorCode, JobState, StageRunState, WorkerState
 
 FIXTURES = Path(__file__).resolve().parents[3] / "fixtures"
 
