@@ -51,12 +51,13 @@ def config(realtime: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict
         "talker": {"engine": "python", "sessions": "omnid.omni.stages:Talker", "model": omni, "max_inflight": 8,
                    "defaults": {"codes_per_token": CODES_PER_TOKEN}, "env": ONE_THREAD},
         "code2wav": {"engine": "python", "sessions": "omnid.omni.stages:Code2Wav", "model": omni,
-                     "max_inflight": 8, "defaults": {"num_steps": 4}, "env": ONE_THREAD},
+                     "max_inflight": 8, "defaults": {"num_steps": 4, "ramp": [14, 12, 16, 24, 32, 48]},
+                     "env": ONE_THREAD},
     }
     tensors = {"prompt_ids": "prompt_token_ids", "ids": "token_ids", "states": "hidden_states"}
     pipe = {"stages": ["thinker", "talker", "code2wav"], "outputs": {"thinker": ["text"]},
             "edges": [{"from": "thinker", "to": "talker", "window": 1, "map": tensors},
-                      {"from": "talker", "to": "code2wav", "window": [4, 8, 16, 25], "map": {"codes": "codes"}}],
+                      {"from": "talker", "to": "code2wav", "window": 1, "map": {"codes": "codes"}}],
             "timeout_s": 600}
     return stages, {"omni": {**pipe, "realtime": realtime or {}}, "omni_open": dict(pipe)}
 
