@@ -288,7 +288,10 @@ def test_omnictl_adapter_commands_and_pipelines(daemon: RunningDaemon) -> None:
     assert described["params"]["draw"]["params"]["adapter"]["enum"] == ["style", "style2"]
     doc = daemon.client.openapi()
     assert "/v1/stages/{name}/adapters" in doc["paths"] and "/v1/stages/{name}/adapters/{adapter}" in doc["paths"]
-    assert "chat:a" in json.dumps(doc["paths"]["/v1/completions"])
+    body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    if "$ref" in body:                              # (the request models' schemas are components)
+        body = doc["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]
+    assert "chat:a" in body["properties"]["model"]["enum"], body["properties"]["model"]
     out = omnictl(daemon, "adapter", "rm", "draw", "style2")
     assert out.returncode == 0, out.stderr
     assert "style2" not in omnictl(daemon, "adapter", "list", "draw").stdout

@@ -387,6 +387,9 @@ class Scheduler:
             job.record.set_state(JobState.RUNNING, now)
             job.events.emit(EventType.STATE, state=str(JobState.RUNNING))
             self.store.save(job.record)
+            # committed before anyone hears it: a job a client saw running is running on disk, so a
+            # daemon killed now fails it as interrupted on its next start (not a silent re-run)
+            self.store.flush()
 
     def on_progress(self, job: LiveJob, stage: str, msg: P.Progress) -> None:
         job.stage(stage).progress = {"done": msg.done, "total": msg.total}
