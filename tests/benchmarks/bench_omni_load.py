@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import math
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _harness import MODELS, Ctx, Daemon, Row, at_least, at_most, fmt, in_threads, kill_daemon, p50
+from _harness import MODELS, ROOT, Ctx, Daemon, Row, at_least, at_most, fmt, in_threads, kill_daemon, p50
 from bench_tensors import _launch
 
 from omnictl.client import ClientError
@@ -37,6 +38,12 @@ ARRIVAL_S = 2.0                 # a wave's streams arrive spread over this long
 OUT = Path(__file__).resolve().parents[2] / ".run"      # beside make bench's bench.json
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 LOADS = (0.5, 1.0, 2.0, 4.0)
+# The demo's own speech settings (its code2wav ramp, the talker -> code2wav window, the admission), read
+# from etc/omnid-demo.toml: what the bench measures is what a newcomer runs.
+DEMO = tomllib.loads((ROOT / "etc" / "omnid-demo.toml").read_text())
+DEMO_CODE2WAV = DEMO["stages"]["code2wav"]["defaults"]
+DEMO_WINDOW = next(e["window"] for e in DEMO["pipelines"]["omni"]["edges"] if e["to"] == "code2wav")
+REALTIME: dict[str, Any] = DEMO["pipelines"]["omni"]["realtime"]
 
 
 def config(realtime: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -51,13 +58,12 @@ def config(realtime: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict
         "talker": {"engine": "python", "sessions": "omnid.omni.stages:Talker", "model": omni, "max_inflight": 8,
                    "defaults": {"codes_per_token": CODES_PER_TOKEN}, "env": ONE_THREAD},
         "code2wav": {"engine": "python", "sessions": "omnid.omni.stages:Code2Wav", "model": omni,
-                     "max_inflight": 8, "defaults": {"num_steps": 4, "ramp": [14, 12, 16, 24, 32, 48]},
-                     "env": ONE_THREAD},
+                     "max_inflight": 8, "defaults": dict(DEMO_CODE2WAV), "env": ONE_THREAD},
     }
     tensors = {"prompt_ids": "prompt_token_ids", "ids": "token_ids", "states": "hidden_states"}
     pipe = {"stages": ["thinker", "talker", "code2wav"], "outputs": {"thinker": ["text"]},
             "edges": [{"from": "thinker", "to": "talker", "window": 1, "map": tensors},
-                      {"from": "talker", "to": "code2wav", "window": 1, "map": {"codes": "codes"}}],
+                      {"from": "talker", "to": "code2wav", "window": DEMO_WINDOW, "map": {"codes": "codes"}}],
             "timeout_s": 600}
     return stages, {"omni": {**pipe, "realtime": realtime or {}}, "omni_open": dict(pipe)}
 
@@ -219,9 +225,6 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['refused']}" + (f" ({r['refused_ms_max']:.0f})" if r["refused"] else ""), str(r["queued"]),
             str(r["failed"])]) + " |")
     return "\n".join(lines)
-
-
-REALTIME = {"overload": "queue", "max_waiting_streams": 16, "margin": 0.6}     # the demo's
 
 
 def bench_omni_load(ctx: Ctx) -> list[Row]:
