@@ -122,6 +122,19 @@ def test_a_job_arriving_mid_batch_starts_within_two_steps_with_its_image_alone(d
     _joins_mid_batch(d, "join", "solo")
 
 
+def test_the_job_nearest_its_end_steps_first(d: RunningDaemon) -> None:
+    """Three jobs at once on the CPU: a forward takes at most two rows (CPU_FORWARD_ROWS), the rows
+    with the fewest steps left first; so the first two run to their end while the third waits after
+    its first step (all three in one forward, or in turns, would end together)."""
+    jobs = [d.submit("join", {"prompt": f"a fox {i}"}, {"join": {"seed": i}}) for i in range(3)]
+    events = [d.events(job, timeout=120) for job in jobs]
+    for job in jobs:
+        assert d.client.job(job)["state"] == "succeeded", d.diagnose(job)
+    ends = [next(e["ts"] for e in ev if e["type"] == "stage_finished") for ev in events]
+    third = _steps(events[2])
+    assert max(ends[:2]) < third[1], (ends, third)     # its second step came after both others ended
+
+
 def test_a_dit_job_joins_with_its_own_cache(d: RunningDaemon) -> None:
     ends = _joins_mid_batch(d, "djoin", "dsolo")
     # each row's first-block cache decided on its own residuals: the hits and misses a job gets alone
@@ -212,7 +225,7 @@ def test_kill_9_mid_batch_fails_exactly_the_batch_jobs_then_the_next_run(d: Runn
             for i in range(4)]
     waiting = [d.submit("join", {"prompt": f"a river {i}"}, {"join": {"seed": 40 + i}}) for i in range(2)]
     wait_for(lambda: set(held) <= set(d.stages()["join"]["running"]), 60, "four jobs in the batch")
-    _after(d, held[-1], 2)
+    _after(d, held[-1], 1)      # (each has stepped: the loop's rows; on the CPU two at a time, oldest on)
     assert all(d.client.job(j)["stages"]["join"]["state"] == "queued" for j in waiting)
     os.kill(pid, signal.SIGKILL)
     for job in held:

@@ -95,6 +95,12 @@ VLLM = Capabilities(
     worker_env=(("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_LOGGING_LEVEL", "WARNING")),
     preload=("torch", "transformers", "vllm.engine.arg_utils", "vllm.v1.engine.llm_engine", "vllm.sampling_params"),
 )
+# A torch stage's OpenMP threads sleep when they wait, rather than spin (libgomp's default spins first).
+# Its cores are shared (the supervisor, the other stages' workers, each with its own team of threads):
+# a team whose threads spin waits, at every parallel region, for one the kernel has put aside. Measured on
+# 2 shared cores, the tiny SD's 16-step call in a worker's long-lived thread: 5-23 s spinning against
+# 0.8-0.9 s sleeping (0.7 s on one thread). A stage's own `env` may set OMP_WAIT_POLICY = "ACTIVE".
+TORCH_CPU_ENV = ("OMP_WAIT_POLICY", "PASSIVE")
 DIFFUSERS = Capabilities(
     name="diffusers", engine_class="omnid.engines.diffusers_engine:DiffusersEngine",
     model_marker="model_index.json", max_batch=64,
@@ -105,10 +111,11 @@ DIFFUSERS = Capabilities(
              {**_TEXT_OUTPUT, "name": "prompt", "file": "prompt.txt", "description": "the prompt it drew"}),
     params=DIFFUSERS_PARAMS, rules=DIFFUSERS_RULES, image_size=True, lora=True, step_batching=True,
     preload=("torch", "transformers", "diffusers.pipelines.pipeline_utils"),
+    worker_env=(TORCH_CPU_ENV,),
 )
 PYTHON = Capabilities(
     name="python", engine_class="omnid.engines.python_engine:PythonEngine", takes_function=True,
-    streamed_input=True,
+    streamed_input=True, worker_env=(TORCH_CPU_ENV,),
 )
 
 # The registry, in the order `--check` lists the engines.

@@ -11,10 +11,12 @@ cancelled.
 
 `max_inflight > 1` and a pipeline omnid's own denoising loop drives (Stable Diffusion, Flux; see
 omnid.engines.diffusers_loop), unless the stage says `batching = "call"`: step-level batching,
-in the main thread, its torch work in a helper thread ("diffusers-loop") while it waits. One `step()` admits the queued requests that can join (the oldest first, up to
+all in the main thread. One `step()` admits the queued requests that can join (the oldest first, up to
 max_inflight rows, all of one adapter set; the first that cannot join stops the ones behind it),
-then runs one denoising step of the rows of one latent shape (shapes take turns): one forward
-for all of them, each at its own timestep. A row whose schedule ended is decoded and delivered
+then runs one denoising step of some rows of one latent shape: one forward for them, each at its
+own timestep. Which rows (`_next_forward`): those that just joined first, by themselves, then the
+fewest steps left; on a GPU every row of that shape, on the CPU at most CPU_FORWARD_ROWS (a CPU's
+forward takes about as long per row at any batch size, so a smaller one lets a new job in sooner). A row whose schedule ended is decoded and delivered
 in that `step()`; a cancelled one leaves before the next. A request the loop does not take
 (other inputs, several images per prompt) waits for the loop to empty and runs as a call, below.
 
@@ -78,6 +80,7 @@ _BATCHED_TENSORS = ("latents", "prompt_embeds", "add_text_embeds", "add_time_ids
 
 
 # Kinds whose hooks keep state per `transformer.cache_context(...)`: the pipeline must open one.
+CPU_FORWARD_ROWS = 2       # the step loop's rows in one forward on the CPU (see DiffusersEngine.__init__)
 _CONTEXT_KINDS = frozenset({"first_block", "mag_cache", "sea_cache", "taylorseer"})
 # Kinds that read the denoising loop's timestep through a callback (`pipe.current_timestep`).
 _TIMESTEP_KINDS = frozenset({"pyramid_attention_broadcast", "faster_cache"})
@@ -257,7 +260,10 @@ class DiffusersEngine(Engine):
                                                         _CONTEXT_KINDS)
         self._rows: list[Row] = []
         self._loop_adapters: tuple[tuple[str, float], ...] = ()
-        self._turn = 0                          # which shape's rows step next (round robin)
+        # rows in one forward: all of them on a GPU; on the CPU, a forward's time grows with its rows (measured,
+        # the tiny SD at 64 px: 39, 35, 34 and 37 ms a row at 1, 2, 4 and 8 rows), so a batch of 8 there is a
+        # step 8x as long for a job that arrives during it; 2 rows at a time take the same time a row
+        self._forward_rows = self.max_batch if self.device != "cpu" else min(self.max_batch, CPU_FORWARD_ROWS)
         # LoRA adapters: each loaded once (`load_lora_weights(..., adapter_name=name)`), those of a
         # call set before it (`set_adapters` with the call's weights), none for a call without:
         # a job's adapters never reach the next call. Removed ones are deleted once no queued or
@@ -651,12 +657,9 @@ class DiffusersEngine(Engine):
         if not self._rows:
             self._loop_idle()
             return
-        keys = list(dict.fromkeys(row.key for row in self._rows))
-        key = keys[self._turn % len(keys)]
-        self._turn += 1
-        group = [row for row in self._rows if row.key == key]
+        group = self._next_forward()
         try:
-            self._off(self._loop.step, group)
+            self._loop.step(group)
         except Exception as e:                  # noqa: BLE001 - it fails the rows of that forward
             for row in group:
                 row.ctx.fail(f"{type(e).__name__}: {e}")
@@ -674,6 +677,15 @@ class DiffusersEngine(Engine):
         self._rows = [row for row in self._rows if not self._left(row)]
         if not self._rows:
             self._loop_idle()
+
+    def _next_forward(self) -> list[Row]:
+        """The rows of the next forward, in the loop's order: rows that have not stepped yet first, by
+        themselves (a job's first step comes at the next boundary, as soon as it would alone), then the
+        fewest steps left (the job nearest its end ends first), then the oldest; the first row's shape,
+        up to `_forward_rows` rows."""
+        order = sorted(self._rows, key=lambda r: (r.done > 0, len(r.timesteps) - r.done))   # (stable: oldest first)
+        first = order[0]
+        return [r for r in order if r.key == first.key and (r.done > 0) == (first.done > 0)][:self._forward_rows]
 
     def _admit(self) -> None:
         """Queued requests join the loop, oldest first, while they can: up to max_inflight rows, all of
@@ -698,7 +710,7 @@ class DiffusersEngine(Engine):
             else:
                 generator.seed()
             try:
-                row = self._off(self._loop.prepare, request.ctx, self._loop.key(request.params), request.adapters,
+                row = self._loop.prepare(request.ctx, self._loop.key(request.params), request.adapters,
                                          request.params, request.negative_prompt, generator)
             except Exception as e:              # noqa: BLE001 - this request's values: it fails alone
                 request.ctx.fail(f"{type(e).__name__}: {e}")
@@ -719,7 +731,7 @@ class DiffusersEngine(Engine):
         """Its schedule ended: its own VAE decode, its image out."""
         assert self._loop is not None
         try:
-            image = self._off(self._loop.decode, row)
+            image = self._loop.decode(row)
         except Exception as e:                  # noqa: BLE001 - this row's decode: it fails alone
             row.ctx.fail(f"{type(e).__name__}: {e}")
             return
@@ -727,26 +739,6 @@ class DiffusersEngine(Engine):
             row.ctx.usage = {"cache_hits": row.hits, "cache_misses": row.misses}
         row.ctx.segment({"image": image}, is_last=True)
         row.ctx.finish({"image": image, "prompt": row.ctx.inputs["prompt"]})
-
-    def _off(self, fn: Any, *args: Any) -> Any:
-        """Run `fn(*args)` in a fresh helper thread ("diffusers-loop") while the main thread waits; its
-        error is raised here. Why: on the loaded 2-core host the same pipeline call took 31 s in a
-        long-lived main thread and 0.45 s in a fresh thread (quiet: 0.4 s both), and a call-level
-        batch's call runs in a fresh thread too. Every ctx call stays in the main thread."""
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["value"] = fn(*args)
-            except BaseException as e:          # noqa: BLE001 - raised in the main thread
-                box["error"] = e
-
-        thread = threading.Thread(target=run, name="diffusers-loop", daemon=True)
-        thread.start()
-        thread.join()
-        if "error" in box:
-            raise box["error"]
-        return box.get("value")
 
     def _loop_idle(self) -> None:
         """The loop is empty: the base weights back, removed adapters dropped."""

@@ -1,6 +1,6 @@
 """omnid's own denoising loop for a diffusers stage: step-level (continuous) batching.
 
-Runs in a stage worker's "diffusers-loop" helper thread, called by `omnid.engines.diffusers_engine`
+Runs in a stage worker's main thread, called by `omnid.engines.diffusers_engine`
 while the main thread waits (it blocks in torch for one denoising step of one batch at a time).
 It never calls a job's context but to read its inputs.
 

@@ -32,3 +32,26 @@ def test_a_cpu_stage_is_forked_from_the_server_and_others_are_spawned(tmp_path: 
     assert forked(_spec(tmp_path, "llm"))
     assert not forked(_spec(tmp_path, "llm_env"))  # vLLM read its env as the server imported it
     assert not forked(_spec(tmp_path, "cpu", preload=False))
+
+
+def test_a_torch_stage_s_openmp_threads_sleep_when_they_wait_unless_its_env_says(tmp_path: Path, monkeypatch) -> None:
+    """A python (or diffusers) stage's worker sets OMP_WAIT_POLICY=PASSIVE before torch loads (a spinning
+    team stalls on shared cores); a stage's own `env` wins; a vLLM stage's is left alone."""
+    import os
+    import sys
+
+    from omnid.worker.bootstrap import setup_environment
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = dict(os.environ)
+    try:
+        for stage, env, want in (("cpu", {}, "PASSIVE"), ("env", {"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"),
+                                 ("llm", {}, None)):
+            os.environ.pop("OMP_WAIT_POLICY", None)
+            spec = _spec(tmp_path, stage)
+            spec.config.stages[stage].env.update(env)
+            setup_environment(spec)
+            assert os.environ.get("OMP_WAIT_POLICY") == want, stage
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
