@@ -30,13 +30,15 @@ debug record costs time in an engine's hot loop even when dropped by a handler).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import sys
+import tempfile
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any, TextIO
 
 import structlog
@@ -157,7 +159,46 @@ def json_log() -> bool:
     return _wrap_foreign[0]
 
 
-def foreign_lines(whole: bytes, stage: str) -> bytes:
+def wrap_foreign(json_lines: bool, journald: bool) -> None:
+    """Wrap lines as `configure` would for a `json` log, in a process that has no log of its own (a
+    fork server: what its imports print goes to the daemon's stderr)."""
+    global _wrap_foreign
+    _wrap_foreign = (json_lines, journald)
+
+
+def wrapping_foreign() -> tuple[bool, bool]:
+    """(whether lines that are no JSON get wrapped, with journald's prefix): for a helper process."""
+    return _wrap_foreign
+
+
+@contextlib.contextmanager
+def printed_as_records(process: str) -> Iterator[None]:
+    """On a JSON log (`json_log()`), what runs inside prints to fds 1 and 2 goes to fd 2 afterwards as
+    records (`foreign_lines`, `process` named): for a process whose fds are the daemon's stderr (a fork
+    server, whose imports print). On a console log, nothing changes."""
+    if not json_log():
+        yield
+        return
+    saved = [os.dup(1), os.dup(2)]
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 1)
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            caught.seek(0)
+            data = caught.read()
+            if data:
+                os.write(2, foreign_lines(data if data.endswith(b"\n") else data + b"\n", "", process=process))
+
+
+def foreign_lines(whole: bytes, stage: str, process: str | None = None) -> bytes:
     """A stage worker's output lines (each ending in a newline) as the daemon's stderr gets them.
 
     On a `json` log, a line that is not a JSON object already (a tqdm bar, a C library's warning,
@@ -177,9 +218,9 @@ def foreign_lines(whole: bytes, stage: str) -> bytes:
             continue
         text = line.rsplit(b"\r", 1)[-1] if b"\r" in line.rstrip(b"\r") else line.rstrip(b"\r")
         level = "error" if _ERRORISH.search(text) else "warning" if _WARNISH.search(text) else "info"
-        record = json.dumps({"timestamp": utc_timestamp(), "level": level, "event": "stderr",
-                             "process": f"stage:{stage}", "stage": stage,
-                             "line": text.decode("utf-8", "replace")}, ensure_ascii=False)
+        doc = {"timestamp": utc_timestamp(), "level": level, "event": "stderr", "process": process or f"stage:{stage}",
+               **({"stage": stage} if stage else {}), "line": text.decode("utf-8", "replace")}
+        record = json.dumps(doc, ensure_ascii=False)
         out.append((f"<{_PRIORITY[level]}>" if journald else "").encode() + record.encode())
     return b"\n".join(out) + b"\n"
 

@@ -19,11 +19,13 @@ from __future__ import annotations
 import importlib
 import os
 
+from omnid import logs
 from omnid.engines.capabilities import CAPABILITIES
 from omnid.prctl import die_with_parent, set_process_name
 from omnid.worker import bootstrap
 
 ENV = "OMNID_PRELOAD"       # the engines whose modules to import, comma-separated
+LOG_ENV = "OMNID_PRELOAD_LOG"   # the daemon's log is JSON lines: "json", "json+journald" (else empty)
 
 
 def _preload() -> None:
@@ -33,14 +35,19 @@ def _preload() -> None:
     names = os.environ.pop(ENV, "")
     set_process_name(f"omnid-fs-{names}")          # omnid-fs-vllm, omnid-fs-diffus(ers), omnid-fs-python
     os.environ["CUDA_VISIBLE_DEVICES"] = ""         # the server serves CPU stages only
+    log = os.environ.pop(LOG_ENV, "")
     engines = [CAPABILITIES[e] for e in names.split(",") if e in CAPABILITIES]
     for k, v in bootstrap.QUIET_ENV + tuple(kv for caps in engines for kv in caps.worker_env):
         os.environ.setdefault(k, v)
-    for name in dict.fromkeys(m for caps in engines for m in caps.preload):
-        try:
-            importlib.import_module(name)
-        except Exception:       # noqa: BLE001 (the worker imports it again and reports what it raises)
-            pass
+    if log.startswith("json"):      # what the imports print (vLLM's "Triton is installed, but..."), as records
+        logs.wrap_foreign(True, log.endswith("journald"))
+    with logs.printed_as_records(f"fork-server:{names}"):
+        for name in dict.fromkeys(m for caps in engines for m in caps.preload):
+            try:
+                importlib.import_module(name)
+            except Exception:       # noqa: BLE001 (the worker imports it again and reports what it raises)
+                pass
+
 
 
 _preload()

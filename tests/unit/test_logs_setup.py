@@ -183,3 +183,31 @@ def test_foreign_lines_are_wrapped_on_a_json_log_only(tmp_path) -> None:
     finally:
         del os.environ["JOURNAL_STREAM"]
         L.configure("info", "json", stream=out)
+
+
+def test_what_a_fork_server_s_imports_print_reaches_a_json_log_as_records() -> None:
+    """vLLM prints "Triton is installed, but ..." at import, in the fork server whose fds are the
+    daemon's stderr: on a JSON log it comes out a record; on a console log, unchanged."""
+    before = logs.wrapping_foreign()
+    read, write = os.pipe()
+    saved = os.dup(2)
+    os.dup2(write, 2)
+    try:
+        for wrap in (True, False):
+            logs.wrap_foreign(wrap, False)
+            with logs.printed_as_records("fork-server:vllm"):
+                os.write(1, b"Triton is installed, but doesn't include CPU backend. Disabling Triton.\n")
+                os.write(2, b"libfoo: warning: a C library\n")
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(write)
+        logs.wrap_foreign(*before)
+    out = os.read(read, 1 << 16).decode().splitlines()
+    os.close(read)
+    records = [json.loads(line) for line in out[:2]]
+    assert [r["line"] for r in records] == ["Triton is installed, but doesn't include CPU backend. Disabling Triton.",
+                                            "libfoo: warning: a C library"]
+    assert all(r["event"] == "stderr" and r["process"] == "fork-server:vllm" and "stage" not in r for r in records)
+    assert records[1]["level"] == "warning"
+    assert out[2:] == ["libfoo: warning: a C library"]      # (console: fd 2 as it was; fd 1 is the test's)

@@ -21,7 +21,10 @@ from multiprocessing import forkserver, popen_forkserver, process, reduction, sp
 from multiprocessing.context import set_spawning_popen
 from typing import Any
 
+from omnid import logs
+
 PRELOAD_ENV = "OMNID_PRELOAD"       # (omnid.worker.preload reads it as the server starts)
+PRELOAD_LOG_ENV = "OMNID_PRELOAD_LOG"   # "json" / "json+journald": the daemon's log is JSON lines
 
 
 class EngineForkServer(forkserver.ForkServer):
@@ -34,15 +37,19 @@ class EngineForkServer(forkserver.ForkServer):
 
     def start(self) -> int:
         """Start it if it does not run (or died); its pid, the parent of the workers it forks."""
-        before = os.environ.get(PRELOAD_ENV)
-        os.environ[PRELOAD_ENV] = self.engine       # the server's environment is ours as it starts
+        wrap, journald = logs.wrapping_foreign()
+        told = {PRELOAD_ENV: self.engine,   # the server's environment is ours as it starts
+                PRELOAD_LOG_ENV: ("json+journald" if journald else "json") if wrap else ""}
+        before = {k: os.environ.get(k) for k in told}
+        os.environ.update(told)
         try:
             self.ensure_running()
         finally:
-            if before is None:
-                os.environ.pop(PRELOAD_ENV, None)
-            else:
-                os.environ[PRELOAD_ENV] = before
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         return int(self._forkserver_pid)     # type: ignore[attr-defined]
 
 
