@@ -16,7 +16,7 @@ opentelemetry-sdk's `BatchSpanProcessor` and OTLP/HTTP exporter make, encode and
 encoding (about 25 µs a span) and the HTTP requests run there, not under the job's process's GIL:
 in a stage worker they would take the engine loop's time (measured: a third to a half of
 tracing's cost, in a vLLM stage). A receiver that is down or slow costs a job nothing (the
-exporter's bounded queue drops spans), and the exporter's log says so once per outage (`_Quiet`);
+exporter's bounded queue drops spans), and the exporter's log says so once per outage (`QuietExporter`);
 the exporter gone, the process drops its spans and says so once; the process gone, its exporter
 sends what it has and ends (its stdin closes).
 
@@ -372,7 +372,7 @@ class _OneProvider(logging.Filter):
         return "Overriding of current TracerProvider" not in record.getMessage()
 
 
-class _Quiet:
+class QuietExporter:
     """An exporter that says once that the receiver is not answering (and once that it answers again),
     instead of a warning per batch. A SpanExporter (duck-typed: the SDK only calls these)."""
 

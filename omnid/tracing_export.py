@@ -46,13 +46,13 @@ def main(argv: list[str]) -> int:
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    from omnid.tracing import EXPORT_TIMEOUT_S, SCHEDULE_DELAY_MS, SpanMaker, _Quiet
+    from omnid.tracing import EXPORT_TIMEOUT_S, SCHEDULE_DELAY_MS, QuietExporter, SpanMaker
 
     # The exporter's own log lines (one per failed batch, with a traceback) give way to ours: once.
     logging.getLogger("opentelemetry.exporter.otlp").setLevel(logging.CRITICAL)
     url = spec["url"]
     maker = SpanMaker(spec["resource"])
-    exporter = _Quiet(OTLPSpanExporter(endpoint=url, timeout=EXPORT_TIMEOUT_S), url)
+    exporter = QuietExporter(OTLPSpanExporter(endpoint=url, timeout=EXPORT_TIMEOUT_S), url)
     delay = None if os.environ.get("OTEL_BSP_SCHEDULE_DELAY") else SCHEDULE_DELAY_MS
     processor = BatchSpanProcessor(cast(Any, exporter), schedule_delay_millis=delay)
     stdin = sys.stdin.buffer

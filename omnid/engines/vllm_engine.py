@@ -101,8 +101,8 @@ def _quiet_core_exporter(url: str) -> None:
     """vLLM's own span exporter in the engine core's process: the OTLP exporter logs each retry of a
     batch (six lines at start-up when nothing listens, each read as an error in the stage's log);
     instead its outage is said once, and once more when the receiver answers again (omnid.tracing's
-    `_Quiet`, the exporters of omnid's own processes)."""
-    from omnid.tracing import _Quiet
+    `QuietExporter`, the exporters of omnid's own processes)."""
+    from omnid.tracing import QuietExporter
 
     logging.getLogger("opentelemetry.exporter.otlp").setLevel(logging.CRITICAL)
     try:
@@ -112,7 +112,7 @@ def _quiet_core_exporter(url: str) -> None:
         return
     make = getattr(otel, "get_span_exporter", None)
     if callable(make):
-        otel.get_span_exporter = lambda endpoint: _Quiet(make(endpoint), url)
+        otel.get_span_exporter = lambda endpoint: QuietExporter(make(endpoint), url)
 
 
 def _own_engine_core_entry() -> None:

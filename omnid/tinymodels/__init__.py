@@ -80,7 +80,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from omnid.tinymodels.build import FORMAT_VERSION, MARKER_NAME, SEED, _offline_env, _quiet_env, is_built
+from omnid.tinymodels.build import FORMAT_VERSION, MARKER_NAME, SEED, is_built, offline_env, quiet_env
 from omnid.tinymodels.diffusion import (
     CLIP_BOS,
     CLIP_EOS,
@@ -199,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("root", type=Path, help="folder to build into (ROOT/llm, ROOT/sd, ROOT/vlm, ROOT/alm, ROOT/omni, ROOT/tts, ROOT/dit)")
     parser.add_argument("--force", action="store_true", help="rebuild even if already built")
     args = parser.parse_args(argv)
-    _offline_env()
-    _quiet_env()
+    offline_env()
+    quiet_env()
 
     def report(kind: str, path: Path, action: str, seconds: float) -> None:
         print(f"{kind}: {action} {path} ({seconds:.2f}s)", flush=True)

@@ -19,7 +19,7 @@ FORMAT_VERSION = 3          # 2: the LLM's tokenizer has a chat template (LLM_CH
 SEED = 1234
 
 
-def _offline_env() -> None:
+def offline_env() -> None:
     """Make sure no library tries to reach the Hugging Face hub."""
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         os.environ.setdefault(key, "1")
@@ -28,14 +28,14 @@ def _offline_env() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _quiet_env() -> None:
+def quiet_env() -> None:
     """Silence progress bars and import-time warnings (command line only)."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 
 
-def _seed_all(seed: int) -> None:
+def seed_all(seed: int) -> None:
     """Seed Python, NumPy and torch random generators."""
     import random
 
@@ -71,7 +71,7 @@ def _apply_umask(folder: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
-def _build_atomically(model_dir: Path, kind: str, fill: Callable[[Path], None]) -> Path:
+def build_atomically(model_dir: Path, kind: str, fill: Callable[[Path], None]) -> Path:
     """Run `fill` on a temporary sibling folder, then move it to `model_dir`.
 
     The marker file is written last, so a crash leaves no marker behind and

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from omnid.tinymodels.build import SEED, _build_atomically, _offline_env, _seed_all
+from omnid.tinymodels.build import SEED, build_atomically, offline_env, seed_all
 
 SD_SAMPLE_SIZE = 32  # latent side; the VAE doubles it, so images are 64 px
 SD_MAX_LENGTH = 77
@@ -91,7 +91,7 @@ def _clip_tokenizer() -> Any:
 
 def build_sd(model_dir: Path) -> Path:
     """Build the tiny Stable Diffusion pipeline into `model_dir`; return the folder."""
-    _offline_env()
+    offline_env()
 
     def fill(out: Path) -> None:
         from diffusers import (
@@ -103,7 +103,7 @@ def build_sd(model_dir: Path) -> Path:
         from transformers import CLIPTextConfig, CLIPTextModel
 
         tokenizer = _clip_tokenizer()
-        _seed_all(SEED)
+        seed_all(SEED)
         text_encoder = CLIPTextModel(
             CLIPTextConfig(
                 vocab_size=len(tokenizer),
@@ -119,7 +119,7 @@ def build_sd(model_dir: Path) -> Path:
                 pad_token_id=tokenizer.pad_token_id,
             )
         )
-        _seed_all(SEED + 1)
+        seed_all(SEED + 1)
         unet = UNet2DConditionModel(
             sample_size=SD_SAMPLE_SIZE,
             in_channels=4,
@@ -132,7 +132,7 @@ def build_sd(model_dir: Path) -> Path:
             attention_head_dim=8,
             norm_num_groups=32,
         )
-        _seed_all(SEED + 2)
+        seed_all(SEED + 2)
         vae = AutoencoderKL(
             in_channels=3,
             out_channels=3,
@@ -164,7 +164,7 @@ def build_sd(model_dir: Path) -> Path:
         )
         pipe.save_pretrained(out)
 
-    return _build_atomically(model_dir, "sd", fill)
+    return build_atomically(model_dir, "sd", fill)
 
 
 # --------------------------------------------------------------------------- DiT (Flux)
@@ -187,14 +187,14 @@ def build_dit(model_dir: Path) -> Path:
     a 2-block VAE (x2), the tiny CLIP text encoder for the pooled embedding and a tiny T5 encoder
     for the sequence, both on the tiny CLIP tokenizer, and a flow-matching Euler scheduler.
     """
-    _offline_env()
+    offline_env()
 
     def fill(out: Path) -> None:
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
         from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
         tokenizer = _clip_tokenizer()
-        _seed_all(SEED + 10)
+        seed_all(SEED + 10)
         text_encoder = CLIPTextModel(
             CLIPTextConfig(
                 vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, projection_dim=32,
@@ -203,20 +203,20 @@ def build_dit(model_dir: Path) -> Path:
                 pad_token_id=tokenizer.pad_token_id,
             )
         )
-        _seed_all(SEED + 11)
+        seed_all(SEED + 11)
         text_encoder_2 = T5EncoderModel(
             T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                      relative_attention_num_buckets=8, pad_token_id=tokenizer.pad_token_id,
                      eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id)
         )
-        _seed_all(SEED + 12)
+        seed_all(SEED + 12)
         transformer = FluxTransformer2DModel(
             patch_size=1, in_channels=DIT_LATENT_CHANNELS * 4, num_layers=DIT_DOUBLE_LAYERS,
             num_single_layers=DIT_SINGLE_LAYERS, attention_head_dim=DIT_HEAD_DIM,
             num_attention_heads=DIT_HEADS, joint_attention_dim=32, pooled_projection_dim=32,
             guidance_embeds=False, axes_dims_rope=(4, 6, 6),
         )
-        _seed_all(SEED + 13)
+        seed_all(SEED + 13)
         vae = AutoencoderKL(
             in_channels=3, out_channels=3,
             down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
@@ -230,4 +230,4 @@ def build_dit(model_dir: Path) -> Path:
                             text_encoder_2=text_encoder_2, tokenizer_2=tokenizer, transformer=transformer)
         pipe.save_pretrained(out)
 
-    return _build_atomically(model_dir, "dit", fill)
+    return build_atomically(model_dir, "dit", fill)

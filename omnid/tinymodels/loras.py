@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from omnid.tinymodels.build import SEED, _build_atomically, _offline_env
+from omnid.tinymodels.build import SEED, build_atomically, offline_env
 
 LORA_RANK = 8
 LLM_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -32,7 +32,7 @@ def _randomize_lora(model: Any, seed: int) -> None:
 def build_llm_loras(model_dir: Path) -> Path:
     """PEFT LoRA adapters (rank LORA_RANK, every projection) of the tiny Llama at ROOT/llm: one folder
     per adapter of LLM_LORAS, as vLLM's `--lora-modules` and transformers + peft load them."""
-    _offline_env()
+    offline_env()
     base = model_dir.absolute().parent / "llm"
 
     def fill(out: Path) -> None:
@@ -52,13 +52,13 @@ def build_llm_loras(model_dir: Path) -> Path:
             (out / name / "adapter_config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
             (out / name / "README.md").unlink(missing_ok=True)
 
-    return _build_atomically(model_dir, "llm-loras", fill)
+    return build_atomically(model_dir, "llm-loras", fill)
 
 
 def build_sd_loras(model_dir: Path) -> Path:
     """LoRA adapters of the tiny SD's UNet (its attention projections), one folder per adapter of
     SD_LORAS, written by diffusers' `save_lora_weights` (pytorch_lora_weights.safetensors)."""
-    _offline_env()
+    offline_env()
     base = model_dir.absolute().parent / "sd"
 
     def fill(out: Path) -> None:
@@ -74,4 +74,4 @@ def build_sd_loras(model_dir: Path) -> Path:
             StableDiffusionPipeline.save_lora_weights(out / name, unet_lora_layers=get_peft_model_state_dict(unet),
                                                       safe_serialization=True)
 
-    return _build_atomically(model_dir, "sd-loras", fill)
+    return build_atomically(model_dir, "sd-loras", fill)

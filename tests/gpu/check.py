@@ -522,7 +522,7 @@ def find_models(explicit: Path | None, carry: Path) -> Path | None:
     if not kinds or importlib.util.find_spec("transformers") is None:
         return None
     target = ROOT / ".run" / "gpu-check" / "models"
-    code = ("import sys; from pathlib import Path; from omnid import tinymodels as t; t._offline_env(); "
+    code = ("import sys; from pathlib import Path; from omnid import tinymodels as t; t.offline_env(); "
             "[t.BUILDERS[k](Path(sys.argv[1]) / k) for k in sys.argv[2:] if not t.is_built(Path(sys.argv[1]) / k, k)]")
     out = subprocess.run([sys.executable, "-c", code, str(target), *kinds], capture_output=True, text=True,
                          timeout=300)

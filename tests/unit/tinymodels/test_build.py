@@ -17,7 +17,7 @@ def test_a_build_moves_a_whole_folder_into_place_with_its_marker(tmp_path: Path)
     target = tmp_path / "models" / "llm"
     assert not B.is_built(target, "llm")
 
-    done = B._build_atomically(target, "llm", lambda out: (out / "weights").write_text("w"))
+    done = B.build_atomically(target, "llm", lambda out: (out / "weights").write_text("w"))
 
     assert done == target.absolute()
     assert (target / "weights").read_text() == "w"
@@ -30,14 +30,14 @@ def test_a_build_moves_a_whole_folder_into_place_with_its_marker(tmp_path: Path)
 
 def test_a_failed_build_leaves_nothing_and_keeps_the_folder_there(tmp_path: Path) -> None:
     target = tmp_path / "sd"
-    B._build_atomically(target, "sd", lambda out: (out / "old").write_text("old"))
+    B.build_atomically(target, "sd", lambda out: (out / "old").write_text("old"))
 
     def broken(out: Path) -> None:
         (out / "half").write_text("half")
         raise RuntimeError("no room")
 
     with pytest.raises(RuntimeError):
-        B._build_atomically(target, "sd", broken)
+        B.build_atomically(target, "sd", broken)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sd"]
     assert (target / "old").read_text() == "old" and not (target / "half").exists()
     assert B.is_built(target, "sd")
