@@ -191,6 +191,27 @@ def realtime_table(pipelines: Mapping[str, Any]) -> str:
 
 def job_detail(job: JSON, now: float) -> str:
     """The ``omnictl status JOB`` view: the job's fields, its stages, outputs and error."""
+    fields = _job_fields(job, now)
+    width = max(len(name) for name, _ in fields)
+    parts = ["\n".join(f"{name.ljust(width)}  {_cell(value)}" for name, value in fields)]
+    stages = job.get("stages")
+    if isinstance(stages, Mapping) and stages:
+        rows = []
+        for name, info in stages.items():
+            info = info if isinstance(info, Mapping) else {}
+            rows.append([name, info.get("state"), _format_progress(info.get("progress")),
+                         format_duration(info.get("elapsed_s")), info.get("segments")])
+        parts.append(table(["STAGE", "STATE", "PROGRESS", "ELAPSED", "SEGMENTS"], rows))
+    outputs = job.get("outputs")
+    if isinstance(outputs, list) and outputs:
+        rows = [[o.get("name"), o.get("file"), o.get("kind"), o.get("content_type"), format_bytes(o.get("size")),
+                 o.get("stage")] for o in outputs if isinstance(o, Mapping)]
+        parts.append(table(["OUTPUT", "FILE", "KIND", "TYPE", "SIZE", "STAGE"], rows))
+    return "\n\n".join(parts)
+
+
+def _job_fields(job: JSON, now: float) -> list[tuple[str, Any]]:
+    """`omnictl status JOB`'s name/value lines: times, priority, places, inputs, params, error."""
     created = job.get("created_at")
     fields: list[tuple[str, Any]] = [
         ("id", job.get("id")),
@@ -206,51 +227,21 @@ def job_detail(job: JSON, now: float) -> str:
         fields.append(("priority", job.get("priority")))
     queue = job.get("queue")
     if isinstance(queue, Mapping):
-        for stage, place in queue.items():
-            fields.append((f"queue {stage}", _format_place(place)))
+        fields += [(f"queue {stage}", _format_place(place)) for stage, place in queue.items()]
     stream = job.get("stream")
     if isinstance(stream, Mapping):
         fields.append(("stream", _format_stream(stream)))
     inputs = job.get("inputs")
     if isinstance(inputs, Mapping):
-        for key, value in inputs.items():
-            fields.append((f"input {key}", _format_input(value)))
+        fields += [(f"input {key}", _format_input(value)) for key, value in inputs.items()]
     params = job.get("params")
     if isinstance(params, Mapping):
         for stage, values in params.items():
             if isinstance(values, Mapping):
-                for key, value in values.items():
-                    fields.append((f"param {stage}.{key}", shorten(repr(value), 60)))
+                fields += [(f"param {stage}.{key}", shorten(repr(value), 60)) for key, value in values.items()]
     if job.get("error"):
         fields.append(("error", format_error(job.get("error"))))
-    width = max(len(name) for name, _ in fields)
-    parts = ["\n".join(f"{name.ljust(width)}  {_cell(value)}" for name, value in fields)]
-
-    stages = job.get("stages")
-    if isinstance(stages, Mapping) and stages:
-        rows = []
-        for name, info in stages.items():
-            info = info if isinstance(info, Mapping) else {}
-            rows.append(
-                [
-                    name,
-                    info.get("state"),
-                    _format_progress(info.get("progress")),
-                    format_duration(info.get("elapsed_s")),
-                    info.get("segments"),
-                ]
-            )
-        parts.append(table(["STAGE", "STATE", "PROGRESS", "ELAPSED", "SEGMENTS"], rows))
-
-    outputs = job.get("outputs")
-    if isinstance(outputs, list) and outputs:
-        rows = [
-            [o.get("name"), o.get("file"), o.get("kind"), o.get("content_type"), format_bytes(o.get("size")), o.get("stage")]
-            for o in outputs
-            if isinstance(o, Mapping)
-        ]
-        parts.append(table(["OUTPUT", "FILE", "KIND", "TYPE", "SIZE", "STAGE"], rows))
-    return "\n\n".join(parts)
+    return fields
 
 
 def final_state_line(job: JSON, now: float | None = None) -> str:

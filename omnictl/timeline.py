@@ -17,6 +17,7 @@ Times are seconds from the job's submission.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 JSON = Mapping[str, Any]
@@ -24,32 +25,46 @@ JSON = Mapping[str, Any]
 WAIT, RUN, MARK, EMPTY = "░", "█", "▌", " "
 
 
+@dataclass
+class _Marks:
+    """What a job's events say of its stages: when each started and finished, its segments' times."""
+
+    t0: float
+    last_ts: float
+    trace_id: str | None = None
+    started: dict[str, float] = field(default_factory=dict)
+    finished: dict[str, float] = field(default_factory=dict)
+    first_seg: dict[str, float] = field(default_factory=dict)
+    last_seg: dict[str, float] = field(default_factory=dict)
+    segments: dict[str, int] = field(default_factory=dict)
+
+
+def _marks(events: Iterable[JSON], t0: float) -> _Marks:
+    m = _Marks(t0, t0)
+    for ev in events:
+        ts = float(ev.get("ts") or t0)
+        m.last_ts = max(m.last_ts, ts)
+        kind, stage = ev.get("type"), ev.get("stage")
+        if kind == "state" and ev.get("trace_id"):
+            m.trace_id = ev["trace_id"]
+        elif kind == "stage_started" and stage:
+            m.started.setdefault(stage, ts)
+        elif kind == "stage_finished" and stage:
+            m.finished[stage] = ts
+        elif kind == "segment" and stage:
+            m.first_seg.setdefault(stage, ts)
+            m.last_seg[stage] = ts
+            m.segments[stage] = m.segments.get(stage, 0) + 1
+    return m
+
+
 def timeline(job: JSON, events: Iterable[JSON], edges: Sequence[JSON] = ()) -> dict[str, Any]:
     """The job's rows (see the module's doc), as a JSON document."""
     t0 = float(job.get("created_at") or 0.0)
     end_job = job.get("finished_at")
-    started: dict[str, float] = {}
-    finished: dict[str, float] = {}
-    first_seg: dict[str, float] = {}
-    last_seg: dict[str, float] = {}
-    segments: dict[str, int] = {}
-    trace_id = None
-    last_ts = t0
-    for ev in events:
-        ts = float(ev.get("ts") or t0)
-        last_ts = max(last_ts, ts)
-        kind, stage = ev.get("type"), ev.get("stage")
-        if kind == "state" and ev.get("trace_id"):
-            trace_id = ev["trace_id"]
-        elif kind == "stage_started" and stage:
-            started.setdefault(stage, ts)
-        elif kind == "stage_finished" and stage:
-            finished[stage] = ts
-        elif kind == "segment" and stage:
-            first_seg.setdefault(stage, ts)
-            last_seg[stage] = ts
-            segments[stage] = segments.get(stage, 0) + 1
-    end = float(end_job) if end_job else last_ts
+    m = _marks(events, t0)
+    started, finished, first_seg, last_seg, segments = m.started, m.finished, m.first_seg, m.last_seg, m.segments
+    end = float(end_job) if end_job else m.last_ts
     stage_docs: Mapping[str, Any] = job.get("stages") or {}
 
     def rel(ts: float | None) -> float | None:
@@ -86,7 +101,7 @@ def timeline(job: JSON, events: Iterable[JSON], edges: Sequence[JSON] = ()) -> d
                          "window": e.get("window"), "start": rel(src_ready),
                          "end": rel(started.get(name)) if src_ready is not None else None})
     return {"job": job.get("id"), "pipeline": job.get("pipeline"), "state": job.get("state"),
-            "trace_id": trace_id, "created_at": t0, "duration_s": round(end - t0, 4), "rows": rows}
+            "trace_id": m.trace_id, "created_at": t0, "duration_s": round(end - t0, 4), "rows": rows}
 
 
 def _secs(value: float | None) -> str:

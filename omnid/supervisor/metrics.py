@@ -66,6 +66,12 @@ class _StageCollector(Collector):
                 yield [h.name, str(h.replica)], h
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        yield from self._counters()
+        yield from self._per_worker()
+        yield from self._per_stage()
+        yield self._windows()
+
+    def _counters(self) -> Iterator[CounterMetricFamily]:
         counters = {
             "enqueued": ("omnid_stage_enqueued", "Items admitted into the stage's input queue"),
             "dequeued": ("omnid_stage_dequeued", "Items taken from the stage's input queue"),
@@ -81,6 +87,8 @@ class _StageCollector(Collector):
             for labels, h in self._workers():
                 fam.add_metric(labels, getattr(h.totals, field) + getattr(h.stats, field))
             yield fam
+
+    def _per_worker(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         depth = GaugeMetricFamily("omnid_stage_queue_depth", "Items waiting in the stage's input queue",
                                   labels=_LABELS)
         cap = GaugeMetricFamily("omnid_stage_queue_capacity", "The input queue's high watermark", labels=_LABELS)
@@ -115,6 +123,8 @@ class _StageCollector(Collector):
             if usage is not None:
                 rss.add_metric(labels, usage)
         yield from (depth, cap, up, restarts, rss_restarts, done, shm_used, shm_cap, shm_slots, gpu, rss)
+
+    def _per_stage(self) -> Iterator[GaugeMetricFamily]:
         sleeping = GaugeMetricFamily("omnid_stage_sleeping", "1 while the stage sleeps (idle_unload_s, or by "
                                      "hand): its workers are stopped until a job wakes it", labels=["stage"])
         replicas = GaugeMetricFamily("omnid_stage_replicas", "Replicas the stage is configured with",
@@ -126,6 +136,8 @@ class _StageCollector(Collector):
             replicas.add_metric([group.name], group.stage.replicas)
             serving.add_metric([group.name], sum(1 for h in group.replicas if h.state.warm))
         yield from (sleeping, replicas, serving)
+
+    def _windows(self) -> CounterMetricFamily:
         windows = CounterMetricFamily("omnid_edge_windows", "Windows a streaming edge carried downstream",
                                       labels=["src", "dst"])
         sent: dict[tuple[str, str], int] = {}
@@ -134,7 +146,7 @@ class _StageCollector(Collector):
                 sent[(h.name, dst)] = sent.get((h.name, dst), 0) + h.windows.get(dst, 0) + h.windows_before.get(dst, 0)
         for (src, dst), n in sorted(sent.items()):
             windows.add_metric([src, dst], n)
-        yield windows
+        return windows
 
 
 class _ResourceCollector(Collector):
