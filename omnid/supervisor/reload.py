@@ -98,26 +98,10 @@ class Reloader:
         except ConfigError as e:
             log.error("reload refused: the config is invalid", file=str(path), problems=[str(p) for p in e.problems])
             return f"reload refused: {len(e.problems)} problem(s) in {path} (see omnid --check); still serving"
-        fixed = [k for k in FIXED_DAEMON_KEYS if getattr(new.daemon, k) != getattr(self.config.daemon, k)]
-        if fixed:
-            log.error("reload refused: only a restart can change these", keys=[f"daemon.{k}" for k in fixed])
-            return f"reload refused: daemon.{', daemon.'.join(fixed)} change only with a restart; still serving"
+        refused = self._refused(new)
+        if refused is not None:
+            return refused
         old = self.config
-        moved = sorted(n for n in new.stages if n in old.stages and any(
-            old.stages[n].placement_of(i) != new.stages[n].placement_of(i)
-            for i in range(min(old.stages[n].replicas, new.stages[n].replicas))))
-        if moved:
-            log.error("reload refused: a replica's placement changed", stages=moved)
-            return (f"reload refused: stage(s) {', '.join(moved)} would move between this machine and Ray; only a "
-                    "restart moves a running replica (new replicas may go anywhere); still serving")
-        back = sorted(n for n in new.stages if n in self._retiring)
-        if back:
-            return (f"reload refused: stage(s) {', '.join(back)} removed by the last reload still finish their "
-                    "jobs; reload again once they have stopped; still serving")
-        if self._retiring_replicas:
-            names = ", ".join(sorted(h.label for h in self._retiring_replicas))
-            return (f"reload refused: replica(s) {names} let go by the last reload still finish their jobs; "
-                    "reload again once they have stopped; still serving")
         added = [n for n in new.stages if n not in old.stages]
         removed = [n for n in old.stages if n not in new.stages]
         changed = [n for n in new.stages if n in old.stages and new.stages[n] != old.stages[n]]
@@ -131,19 +115,9 @@ class Reloader:
         keys = self._keys_for(new)
         worker_config = self.worker_config(new)
         # 1. New stages load before any pipeline can send them work.
-        fresh = {n: self._make_handle(worker_config, n) for n in added}
-        for name, handle in fresh.items():
-            handle.attach(self.scheduler)
-            self.stages[name] = handle
-        await asyncio.gather(*(h.start() for h in fresh.values()))
-        broken = [n for n, h in fresh.items() if any(r.state is WorkerState.FAILED for r in h)]
-        if broken:
-            await asyncio.gather(*(h.stop(0) for h in fresh.values()))
-            for n in fresh:
-                del self.stages[n]
-            errors = "; ".join(f"{n}: {fresh[n].last_error}" for n in broken)
-            log.error("reload refused: new stages could not load", errors=errors)
-            return f"reload refused: new stage(s) could not load ({errors}); still serving"
+        broken = await self._load_added(worker_config, added)
+        if broken is not None:
+            return broken
         # 2. The new workers' config in force: removed stages, and replicas a smaller `replicas`
         #    lets go, keep theirs; every other worker learns the new pipelines; changed stages get
         #    new workers (or replicas more or fewer).
@@ -179,6 +153,47 @@ class Reloader:
         log.info("reloaded", added=added, restarted=restarted, resized=resized, removed=removed, failed=failed,
                  pipelines=sorted(new.pipelines))
         return summary
+
+    async def _load_added(self, worker_config: Config, added: list[str]) -> str | None:
+        """Start the new stages' workers; if one cannot load, stop them all and say why (a refusal)."""
+        fresh = {n: self._make_handle(worker_config, n) for n in added}
+        for name, handle in fresh.items():
+            handle.attach(self.scheduler)
+            self.stages[name] = handle
+        await asyncio.gather(*(h.start() for h in fresh.values()))
+        broken = [n for n, h in fresh.items() if any(r.state is WorkerState.FAILED for r in h)]
+        if not broken:
+            return None
+        await asyncio.gather(*(h.stop(0) for h in fresh.values()))
+        for n in fresh:
+            del self.stages[n]
+        errors = "; ".join(f"{n}: {fresh[n].last_error}" for n in broken)
+        log.error("reload refused: new stages could not load", errors=errors)
+        return f"reload refused: new stage(s) could not load ({errors}); still serving"
+
+    def _refused(self, new: Config) -> str | None:
+        """Why a reload to `new` is refused (the daemon keeps serving as it is), or None."""
+        old = self.config
+        fixed = [k for k in FIXED_DAEMON_KEYS if getattr(new.daemon, k) != getattr(self.config.daemon, k)]
+        if fixed:
+            log.error("reload refused: only a restart can change these", keys=[f"daemon.{k}" for k in fixed])
+            return f"reload refused: daemon.{', daemon.'.join(fixed)} change only with a restart; still serving"
+        moved = sorted(n for n in new.stages if n in old.stages and any(
+            old.stages[n].placement_of(i) != new.stages[n].placement_of(i)
+            for i in range(min(old.stages[n].replicas, new.stages[n].replicas))))
+        if moved:
+            log.error("reload refused: a replica's placement changed", stages=moved)
+            return (f"reload refused: stage(s) {', '.join(moved)} would move between this machine and Ray; only a "
+                    "restart moves a running replica (new replicas may go anywhere); still serving")
+        back = sorted(n for n in new.stages if n in self._retiring)
+        if back:
+            return (f"reload refused: stage(s) {', '.join(back)} removed by the last reload still finish their "
+                    "jobs; reload again once they have stopped; still serving")
+        if self._retiring_replicas:
+            names = ", ".join(sorted(h.label for h in self._retiring_replicas))
+            return (f"reload refused: replica(s) {names} let go by the last reload still finish their jobs; "
+                    "reload again once they have stopped; still serving")
+        return None
 
     def _keys_for(self, new: Config) -> dict[str, str]:
         """Each pipeline's key: the same while its definition is the same, a new one when it changed."""
