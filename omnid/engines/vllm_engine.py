@@ -261,38 +261,44 @@ def cpu_threads(stage: StageConfig, args: dict[str, Any], environ: Any) -> int |
 PROGRESS_EVERY = 8      # tokens between two progress reports (and one at the end)
 
 
+def _prepare_process(stage: StageConfig, own_core: bool) -> dict[str, Any]:
+    """The worker's environment for vLLM (set before it is imported) and the stage's engine args."""
+    if not stage.devices:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # The core's own process comes from `enable_multiprocessing` below. VLLM_ENABLE_V1_
+    # MULTIPROCESSING stays as the worker's environment has it (0, unless the stage's `env`
+    # says 1): on a CPU, vLLM reads 1 as "and the model in a third process" (its mp executor,
+    # whose idle worker polls its queue at ~20 % of a core); with 0 the model runs in the
+    # core's process, as `vllm serve` runs one GPU.
+    if not own_core:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    args = engine_args(stage)
+    if not own_core:
+        vllm_compat.allow_amx()                     # (an inline core runs the model here)
+    if stage.lora is not None:
+        os.environ["OMNID_LORA"] = "1"              # the core's process fixes the CPU LoRA ops too
+        vllm_compat.fix_cpu_lora_no_adapter()       # (an inline core runs the model here)
+    traces = os.environ.get("OMNID_VLLM_OTLP_TRACES_ENDPOINT")     # `[daemon] tracing` (omnid.worker.tracing)
+    if traces and not stage.args.get("disable_log_stats"):
+        # vLLM's request spans: its tracing reads the request's stats (kept only with log_stats,
+        # whose periodic log line is not kept: drop_logging_stat_logger); a stage that turns them
+        # off has none.
+        args.setdefault("otlp_traces_endpoint", traces)
+        args["disable_log_stats"] = False
+    threads = cpu_threads(stage, args, os.environ)
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)    # the core's process is spawned with it
+        if "torch" in sys.modules:                       # inline: the model runs here
+            sys.modules["torch"].set_num_threads(threads)
+    return args
+
+
 class VllmEngine(Engine):
     capabilities = VLLM          # (engines/capabilities.py: what it can do)
 
     def __init__(self, stage: StageConfig) -> None:
-        if not stage.devices:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         self._own_core = stage.engine_core == "process"
-        # The core's own process comes from `enable_multiprocessing` below. VLLM_ENABLE_V1_
-        # MULTIPROCESSING stays as the worker's environment has it (0, unless the stage's `env`
-        # says 1): on a CPU, vLLM reads 1 as "and the model in a third process" (its mp executor,
-        # whose idle worker polls its queue at ~20 % of a core); with 0 the model runs in the
-        # core's process, as `vllm serve` runs one GPU.
-        if not self._own_core:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        args = engine_args(stage)
-        if not self._own_core:
-            vllm_compat.allow_amx()                     # (an inline core runs the model here)
-        if stage.lora is not None:
-            os.environ["OMNID_LORA"] = "1"              # the core's process fixes the CPU LoRA ops too
-            vllm_compat.fix_cpu_lora_no_adapter()       # (an inline core runs the model here)
-        traces = os.environ.get("OMNID_VLLM_OTLP_TRACES_ENDPOINT")     # `[daemon] tracing` (omnid.worker.tracing)
-        if traces and not stage.args.get("disable_log_stats"):
-            # vLLM's request spans: its tracing reads the request's stats (kept only with log_stats,
-            # whose periodic log line is not kept: drop_logging_stat_logger); a stage that turns them
-            # off has none.
-            args.setdefault("otlp_traces_endpoint", traces)
-            args["disable_log_stats"] = False
-        threads = cpu_threads(stage, args, os.environ)
-        if threads is not None:
-            os.environ["OMP_NUM_THREADS"] = str(threads)    # the core's process is spawned with it
-            if "torch" in sys.modules:                       # inline: the model runs here
-                sys.modules["torch"].set_num_threads(threads)
+        args = _prepare_process(stage, self._own_core)
         warnings.filterwarnings("ignore", category=FutureWarning)
         from vllm import EngineArgs, LLMEngine, SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -337,14 +343,7 @@ class VllmEngine(Engine):
         if self._tapped:
             self.engine.collective_rpc("omnid_tap_install", args=(list(stage.hidden_layers),))
         self._closing = False
-        core_outputs = getattr(self.engine.engine_core, "outputs_queue", None) if self._own_core else None
-        # (a queue.Queue, whose condition a step waits on beside `wake`; anything else: a plain step)
-        self._core_outputs: queue.Queue[Any] | None = core_outputs if isinstance(core_outputs, queue.Queue) else None
-        self._woken = False
-        self._core_pids: list[int] = []
-        self._core_watch: ChildWatch | None = None
-        if self._own_core:
-            self._watch_core()
+        self._init_core()
         # LoRA adapters by name: vLLM's request for each (its own int id); those removed while a
         # running request still uses them are removed from vLLM when it ends.
         from vllm.lora.request import LoRARequest
@@ -354,10 +353,26 @@ class VllmEngine(Engine):
         self._retiring: dict[str, Any] = {}
         if stage.lora is not None:
             self.set_adapters(stage.adapters)
-        try:        # the chat template compiles now, not in the first chat's first token (~80 ms)
-            self._render(chat_prompt(self.engine.get_tokenizer(), stage.model, [{"role": "user", "content": "hi"}]))
-        except Exception:
+        self._warm_chat_template()
+
+    def _warm_chat_template(self) -> None:
+        """The chat template compiles now, not in the first chat's first token (~80 ms)."""
+        try:
+            self._render(chat_prompt(self.engine.get_tokenizer(), self.stage.model,
+                                     [{"role": "user", "content": "hi"}]))
+        except Exception:   # noqa: BLE001
             pass    # (no chat template: chats are refused per job)
+
+    def _init_core(self) -> None:
+        """The engine core's output queue (a step waits on it) and its process's watch, when it has one."""
+        core_outputs = getattr(self.engine.engine_core, "outputs_queue", None) if self._own_core else None
+        # (a queue.Queue, whose condition a step waits on beside `wake`; anything else: a plain step)
+        self._core_outputs: queue.Queue[Any] | None = core_outputs if isinstance(core_outputs, queue.Queue) else None
+        self._woken = False
+        self._core_pids: list[int] = []
+        self._core_watch: ChildWatch | None = None
+        if self._own_core:
+            self._watch_core()
 
     def _watch_core(self) -> None:
         """A thread that waits on the engine core processes; a core that dies while this worker lives
@@ -483,7 +498,18 @@ class VllmEngine(Engine):
         which ignores it."""
         return {"priority": ctx.priority} if self._prioritized and ctx.priority else {}
 
-    def add(self, ctx: RequestContext) -> None:
+    def _adapter(self, ctx: RequestContext, adapter: Any) -> tuple[bool, Any]:
+        """(False, None) after failing the job for an adapter the stage does not have; else (True, the
+        LoRA request of the job's `adapter`, None when it asked for none)."""
+        lora = self._loras.get(adapter) if isinstance(adapter, str) and adapter else None
+        if adapter and lora is None:
+            names = ", ".join(sorted(self._loras)) or "none"
+            ctx.fail(f"stage {self.stage.name!r} has no adapter {adapter!r} (its adapters: {names})", REJECTED)
+            return False, None
+        return True, lora
+
+    def _inputs(self, ctx: RequestContext) -> tuple[str, Any, Any, Any] | None:
+        """The job's (prompt, messages, tensors, media), checked; None: the job failed (its input)."""
         prompt = ctx.inputs.get("prompt")
         messages = ctx.inputs.get("messages")
         try:
@@ -491,19 +517,25 @@ class VllmEngine(Engine):
             media = media_inputs(ctx.inputs, self.stage, self._audio_rate)
         except (M.MediaError, TensorInputError) as e:
             ctx.fail(str(e), REJECTED)
-            return
+            return None
         except Exception as e:          # a decoder's own failure: this job's input, not the engine
             ctx.fail(f"an input cannot be read: {type(e).__name__}: {e}", REJECTED)
-            return
+            return None
         if tensors is not None and media:
             ctx.fail("media inputs go with a text prompt or messages, not with prompt_token_ids or prompt_embeds", REJECTED)
-            return
+            return None
         if messages is not None or tensors is not None or (prompt is None and media):
             prompt = ""                 # a chat (rendered with the chat template), tensors, or media alone
         if not isinstance(prompt, str):
             ctx.fail(f"a vllm stage needs a text input \"prompt\" (or \"messages\", \"prompt_token_ids\", "
                      f"\"prompt_embeds\", or media); got {sorted(ctx.inputs) or 'no inputs'}", REJECTED)
+            return None
+        return prompt, messages, tensors, media
+
+    def add(self, ctx: RequestContext) -> None:
+        if (given := self._inputs(ctx)) is None:
             return
+        prompt, messages, tensors, media = given
         params = merged(self.stage.defaults, ctx.params)
         # The door checked the job's values and --check the defaults; this guards what reaches vLLM.
         for key, value in params.items():
@@ -512,11 +544,8 @@ class VllmEngine(Engine):
                 return
         own = {key: params.pop(key) for key in VLLM_OMNID_PARAMS if key in params}
         include_prompt = bool(own.get("include_prompt", False))
-        adapter = own.get("adapter")
-        lora = self._loras.get(adapter) if isinstance(adapter, str) and adapter else None
-        if adapter and lora is None:
-            known = ", ".join(sorted(self._loras)) or "none"
-            ctx.fail(f"stage {self.stage.name!r} has no adapter {adapter!r} (its adapters: {known})", REJECTED)
+        known, lora = self._adapter(ctx, own.get("adapter"))
+        if not known:
             return
         template = own.get("prompt_template")
         text = str(template).replace("{prompt}", prompt) if template else prompt
@@ -555,8 +584,8 @@ class VllmEngine(Engine):
             ctx.fail(str(e) if isinstance(e, M.MediaError) else f"{type(e).__name__}: {e}", _rejected(e))
             return
         prefix = prompt if include_prompt else ""
-        given = next(iter(tensors.values())) if tensors is not None else ()
-        req = self._requests[request_id] = _Request(ctx, prefix, int(params["max_tokens"]), prompt_len=len(given),
+        first = next(iter(tensors.values())) if tensors is not None else ()
+        req = self._requests[request_id] = _Request(ctx, prefix, int(params["max_tokens"]), prompt_len=len(first),
                                                     internal_id=str(internal_id or request_id),
                                                     lora_id=lora.lora_int_id if lora is not None else 0)
         self._by_job[ctx.job] = request_id

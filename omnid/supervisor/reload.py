@@ -139,11 +139,7 @@ class Reloader:
         self.live.switch(dataclasses.replace(new, pipelines={name: dataclasses.replace(p, key=keys[name])
                                                              for name, p in new.pipelines.items()}), keys)
         # 4. Removed stages finish what they have, then stop.
-        for name in removed:
-            self._retiring[name] = self.stages[name]
-            task = asyncio.get_running_loop().create_task(self._retire(name, self.stages[name]))
-            self._removals.add(task)
-            task.add_done_callback(self._removals.discard)
+        self._retire_removed(removed)
         self.reloads += 1
         failed = [n for n in changed if self.stages[n].state is WorkerState.FAILED]
         summary = (f"reloaded {path}: {len(added)} stage(s) added, {len(restarted)} restarted, "
@@ -153,6 +149,14 @@ class Reloader:
         log.info("reloaded", added=added, restarted=restarted, resized=resized, removed=removed, failed=failed,
                  pipelines=sorted(new.pipelines))
         return summary
+
+    def _retire_removed(self, removed: list[str]) -> None:
+        """Removed stages finish what they have, then stop (in tasks of their own)."""
+        for name in removed:
+            self._retiring[name] = self.stages[name]
+            task = asyncio.get_running_loop().create_task(self._retire(name, self.stages[name]))
+            self._removals.add(task)
+            task.add_done_callback(self._removals.discard)
 
     async def _load_added(self, worker_config: Config, added: list[str]) -> str | None:
         """Start the new stages' workers; if one cannot load, stop them all and say why (a refusal)."""
