@@ -49,8 +49,8 @@ from omnid.supervisor import resources
 from omnid.supervisor.http import trace_context
 from omnid.supervisor.http.access import Access
 from omnid.supervisor.http.api import Api, DaemonInfo, error
-from omnid.supervisor.http.openai_api import OpenAiApi
-from omnid.supervisor.http.realtime import RealtimeApi
+from omnid.supervisor.http.openai.realtime.session import RealtimeApi
+from omnid.supervisor.http.openai.routes import OpenAiApi
 from omnid.supervisor.jobs.scheduler import Scheduler
 from omnid.supervisor.live import Live
 from omnid.supervisor.metrics import Metrics

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import timeit
 
-from omnid.supervisor.http.openai_protocol import ChatCompletionRequest
-from omnid.supervisor.http.openai_requests import chat_messages
+from omnid.supervisor.http.openai.protocol import ChatCompletionRequest
+from omnid.supervisor.http.openai.requests import chat_messages
 
 SHAPES = {
     "one 1 MB message": {"model": "chat", "messages": [{"role": "user", "content": "x" * 1_000_000}],

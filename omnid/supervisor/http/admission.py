@@ -22,7 +22,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from omnid import media
+from omnid import media, prompt_length
 from omnid.config import TENSOR_PROMPTS, Config, PipelineConfig, StageConfig
 from omnid.engines.capabilities import capabilities, job_param_problem, values_problem
 from omnid.fair_queue import PRIORITY_LIMIT
@@ -30,7 +30,6 @@ from omnid.lora import adapter_problem
 from omnid.params import merged, plain_value
 from omnid.store import JobStore
 from omnid.supervisor.errors import Refused
-from omnid.supervisor.http import prompt_length
 from omnid.supervisor.jobs.submission import Submission
 from omnid.vocabulary import ErrorCode
 

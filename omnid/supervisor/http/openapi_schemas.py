@@ -24,7 +24,7 @@ from omnid.engines.capabilities import CAPABILITIES, capabilities, stage_params_
 from omnid.lora import pipeline_adapters
 from omnid.media import MEDIA_KINDS
 from omnid.params import PLAIN_VALUE_SCHEMA
-from omnid.supervisor.http.openai_protocol import PRIORITY_SCHEMA, REQUESTS
+from omnid.supervisor.http.openai.protocol import PRIORITY_SCHEMA, REQUESTS
 from omnid.vocabulary import JOB_LINKS, ErrorCode, EventType, JobState, StageRunState, WorkerState
 
 # ------------------------------------------------------------------ the builders

@@ -1,4 +1,4 @@
-"""A live job's speech read as it is written, in process (`omnid.supervisor.http.live_audio`): the
+"""A live job's speech read as it is written, in process (`omnid.supervisor.http.openai.live_audio`): the
 WAV in `.stream/` found by its header and read as PCM16 while it grows (never half a sample), and a
 streamed WAV made whole."""
 
@@ -9,7 +9,7 @@ import wave
 from pathlib import Path
 
 from omnid.paths import STREAM_DIR
-from omnid.supervisor.http.live_audio import WAV_HEADER_BYTES, LiveAudio, wav_bytes
+from omnid.supervisor.http.openai.live_audio import WAV_HEADER_BYTES, LiveAudio, wav_bytes
 
 
 def streamed_wav(pcm: bytes, rate: int = 24000) -> bytes:

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from omnid.supervisor.http.openai_errors import OpenAiError
-from omnid.supervisor.http.openai_protocol import ChatCompletionRequest
+from omnid.supervisor.http.openai.common import OpenAiError
+from omnid.supervisor.http.openai.protocol import ChatCompletionRequest
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -1,11 +1,11 @@
-"""The OpenAI paths' error shape, in process (`omnid.supervisor.http.openai_errors`): the `type` a
+"""The OpenAI paths' error shape, in process (`omnid.supervisor.http.openai.common`): the `type` a
 status gets, the answer's body and retry headers, and an error said inside a stream."""
 
 from __future__ import annotations
 
 import json
 
-from omnid.supervisor.http.openai_errors import OPENAI_PATHS, OpenAiError, bad, error_event
+from omnid.supervisor.http.openai.common import OPENAI_PATHS, OpenAiError, bad, error_event
 
 
 def test_the_type_follows_the_status() -> None:

@@ -1,4 +1,4 @@
-"""The pipelines as OpenAI models, in process (`omnid.supervisor.http.openai_models`): a `model`
+"""The pipelines as OpenAI models, in process (`omnid.supervisor.http.openai.models`): a `model`
 looked up (a pipeline, or `PIPELINE:ADAPTER`), the 404s in OpenAI's words, a model refused where its
 answer is not the endpoint's, and the model documents."""
 
@@ -11,8 +11,8 @@ import pytest
 
 from omnid.config import Config, DaemonConfig, EdgeConfig, PipelineConfig, StageConfig
 from omnid.config_types import LoraConfig
-from omnid.supervisor.http.openai_errors import OpenAiError
-from omnid.supervisor.http.openai_models import adapter_choice, adapter_model, find_pipeline, model_doc, pipeline_for
+from omnid.supervisor.http.openai.common import OpenAiError
+from omnid.supervisor.http.openai.models import adapter_choice, adapter_model, find_pipeline, model_doc, pipeline_for
 
 D = Path("/nonexistent")
 

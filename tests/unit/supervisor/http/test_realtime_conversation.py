@@ -1,5 +1,5 @@
 """A realtime conversation's items as a client adds them, in process
-(`omnid.supervisor.http.realtime_conversation`): `conversation.item.create` checked, the input audio
+(`omnid.supervisor.http.openai.realtime.conversation`): `conversation.item.create` checked, the input audio
 buffer (its limit, its commit as a WAV item), an assistant's speech truncated to what was played.
 (The conversation as a prompt: test_realtime_session.py.)"""
 
@@ -15,8 +15,8 @@ import pytest
 
 from omnid.config import Config, DaemonConfig, PipelineConfig, StageConfig
 from omnid.media import MediaLimits
-from omnid.supervisor.http.realtime_conversation import INPUT_RATE, MAX_ITEMS, Conversation, Item
-from omnid.supervisor.http.realtime_events import EventError
+from omnid.supervisor.http.openai.realtime.conversation import INPUT_RATE, MAX_ITEMS, Conversation, Item
+from omnid.supervisor.http.openai.realtime.events import EventError
 
 D = Path("/nonexistent")
 

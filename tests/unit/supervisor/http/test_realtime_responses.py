@@ -1,4 +1,4 @@
-"""A realtime response's end, in process (`omnid.supervisor.http.realtime_responses`), its session a
+"""A realtime response's end, in process (`omnid.supervisor.http.openai.realtime.responses`), its session a
 fake that records what is sent: the last events in OpenAI's order with the usage, and a cancel that
 stops the job and says `cancelled` (nothing said when the socket is gone)."""
 
@@ -10,10 +10,10 @@ from types import SimpleNamespace
 from typing import Any
 
 from omnid.config import Config, DaemonConfig, PipelineConfig, StageConfig
-from omnid.supervisor.http.openai_jobs import Generation
-from omnid.supervisor.http.realtime_conversation import Conversation, Item
-from omnid.supervisor.http.realtime_responses import Response, Responses
-from omnid.supervisor.http.realtime_settings import SessionSettings
+from omnid.supervisor.http.openai.jobs import Generation
+from omnid.supervisor.http.openai.realtime.conversation import Conversation, Item
+from omnid.supervisor.http.openai.realtime.responses import Response, Responses
+from omnid.supervisor.http.openai.realtime.settings import SessionSettings
 
 D = Path("/nonexistent")
 

@@ -13,8 +13,8 @@ from conftest import FIXTURES, MODELS, build_tiny_models
 
 from omnid import config as C
 from omnid.media import MediaLimits
-from omnid.supervisor.http import realtime_conversation as R
-from omnid.supervisor.http import realtime_events as E
+from omnid.supervisor.http.openai.realtime import conversation as R
+from omnid.supervisor.http.openai.realtime import events as E
 
 pytestmark = pytest.mark.vllm              # (the tiny models are built by the vLLM tests' setup)
 pytest.importorskip("tokenizers")

@@ -1,4 +1,4 @@
-"""A realtime session's settings, in process (`omnid.supervisor.http.realtime_settings`):
+"""A realtime session's settings, in process (`omnid.supervisor.http.openai.realtime.settings`):
 `session.update` checked whole before any of it applies, a response's options filled from the
 session's, and the session as OpenAI's RealtimeSession writes it."""
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from omnid.supervisor.http.realtime_events import EventError
-from omnid.supervisor.http.realtime_settings import EAGERNESS_MS, SessionSettings
+from omnid.supervisor.http.openai.realtime.events import EventError
+from omnid.supervisor.http.openai.realtime.settings import EAGERNESS_MS, SessionSettings
 
 
 def refused(call: Any, *args: Any) -> EventError:

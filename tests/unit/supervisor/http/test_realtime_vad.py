@@ -1,4 +1,4 @@
-"""Server VAD in process (`omnid.supervisor.http.realtime_vad`): the real Silero model (the ONNX file
+"""Server VAD in process (`omnid.supervisor.http.openai.realtime.vad`): the real Silero model (the ONNX file
 the silero-vad package ships, on onnxruntime) over the committed speech fixtures, fed in
 microphone-sized chunks as a session feeds it; and what it imports (no torch)."""
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 from conftest import ROOT
 
-from omnid.supervisor.http import realtime_vad as V
+from omnid.supervisor.http.openai.realtime import vad as V
 
 pytest.importorskip("onnxruntime")
 speech = pytest.importorskip("speech")          # tests/speech.py (numpy)
@@ -55,7 +55,7 @@ def test_each_fixture_is_one_turn_with_its_short_pause_inside() -> None:
 
 def test_server_vad_imports_no_torch() -> None:
     code = ("import sys, asyncio; sys.path.insert(0, 'tests'); import speech; "
-            "from omnid.supervisor.http import realtime, realtime_vad as V; "
+            "from omnid.supervisor.http.openai.realtime import session, vad as V; "
             "d = V.Detector(); asyncio.run(d.feed(speech.pcm24k('turn2'))); "
             "print(sorted(m for m in ('torch', 'silero_vad', 'vllm', 'transformers') if m in sys.modules), d.frames)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)

@@ -22,9 +22,8 @@ from omnid.store import JobStore
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.http import admission
 from omnid.supervisor.http.http_common import follow, output_file, sse_response, sse_send, stream_output
-from omnid.supervisor.http.live_audio import WAV_HEADER_BYTES, LiveAudio, wav_bytes
-from omnid.supervisor.http.openai_errors import OpenAiError, error_event
-from omnid.supervisor.http.openai_jobs import (
+from omnid.supervisor.http.openai.common import OpenAiError, error_event
+from omnid.supervisor.http.openai.jobs import (
     CONTENT_TYPE_KEY,
     WAIT_KEY,
     Generation,
@@ -35,9 +34,10 @@ from omnid.supervisor.http.openai_jobs import (
     succeeded,
     usage,
 )
-from omnid.supervisor.http.openai_models import pipeline_for
-from omnid.supervisor.http.openai_protocol import SpeechRequest
-from omnid.supervisor.http.openai_requests import read_body
+from omnid.supervisor.http.openai.live_audio import WAV_HEADER_BYTES, LiveAudio, wav_bytes
+from omnid.supervisor.http.openai.models import pipeline_for
+from omnid.supervisor.http.openai.protocol import SpeechRequest
+from omnid.supervisor.http.openai.requests import read_body
 from omnid.vocabulary import ErrorCode, JobRecord, JobState
 
 log = structlog.get_logger("omnid.openai")

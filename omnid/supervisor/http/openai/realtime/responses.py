@@ -26,15 +26,15 @@ from aiohttp import web
 
 from omnid.config import PipelineConfig
 from omnid.supervisor.http import admission
-from omnid.supervisor.http import realtime_events as E
 from omnid.supervisor.http.http_common import follow_batches
-from omnid.supervisor.http.live_audio import LiveAudio
-from omnid.supervisor.http.openai_errors import OpenAiError
-from omnid.supervisor.http.openai_jobs import Generation, OpenAiJobs, generation, succeeded, take, usage
-from omnid.supervisor.http.openai_requests import media_inputs, sampling
-from omnid.supervisor.http.realtime_conversation import Conversation, Item
-from omnid.supervisor.http.realtime_events import new_id
-from omnid.supervisor.http.realtime_settings import ResponseOptions, SessionSettings
+from omnid.supervisor.http.openai.common import OpenAiError
+from omnid.supervisor.http.openai.jobs import Generation, OpenAiJobs, generation, succeeded, take, usage
+from omnid.supervisor.http.openai.live_audio import LiveAudio
+from omnid.supervisor.http.openai.realtime import events as E
+from omnid.supervisor.http.openai.realtime.conversation import Conversation, Item
+from omnid.supervisor.http.openai.realtime.events import new_id
+from omnid.supervisor.http.openai.realtime.settings import ResponseOptions, SessionSettings
+from omnid.supervisor.http.openai.requests import media_inputs, sampling
 from omnid.vocabulary import JobRecord
 
 log = structlog.get_logger("omnid.realtime")

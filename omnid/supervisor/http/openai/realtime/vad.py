@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omnid.supervisor.http import realtime_events as E
+from omnid.supervisor.http.openai.realtime import events as E
 
 VAD_RATE = 16000                        # Silero's rate: 512 samples (32 ms) a frame
 FRAME = 512

@@ -44,9 +44,8 @@ from omnid.lora import pipeline_adapters
 from omnid.supervisor.http import admission
 from omnid.supervisor.http.http_common import DISCONNECT_POLL_S as DISCONNECT_POLL_S  # (re-exported)
 from omnid.supervisor.http.http_common import follow, sse_response, sse_send
-from omnid.supervisor.http.openai_audio import OpenAiAudio
-from omnid.supervisor.http.openai_errors import OpenAiError, bad, openai_errors
-from omnid.supervisor.http.openai_jobs import (
+from omnid.supervisor.http.openai.common import OpenAiError, bad, openai_errors
+from omnid.supervisor.http.openai.jobs import (
     Generation,
     OpenAiJobs,
     Opening,
@@ -57,9 +56,10 @@ from omnid.supervisor.http.openai_jobs import (
     succeeded,
     usage,
 )
-from omnid.supervisor.http.openai_models import adapter_model, find_pipeline, model_doc, pipeline_for
-from omnid.supervisor.http.openai_protocol import ChatCompletionRequest, CompletionRequest, ImageRequest
-from omnid.supervisor.http.openai_requests import chat_messages, media_inputs, read_body, sampling
+from omnid.supervisor.http.openai.models import adapter_model, find_pipeline, model_doc, pipeline_for
+from omnid.supervisor.http.openai.protocol import ChatCompletionRequest, CompletionRequest, ImageRequest
+from omnid.supervisor.http.openai.requests import chat_messages, media_inputs, read_body, sampling
+from omnid.supervisor.http.openai.speech import OpenAiAudio
 from omnid.vocabulary import ErrorCode, JobRecord
 
 if TYPE_CHECKING:

@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnid.supervisor.http import realtime_events as E
-from omnid.supervisor.http.realtime_conversation import INPUT_RATE
-from omnid.supervisor.http.realtime_events import EventError
+from omnid.supervisor.http.openai.realtime import events as E
+from omnid.supervisor.http.openai.realtime.conversation import INPUT_RATE
+from omnid.supervisor.http.openai.realtime.events import EventError
 
 _FORMAT = {"type": "audio/pcm", "rate": E.OPENAI_RATE}
 _SESSION_KEYS = {"type", "model", "output_modalities", "instructions", "audio", "max_output_tokens", "tools",

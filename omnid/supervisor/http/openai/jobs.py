@@ -25,9 +25,9 @@ from omnid.config import Config, PipelineConfig
 from omnid.store import JobStore
 from omnid.supervisor.http import admission
 from omnid.supervisor.http.http_common import follow_batches, sse_done, sse_send
-from omnid.supervisor.http.openai_errors import OPENAI_PATHS, OpenAiError, bad, error_event
-from omnid.supervisor.http.openai_models import adapter_choice
-from omnid.supervisor.http.openai_requests import MODEL_KEY, PRIORITY_KEY
+from omnid.supervisor.http.openai.common import OPENAI_PATHS, OpenAiError, bad, error_event
+from omnid.supervisor.http.openai.models import adapter_choice
+from omnid.supervisor.http.openai.requests import MODEL_KEY, PRIORITY_KEY
 from omnid.supervisor.jobs.submission import Submission
 from omnid.vocabulary import ErrorCode, EventType, JobRecord, JobState
 

@@ -19,13 +19,13 @@ from typing import Any
 import structlog
 
 from omnid.config import PipelineConfig
-from omnid.supervisor.http import realtime_events as E
 from omnid.supervisor.http.http_common import follow_batches
-from omnid.supervisor.http.openai_errors import OpenAiError
-from omnid.supervisor.http.openai_jobs import OpenAiJobs, generation, succeeded, take
-from omnid.supervisor.http.openai_requests import media_inputs, sampling
-from omnid.supervisor.http.realtime_conversation import INPUT_RATE, Item
-from omnid.supervisor.http.realtime_responses import ResponseSession
+from omnid.supervisor.http.openai.common import OpenAiError
+from omnid.supervisor.http.openai.jobs import OpenAiJobs, generation, succeeded, take
+from omnid.supervisor.http.openai.realtime import events as E
+from omnid.supervisor.http.openai.realtime.conversation import INPUT_RATE, Item
+from omnid.supervisor.http.openai.realtime.responses import ResponseSession
+from omnid.supervisor.http.openai.requests import media_inputs, sampling
 
 log = structlog.get_logger("omnid.realtime")
 

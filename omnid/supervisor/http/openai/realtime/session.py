@@ -51,17 +51,18 @@ from aiohttp import WSMsgType, web
 
 from omnid.config import PipelineConfig
 from omnid.supervisor.errors import Refused
-from omnid.supervisor.http import admission, realtime_vad
-from omnid.supervisor.http import realtime_events as E
+from omnid.supervisor.http import admission
 from omnid.supervisor.http.access import KEY_NAME
-from omnid.supervisor.http.openai_errors import OpenAiError
-from omnid.supervisor.http.openai_jobs import OpenAiJobs
-from omnid.supervisor.http.openai_models import find_pipeline
-from omnid.supervisor.http.realtime_conversation import INPUT_RATE, Conversation, Item, b64
-from omnid.supervisor.http.realtime_events import EventError, new_id
-from omnid.supervisor.http.realtime_responses import Responses
-from omnid.supervisor.http.realtime_settings import SessionSettings
-from omnid.supervisor.http.realtime_transcripts import Transcripts
+from omnid.supervisor.http.openai.common import OpenAiError
+from omnid.supervisor.http.openai.jobs import OpenAiJobs
+from omnid.supervisor.http.openai.models import find_pipeline
+from omnid.supervisor.http.openai.realtime import events as E
+from omnid.supervisor.http.openai.realtime import vad as realtime_vad
+from omnid.supervisor.http.openai.realtime.conversation import INPUT_RATE, Conversation, Item, b64
+from omnid.supervisor.http.openai.realtime.events import EventError, new_id
+from omnid.supervisor.http.openai.realtime.responses import Responses
+from omnid.supervisor.http.openai.realtime.settings import SessionSettings
+from omnid.supervisor.http.openai.realtime.transcripts import Transcripts
 from omnid.vocabulary import ErrorCode
 
 if TYPE_CHECKING:

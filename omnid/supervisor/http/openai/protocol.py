@@ -32,7 +32,7 @@ from pydantic_core import ErrorDetails
 from typing_extensions import NotRequired, TypedDict
 
 from omnid.engines.capabilities import engines_that, param_schema
-from omnid.supervisor.http.openai_errors import bad
+from omnid.supervisor.http.openai.common import bad
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI's sampling fields, then the extensions vLLM's own server takes in the same body (`vllm bench

@@ -1,4 +1,4 @@
-"""Prompt lengths at the door (`omnid.supervisor.http.prompt_length`), with the tiny Llama's own
+"""Prompt lengths at the door (`omnid.prompt_length`), with the tiny Llama's own
 tokenizer: what cannot fit `max_model_len` is refused, what fits is not, a huge prompt is counted
 on a prefix, and a model the supervisor cannot measure is left to its stage."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import MODELS, build_tiny_models
 
+from omnid import prompt_length as PL
 from omnid.config import StageConfig
-from omnid.supervisor.http import prompt_length as PL
 
 pytestmark = pytest.mark.vllm
 

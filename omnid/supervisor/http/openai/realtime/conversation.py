@@ -17,11 +17,12 @@ import wave
 from dataclasses import dataclass
 from typing import Any
 
+from omnid import prompt_length
 from omnid.config import Config, PipelineConfig
 from omnid.media import MediaLimits
-from omnid.supervisor.http import admission, prompt_length
-from omnid.supervisor.http import realtime_events as E
-from omnid.supervisor.http.realtime_events import EventError, new_id
+from omnid.supervisor.http import admission
+from omnid.supervisor.http.openai.realtime import events as E
+from omnid.supervisor.http.openai.realtime.events import EventError, new_id
 
 MAX_ITEMS = 1024                        # a conversation's items kept at most (the oldest go first)
 INPUT_RATE = E.OPENAI_RATE              # input_audio_buffer: PCM16 mono at OpenAI's 24 kHz

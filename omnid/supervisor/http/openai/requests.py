@@ -19,14 +19,15 @@ from typing import Any
 from aiohttp import web
 
 from omnid import media as M
+from omnid import prompt_length
 from omnid.config import Config, PipelineConfig
 from omnid.engines.capabilities import capabilities, job_param_problem, values_problem
 from omnid.params import merged
 from omnid.supervisor.errors import Refused
-from omnid.supervisor.http import admission, prompt_length
+from omnid.supervisor.http import admission
 from omnid.supervisor.http.http_common import json_body
-from omnid.supervisor.http.openai_errors import OpenAiError, bad
-from omnid.supervisor.http.openai_protocol import SAMPLING, ChatMessage, ContentPart
+from omnid.supervisor.http.openai.common import OpenAiError, bad
+from omnid.supervisor.http.openai.protocol import SAMPLING, ChatMessage, ContentPart
 from omnid.vocabulary import ErrorCode
 
 MODEL_KEY = "openai_model"              # request key: the body's `model` (a `PIPELINE:ADAPTER` sets the adapter)

@@ -16,7 +16,7 @@ from omnid.config import Config, PipelineConfig
 from omnid.lora import adapter_stage, pipeline_adapters
 from omnid.store import JobStore
 from omnid.supervisor.http import admission
-from omnid.supervisor.http.openai_errors import OpenAiError, bad
+from omnid.supervisor.http.openai.common import OpenAiError, bad
 from omnid.vocabulary import ErrorCode
 
 # What each kind of answer is asked on (a model's `omnid.endpoints`).
