@@ -266,10 +266,10 @@ def _with_resource_refusals(method: str, path: str, op: dict[str, Any]) -> dict[
 
 
 # ------------------------------------------------------------------ the OpenAI-compatible paths and the keys
-# Their bodies are described by the models that check them (openai_protocol.py: a field refused is
-# described by what it takes; the component schemas are openapi_schemas.py's); their errors in OpenAI's
-# shape. What they answer is OpenAI's own schema (tests validate it against OpenAI's published
-# document); here it is described by its main fields.
+# Their bodies are described by the models that check them (each beside its endpoint in openai/, on
+# common.py's RequestBody: a field refused is described by what it takes; the component schemas are
+# openapi_schemas.py's); their errors in OpenAI's shape. What they answer is OpenAI's own schema (tests
+# validate it against OpenAI's published document); here it is described by its main fields.
 
 _OPENAI_ERROR = {"$ref": "#/components/responses/OpenAIError"}
 

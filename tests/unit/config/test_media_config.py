@@ -19,9 +19,9 @@ from omnid import config as C
 from omnid.engines.vllm_engine import engine_args
 from omnid.media import MediaLimits
 from omnid.store import _decode_inputs, _encode_inputs
+from omnid.supervisor.http.openai.chat import ChatCompletionRequest
+from omnid.supervisor.http.openai.chat import chat_messages as messages_of
 from omnid.supervisor.http.openai.common import OpenAiError
-from omnid.supervisor.http.openai.protocol import ChatCompletionRequest
-from omnid.supervisor.http.openai.requests import chat_messages as messages_of
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -1,13 +1,13 @@
-"""An OpenAI request's job: submitted as the caller's ordinary job, followed for its answer's text
-(counting its tokens), streamed as server-sent chunks, and cancelled when its answer is over
-before it ended (the caller went away); its outputs read once it succeeded.
+"""An OpenAI request's job once it exists (common.py submits it): followed for its answer's text
+(counted into its `Generation`), streamed as server-sent chunks, cancelled when its answer is over
+before it ended (the caller went away); its outputs read once it succeeded. A text answer, whole or
+streamed, is made here for chat.py and completions.py (`OpenAiJobs.text_answer`).
 
-Runs in the supervisor's event-loop thread, for the OpenAI handlers (openai_api.py, openai_audio.py)
-and the realtime session (realtime_responses.py). It waits on the job's event queue (an asyncio
-queue; whether the caller hung up is looked at after every event and after every quiet
-DISCONNECT_POLL_S, so a hang-up cancels the job however fast its events flow) and reads small output
-files in the loop's default executor; nothing blocks. Every answer on the OpenAI paths names its
-job in `X-Omnid-Job` (`on_prepare`).
+Runs in the supervisor's event-loop thread, for the OpenAI handlers and the Realtime session
+(realtime/responses.py). It waits on the job's event queue (an asyncio queue; whether the caller hung
+up is looked at after every event and after every quiet DISCONNECT_POLL_S, so a hang-up cancels the
+job however fast its events flow) and reads small output files in the loop's default executor;
+nothing blocks. Every answer on the OpenAI paths names its job in `X-Omnid-Job` (`on_prepare`).
 """
 
 from __future__ import annotations
@@ -15,21 +15,26 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import web
 
-from omnid.config import Config, PipelineConfig
+from omnid.config import PipelineConfig
 from omnid.store import JobStore
-from omnid.supervisor.http import admission
-from omnid.supervisor.http.http_common import follow_batches, sse_done, sse_send
-from omnid.supervisor.http.openai.common import OPENAI_PATHS, OpenAiError, bad, error_event
-from omnid.supervisor.http.openai.models import adapter_choice
-from omnid.supervisor.http.openai.requests import MODEL_KEY, PRIORITY_KEY
-from omnid.supervisor.jobs.submission import Submission
-from omnid.vocabulary import ErrorCode, EventType, JobRecord, JobState
+from omnid.supervisor.http.http_common import follow_batches, sse_done, sse_response, sse_send
+from omnid.supervisor.http.openai.common import (
+    CONTENT_TYPE_KEY,
+    JOB_KEY,
+    OPENAI_PATHS,
+    WAIT_KEY,
+    Generation,
+    OpenAiError,
+    error_event,
+    take,
+    usage,
+)
+from omnid.vocabulary import ErrorCode, JobRecord, JobState
 
 if TYPE_CHECKING:
     from omnid.supervisor.http.api import Api
@@ -37,10 +42,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("omnid.openai")
 
-JOB_HEADER = "X-Omnid-Job"
-JOB_KEY = "openai_job"                  # request keys: the job, for the answer's X-Omnid-Job header,
-CONTENT_TYPE_KEY = "openai_ctype"       # and what a streamed output of unknown type is sent as
-WAIT_KEY = "openai_wait"                # and a waiting stream's place, for these headers:
+JOB_HEADER = "X-Omnid-Job"             # the request's JOB_KEY (common.py), and its WAIT_KEY's place:
 QUEUE_POSITION_HEADER = "X-Omnid-Queue-Position"        # 1: next to start
 ESTIMATED_START_HEADER = "X-Omnid-Estimated-Start"      # seconds from the answer's start
 
@@ -59,62 +61,6 @@ async def on_prepare(request: web.Request, response: web.StreamResponse) -> None
     ctype = request.get(CONTENT_TYPE_KEY)
     if ctype is not None and response.content_type == "application/octet-stream":
         response.content_type = str(ctype)
-
-
-@dataclass
-class Generation:
-    """What a text job produced so far, from its events."""
-
-    text_stage: str                 # whose segments are the answer
-    token_stage: str | None         # the vLLM stage whose progress counts the tokens
-    pieces: list[str] = field(default_factory=list)
-    segments: int = 0
-    tokens: int | None = None
-    max_tokens: int | None = None
-    prompt_tokens: int = 0          # what the vLLM stage counted (its stage_finished event's usage)
-    finished_by: str | None = None  # the vLLM stage's own finish_reason (its stage_finished event)
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.tokens if self.tokens is not None else self.segments
-
-    @property
-    def finish_reason(self) -> str:
-        """OpenAI's (and vLLM's): "length" when max_tokens or the context window cut the answer, else
-        "stop". The engine's own word when it said one; else max_tokens reached."""
-        if self.finished_by in ("stop", "length"):
-            return self.finished_by
-        return "length" if self.max_tokens is not None and self.completion_tokens >= self.max_tokens else "stop"
-
-
-def generation(config: Config, p: PipelineConfig) -> Generation:
-    """A text job's answer so far: its text stage's segments, its token stage's counts."""
-    text = admission.text_stage(config, p)
-    if text is None:
-        raise bad("model", f"model {p.name!r} does not end in text", ErrorCode.MODEL_NOT_SUPPORTED)
-    return Generation(text, admission.token_stage(config, p))
-
-
-def take(ev: dict[str, Any], gen: Generation) -> str | None:
-    """What one event says of the generation: its counts into `gen`, a text segment's text out."""
-    stage = ev.get("stage")
-    if ev["type"] == EventType.PROGRESS and stage == gen.token_stage:
-        gen.tokens, gen.max_tokens = int(ev["done"]), int(ev["total"])
-    elif ev["type"] == EventType.STAGE_FINISHED and stage == gen.token_stage:
-        if ev.get("usage"):
-            gen.prompt_tokens = int(ev["usage"].get("prompt_tokens") or 0)
-        if isinstance(ev.get("finish_reason"), str):
-            gen.finished_by = ev["finish_reason"]
-    elif ev["type"] == EventType.SEGMENT and stage == gen.text_stage:
-        gen.segments += 1
-        return ev.get("text") or None
-    return None
-
-
-def usage(gen: Generation) -> dict[str, int]:
-    """The vLLM stage's own count of the prompt's tokens (0 when the answer came from no vLLM stage)."""
-    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
-            "total_tokens": gen.prompt_tokens + gen.completion_tokens}
 
 
 def pick(outputs: list[dict[str, Any]], kind: str, name: str, stage: str | None) -> dict[str, Any] | None:
@@ -166,23 +112,6 @@ class OpenAiJobs:
 
     def __init__(self, api: Api) -> None:
         self.api = api
-
-    def submit(self, request: web.Request, p: PipelineConfig, inputs: dict[str, Any],
-               params: dict[str, dict[str, Any]], summary: dict[str, Any]) -> JobRecord:
-        """An ordinary job of the caller's (what `POST /v1/jobs` does after its checks); a `model`
-        `PIPELINE:ADAPTER` sets the pipeline's adapter stage's `adapter`."""
-        chosen = adapter_choice(self.api.config, p, request.get(MODEL_KEY))
-        if chosen is not None:
-            stage, adapter = chosen
-            params = {**params, stage: {**params.get(stage, {}), "adapter": adapter}}
-        sub = admission.owned(self.api.config, Submission(p, inputs, params, summary, request["uid"],
-                                                          priority=request.get(PRIORITY_KEY, 0)),
-                              request.get("api_key"), not request.get("tcp"))
-        job = self.api.take(sub, "the daemon is stopping; try again once it is back", request)
-        request[JOB_KEY] = job.id
-        request[WAIT_KEY] = self.api.scheduler.gate.waiting(job.id)
-        log.info("audit", action="submit", uid=request["uid"], job=job.id, pipeline=p.name, via=request.path)
-        return job
 
     def abandon(self, request: web.Request, job_id: str) -> None:
         """The answer is over (sent, failed, or its caller went away): a job still live is cancelled."""
@@ -248,3 +177,52 @@ class OpenAiJobs:
             if usage_head is not None:
                 await sse_send(resp, {**usage_head, "choices": [], "usage": usage(gen)})
         await sse_done(resp)
+
+    # ------------------------------------------------------------------ a text answer (chat, completions)
+
+    async def text_answer(self, request: web.Request, p: PipelineConfig, job: JobRecord, gen: Generation,
+                          stream: bool, include_usage: bool, chat: bool, echo: str) -> web.StreamResponse:
+        """A text job's answer as a chat completion (`chat`) or a completion (after its `echo`): whole,
+        or streamed (`_stream_text`); the job cancelled if the answer ends before it."""
+        kind = "chat.completion" if chat else "text_completion"
+        head = {"id": ("chatcmpl-" if chat else "cmpl-") + job.id, "object": kind,
+                "created": int(job.created_at), "model": p.name}
+        try:
+            if stream:
+                return await self._stream_text(request, job, gen, head, chat, include_usage, echo)
+            text = echo + "".join([piece async for piece in self.deltas(request, job, gen)])
+            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text, "refusal": None}
+            else:
+                choice["text"] = text
+            return web.json_response({**head, "choices": [choice], "usage": usage(gen)})
+        finally:
+            self.abandon(request, job.id)
+
+    async def _stream_text(self, request: web.Request, job: JobRecord, gen: Generation, head: dict[str, Any],
+                           chat: bool, include_usage: bool, echo: str) -> web.StreamResponse:
+        """Server-sent events: one chunk per text segment, a last one with `finish_reason`, `[DONE]`."""
+        head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+        resp = await sse_response(request)
+
+        def chunk(text: str | None, finish: str | None = None, first: bool = False) -> dict[str, Any]:
+            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+            if chat:
+                choice["delta"] = ({"role": "assistant", "content": "", "refusal": None} if first
+                                   else {} if text is None else {"content": text})
+            else:
+                choice["text"] = text or ""
+            return {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
+
+        # A chat's role chunk goes with its first text, as `vllm serve` sends it: a client that
+        # times the first chunk (vLLM's benchmark, for one) times the first token, not the POST.
+        opening = Opening(chunk(None, first=True) if chat else None)
+        try:
+            if echo:
+                await sse_send(resp, *opening.take(), chunk(echo))
+            await self.sse_answer(request, resp, job, gen, head if include_usage else None, chunk,
+                                  lambda: chunk(None, gen.finish_reason), opening=opening)
+        except ConnectionError as e:
+            log.debug("chat stream reader went away", job=job.id, error=str(e))
+        return resp

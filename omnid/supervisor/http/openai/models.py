@@ -1,27 +1,29 @@
-"""The pipelines as OpenAI models: a `model` looked up (a pipeline's name, or `PIPELINE:ADAPTER` for
-one of its LoRA adapters), the model documents of `GET /v1/models`, and the check that a model gives
-the answer an endpoint needs.
+"""`GET /v1/models`, `GET /v1/models/{model}`: the pipelines as OpenAI models, and each LoRA adapter
+of a pipeline as a model of its own (`PIPELINE:ADAPTER`, as `vllm serve --lora-modules` lists them:
+its `parent` is the pipeline; a request for it is the pipeline's job with the adapter stage's
+`adapter` set, common.py: `adapter_choice`).
 
-Runs in the supervisor's event-loop thread, called by the OpenAI handlers (openai_api.py,
-openai_audio.py), the job submission (openai_jobs.py: an adapter model sets its stage's `adapter`)
-and the realtime door (realtime.py). Pure functions of the config (what each stage
-produces is declared there: admission.answers); nothing blocks.
+A model's `omnid.outputs` is what its pipeline produces: `text` for a vLLM last stage, `image` for
+diffusers; for a python last stage, what it declares (its `produces`, or its function's), null when it
+declares nothing (admission.answers); `omnid.endpoints` which endpoints take it; `omnid.media` the
+media its chats may hold (`image`, `audio`, `video`). Pure functions of the config but the last
+successful job's outputs looked up in the store; nothing blocks.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
 
 from omnid.config import Config, PipelineConfig
 from omnid.lora import adapter_stage, pipeline_adapters
 from omnid.store import JobStore
 from omnid.supervisor.http import admission
-from omnid.supervisor.http.openai.common import OpenAiError, bad
-from omnid.vocabulary import ErrorCode
+from omnid.supervisor.http.openai.common import ENDPOINTS, find_pipeline
 
-# What each kind of answer is asked on (a model's `omnid.endpoints`).
-ENDPOINTS = {"text": ["/v1/chat/completions", "/v1/completions"], "image": ["/v1/images/generations"],
-             "audio": ["/v1/audio/speech"]}
+if TYPE_CHECKING:
+    from omnid.supervisor.http.api import Api
 
 
 def model_doc(config: Config, store: JobStore, created: float, p: PipelineConfig) -> dict[str, Any]:
@@ -34,57 +36,6 @@ def model_doc(config: Config, store: JobStore, created: float, p: PipelineConfig
                       "media": list(stage.media.kinds) if (stage := admission.media_stage(config, p)) else []}}
 
 
-def find_pipeline(config: Config, name: Any) -> PipelineConfig:
-    """The pipeline a `model` names: a pipeline's name, or `PIPELINE:ADAPTER`, one of the adapters
-    of the pipeline's adapter stage (`adapter_stage`)."""
-    if not isinstance(name, str) or not name:
-        raise bad("model", "you must provide a model parameter (a pipeline's name)")
-    p = config.pipelines.get(name)
-    if p is None and ":" in name:
-        base, _, adapter = name.rpartition(":")
-        p = config.pipelines.get(base)
-        known = pipeline_adapters(config, p) if p is not None else []
-        if p is not None and adapter not in known:
-            raise OpenAiError(404, f"The model `{name}` does not exist: pipeline {base!r} has no adapter {adapter!r} "
-                              f"(its adapters: {', '.join(known) or 'none'})", "model", ErrorCode.MODEL_NOT_FOUND)
-    if p is None:
-        raise OpenAiError(404, f"The model `{name}` does not exist (the pipelines: "
-                          f"{', '.join(sorted(config.pipelines))})", "model",
-                          ErrorCode.MODEL_NOT_FOUND)
-    return p
-
-
-def pipeline_for(config: Config, store: JobStore, body: dict[str, Any], *kinds: str) -> PipelineConfig:
-    """The pipeline named by `model` (looked up once), if it produces each of `kinds` (or may: a
-    last stage whose engine declares no answer, untried)."""
-    p = find_pipeline(config, body.get("model"))
-    produces = admission.answers(config, store, p)
-    for kind in kinds:
-        if produces is not None and kind not in produces:
-            raise bad("model", f"model {p.name!r} produces {', '.join(produces) or 'nothing'}, not {kind}; "
-                      f"{ENDPOINTS[kind][0]} needs a pipeline that ends in {kind}",
-                      ErrorCode.MODEL_NOT_SUPPORTED)
-    return p
-
-
-# ---------------------------------------------------------------------------- LoRA adapters as models
-# As `vllm serve --lora-modules` lists them: each adapter is a model of its own, `PIPELINE:ADAPTER`,
-# whose `parent` is the pipeline; a request for it is the pipeline's job with the adapter stage's
-# `adapter` set.
-
-
-def adapter_choice(config: Config, p: PipelineConfig, model: Any) -> tuple[str, str] | None:
-    """(stage, adapter) that a `model` of `PIPELINE:ADAPTER` asks for, `p` being the pipeline
-    `find_pipeline` gave for it (not looked up again); None for the plain pipeline."""
-    if not isinstance(model, str) or model == p.name or ":" not in model:
-        return None
-    base, _, adapter = model.rpartition(":")
-    stage = adapter_stage(config, p) if base == p.name else None
-    if stage is None or adapter not in config.stages[stage].adapters:
-        return None
-    return stage, adapter
-
-
 def adapter_model(config: Config, created: float, p: PipelineConfig, adapter: str) -> dict[str, Any]:
     """A LoRA adapter as a model of its own (`PIPELINE:ADAPTER`, its `parent` the pipeline)."""
     stage = adapter_stage(config, p)
@@ -92,3 +43,25 @@ def adapter_model(config: Config, created: float, p: PipelineConfig, adapter: st
     return {"id": f"{p.name}:{adapter}", "object": "model", "created": int(created), "owned_by": "omnid",
             "parent": p.name, "root": str(config.stages[stage].adapters[adapter]),
             "omnid": {"stage": stage, "adapter": adapter, "base": str(config.stages[stage].model)}}
+
+
+class Models:
+    """The model handlers, on the `Api`'s collaborators (config, store, info)."""
+
+    def __init__(self, api: Api) -> None:
+        self.api = api
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        api = self.api
+        data = []
+        for p in api.config.pipelines.values():
+            data.append(model_doc(api.config, api.store, api.info.started, p))
+            data += [adapter_model(api.config, api.info.started, p, name) for name in pipeline_adapters(api.config, p)]
+        return web.json_response({"object": "list", "data": data})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        p = find_pipeline(self.api.config, name)
+        if name != p.name:
+            return web.json_response(adapter_model(self.api.config, self.api.info.started, p, name.rpartition(":")[2]))
+        return web.json_response(model_doc(self.api.config, self.api.store, self.api.info.started, p))

@@ -1,48 +1,62 @@
-"""The OpenAI paths' audio answers: `POST /v1/audio/speech` (a pipeline that ends in audio: a WAV
-streamed as it is produced, or live PCM16 / `speech.audio.delta` server-sent events), and a chat
-answered in speech (`modalities: ["text", "audio"]`: `message.audio`, or `delta.audio` pieces).
+"""`POST /v1/audio/speech`: speech by a pipeline that ends in audio, one ordinary omnid job: a WAV
+streamed as it is produced, or live PCM16 / `speech.audio.delta` server-sent events.
 
-Runs in the supervisor's event-loop thread, inside the socket API's aiohttp application
-(openai_api.py routes `/v1/audio/speech` here and hands a chat that asks for audio here). Each
-request is one ordinary omnid job (openai_jobs.py); its speech is read from the job's live WAV
+Here: the body's model (`SpeechRequest`) and the handler. Its speech is read from the job's live WAV
 stream (live_audio.py) at each of its events, or sent through the API's own `?stream=1` helper
-(`http_common.stream_output`). Nothing blocks.
+(`http_common.stream_output`). A chat answered in speech is chat.py's. Runs in the supervisor's
+event-loop thread; nothing blocks.
 """
 
 from __future__ import annotations
 
 import base64
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import structlog
 from aiohttp import web
+from pydantic import Field
 
 from omnid.config import PipelineConfig
 from omnid.store import JobStore
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.http import admission
-from omnid.supervisor.http.http_common import follow, output_file, sse_response, sse_send, stream_output
-from omnid.supervisor.http.openai.common import OpenAiError, error_event
-from omnid.supervisor.http.openai.jobs import (
+from omnid.supervisor.http.http_common import follow, output_file, sse_send, stream_output
+from omnid.supervisor.http.openai.common import (
     CONTENT_TYPE_KEY,
     WAIT_KEY,
-    Generation,
-    OpenAiJobs,
-    Opening,
-    generation,
-    read_output,
-    succeeded,
-    usage,
+    OpenAiError,
+    RequestBody,
+    error_event,
+    fixed,
+    pipeline_for,
+    read_body,
+    shown,
+    submit,
 )
-from omnid.supervisor.http.openai.live_audio import WAV_HEADER_BYTES, LiveAudio, wav_bytes
-from omnid.supervisor.http.openai.models import pipeline_for
-from omnid.supervisor.http.openai.protocol import SpeechRequest
-from omnid.supervisor.http.openai.requests import read_body
-from omnid.vocabulary import ErrorCode, JobRecord, JobState
+from omnid.supervisor.http.openai.jobs import OpenAiJobs, succeeded
+from omnid.supervisor.http.openai.live_audio import LiveAudio
+from omnid.vocabulary import JobRecord, JobState
 
 log = structlog.get_logger("omnid.openai")
 
-AUDIO_EXPIRES_S = 3600          # how long a chat's audio id is said to be good (the job's files may outlive it)
+
+class SpeechRequest(RequestBody):
+    """Speech, by an audio-ending pipeline, streamed as it is produced."""
+
+    ANSWER = "audio"
+    input: Annotated[str, Field(min_length=1)]
+    voice: Any = Field(None, description="given to a last stage that has `voice` in its defaults")
+    response_format: Literal["wav", "pcm"] | None = None
+    stream_format: Literal["audio", "sse"] | None = None
+
+    MESSAGES = {
+        **RequestBody.MESSAGES,
+        ("input",): (fixed("input must be a non-empty string"), None),
+        ("response_format",): (lambda at, v: "response_format must be one of wav, pcm (omnid writes PCM: mp3, opus, "
+                               f"aac and flac are not supported), not {shown(v)}", None),
+        ("stream_format",): (fixed("stream_format must be \"audio\" (the bytes, as they come) or \"sse\" "
+                                    "(speech.audio.delta events)"), None),
+    }
 
 
 def _audio_name(store: JobStore, p: PipelineConfig) -> str:
@@ -54,81 +68,14 @@ def _audio_name(store: JobStore, p: PipelineConfig) -> str:
     return "audio"
 
 
-class OpenAiAudio:
-    """The speech handler and the audio chat's answer, on the OpenAI paths' jobs (`OpenAiJobs`)."""
+class Speech:
+    """The speech handler, on the OpenAI paths' jobs (`OpenAiJobs`)."""
 
     def __init__(self, jobs: OpenAiJobs) -> None:
         self.jobs = jobs
         self.api = jobs.api
 
-    # ------------------------------------------------------------------ audio chat
-
-    async def chat(self, request: web.Request, p: PipelineConfig, inputs: dict[str, Any],
-                   params: dict[str, dict[str, Any]], summary: dict[str, Any], stream: bool,
-                   include_usage: bool, fmt: str) -> web.StreamResponse:
-        """A chat answered in text and speech, as OpenAI answers one: `message.audio` = {id, data
-        (base64), expires_at, transcript}, the text being the transcript (`content` is null); streamed,
-        `delta.audio` pieces: the transcript as it grows and the PCM16 as it is made."""
-        gen = generation(self.api.config, p)
-        job = self.jobs.submit(request, p, inputs, params, summary)
-        head = {"id": "chatcmpl-" + job.id, "object": "chat.completion", "created": int(job.created_at),
-                "model": p.name}
-        audio_id = "audio_" + job.id
-        expires = int(job.created_at) + AUDIO_EXPIRES_S
-        try:
-            if stream:
-                return await self._stream_chat(request, job, gen, head, include_usage, audio_id, expires)
-            transcript = "".join([piece async for piece in self.jobs.deltas(request, job, gen)])
-            record = succeeded(self.api.scheduler, job.id)
-            out = next((o for o in record.outputs if o["kind"] == "audio"), None)
-            if out is None:
-                raise OpenAiError(500, f"job {job.id} of model {p.name!r} ended with no audio output",
-                                  code=ErrorCode.INTERNAL_ERROR)
-            data = wav_bytes(await read_output(self.api.store, record, out))
-            if fmt == "pcm16":
-                data = data[WAV_HEADER_BYTES:]
-            message = {"role": "assistant", "content": None, "refusal": None,
-                       "audio": {"id": audio_id, "data": base64.b64encode(data).decode("ascii"),
-                                 "expires_at": expires, "transcript": transcript}}
-            choice = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason, "message": message}
-            return web.json_response({**head, "choices": [choice], "usage": usage(gen)})
-        finally:
-            self.jobs.abandon(request, job.id)
-
-    async def _stream_chat(self, request: web.Request, job: JobRecord, gen: Generation,
-                           head: dict[str, Any], include_usage: bool, audio_id: str,
-                           expires: int) -> web.StreamResponse:
-        head = {**head, "object": "chat.completion.chunk"}
-        resp = await sse_response(request)
-        reader = LiveAudio(self.api.store.job_dir(job.id))
-
-        def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-            return {**head, "choices": [{"index": 0, "logprobs": None, "finish_reason": finish, "delta": delta}],
-                    **({"usage": None} if include_usage else {})}
-
-        opening = Opening(chunk({"role": "assistant", "content": None, "refusal": None}))
-
-        async def pcm_out() -> None:
-            data = reader.read()
-            if data:
-                await sse_send(resp, *opening.take(),
-                               chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode("ascii")}}))
-
-        try:
-            await self.jobs.sse_answer(request, resp, job, gen, head if include_usage else None,
-                                       lambda piece: chunk({"audio": {"id": audio_id, "transcript": piece}}),
-                                       lambda: chunk({"audio": {"id": audio_id, "expires_at": expires}},
-                                                     gen.finish_reason),
-                                       on_event=pcm_out, opening=opening)
-        except ConnectionError as e:
-            log.debug("audio chat stream reader went away", job=job.id, error=str(e))
-        finally:
-            reader.close()
-        return resp
-
-    # ------------------------------------------------------------------ speech
-
-    async def speech(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await read_body(request)
         asked = SpeechRequest.parse(body)
         p = pipeline_for(self.api.config, self.api.store, body, "audio")
@@ -138,7 +85,7 @@ class OpenAiAudio:
             if voice is not None and "voice" in self.api.config.stages[s].defaults:
                 params[s] = {"voice": voice}
         inputs, summary = admission.inputs(self.api.config, {admission.prompt_key(self.api.config, p, "text"): text}, p)
-        job = self.jobs.submit(request, p, inputs, params, summary)
+        job = submit(self.api, request, p, inputs, params, summary)
         if sse or fmt == "pcm":
             try:
                 return await self._speech_live(request, job, fmt, sse)

@@ -1,4 +1,4 @@
-"""A chat that asks for speech, in process (`ChatCompletionRequest.audio_format`, openai_protocol.py):
+"""A chat that asks for speech, in process (`ChatCompletionRequest.audio_format`, openai/chat.py):
 `modalities` and `audio` checked as OpenAI does, the format asked given back."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from omnid.supervisor.http.openai.chat import ChatCompletionRequest
 from omnid.supervisor.http.openai.common import OpenAiError
-from omnid.supervisor.http.openai.protocol import ChatCompletionRequest
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

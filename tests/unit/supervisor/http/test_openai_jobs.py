@@ -1,4 +1,4 @@
-"""What the OpenAI paths read of a job, in process (`omnid.supervisor.http.openai.jobs`): a text
+"""What the OpenAI paths read of a job, in process (`omnid.supervisor.http.openai.jobs`, `common.Generation`): a text
 job's events counted into its answer (segments, tokens, the prompt's tokens, the finish reason), the
 output picked, a stream's opening chunk held for its first, and a job that did not succeed said in
 OpenAI's words."""
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from omnid.supervisor.http.openai.common import OpenAiError
-from omnid.supervisor.http.openai.jobs import Generation, Opening, pick, succeeded, take, usage
+from omnid.supervisor.http.openai.common import Generation, OpenAiError, take, usage
+from omnid.supervisor.http.openai.jobs import Opening, pick, succeeded
 from omnid.vocabulary import ErrorCode, EventType, JobError, JobState
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from omnid.config import Config, DaemonConfig, EdgeConfig, PipelineConfig, StageConfig
 from omnid.config_types import LoraConfig
-from omnid.supervisor.http.openai.common import OpenAiError
-from omnid.supervisor.http.openai.models import adapter_choice, adapter_model, find_pipeline, model_doc, pipeline_for
+from omnid.supervisor.http.openai.common import OpenAiError, adapter_choice, find_pipeline, pipeline_for
+from omnid.supervisor.http.openai.models import adapter_model, model_doc
 
 D = Path("/nonexistent")
 

@@ -1,7 +1,7 @@
 """An OpenAI request's body checked into a job's params, in process: its shape by its model
-(`omnid.supervisor.http.openai.protocol`: `n` / `stream` / `stream_options`, the chat features refused
+(each endpoint's model, on `omnid.supervisor.http.openai.common.RequestBody`: `n` / `stream` / `stream_options`, the chat features refused
 rather than ignored, every problem said at once in omnid's words), then the sampling fields as the
-token stage's params (`openai_requests.sampling`: checked by omnid's rules, each refusal naming its
+token stage's params (`common.sampling`: checked by omnid's rules, each refusal naming its
 field). (A chat's messages and media: tests/unit/config/test_media_config.py.)"""
 
 from __future__ import annotations
@@ -13,16 +13,12 @@ import pytest
 from pydantic import Field
 
 from omnid.config import Config, DaemonConfig, PipelineConfig, StageConfig
-from omnid.supervisor.http.openai.common import OpenAiError
-from omnid.supervisor.http.openai.protocol import (
-    REQUESTS,
-    ChatCompletionRequest,
-    CompletionRequest,
-    ImageRequest,
-    RequestBody,
-    SpeechRequest,
-)
-from omnid.supervisor.http.openai.requests import sampling
+from omnid.supervisor.http.openai.chat import ChatCompletionRequest
+from omnid.supervisor.http.openai.common import OpenAiError, RequestBody, sampling
+from omnid.supervisor.http.openai.completions import CompletionRequest
+from omnid.supervisor.http.openai.images import ImageRequest
+from omnid.supervisor.http.openai.speech import SpeechRequest
+from omnid.supervisor.http.openapi_schemas import REQUESTS
 
 D = Path("/nonexistent")
 
@@ -195,7 +191,7 @@ def test_a_huge_wrong_value_is_shown_cut() -> None:
 
 
 def test_a_message_without_content_is_an_assistants_only() -> None:
-    from omnid.supervisor.http.openai.requests import chat_messages
+    from omnid.supervisor.http.openai.chat import chat_messages
     chat = ChatCompletionRequest.parse({**CHAT, "messages": [{"role": "developer", "content": "be brief"},
                                                              {"role": "assistant"}, {"role": "user", "content": "hi"}]})
     assert chat_messages(chat.messages) == ([{"role": "system", "content": "be brief"},

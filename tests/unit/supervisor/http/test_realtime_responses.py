@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from omnid.config import Config, DaemonConfig, PipelineConfig, StageConfig
-from omnid.supervisor.http.openai.jobs import Generation
+from omnid.supervisor.http.openai.common import Generation
 from omnid.supervisor.http.openai.realtime.conversation import Conversation, Item
 from omnid.supervisor.http.openai.realtime.responses import Response, Responses
 from omnid.supervisor.http.openai.realtime.settings import SessionSettings

@@ -27,14 +27,22 @@ from aiohttp import web
 from omnid.config import PipelineConfig
 from omnid.supervisor.http import admission
 from omnid.supervisor.http.http_common import follow_batches
-from omnid.supervisor.http.openai.common import OpenAiError
-from omnid.supervisor.http.openai.jobs import Generation, OpenAiJobs, generation, succeeded, take, usage
+from omnid.supervisor.http.openai.common import (
+    Generation,
+    OpenAiError,
+    generation,
+    media_inputs,
+    sampling,
+    submit,
+    take,
+    usage,
+)
+from omnid.supervisor.http.openai.jobs import OpenAiJobs, succeeded
 from omnid.supervisor.http.openai.live_audio import LiveAudio
 from omnid.supervisor.http.openai.realtime import events as E
 from omnid.supervisor.http.openai.realtime.conversation import Conversation, Item
 from omnid.supervisor.http.openai.realtime.events import new_id
 from omnid.supervisor.http.openai.realtime.settings import ResponseOptions, SessionSettings
-from omnid.supervisor.http.openai.requests import media_inputs, sampling
 from omnid.vocabulary import JobRecord
 
 log = structlog.get_logger("omnid.realtime")
@@ -114,7 +122,7 @@ class Responses:
             inputs, summary = media_inputs(self.config, self.p, json.dumps(messages), parts)
         else:
             inputs, summary = admission.inputs(self.config, {"messages": json.dumps(messages)}, self.p)
-        job = self.jobs.submit(s.request, self.p, inputs, params, summary)
+        job = submit(self.jobs.api, s.request, self.p, inputs, params, summary)
         self.count += 1
         item = Item(new_id("item"), "assistant", spoken="audio" in opts.modalities, status="in_progress")
         resp = Response(new_id("resp"), item, job, gen, "audio" in opts.modalities,

@@ -53,9 +53,8 @@ from omnid.config import PipelineConfig
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.http import admission
 from omnid.supervisor.http.access import KEY_NAME
-from omnid.supervisor.http.openai.common import OpenAiError
+from omnid.supervisor.http.openai.common import OpenAiError, find_pipeline
 from omnid.supervisor.http.openai.jobs import OpenAiJobs
-from omnid.supervisor.http.openai.models import find_pipeline
 from omnid.supervisor.http.openai.realtime import events as E
 from omnid.supervisor.http.openai.realtime import vad as realtime_vad
 from omnid.supervisor.http.openai.realtime.conversation import INPUT_RATE, Conversation, Item, b64
@@ -76,7 +75,7 @@ class RealtimeApi:
 
     def __init__(self, api: Api) -> None:
         self.api = api
-        self.jobs = OpenAiJobs(api)              # the OpenAI paths' job submission
+        self.jobs = OpenAiJobs(api)              # the OpenAI paths' jobs followed
         self.sessions: dict[str, _Session] = {}
         self.rates: dict[str, int] = {}         # the PCM rate each pipeline's speech came at, last time
 

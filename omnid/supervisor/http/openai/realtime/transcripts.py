@@ -20,12 +20,11 @@ import structlog
 
 from omnid.config import PipelineConfig
 from omnid.supervisor.http.http_common import follow_batches
-from omnid.supervisor.http.openai.common import OpenAiError
-from omnid.supervisor.http.openai.jobs import OpenAiJobs, generation, succeeded, take
+from omnid.supervisor.http.openai.common import OpenAiError, generation, media_inputs, sampling, submit, take
+from omnid.supervisor.http.openai.jobs import OpenAiJobs, succeeded
 from omnid.supervisor.http.openai.realtime import events as E
 from omnid.supervisor.http.openai.realtime.conversation import INPUT_RATE, Item
 from omnid.supervisor.http.openai.realtime.responses import ResponseSession
-from omnid.supervisor.http.openai.requests import media_inputs, sampling
 
 log = structlog.get_logger("omnid.realtime")
 
@@ -53,7 +52,7 @@ class Transcripts:
         try:
             inputs, summary = media_inputs(config, self.p, json.dumps([{"role": "user", "content": content}]),
                                            [("audio", item.audio, f"item {item.id}")])
-            job = self.jobs.submit(self.session.request, self.p, inputs, sampling(config, self.p, {}, {}), summary)
+            job = submit(self.jobs.api, self.session.request, self.p, inputs, sampling(config, self.p, {}, {}), summary)
             self.running[item.id] = (self.running[item.id][0], job.id)
             gen = generation(config, self.p)
             text = []
