@@ -190,7 +190,7 @@ class ErrorCode(StrEnum):
     UNKNOWN_KEY = "unknown_key"
     KEY_EXISTS = "key_exists"
     SOCKET_ONLY = "socket_only"                 # 403: API keys are managed over the Unix socket only
-    # the OpenAI-compatible paths' own (openai_api.py)
+    # the OpenAI-compatible paths' own (supervisor/http/openai/)
     MODEL_NOT_FOUND = "model_not_found"         # 404: no pipeline of that name
     MODEL_NOT_SUPPORTED = "model_not_supported"  # 400: the pipeline does not produce what the path gives
     NO_IMAGE = "no_image"                       # 500: an image pipeline's job produced none

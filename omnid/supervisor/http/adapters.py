@@ -31,7 +31,7 @@ from omnid.engines.capabilities import capabilities
 from omnid.lora import describe
 from omnid.protocol import Reconfigure
 from omnid.supervisor.errors import Refused
-from omnid.supervisor.http.http_common import json_body
+from omnid.supervisor.http.admission import json_body
 from omnid.vocabulary import ErrorCode
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ submitted it; only that uid or root may read, cancel or delete it.
 `Api` is given its collaborators (config, store, scheduler, stage handles, metrics,
 and `DaemonInfo`) by the daemon that builds it; it imports nothing of the daemon.
 To add an endpoint: a handler method here and its route in `Api.__init__`. What a submission must
-be is admission.py's (every front end asks it); what the front ends share (the JSON body, a job's
-event stream, output files, logs, server-sent events) is http_common.py's.
+be is admission.py's (every front end asks it, from its JSON body on); what the front ends share (a
+job's event stream, output files, logs, server-sent events) is http_common.py's.
 """
 
 from __future__ import annotations
@@ -43,15 +43,8 @@ from omnid.supervisor.errors import RETRY_AFTER_S as RETRY_AFTER_S  # (re-export
 from omnid.supervisor.errors import STORAGE_RETRY_AFTER_S, Refused, retry_after
 from omnid.supervisor.http import admission, trace_context
 from omnid.supervisor.http.adapters import Adapters
-from omnid.supervisor.http.http_common import (
-    MAX_BYTES_KEY,
-    flag,
-    follow_batches,
-    json_body,
-    output_file,
-    send_log,
-    stream_output,
-)
+from omnid.supervisor.http.admission import MAX_BYTES_KEY, json_body
+from omnid.supervisor.http.http_common import flag, follow_batches, output_file, send_log, stream_output
 from omnid.supervisor.http.openapi import describe_pipeline, openapi_document
 from omnid.supervisor.jobs.scheduler import Scheduler
 from omnid.supervisor.jobs.submission import Submission
@@ -179,7 +172,7 @@ class Api:
             web.get("/metrics", self.get_metrics),
         ])
         app.add_routes(Adapters(self).routes())     # a stage's LoRA adapters at run time (adapters.py)
-        self.app = app                  # (the daemon mounts the OpenAI-compatible paths: openai_api.py)
+        self.app = app                  # (the daemon mounts the OpenAI-compatible paths: openai/routes.py)
 
     # ------------------------------------------------------------------ helpers
 

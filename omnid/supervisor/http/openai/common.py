@@ -43,7 +43,7 @@ from omnid.params import merged
 from omnid.store import JobStore
 from omnid.supervisor.errors import Refused, retry_after
 from omnid.supervisor.http import admission
-from omnid.supervisor.http.http_common import json_body
+from omnid.supervisor.http.admission import json_body
 from omnid.supervisor.jobs.submission import Submission
 from omnid.vocabulary import ErrorCode, EventType, JobRecord
 

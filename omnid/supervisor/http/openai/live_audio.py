@@ -2,7 +2,7 @@
 job's folder, read as PCM16 while it grows; and a streamed WAV made whole (its size fields set).
 
 Runs in the supervisor's event-loop thread, called by the speech and audio-chat answers
-(openai_audio.py) and a realtime response (realtime_responses.py) at each event of their job. The
+(speech.py, chat.py) and a realtime response (realtime/responses.py) at each event of their job. The
 reads are small, non-blocking reads of a local file that is being appended to; no other state.
 """
 

@@ -2,10 +2,10 @@
 the input audio buffer (PCM16, 24 kHz mono, made a WAV when committed), the client's items checked
 as they are added, and the conversation as a job's chat prompt bounded by the model's context.
 
-Runs in the supervisor's event-loop thread, owned by one realtime session (realtime.py) and read by
-its responses (realtime_responses.py). State only, and pure checks: nothing here sends an event or
-awaits; a client's mistake is an `EventError` (realtime_events.py). Its tokens are counted with the
-model's own tokenizer (prompt_length.py), once per item.
+Runs in the supervisor's event-loop thread, owned by one realtime session (session.py) and read by
+its responses (responses.py). State only, and pure checks: nothing here sends an event or
+awaits; a client's mistake is an `EventError` (events.py). Its tokens are counted with the
+model's own tokenizer (omnid/prompt_length.py), once per item.
 """
 
 from __future__ import annotations

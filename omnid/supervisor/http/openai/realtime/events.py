@@ -2,8 +2,8 @@
 components of openai/openai-openapi), a client event refused (`EventError`, said as an `error`
 event), the ids of a session's things, and a refusal at the door said as one.
 
-Standard library and aiohttp only; no state but two counters. The session itself is realtime.py's
-(its conversation realtime_conversation.py's, its responses realtime_responses.py's); the TCP door
+Standard library and aiohttp only; no state but two counters. The session itself is session.py's
+(its conversation conversation.py's, its responses responses.py's); the TCP door
 (access.py) uses `refuse` to answer a WebSocket upgrade without a valid key.
 """
 

@@ -3,7 +3,7 @@ submitted as the caller's through the OpenAI paths' jobs), its deltas streamed a
 them (text, and speech read from the job's live WAV), its last events, and its cancel (barge-in,
 `response.cancel`, the socket gone), which stops its job in every stage at once.
 
-Runs in the supervisor's event-loop thread, owned by one realtime session (realtime.py), which it
+Runs in the supervisor's event-loop thread, owned by one realtime session (session.py), which it
 knows by the `ResponseSession` Protocol below (it never imports the session). While a response runs,
 one task follows its job (`Responses._answer`); each write waits for the socket (aiohttp's drain)
 while the job's events wait in its bounded queue and its speech in its file, and what piled up goes
@@ -51,7 +51,7 @@ MAX_DELTA_BYTES = 96 * 1024             # PCM per audio delta at most (a slow re
 
 
 class ResponseSession(Protocol):
-    """What a response needs of its session (realtime.py's `_Session` fills it)."""
+    """What a response needs of its session (session.py's `_Session` fills it)."""
 
     id: str
     request: web.Request                # the WebSocket's request: the caller's uid, the path

@@ -5,12 +5,12 @@ Runs in the supervisor's event-loop thread, inside the socket API's aiohttp appl
 mounts it: `RealtimeApi(api).mount(api.app)`), on the socket and on the TCP listener (whose door,
 access.py, checks the key before this sees the request). Nothing here blocks: a session is two
 coroutines, the handler here reading the client's events and, while a response runs, one task that
-follows its job (realtime_responses.py: the scheduler's event queue, as the OpenAI paths do:
-openai_jobs.py) and reads its speech from the job's live WAV stream (live_audio.py). The session's
-conversation is realtime_conversation.py's, its settings realtime_settings.py's.
+follows its job (responses.py: the scheduler's event queue, as the OpenAI paths do:
+openai/jobs.py) and reads its speech from the job's live WAV stream (openai/live_audio.py). The session's
+conversation is conversation.py's, its settings settings.py's.
 
 - The events are OpenAI's published ones (the `RealtimeClientEvent*` and `RealtimeServerEvent*`
-  components of openai/openai-openapi; realtime_events.py writes the server's): `session.update`,
+  components of openai/openai-openapi; events.py writes the server's): `session.update`,
   `conversation.item.create` (user, system or assistant text; user audio), `input_audio_buffer.append`
   / `commit` / `clear` (PCM16, 24 kHz mono, for pipelines whose first stage takes audio),
   `response.create`, `response.cancel`, `conversation.item.truncate`, `conversation.item.delete`,
@@ -22,11 +22,11 @@ conversation is realtime_conversation.py's, its settings realtime_settings.py's.
   PCM16 at the pipeline's rate: the session says it, and says it again before a response whose
   audio comes at another rate), then `response.done` with the usage.
 - Server VAD (`turn_detection` `server_vad` or `semantic_vad`; the default on a pipeline that takes
-  audio, as OpenAI's): the appended audio is judged as it comes (realtime_vad.py, in a worker
+  audio, as OpenAI's): the appended audio is judged as it comes (vad.py, in a worker
   thread), and the session sends `input_audio_buffer.speech_started` / `speech_stopped` /
   `committed` and creates the response itself. `turn_detection: null` keeps manual turns. Input
   transcription, when the client asks and the config names a pipeline for it, is
-  realtime_transcripts.py's.
+  transcripts.py's.
 - `response.cancel`, and a new user turn while a response runs (barge-in, by an item or by voice:
   speech that starts), cancel its job in every stage at once; no delta follows, and `response.done`
   says `cancelled`. The assistant's item keeps

@@ -9,9 +9,9 @@ update applies, the feature comes back off (null, or `[]` for tools) in `session
 `update` returns its name for the session to log. A wrong value (a threshold of 7, an audio
 format omnid does not take) is still refused.
 
-Runs in the supervisor's event-loop thread, owned by one realtime session (realtime.py) and read by
-its responses (realtime_responses.py). State and pure checks only: nothing here sends or awaits; a
-client's mistake is an `EventError` (realtime_events.py).
+Runs in the supervisor's event-loop thread, owned by one realtime session (session.py) and read by
+its responses (responses.py). State and pure checks only: nothing here sends or awaits; a
+client's mistake is an `EventError` (events.py).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ one that takes audio and answers in text), as an ordinary job of the caller's; i
 `conversation.item.input_audio_transcription.delta` events as the job makes it, then `.completed`
 (or `.failed`). Without that setting a session's `transcription` stays null.
 
-Runs in the supervisor's event-loop thread, owned by one realtime session (realtime.py), which it
-knows by the `ResponseSession` Protocol (realtime_responses.py). One task per transcript follows its
+Runs in the supervisor's event-loop thread, owned by one realtime session (session.py), which it
+knows by the `ResponseSession` Protocol (responses.py). One task per transcript follows its
 job (the scheduler's event queue, as a response does); the session's end cancels them and their jobs.
 """
 

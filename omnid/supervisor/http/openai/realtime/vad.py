@@ -7,7 +7,7 @@ Threads: the model runs in one of `VAD_THREADS` worker threads of this module's 
 (`omnid-vad`), never on the supervisor's event loop; onnxruntime lets go of the GIL while it
 computes (one intra-op thread a call: a session's 32 ms frame takes ~0.1 ms). The state machine
 and the session's timeline run in the event-loop thread, in the session's own handler
-(realtime.py awaits `Detector.feed` for each `input_audio_buffer.append`, so a session's frames are
+(session.py awaits `Detector.feed` for each `input_audio_buffer.append`, so a session's frames are
 judged in order). Nothing here imports torch: the package's `__init__` (which does) is never run;
 only its data file is read, found with `importlib.util.find_spec`. numpy and onnxruntime are
 imported in the worker thread, on the first session that uses server VAD.
