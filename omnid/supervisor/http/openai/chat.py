@@ -44,7 +44,7 @@ from omnid.supervisor.http.openai.common import (
     submit,
     usage,
 )
-from omnid.supervisor.http.openai.jobs import OpenAiJobs, Opening, read_output, succeeded
+from omnid.supervisor.http.openai.jobs import Endpoint, Opening, read_output, succeeded
 from omnid.supervisor.http.openai.live_audio import WAV_HEADER_BYTES, LiveAudio, wav_bytes
 from omnid.vocabulary import ErrorCode, JobRecord
 
@@ -244,12 +244,8 @@ def _b64(text: str, where: str) -> bytes:
         raise bad(where, f"{where}: the data is not valid base64") from None
 
 
-class Chat:
-    """The chat handler, on the OpenAI paths' jobs (`OpenAiJobs`)."""
-
-    def __init__(self, jobs: OpenAiJobs) -> None:
-        self.jobs = jobs
-        self.api = jobs.api
+class Chat(Endpoint):
+    """The chat handler."""
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await read_body(request)

@@ -25,7 +25,7 @@ from omnid.supervisor.http.openai.common import (
     sampling,
     submit,
 )
-from omnid.supervisor.http.openai.jobs import OpenAiJobs
+from omnid.supervisor.http.openai.jobs import Endpoint
 
 
 class CompletionRequest(TextBody):
@@ -53,12 +53,8 @@ class CompletionRequest(TextBody):
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
-class Completions:
-    """The completion handler, on the OpenAI paths' jobs (`OpenAiJobs`)."""
-
-    def __init__(self, jobs: OpenAiJobs) -> None:
-        self.jobs = jobs
-        self.api = jobs.api
+class Completions(Endpoint):
+    """The completion handler."""
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await read_body(request)

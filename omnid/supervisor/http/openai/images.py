@@ -31,7 +31,7 @@ from omnid.supervisor.http.openai.common import (
     shown,
     submit,
 )
-from omnid.supervisor.http.openai.jobs import OpenAiJobs, pick, read_output, succeeded
+from omnid.supervisor.http.openai.jobs import Endpoint, pick, read_output, succeeded
 from omnid.vocabulary import ErrorCode
 
 
@@ -63,12 +63,8 @@ class ImageRequest(RequestBody):
         return int(width), int(height)
 
 
-class Images:
-    """The image handler, on the OpenAI paths' jobs (`OpenAiJobs`)."""
-
-    def __init__(self, jobs: OpenAiJobs) -> None:
-        self.jobs = jobs
-        self.api = jobs.api
+class Images(Endpoint):
+    """The image handler."""
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await read_body(request)

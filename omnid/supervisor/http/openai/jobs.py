@@ -226,3 +226,11 @@ class OpenAiJobs:
         except ConnectionError as e:
             log.debug("chat stream reader went away", job=job.id, error=str(e))
         return resp
+
+
+class Endpoint:
+    """An endpoint's handler (chat.py, completions.py, images.py, speech.py), on the OpenAI paths'
+    jobs and the `Api`'s collaborators (config, store, scheduler)."""
+
+    def __init__(self, jobs: OpenAiJobs) -> None:
+        self.jobs, self.api = jobs, jobs.api

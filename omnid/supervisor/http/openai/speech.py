@@ -33,7 +33,7 @@ from omnid.supervisor.http.openai.common import (
     shown,
     submit,
 )
-from omnid.supervisor.http.openai.jobs import OpenAiJobs, succeeded
+from omnid.supervisor.http.openai.jobs import Endpoint, succeeded
 from omnid.supervisor.http.openai.live_audio import LiveAudio
 from omnid.vocabulary import JobRecord, JobState
 
@@ -68,12 +68,8 @@ def _audio_name(store: JobStore, p: PipelineConfig) -> str:
     return "audio"
 
 
-class Speech:
-    """The speech handler, on the OpenAI paths' jobs (`OpenAiJobs`)."""
-
-    def __init__(self, jobs: OpenAiJobs) -> None:
-        self.jobs = jobs
-        self.api = jobs.api
+class Speech(Endpoint):
+    """The speech handler."""
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await read_body(request)
