@@ -197,7 +197,7 @@ class ErrorCode(StrEnum):
     # who goes first (omnid/fair_queue.py)
     PRIORITY_NOT_ALLOWED = "priority_not_allowed"   # 403: more urgent than the owner's max_priority
     OWNER_QUEUE_FULL = "owner_queue_full"           # 429: the owner's max_queued jobs are queued already
-    # a stage's LoRA adapters at run time (supervisor/http/adapters.py)
+    # a stage's LoRA adapters at run time (supervisor/http/api/adapters.py)
     UNKNOWN_ADAPTER = "unknown_adapter"         # 404: the stage has no adapter of that name
     ADAPTER_EXISTS = "adapter_exists"           # 409: it has one already (remove it first)
     INVALID_ADAPTER = "invalid_adapter"         # 400: no LoRA there, a rank too high, another base; 409: no lora table

@@ -48,7 +48,7 @@ from omnid.store import JobStore, StateDirBusy
 from omnid.supervisor import resources
 from omnid.supervisor.http import trace_context
 from omnid.supervisor.http.access import Access
-from omnid.supervisor.http.api import Api, DaemonInfo, error
+from omnid.supervisor.http.api.app import Api, DaemonInfo, error
 from omnid.supervisor.http.openai.realtime.session import RealtimeApi
 from omnid.supervisor.http.openai.routes import OpenAiApi
 from omnid.supervisor.jobs.scheduler import Scheduler

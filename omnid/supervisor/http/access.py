@@ -38,13 +38,13 @@ from aiohttp import web
 from omnid.keys import ApiKey, KeyFileError, KeyStore
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.http.admission import json_body
-from omnid.supervisor.http.api import RETRY_AFTER_S, error
+from omnid.supervisor.http.api.app import RETRY_AFTER_S, error
 from omnid.supervisor.http.openai.common import OPENAI_PATHS, OpenAiError
 from omnid.supervisor.http.openai.realtime import events as realtime_events
 from omnid.vocabulary import ErrorCode
 
 if TYPE_CHECKING:
-    from omnid.supervisor.http.api import Api
+    from omnid.supervisor.http.api.app import Api
 
 log = structlog.get_logger("omnid.access")
 

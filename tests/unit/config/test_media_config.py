@@ -172,7 +172,7 @@ def test_bad_content_parts_name_their_place(part: dict[str, Any], words: str) ->
 
 def test_the_door_imports_no_decoder() -> None:
     """The supervisor checks media from their headers: no numpy, PIL, torch or vLLM in its process."""
-    code = ("import sys, omnid.media, omnid.config, omnid.supervisor.http.api, omnid.supervisor.http.openai.routes; "
+    code = ("import sys, omnid.media, omnid.config, omnid.supervisor.http.api.app, omnid.supervisor.http.openai.routes; "
             "print(sorted(m for m in ('numpy', 'PIL', 'torch', 'vllm', 'transformers') if m in sys.modules))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, cwd="/", env=env)

@@ -48,7 +48,7 @@ from omnid.supervisor.jobs.submission import Submission
 from omnid.vocabulary import ErrorCode, EventType, JobRecord
 
 if TYPE_CHECKING:
-    from omnid.supervisor.http.api import Api
+    from omnid.supervisor.http.api.app import Api
 
 log = structlog.get_logger("omnid.openai")
 

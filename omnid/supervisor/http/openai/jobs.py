@@ -37,7 +37,7 @@ from omnid.supervisor.http.openai.common import (
 from omnid.vocabulary import ErrorCode, JobRecord, JobState
 
 if TYPE_CHECKING:
-    from omnid.supervisor.http.api import Api
+    from omnid.supervisor.http.api.app import Api
     from omnid.supervisor.jobs.scheduler import Scheduler
 
 log = structlog.get_logger("omnid.openai")

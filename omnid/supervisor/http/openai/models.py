@@ -23,7 +23,7 @@ from omnid.supervisor.http import admission
 from omnid.supervisor.http.openai.common import ENDPOINTS, find_pipeline
 
 if TYPE_CHECKING:
-    from omnid.supervisor.http.api import Api
+    from omnid.supervisor.http.api.app import Api
 
 
 def model_doc(config: Config, store: JobStore, created: float, p: PipelineConfig) -> dict[str, Any]:

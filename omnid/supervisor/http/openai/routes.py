@@ -37,7 +37,7 @@ from omnid.supervisor.http.openai.models import Models
 from omnid.supervisor.http.openai.speech import Speech
 
 if TYPE_CHECKING:
-    from omnid.supervisor.http.api import Api
+    from omnid.supervisor.http.api.app import Api
 
 
 class OpenAiApi:

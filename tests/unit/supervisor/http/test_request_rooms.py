@@ -22,7 +22,7 @@ from test_refusal_snapshots import _config
 
 import omnid
 from omnid.store import JobStore
-from omnid.supervisor.http.api import Api, DaemonInfo
+from omnid.supervisor.http.api.app import Api, DaemonInfo
 from omnid.supervisor.http.openai.routes import OpenAiApi
 from omnid.supervisor.live import Live
 from omnid.supervisor.metrics import Metrics

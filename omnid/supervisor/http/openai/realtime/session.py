@@ -65,7 +65,7 @@ from omnid.supervisor.http.openai.realtime.transcripts import Transcripts
 from omnid.vocabulary import ErrorCode
 
 if TYPE_CHECKING:
-    from omnid.supervisor.http.api import Api
+    from omnid.supervisor.http.api.app import Api
 
 log = structlog.get_logger("omnid.realtime")
 

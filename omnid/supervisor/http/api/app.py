@@ -42,7 +42,7 @@ from omnid.store import JobStore, StoreWriteFailed
 from omnid.supervisor.errors import RETRY_AFTER_S as RETRY_AFTER_S  # (re-exported)
 from omnid.supervisor.errors import STORAGE_RETRY_AFTER_S, Refused, retry_after
 from omnid.supervisor.http import admission, trace_context
-from omnid.supervisor.http.adapters import Adapters
+from omnid.supervisor.http.api.adapters import Adapters
 from omnid.supervisor.http.admission import MAX_BYTES_KEY, json_body
 from omnid.supervisor.http.http_common import flag, follow_batches, output_file, send_log, stream_output
 from omnid.supervisor.http.openapi import describe_pipeline, openapi_document
