@@ -335,7 +335,7 @@ class Daemon:
         if cfg.metrics_listen is not None:        # /metrics only, for a Prometheus that scrapes over TCP
             host, port = cfg.metrics_listen
             metrics_app = web.Application()
-            metrics_app.router.add_get("/metrics", api.get_metrics)
+            metrics_app.router.add_get("/metrics", api.daemon.get_metrics)
             self._metrics_runner = web.AppRunner(metrics_app, access_log=None, handle_signals=False)
             await self._metrics_runner.setup()
             try:

@@ -1,7 +1,7 @@
 """The API describing itself: `GET /v1/pipelines/{name}` (what a pipeline takes and gives) and
 `GET /v1/openapi.json` (an OpenAPI 3.1 document of every route the app has).
 
-Runs in the supervisor's event-loop thread, called by the handlers in `api.py`; pure functions of
+Runs in the supervisor's event-loop thread, called by the socket API's handlers (api/admin.py); pure functions of
 the config and the app's router, no I/O, nothing blocks. Both documents are built from the same
 things the server checks with: the parameter rules of `omnid.params` (each rule describes itself),
 the engines' declarations (`omnid.engines.capabilities`: their input needs, as admission.py
