@@ -166,8 +166,8 @@ schemathesis: setup
 # The whole files, but for media (its checks, not its decoders), tracing (its traceparent parsing and its
 # sampling) and access (the key's rate bucket; the rest is tests/test_tcp.py's).
 MUTANTS ?= omnid.fair_queue.* omnid.keys.* omnid.lora.* omnid.params.* omnid.config.checker.* \
-  omnid.worker.windows.* omnid.engines.python_sessions.* omnid.supervisor.http.prompt_length.* \
-  omnid.supervisor.http.realtime_conversation.* omnid.supervisor.http.realtime_settings.* \
+  omnid.worker.windows.* omnid.engines.python_sessions.* omnid.prompt_length.* \
+  omnid.supervisor.http.openai.realtime.conversation.* omnid.supervisor.http.openai.realtime.settings.* \
   omnid.omni.code2wav.xǁStreamingCode2Wavǁnext_window__* \
   omnid.supervisor.http.access.xǁAccessǁ_usage_of__* omnid.supervisor.http.access.xǁAccessǁ_over_rate__* \
   omnid.tracing.x_valid_traceparent__* omnid.tracing.x_trace_headers__* omnid.tracing.x_trace_id_of__* \

@@ -190,14 +190,14 @@ class ErrorCode(StrEnum):
     UNKNOWN_KEY = "unknown_key"
     KEY_EXISTS = "key_exists"
     SOCKET_ONLY = "socket_only"                 # 403: API keys are managed over the Unix socket only
-    # the OpenAI-compatible paths' own (openai_api.py)
+    # the OpenAI-compatible paths' own (supervisor/http/openai/)
     MODEL_NOT_FOUND = "model_not_found"         # 404: no pipeline of that name
     MODEL_NOT_SUPPORTED = "model_not_supported"  # 400: the pipeline does not produce what the path gives
     NO_IMAGE = "no_image"                       # 500: an image pipeline's job produced none
     # who goes first (omnid/fair_queue.py)
     PRIORITY_NOT_ALLOWED = "priority_not_allowed"   # 403: more urgent than the owner's max_priority
     OWNER_QUEUE_FULL = "owner_queue_full"           # 429: the owner's max_queued jobs are queued already
-    # a stage's LoRA adapters at run time (supervisor/http/adapters.py)
+    # a stage's LoRA adapters at run time (supervisor/http/api/adapters.py)
     UNKNOWN_ADAPTER = "unknown_adapter"         # 404: the stage has no adapter of that name
     ADAPTER_EXISTS = "adapter_exists"           # 409: it has one already (remove it first)
     INVALID_ADAPTER = "invalid_adapter"         # 400: no LoRA there, a rank too high, another base; 409: no lora table

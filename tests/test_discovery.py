@@ -96,10 +96,10 @@ def test_every_registered_route_is_documented(daemon: RunningDaemon, openapi: di
     from omnid.config import load
     from omnid.keys import KeyStore
     from omnid.supervisor.http.access import Access
-    from omnid.supervisor.http.api import Api, DaemonInfo
-    from omnid.supervisor.http.openai_api import OpenAiApi
+    from omnid.supervisor.http.api.app import Api, DaemonInfo
+    from omnid.supervisor.http.openai.realtime.session import RealtimeApi
+    from omnid.supervisor.http.openai.routes import OpenAiApi
     from omnid.supervisor.http.openapi import openapi_document
-    from omnid.supervisor.http.realtime import RealtimeApi
     from omnid.supervisor.live import Live
     api = Api(Live(load(daemon.config_path)), None, None, {}, None, DaemonInfo(os.getpid(), 0.0, "x"))  # type: ignore[arg-type]
     OpenAiApi(api).mount(api.app)

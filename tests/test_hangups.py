@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from conftest import MODELS, RunningDaemon, module_daemon, python_stage, short_tmpdir, tiny_llm, wait_for
 
-from omnid.supervisor.http.openai_api import DISCONNECT_POLL_S
+from omnid.supervisor.http.openai.routes import DISCONNECT_POLL_S
 
 pytestmark = pytest.mark.vllm
 

@@ -48,9 +48,9 @@ from omnid.store import JobStore, StateDirBusy
 from omnid.supervisor import resources
 from omnid.supervisor.http import trace_context
 from omnid.supervisor.http.access import Access
-from omnid.supervisor.http.api import Api, DaemonInfo, error
-from omnid.supervisor.http.openai_api import OpenAiApi
-from omnid.supervisor.http.realtime import RealtimeApi
+from omnid.supervisor.http.api.app import Api, DaemonInfo, error
+from omnid.supervisor.http.openai.realtime.session import RealtimeApi
+from omnid.supervisor.http.openai.routes import OpenAiApi
 from omnid.supervisor.jobs.scheduler import Scheduler
 from omnid.supervisor.live import Live
 from omnid.supervisor.metrics import Metrics
@@ -335,7 +335,7 @@ class Daemon:
         if cfg.metrics_listen is not None:        # /metrics only, for a Prometheus that scrapes over TCP
             host, port = cfg.metrics_listen
             metrics_app = web.Application()
-            metrics_app.router.add_get("/metrics", api.get_metrics)
+            metrics_app.router.add_get("/metrics", api.daemon.get_metrics)
             self._metrics_runner = web.AppRunner(metrics_app, access_log=None, handle_signals=False)
             await self._metrics_runner.setup()
             try:

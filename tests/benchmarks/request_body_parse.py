@@ -1,5 +1,5 @@
 """What reading a 1 MB chat body costs at the door: `json.loads`, its model's checks
-(`ChatCompletionRequest.parse`: openai_protocol.py) and its messages made a job's (`chat_messages`),
+(`ChatCompletionRequest.parse`: openai/chat.py) and its messages made a job's (`chat_messages`),
 for three shapes of about 1 MB: one long message, 10,000 short messages, 10,000 text parts.
 
 Run by hand (not part of `make bench`): `PYTHONPATH=. .venv/bin/python tests/benchmarks/request_body_parse.py`.
@@ -14,8 +14,7 @@ from __future__ import annotations
 import json
 import timeit
 
-from omnid.supervisor.http.openai_protocol import ChatCompletionRequest
-from omnid.supervisor.http.openai_requests import chat_messages
+from omnid.supervisor.http.openai.chat import ChatCompletionRequest, chat_messages
 
 SHAPES = {
     "one 1 MB message": {"model": "chat", "messages": [{"role": "user", "content": "x" * 1_000_000}],

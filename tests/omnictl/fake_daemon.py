@@ -39,7 +39,7 @@ from omnid.vocabulary import ErrorCode, EventType, JobState, StageRunState  # no
 
 Route = Callable[["FakeHandler"], None]
 
-# The status the real API answers each error code with (omnid/supervisor/http/api.py and the
+# The status the real API answers each error code with (omnid/supervisor/http/api/ and the
 # scheduler's refusals). `http_error` is missing on purpose: it carries whatever status aiohttp
 # raised, so a test that sends it names the status.
 ERROR_STATUS: dict[ErrorCode, int] = {

@@ -17,10 +17,9 @@ Nothing here blocks but a key lookup (one `stat` of the key file, see omnid/keys
   caller's `Origin` (or `"*"`); then preflights are answered and answers carry the headers.
 - The key's name is bound into the log context of the request (structlog contextvars), so every
   audit line it causes names the key. A key itself is never logged.
-- `POST /v1/keys`, `GET /v1/keys`, `DELETE /v1/keys/{name}`: root or `daemon.admin_group`, on the
-  socket only (a key cannot mint keys). Root must name the key's `uid` (no key is root by default).
+- `POST /v1/keys`, `GET /v1/keys`, `DELETE /v1/keys/{name}`: api/keys.py's, mounted here.
 - Over TCP only a key made with `admin` may do the admin actions (restart, sleep, wake a stage,
-  reload, logs, others' jobs), whatever its uid (api.py's `admin`); others get 403 `not_admin`.
+  reload, logs, others' jobs), whatever its uid (api/app.py's `admin`); others get 403 `not_admin`.
 """
 
 from __future__ import annotations
@@ -36,24 +35,22 @@ import structlog
 from aiohttp import web
 
 from omnid.keys import ApiKey, KeyFileError, KeyStore
-from omnid.supervisor.errors import Refused
-from omnid.supervisor.http import realtime_events
-from omnid.supervisor.http.api import RETRY_AFTER_S, error
-from omnid.supervisor.http.http_common import json_body
-from omnid.supervisor.http.openai_errors import OPENAI_PATHS, OpenAiError
+from omnid.supervisor.http.api.app import RETRY_AFTER_S, error
+from omnid.supervisor.http.api.keys import Keys
+from omnid.supervisor.http.openai.common import OPENAI_PATHS, OpenAiError
+from omnid.supervisor.http.openai.realtime import events as realtime_events
 from omnid.vocabulary import ErrorCode
 
 if TYPE_CHECKING:
-    from omnid.supervisor.http.api import Api
+    from omnid.supervisor.http.api.app import Api
 
 log = structlog.get_logger("omnid.access")
 
 KEY_NAME = "api_key"            # request[KEY_NAME]: the name of the key a TCP request came with
-KEY_ADMIN = "api_key_admin"     # request[KEY_ADMIN]: the key was made with --admin (api.py's `admin`)
+KEY_ADMIN = "api_key_admin"     # request[KEY_ADMIN]: the key was made with --admin (api/app.py's `admin`)
 TCP = "tcp"                     # request[TCP]: True for a request that came over TCP
 _SUBMITS = {"/v1/jobs", "/v1/chat/completions", "/v1/completions", "/v1/images/generations", "/v1/audio/speech"}
 _BEARER = re.compile(r"^\s*bearer\s+(\S+)\s*$", re.IGNORECASE)
-MAX_UID = 2**32 - 2
 CORS_MAX_AGE_S = 600
 _CORS_METHODS = "GET, POST, DELETE, OPTIONS"
 _CORS_HEADERS = "Authorization, Content-Type, X-Api-Key, OpenAI-Organization, OpenAI-Project"
@@ -71,7 +68,7 @@ class _Usage:
 
 
 class Access:
-    """The door of the TCP listener; the key commands' handlers."""
+    """The door of the TCP listener."""
 
     def __init__(self, api: Api, keys: KeyStore) -> None:
         self.api = api
@@ -81,11 +78,11 @@ class Access:
     def mount(self, app: web.Application) -> None:
         app.middlewares.append(self.middleware)
         app.on_response_prepare.append(self._cors_headers)
-        app.add_routes([
-            web.get("/v1/keys", self.list_keys),
-            web.post("/v1/keys", self.add_key),
-            web.delete("/v1/keys/{name}", self.remove_key),
-        ])
+        app.add_routes(Keys(self.api, self.keys, self.forget).routes())     # the key commands (api/keys.py)
+
+    def forget(self, name: str) -> None:
+        """A removed key's use (its bucket, its live jobs) is forgotten."""
+        self._usage.pop(name, None)
 
     # ------------------------------------------------------------------ the door
 
@@ -198,77 +195,6 @@ class Access:
             h["Access-Control-Allow-Methods"] = _CORS_METHODS
             h["Access-Control-Allow-Headers"] = _CORS_HEADERS
             h["Access-Control-Max-Age"] = str(CORS_MAX_AGE_S)
-
-    # ------------------------------------------------------------------ the key commands
-
-    def _key_admin(self, request: web.Request) -> int:
-        if request.get(TCP):
-            raise Refused(403, ErrorCode.SOCKET_ONLY, "API keys are managed over the Unix socket only "
-                          "(omnictl key ...), not with a key")
-        uid: int = request["uid"]
-        self.api.check_admin(uid)
-        return uid
-
-    async def list_keys(self, request: web.Request) -> web.Response:
-        """The keys (never their secrets nor hashes); root or the admin group."""
-        self._key_admin(request)
-        return web.json_response({"keys": [k.to_doc() for k in self.keys.all()],
-                                  "file": str(self.keys.path)})
-
-    async def add_key(self, request: web.Request) -> web.Response:
-        """A new key: `{"name", "uid"?, "max_jobs"?, "rps"?}`; 201 with the key, shown this once."""
-        caller = self._key_admin(request)
-        body = await json_body(request)
-        if not isinstance(body, dict):
-            raise Refused(400, ErrorCode.INVALID_REQUEST, "the request body must be a JSON object")
-        unknown = set(body) - {"name", "uid", "max_jobs", "rps", "admin"}
-        if unknown:
-            raise Refused(400, ErrorCode.INVALID_REQUEST, f"unknown field(s) {', '.join(sorted(unknown))}; "
-                          "a key has name, uid, max_jobs, rps, admin")
-        name = body.get("name")
-        if not isinstance(name, str):
-            raise Refused(400, ErrorCode.INVALID_REQUEST, "\"name\" must name the key")
-        if caller == 0 and "uid" not in body:
-            # A key is never root by default: root says whom it stands for.
-            raise Refused(400, ErrorCode.INVALID_REQUEST, "root must say which user the key acts as: \"uid\" "
-                          "(omnictl key add NAME --uid UID); admin actions over TCP need --admin, not uid 0")
-        admin = body.get("admin", False)
-        if not isinstance(admin, bool):
-            raise Refused(400, ErrorCode.INVALID_REQUEST, "\"admin\" must be true or false")
-        uid = body.get("uid", caller)
-        if isinstance(uid, bool) or not isinstance(uid, int) or not 0 <= uid <= MAX_UID:
-            raise Refused(400, ErrorCode.INVALID_REQUEST, f"\"uid\" must be a user id from 0 to {MAX_UID}")
-        if uid == 0 and caller != 0:
-            raise Refused(403, ErrorCode.NOT_ADMIN, "only root may make a key that acts as root (uid 0)")
-        max_jobs = body.get("max_jobs")
-        if max_jobs is not None and (isinstance(max_jobs, bool) or not isinstance(max_jobs, int)
-                                     or not 1 <= max_jobs <= 1_000_000):
-            raise Refused(400, ErrorCode.INVALID_REQUEST, "\"max_jobs\" must be an integer from 1 to 1000000")
-        rps = body.get("rps")
-        if rps is not None and (isinstance(rps, bool) or not isinstance(rps, (int, float))
-                                or not 0.001 <= rps <= 1_000_000):
-            raise Refused(400, ErrorCode.INVALID_REQUEST, "\"rps\" must be a number from 0.001 to 1000000")
-        try:
-            key, secret = self.keys.add(name, uid, max_jobs, None if rps is None else float(rps), admin)
-        except ValueError as e:
-            if any(k.name == name for k in self.keys.all()):
-                raise Refused(409, ErrorCode.KEY_EXISTS, str(e)) from None
-            raise Refused(400, ErrorCode.INVALID_REQUEST, str(e)) from None
-        log.info("audit", action="key_add", uid=caller, name=key.name, key_uid=key.uid, max_jobs=max_jobs, rps=rps,
-                 admin=admin)
-        return web.json_response({**key.to_doc(), "key": secret}, status=201)
-
-    async def remove_key(self, request: web.Request) -> web.Response:
-        caller = self._key_admin(request)
-        name = request.match_info["name"]
-        gone = self.keys.remove(name)
-        if gone is None:
-            raise Refused(404, ErrorCode.UNKNOWN_KEY, f"no key {name!r}; known: "
-                          f"{', '.join(k.name for k in self.keys.all()) or 'none'}")
-        self._usage.pop(name, None)
-        log.info("audit", action="key_rm", uid=caller, name=name, key_uid=gone.uid)
-        return web.json_response({"removed": name})
-
 
 def _refuse(request: web.Request, status: int, code: ErrorCode, message: str, headers: dict[str, str]) -> web.Response:
     """A refusal at the door, in the error shape of the path asked for."""

@@ -9,8 +9,10 @@ refusal a `Refused` that names what is wrong. What an engine needs and gives is 
 (`omnid.engines.capabilities`), never from its name. The pipeline facts the OpenAI paths ask
 (which stage answers in text, which samples, which takes media) are here too.
 
-Pure functions of the config in force (the caller passes it) and the request's JSON; no I/O but
-`answers`' one read of the job store (a short sqlite read). Runs in the supervisor's event loop.
+First the body itself: JSON, within `daemon.max_request_bytes` (`json_body`, every front end's and the
+TCP door's reader of a JSON body; its one await). The rest: pure functions of the config in force
+(the caller passes it) and the request's JSON; no I/O but `answers`' one read of the job store (a
+short sqlite read). Runs in the supervisor's event loop.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from omnid import media
+from aiohttp import web
+
+from omnid import media, prompt_length
 from omnid.config import TENSOR_PROMPTS, Config, PipelineConfig, StageConfig
 from omnid.engines.capabilities import capabilities, job_param_problem, values_problem
 from omnid.fair_queue import PRIORITY_LIMIT
@@ -30,13 +34,33 @@ from omnid.lora import adapter_problem
 from omnid.params import merged, plain_value
 from omnid.store import JobStore
 from omnid.supervisor.errors import Refused
-from omnid.supervisor.http import prompt_length
 from omnid.supervisor.jobs.submission import Submission
 from omnid.vocabulary import ErrorCode
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 SUMMARY_CHARS = 1000          # how much of a long text input the job document shows
 JOB_KEYS = frozenset({"pipeline", "inputs", "params", "timeout_s", "priority"})
+MAX_BYTES_KEY = web.AppKey("max_request_bytes", int)      # the app's `daemon.max_request_bytes`
+
+
+async def json_body(request: web.Request) -> Any:
+    """The request's JSON body; Refused 413 over `daemon.max_request_bytes`, 400 if it is not JSON."""
+    limit = request.app[MAX_BYTES_KEY]
+    if request.content_length is not None and request.content_length > limit:
+        raise Refused(413, ErrorCode.TOO_LARGE, f"the request body is larger than {limit} bytes "
+                      "(daemon.max_request_bytes)", max_bytes=limit)
+    raw = await request.read()
+    try:
+        # NaN and Infinity are not JSON: refused here, they could never be answered as JSON.
+        return json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise Refused(400, ErrorCode.BAD_JSON, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise Refused(400, ErrorCode.BAD_JSON, "the request body is nested too deeply") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def job_submission(config: Config, body: Any, owner_uid: int) -> Submission:

@@ -1,5 +1,5 @@
 """What the HTTP front ends share (the socket API, its OpenAI-compatible paths, the TCP door):
-the JSON body, query flags, a job's event stream and whether its caller hung up, a job's output
+query flags, a job's event stream and whether its caller hung up, a job's output
 files (whole or as they grow), a log file sent (and followed), server-sent events.
 
 Runs in the supervisor's event-loop thread; nothing here blocks: file reads go to the loop's
@@ -30,7 +30,6 @@ from omnid.vocabulary import ErrorCode, JobRecord
 
 log = structlog.get_logger("omnid.api")
 
-MAX_BYTES_KEY = web.AppKey("max_request_bytes", int)
 STREAM_POLL_S = 0.03          # `?stream=1`: how often a live output's stream file is looked at
 STREAM_CHUNK = 64 * 1024
 _FLAGS = {"1": True, "true": True, "0": False, "false": False}
@@ -40,27 +39,7 @@ HUNG_UP: dict[str, Any] = {"type": "hung_up"}    # what HangupWatch puts in the 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
-# ------------------------------------------------------------------ the request
-
-
-async def json_body(request: web.Request) -> Any:
-    """The request's JSON body; Refused 413 over `daemon.max_request_bytes`, 400 if it is not JSON."""
-    limit = request.app[MAX_BYTES_KEY]
-    if request.content_length is not None and request.content_length > limit:
-        raise Refused(413, ErrorCode.TOO_LARGE, f"the request body is larger than {limit} bytes "
-                      "(daemon.max_request_bytes)", max_bytes=limit)
-    raw = await request.read()
-    try:
-        # NaN and Infinity are not JSON: refused here, they could never be answered as JSON.
-        return json.loads(raw, parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise Refused(400, ErrorCode.BAD_JSON, f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise Refused(400, ErrorCode.BAD_JSON, "the request body is nested too deeply") from None
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")
+# ------------------------------------------------------------------ the request (its JSON body: admission.py's json_body)
 
 
 def flag(value: str | None, name: str) -> bool:

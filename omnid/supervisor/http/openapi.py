@@ -1,7 +1,7 @@
 """The API describing itself: `GET /v1/pipelines/{name}` (what a pipeline takes and gives) and
 `GET /v1/openapi.json` (an OpenAPI 3.1 document of every route the app has).
 
-Runs in the supervisor's event-loop thread, called by the handlers in `api.py`; pure functions of
+Runs in the supervisor's event-loop thread, called by the socket API's handlers (api/admin.py); pure functions of
 the config and the app's router, no I/O, nothing blocks. Both documents are built from the same
 things the server checks with: the parameter rules of `omnid.params` (each rule describes itself),
 the engines' declarations (`omnid.engines.capabilities`: their input needs, as admission.py
@@ -266,10 +266,10 @@ def _with_resource_refusals(method: str, path: str, op: dict[str, Any]) -> dict[
 
 
 # ------------------------------------------------------------------ the OpenAI-compatible paths and the keys
-# Their bodies are described by the models that check them (openai_protocol.py: a field refused is
-# described by what it takes; the component schemas are openapi_schemas.py's); their errors in OpenAI's
-# shape. What they answer is OpenAI's own schema (tests validate it against OpenAI's published
-# document); here it is described by its main fields.
+# Their bodies are described by the models that check them (each beside its endpoint in openai/, on
+# common.py's RequestBody: a field refused is described by what it takes; the component schemas are
+# openapi_schemas.py's); their errors in OpenAI's shape. What they answer is OpenAI's own schema (tests
+# validate it against OpenAI's published document); here it is described by its main fields.
 
 _OPENAI_ERROR = {"$ref": "#/components/responses/OpenAIError"}
 

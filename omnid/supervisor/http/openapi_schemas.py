@@ -1,8 +1,8 @@
 """The OpenAPI document's component schemas: every document the API answers (a job, its events,
 a pipeline and its description, a stage, health and readiness, the keys, the OpenAI paths' models and
 errors), the job request with each pipeline's inputs and each stage's params, the OpenAI paths'
-request bodies (generated from the models that check them: openai_protocol.py), and the small JSON
-Schema builders they are written with.
+request bodies (generated from the models that check them, each beside its endpoint in openai/), and
+the small JSON Schema builders they are written with.
 
 Pure functions of the config, called by openapi.py as it builds `GET /v1/openapi.json` (in the
 supervisor's event-loop thread); no I/O. Each schema is built from what the server checks with (the
@@ -24,7 +24,11 @@ from omnid.engines.capabilities import CAPABILITIES, capabilities, stage_params_
 from omnid.lora import pipeline_adapters
 from omnid.media import MEDIA_KINDS
 from omnid.params import PLAIN_VALUE_SCHEMA
-from omnid.supervisor.http.openai_protocol import PRIORITY_SCHEMA, REQUESTS
+from omnid.supervisor.http.openai.chat import ChatCompletionRequest
+from omnid.supervisor.http.openai.common import PRIORITY_SCHEMA, RequestBody
+from omnid.supervisor.http.openai.completions import CompletionRequest
+from omnid.supervisor.http.openai.images import ImageRequest
+from omnid.supervisor.http.openai.speech import SpeechRequest
 from omnid.vocabulary import JOB_LINKS, ErrorCode, EventType, JobState, StageRunState, WorkerState
 
 # ------------------------------------------------------------------ the builders
@@ -67,6 +71,10 @@ _INPUT_VALUE = {"anyOf": [PLAIN_VALUE_SCHEMA, _FILE_INPUT, _SAMPLES_INPUT,
 
 # A job's priority (omnid/fair_queue.py): lower runs earlier; 0 by default; past the owner's max_priority: 403
 PRIORITY = PRIORITY_SCHEMA
+# The OpenAI paths' request bodies, each by the model beside its endpoint that checks it.
+REQUESTS: dict[str, type[RequestBody]] = {"ChatCompletionRequest": ChatCompletionRequest,
+                                          "CompletionRequest": CompletionRequest, "ImageRequest": ImageRequest,
+                                          "SpeechRequest": SpeechRequest}
 # Where a queued job waits, per stage (GET /v1/jobs/{id}; omnictl status JOB)
 QUEUE_PLACE = {"type": "object", "description": "a queued job's place in each stage's queue that holds it (or "
                "whose feeder does): position 1 is next; ahead, by priority; running there now",
@@ -333,7 +341,7 @@ def _request_schemas() -> dict[str, Any]:
 
 def openai_request_schemas(config: Config) -> dict[str, Any]:
     """The OpenAI paths' request bodies (and the parts they are made of), as their models describe
-    them (openai_protocol.py); `model` names the config's pipelines that give the answer."""
+    them (beside their endpoints in openai/); `model` names the config's pipelines that give the answer."""
     found = copy.deepcopy(_request_schemas())
     for name, model in REQUESTS.items():
         found[name]["properties"]["model"] = answer_models(config, model.ANSWER)

@@ -353,6 +353,6 @@ class StageGroup(Follower):
             "idle_s": round(self.idle_for(), 1) if not self.sleeping else None,
             "slept_at": self.slept_at if self.sleeping else None,
             "wake_s": self.wake_s,
-            "lora": lora_view(self.stage),      # its LoRA adapters in force (supervisor/http/adapters.py)
+            "lora": lora_view(self.stage),      # its LoRA adapters in force (supervisor/http/api/adapters.py)
             "replicas": replicas,
         }

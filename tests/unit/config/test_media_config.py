@@ -19,9 +19,9 @@ from omnid import config as C
 from omnid.engines.vllm_engine import engine_args
 from omnid.media import MediaLimits
 from omnid.store import _decode_inputs, _encode_inputs
-from omnid.supervisor.http.openai_errors import OpenAiError
-from omnid.supervisor.http.openai_protocol import ChatCompletionRequest
-from omnid.supervisor.http.openai_requests import chat_messages as messages_of
+from omnid.supervisor.http.openai.chat import ChatCompletionRequest
+from omnid.supervisor.http.openai.chat import chat_messages as messages_of
+from omnid.supervisor.http.openai.common import OpenAiError
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -172,7 +172,7 @@ def test_bad_content_parts_name_their_place(part: dict[str, Any], words: str) ->
 
 def test_the_door_imports_no_decoder() -> None:
     """The supervisor checks media from their headers: no numpy, PIL, torch or vLLM in its process."""
-    code = ("import sys, omnid.media, omnid.config, omnid.supervisor.http.api, omnid.supervisor.http.openai_api; "
+    code = ("import sys, omnid.media, omnid.config, omnid.supervisor.http.api.app, omnid.supervisor.http.openai.routes; "
             "print(sorted(m for m in ('numpy', 'PIL', 'torch', 'vllm', 'transformers') if m in sys.modules))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, cwd="/", env=env)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from omnid.config import Config, parse
-from omnid.supervisor.http.api import DaemonInfo
+from omnid.supervisor.http.api.app import DaemonInfo
 from omnid.supervisor.live import Follower, Live
 from omnid.supervisor.workers.stage_group import StageGroup
 from omnid.vocabulary import DaemonState, SleepState, WorkerState

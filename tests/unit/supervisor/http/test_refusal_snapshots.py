@@ -24,8 +24,8 @@ from aiohttp import web
 
 from omnid.config import Config, parse
 from omnid.store import JobStore
-from omnid.supervisor.http.api import Api, DaemonInfo
-from omnid.supervisor.http.openai_api import OpenAiApi
+from omnid.supervisor.http.api.app import Api, DaemonInfo
+from omnid.supervisor.http.openai.routes import OpenAiApi
 from omnid.supervisor.live import Live
 from omnid.supervisor.metrics import Metrics
 
