@@ -83,10 +83,15 @@ def buffer_needed(packets: list[tuple[float, float]]) -> float:
 def late_packets(packets: list[tuple[float, float]]) -> int:
     """Packets that arrive more than LATE_S after the audio before them has played out (a player
     that starts at the first packet, and waits for a late one)."""
-    late, clock = 0, None
-    for ts, seconds in packets:
+    return len(late_indexes(packets))
+
+
+def late_indexes(packets: list[tuple[float, float]]) -> list[tuple[int, float]]:
+    """(index, seconds late) of each late packet (`late_packets`)."""
+    late, clock = [], None
+    for i, (ts, seconds) in enumerate(packets):
         if clock is not None and ts > clock + LATE_S:
-            late += 1
+            late.append((i, round(ts - clock, 3)))
         clock = (max(clock, ts) if clock is not None else ts) + seconds
     return late
 
@@ -245,8 +250,12 @@ def bench_omni_load(ctx: Ctx) -> list[Row]:
             n = max(1, math.ceil(load * streams))
             for pipeline in ("omni", "omni_open"):
                 ctx.check(f"{pipeline} x{load}")
-                r = wave(d, pipeline, n).row()
+                w = wave(d, pipeline, n)
+                r = w.row()
                 r["load"] = load
+                late = {i: late_indexes(st.packets) for i, st in enumerate(w.streams) if st.late}
+                if late:
+                    ctx.log(f"{pipeline} {n} streams, late packets (stream: (index, s late)): {late}")
                 rows.append(r)
                 ctx.log(f"{pipeline} {n} streams: {r}")
                 d.drain(120)
