@@ -130,3 +130,56 @@ def test_a_pipelines_adapters_are_its_last_lora_stages(tmp_path: Path) -> None:
     assert L.pipeline_adapters(cfg, cfg.pipelines["two"]) == ["poem"]
     assert L.adapter_stage(cfg, cfg.pipelines["one"]) == "chat"
     assert L.adapter_stage(cfg, cfg.pipelines["none"]) is None and L.pipeline_adapters(cfg, cfg.pipelines["none"]) == []
+
+
+def test_inspect_reads_a_folder_or_a_file_and_says_what_is_wrong(tmp_path: Path) -> None:
+    a = _adapter(tmp_path / "sql", rank=6)
+    (a / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 6, "base_model_name_or_path": "llm"}))
+    info = L.inspect(a)
+    assert (info.path, info.weights, info.rank, info.base) == (a, a / "adapter_model.safetensors", 6, "llm")
+    assert info.modules == {"base_model.model.model.layers.0.self_attn.q_proj": ((6, 16), (16, 6))}
+    # the weight file itself; its folder's config still counts
+    assert L.inspect(a / "adapter_model.safetensors").base == "llm"
+    # without a config, or with an empty base: no base; a config without peft_type is a LoRA's
+    (a / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": ""}))
+    assert L.inspect(a).base is None
+    (a / "adapter_config.json").unlink()
+    assert L.inspect(a).base is None and L.inspect(a).rank == 6
+    # diffusers' file name, and the lora.down/up spelling
+    d = tmp_path / "style"
+    _safetensors(d / "pytorch_lora_weights.safetensors", {"unet.x.lora.down.weight": [2, 8], "unet.x.lora.up.weight": [8, 2],
+                                                          "unet.y.alpha": [1]})
+    assert L.inspect(d).modules == {"unet.x": ((2, 8), (8, 2))} and L.inspect(d).weights.name == "pytorch_lora_weights.safetensors"
+
+    def refused(path: Path) -> str:
+        with pytest.raises(L.AdapterError) as e:
+            L.inspect(path)
+        return str(e.value)
+
+    (tmp_path / "empty").mkdir()
+    assert refused(tmp_path / "empty") == (f"{str(tmp_path / 'empty')!r} holds no LoRA adapter "
+                                           "(no adapter_model.safetensors or pytorch_lora_weights.safetensors)")
+    assert refused(tmp_path / "gone") == f"{str(tmp_path / 'gone')!r} does not exist"
+    (tmp_path / "notes.txt").write_text("x")
+    assert refused(tmp_path / "notes.txt") == f"{str(tmp_path / 'notes.txt')!r} is not an adapter folder nor a .safetensors file"
+    (a / "adapter_config.json").write_text(json.dumps({"peft_type": "IA3"}))
+    assert refused(a) == f"{str(a)!r} is a IA3 adapter, not a LoRA"
+    (a / "adapter_config.json").write_text("[1]")
+    assert refused(a) == f"{a / 'adapter_config.json'} is not a JSON object"
+    (a / "adapter_config.json").write_text("{")
+    assert refused(a).startswith(f"{a / 'adapter_config.json'} is not JSON: ")
+    half = tmp_path / "half"
+    _safetensors(half / "adapter_model.safetensors", {"m.lora_A.weight": [4, 16], "n.lora_B.weight": [16, 4]})
+    assert refused(half) == f"{str(half / 'adapter_model.safetensors')!r} holds no LoRA weights (no lora_A/lora_B pairs)"
+
+
+def test_describe_a_stages_lora(tmp_path: Path) -> None:
+    _adapter(tmp_path / "sql")
+    _adapter(tmp_path / "poem")
+    cfg = C.parse(_config(tmp_path, {"adapters": {"sql": "sql", "poem": "poem"}, "max_loras": 3, "max_lora_rank": 16}),
+                  base=tmp_path)
+    assert L.describe(cfg.stages["chat"]) == {
+        "base": str(tmp_path / "llm"), "adapters": [{"name": "poem", "path": str(tmp_path / "poem")},
+                                                    {"name": "sql", "path": str(tmp_path / "sql")}],
+        "max_loras": 3, "max_lora_rank": 16}
+    assert L.describe(C.parse(_config(tmp_path, None), base=tmp_path).stages["chat"]) is None
