@@ -479,3 +479,41 @@ def test_wav_headers_byte_by_byte() -> None:
     assert M.wav_info(M.wav_bytes(b"\0\0", 1)).rate == 1
     assert refused(M.wav_bytes(b"\0\0", 8000, channels=0)) == "a WAV file of 0 channels at 8000 Hz"
     assert refused(M.wav_bytes(b"\0\0", 0)) == "a WAV file of 1 channels at 0 Hz"
+
+
+def test_check_media_at_each_bound_in_words() -> None:
+    frame = png(4, 4)
+    lim = M.MediaLimits(image=3, audio=2, video=1, max_video_frames=2, max_bytes=100_000, max_audio_s=0.5)
+
+    def refused(kind: str, value: Any) -> str:
+        with pytest.raises(M.MediaError) as e:
+            M.check_media(kind, value, lim)
+        return str(e.value)
+
+    # video: frames counted and summed at their bounds
+    assert M.check_media("video", [[frame, frame]], lim) == [{"frames": 2, "size": 2 * len(frame)}]
+    assert refused("video", [[]]) == "a video without frames"
+    assert refused("video", [[frame] * 3]) == ("a video of 3 frames; the stage takes at most 2 "
+                                               "(media.max_video_frames)")
+    big = M.MediaLimits(video=1, max_video_frames=2, max_bytes=2 * len(frame) - 1)
+    with pytest.raises(M.MediaError, match=f"a video of {2 * len(frame)} bytes; the stage takes at most"):
+        M.check_media("video", [[frame, frame]], big)
+    assert M.check_media("video", [[frame, frame]], M.MediaLimits(video=1, max_video_frames=2, max_bytes=2 * len(frame)))
+    assert M.check_media("video", np.zeros((2, 4, 4, 3), dtype=np.uint8), lim) == [{}]      # decoded frames
+    # an item at max_bytes passes, one byte more does not
+    assert M.check_media("image", png(8, 8, fmt="JPEG"), M.MediaLimits(image=1, max_bytes=len(png(8, 8, fmt="JPEG"))))
+    # audio: exactly max_audio_s passes; no samples at all is refused; its length in ms
+    assert M.check_media("audio", pcm16_wav(tone(440, 8000, 0.5), 8000), lim) == \
+        [{"seconds": 0.5, "rate": 8000, "channels": 1}]
+    assert M.check_media("audio", M.wav_bytes(b"\0\0" * 7, 8000), lim) == [{"seconds": 0.001, "rate": 8000,
+                                                                             "channels": 1}]
+    assert refused("audio", M.wav_bytes(b"", 8000)) == "a WAV file without samples"
+    assert refused("audio", pcm16_wav(tone(440, 8000, 0.6), 8000)) == \
+        "0.6 s of audio; the stage takes at most 0.5 s per clip (media.max_audio_s)"
+    assert M.check_media("audio", M.wav_bytes(b"\0\0", 8000), lim)[0]["seconds"] == 0.0
+    # how many, in words: a single item is named without a number, audio has no plural
+    assert refused("audio", [M.wav_bytes(b"", 8000)] * 3) == "3 audio, but the stage takes at most 2 per job"
+    assert refused("image", [frame] * 4) == "4 images, but the stage takes at most 3 per job"
+    assert refused("video", [[frame], [frame]]) == "2 videos, but the stage takes at most 1 per job"
+    assert refused("image", [b"x"]) .startswith("not an image")
+    assert refused("image", [frame, b"x"]).startswith("image 2 of 2: not an image")
