@@ -79,7 +79,7 @@ def _number(lo: float | None = None, hi: float | None = None, lo_open: bool = Fa
         schema["maximum"] = hi
 
     def check(v: Any) -> str | None:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             return "must be a finite number"
         if lo is not None and (v < lo or (lo_open and v == lo)):
             return f"must be {'>' if lo_open else '>='} {lo}"
@@ -190,6 +190,7 @@ def parallel_size(args: Mapping[str, Any]) -> int:
     """How many processes (GPUs) the stage's vLLM args ask for: tensor x pipeline parallel size."""
     size = 1
     for key in ("tensor_parallel_size", "pipeline_parallel_size"):
-        value = args.get(key, 1)
-        size *= value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+        value = args.get(key)     # (absent, or not a positive integer: 1, which the checker reports)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:  # pragma: no mutate (equivalent: `> 1` skips only a factor of 1)
+            size *= value
     return size

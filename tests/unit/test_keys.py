@@ -104,3 +104,75 @@ def test_listen_is_a_list_of_addresses_and_wide_ones_need_keys(tmp_path: Path) -
                       allow_origins=["https://a.example/path", "*", "https://b.example"]), base=tmp_path)
     paths = sorted(p.path for p in e.value.problems)
     assert paths == ["daemon.allow_origins[0]", "daemon.listen[0]", "daemon.listen[1]", "daemon.listen[3]"], paths
+
+
+def test_what_a_key_shows_and_how_the_file_reads_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hashlib
+    import time
+
+    monkeypatch.setattr(time, "time", lambda: 1234.56789)
+    path = tmp_path / "a" / "b" / "keys.json"                    # its folders are made, private
+    key, secret = KeyStore(path).add("ops", 7, max_jobs=2, rps=0.5, admin=True)
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert len(secret) == len(KEY_PREFIX) + 43                    # 32 random bytes, base64url
+    assert key.to_doc() == {"name": "ops", "uid": 7, "created": 1234.568, "hint": secret[:8], "max_jobs": 2,
+                            "rps": 0.5, "admin": True}
+    assert path.read_text().startswith('{\n "keys": [\n  {\n   "name": "ops",')      # one field a line
+    assert digest("\udcff") == hashlib.sha256(b"\xff").hexdigest()    # a secret of undecodable bytes still matches
+    # what the file may leave out
+    path.write_text(json.dumps({"keys": [{"name": "old", "uid": 1, "sha256": "ab"}]}))
+    assert [k.to_doc() for k in read_keys(path)] == [{"name": "old", "uid": 1, "created": 0.0, "hint": "",
+                                                      "max_jobs": None, "rps": None, "admin": False}]
+    path.write_text("{}")
+    assert read_keys(path) == []
+    path.write_text('{"keys": [3]}')
+    with pytest.raises(KeyFileError) as e:
+        read_keys(path)
+    assert str(e.value) == f"{path} is not a valid key file (a key entry is not an object); fix or remove it"
+
+
+def test_unreadable_and_unwritable_key_files_name_the_file(tmp_path: Path) -> None:
+    (tmp_path / "dir.json").mkdir()
+    with pytest.raises(KeyFileError) as e:
+        read_keys(tmp_path / "dir.json")
+    assert str(e.value) == f"cannot read the API keys in {tmp_path / 'dir.json'}: Is a directory"
+    (tmp_path / "file").write_text("")
+    with pytest.raises(KeyFileError) as e:
+        KeyStore(tmp_path / "file" / "keys.json")
+    assert str(e.value) == f"cannot read the API keys in {tmp_path / 'file' / 'keys.json'}: Not a directory"
+    # the temporary file cannot be made: nothing is written, the error says why
+    store = KeyStore(tmp_path / "keys.json")
+    tmp = tmp_path / f".keys.json.{os.getpid()}.tmp"
+    tmp.mkdir()
+    with pytest.raises(KeyFileError) as e:
+        store.add("a", 1)
+    assert str(e.value) == f"cannot write the API keys to {tmp_path / 'keys.json'}: Is a directory"
+    tmp.rmdir()
+    # the file cannot be replaced: the temporary one is removed
+    (tmp_path / "keys.json").mkdir()
+    (tmp_path / "keys.json" / "x").write_text("")
+    with pytest.raises(KeyFileError):
+        store.add("a", 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.json", "file", "keys.json"]
+
+
+def test_an_unchanged_file_is_not_read_again(tmp_path: Path) -> None:
+    """The file is re-read when its inode, mtime or size changed, not on every lookup."""
+    path = tmp_path / "keys.json"
+    store = KeyStore(path)
+    key, secret = store.add("a", 1)
+
+    def garble() -> None:                   # the same size, inode and mtime: not a change to see
+        st = path.stat()
+        with open(path, "r+b") as f:
+            f.write(b"#" * st.st_size)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    garble()
+    assert store.match(secret) == key and store.all() == [key]
+    path.write_text(json.dumps({"keys": []}))
+    assert store.all() == []
+    store2 = KeyStore(path)
+    store2.add("b", 2)
+    garble()
+    assert [k.name for k in store2.all()] == ["b"]

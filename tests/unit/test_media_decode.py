@@ -358,3 +358,162 @@ def test_vllm_limits() -> None:
     assert M.MediaLimits(image=2, detected=("image",)).vllm_limits() == {"image": 2}
     assert M.MediaLimits(image=0, audio=1, detected=("image", "audio")).vllm_limits() == {"image": 0, "audio": 1}
     assert M.NO_MEDIA.vllm_limits() == {}
+
+
+# ------------------------------------------------------------------ headers, byte by byte
+
+
+@pytest.mark.parametrize("data,words", [
+    (b"", "the file is empty"),
+    (png(), "this is a PNG image"), (png(fmt="JPEG"), "this is a JPEG image"), (png(fmt="GIF"), "this is a GIF image"),
+    (b"ID3\x04\0\0\0\0\0\0\0\0\0\0\0\0", "this is an MP3 file"), (b"fLaC\0\0\0\x22", "this is a FLAC file"),
+    (b"OggS\0\x02", "this is an Ogg file"), (png(fmt="WEBP"), "this is a WebP image"), (b"%PDF-1.7", "this is a PDF"),
+    (b"two\nlines\tand a tab", "this is text"), (b"hello world, 16!\xff", "this is text"),   # (its first 16 bytes)
+    (b"a\tb", "it starts with bytes 61 09 62"), (b"\xff\xfe\x00\x01\x02\x03\x04\x05\x06", "it starts with bytes ff fe 00 "
+                                                                                       "01 02 03 04 05)"),
+    (b"RIFF\0\0\0\0AVI LIST", "it starts with bytes 52 49 46 46 00 00 00 00)"),
+])
+def test_not_a_wav_says_what_it_looks_like(data: bytes, words: str) -> None:
+    with pytest.raises(M.MediaError) as e:
+        M.wav_info(data)
+    assert str(e.value) == f"not a WAV file ({words.removesuffix(')')})"
+
+
+def test_not_an_image_reads_its_first_32_bytes() -> None:
+    with pytest.raises(M.MediaError, match=r"; this is text\)$"):
+        M.image_info(b"a" * 32 + b"\xff")
+    with pytest.raises(M.MediaError, match="not an image"):          # an IHDR needs the PNG signature before it
+        M.image_info(b"\0" * 12 + b"IHDR" + struct.pack(">II", 5, 5))
+    with pytest.raises(M.MediaError) as e:
+        M.image_info(png()[:20])
+    assert str(e.value) == f"a truncated image (expected {M.IMAGE_FORMATS})"
+
+
+def test_image_sizes_use_the_whole_unsigned_fields() -> None:
+    big_png = b"\x89PNG\r\n\x1a\n\0\0\0\x0dIHDR" + struct.pack(">II", 2**31, 3)
+    assert M.image_info(big_png) == M.ImageInfo("PNG", 2**31, 3)
+    for version in (b"GIF87a", b"GIF89a"):
+        assert M.image_info(version + struct.pack("<HH", 40000, 2)) == M.ImageInfo("GIF", 40000, 2)
+    bmp = b"BM" + b"\0" * 16 + struct.pack("<ii", 5, -7)        # 26 bytes; a top-down BMP's height is negative
+    assert M.image_info(bmp) == M.ImageInfo("BMP", 5, 7)
+    with pytest.raises(M.MediaError, match="not an image"):
+        M.image_info(bmp[:25])
+
+
+def webp(chunk: bytes, body: bytes) -> bytes:
+    return b"RIFF" + struct.pack("<I", 4 + 8 + len(body)) + b"WEBP" + chunk + struct.pack("<I", len(body)) + body
+
+
+def test_webp_headers_of_each_kind() -> None:
+    vp8x = webp(b"VP8X", b"\x10\0\0\0" + (70000 - 1).to_bytes(3, "little") + (300 - 1).to_bytes(3, "little"))
+    assert M.image_info(vp8x) == M.ImageInfo("WebP", 70000, 300)
+    bits = (16384 - 1) | ((1000 - 1) << 14)
+    vp8l = webp(b"VP8L", b"\x2f" + bits.to_bytes(4, "little") + b"\0" * 8)
+    assert M.image_info(vp8l) == M.ImageInfo("WebP", 16384, 1000)
+    # a lossy frame whose frame tag's first byte looks like VP8L's signature is still read as lossy
+    vp8 = webp(b"VP8 ", b"\x2f\0\0" + b"\x9d\x01\x2a" + struct.pack("<HH", 0xC000 | 640, 0x4000 | 480) + b"\0" * 8)
+    assert M.image_info(vp8) == M.ImageInfo("WebP", 640, 480)
+    for bad in (webp(b"VP8L", b"\x00" + bits.to_bytes(4, "little") + b"\0" * 8),
+                webp(b"VP8 ", b"\0\0\0\0\0\0" + b"\0" * 12), webp(b"vp8x", b"\0" * 18)):
+        with pytest.raises(M.MediaError) as e:
+            M.image_info(bad)
+        assert str(e.value) == "a WebP file whose header cannot be read"
+    with pytest.raises(M.MediaError, match="a WebP image of 0x480 pixels"):
+        M.image_info(webp(b"VP8 ", b"\0\0\0" + b"\x9d\x01\x2a" + struct.pack("<HH", 0xC000, 480) + b"\0" * 8))
+
+
+def jpeg(*segments: bytes) -> bytes:
+    return b"\xff\xd8" + b"".join(segments)
+
+
+def seg(marker: int, body: bytes) -> bytes:
+    return bytes([0xFF, marker]) + struct.pack(">H", 2 + len(body)) + body
+
+
+def test_jpeg_header_walk() -> None:
+    sof = seg(0xC0, b"\x08" + struct.pack(">HH", 40000, 50000) + b"\x03")
+    assert M.image_info(jpeg(sof)) == M.ImageInfo("JPEG", 50000, 40000)
+    # fill bytes, a second SOI, TEM, restart markers and an application segment before the frame header
+    walk = jpeg(b"\xff\xff", b"\xff\xd8", b"\xff\x01", b"\xff\xd0", b"\xff\xd7", seg(0xE0, b"JFIF\0" + b"\0" * 9), sof)
+    assert M.image_info(walk) == M.ImageInfo("JPEG", 50000, 40000)
+    for marker in (0xC2, 0xCF):
+        assert M.image_info(jpeg(seg(marker, sof[4:]))).height == 40000
+    refused = "a JPEG without a frame header (truncated or not a JPEG)"
+    for bad in (jpeg(seg(0xDA, b"\0" * 4), sof),        # image data before any frame header
+                jpeg(b"\xff\xe1\x00\x01", sof),         # a length under 2
+                jpeg(b"\xff\xe1\x00\x02", sof[:3]),     # a segment that ends where the file ends
+                jpeg(b"\x00\x00", sof),                 # not a marker
+                jpeg(b"\xff\xd9\x00\x00\x00", sof),     # EOI is no fill or restart marker: its "length" runs past
+                b"\xff\xd8\xff\xd8"):
+        with pytest.raises(M.MediaError) as e:
+            M.image_info(bad)
+        assert str(e.value) == refused, bad
+    assert M.image_info(jpeg(b"\xff\xd8", sof)).width == 50000         # a marker ending 4 bytes before the frame header
+
+
+def test_wav_headers_byte_by_byte() -> None:
+    def refused(data: bytes) -> str:
+        with pytest.raises(M.MediaError) as e:
+            M.wav_info(data)
+        return str(e.value)
+
+    head = b"RIFF\0\0\0\0WAVE"
+    fmt16 = struct.pack("<HHIIHH", 1, 1, 8000, 16000, 2, 16)
+    assert refused(head) == "a WAV file without a format chunk"
+    assert refused(b"RIFF\0\0\0\0WAVX") == "not a WAV file (it starts with bytes 52 49 46 46 00 00 00 00)"
+    assert refused(b"RIFX\0\0\0\0WAVE") == "not a WAV file (it starts with bytes 52 49 46 58 00 00 00 00)"
+    assert refused(head + b"data\0\0\0\0") == "a WAV file whose samples come before their format"
+    assert refused(head + b"fmt \x10\0\0\0" + fmt16) == "a WAV file without samples (no data chunk)"
+    assert refused(head + b"fmt \x08\0\0\0" + fmt16 + b"data\0\0\0\0") == "a WAV file with a truncated format chunk"
+    assert refused(head + b"fmt \x10\0\0\0" + fmt16[:15]) == "a WAV file with a truncated format chunk"
+    ext = struct.pack("<HHIIHHHHIH14s", 0xFFFE, 1, 8000, 16000, 2, 16, 22, 16, 4, 0x9999, b"\x00" * 14)
+    assert refused(head + b"fmt " + struct.pack("<I", len(ext)) + ext + b"data\0\0\0\0") == \
+        "a WAV file of format 39321 with 16-bit samples (omnid reads 8/16/24/32-bit PCM and 32/64-bit float)"
+    for tag, bits in ((1, 33), (3, 16), (3, 65), (2, 16)):
+        assert f"of format {tag} with {bits}-bit samples" in refused(M.wav_bytes(b"\0" * 8, 8000, bits=bits)[:20]
+                                                                     + struct.pack("<H", tag)
+                                                                     + M.wav_bytes(b"\0" * 8, 8000, bits=bits)[22:])
+    for bits, floats in ((32, False), (32, True), (64, True)):
+        info = M.wav_info(M.wav_bytes(b"\0" * 16, 8000, bits=bits, float_samples=floats))
+        assert (info.bits, info.is_float, info.frames) == (bits, floats, 16 * 8 // bits)
+    assert M.wav_info(M.wav_bytes(b"\0\0", 1)).rate == 1
+    assert refused(M.wav_bytes(b"\0\0", 8000, channels=0)) == "a WAV file of 0 channels at 8000 Hz"
+    assert refused(M.wav_bytes(b"\0\0", 0)) == "a WAV file of 1 channels at 0 Hz"
+
+
+def test_check_media_at_each_bound_in_words() -> None:
+    frame = png(4, 4)
+    lim = M.MediaLimits(image=3, audio=2, video=1, max_video_frames=2, max_bytes=100_000, max_audio_s=0.5)
+
+    def refused(kind: str, value: Any) -> str:
+        with pytest.raises(M.MediaError) as e:
+            M.check_media(kind, value, lim)
+        return str(e.value)
+
+    # video: frames counted and summed at their bounds
+    assert M.check_media("video", [[frame, frame]], lim) == [{"frames": 2, "size": 2 * len(frame)}]
+    assert refused("video", [[]]) == "a video without frames"
+    assert refused("video", [[frame] * 3]) == ("a video of 3 frames; the stage takes at most 2 "
+                                               "(media.max_video_frames)")
+    big = M.MediaLimits(video=1, max_video_frames=2, max_bytes=2 * len(frame) - 1)
+    with pytest.raises(M.MediaError, match=f"a video of {2 * len(frame)} bytes; the stage takes at most"):
+        M.check_media("video", [[frame, frame]], big)
+    assert M.check_media("video", [[frame, frame]], M.MediaLimits(video=1, max_video_frames=2, max_bytes=2 * len(frame)))
+    assert M.check_media("video", np.zeros((2, 4, 4, 3), dtype=np.uint8), lim) == [{}]      # decoded frames
+    # an item at max_bytes passes, one byte more does not
+    assert M.check_media("image", png(8, 8, fmt="JPEG"), M.MediaLimits(image=1, max_bytes=len(png(8, 8, fmt="JPEG"))))
+    # audio: exactly max_audio_s passes; no samples at all is refused; its length in ms
+    assert M.check_media("audio", pcm16_wav(tone(440, 8000, 0.5), 8000), lim) == \
+        [{"seconds": 0.5, "rate": 8000, "channels": 1}]
+    assert M.check_media("audio", M.wav_bytes(b"\0\0" * 7, 8000), lim) == [{"seconds": 0.001, "rate": 8000,
+                                                                             "channels": 1}]
+    assert refused("audio", M.wav_bytes(b"", 8000)) == "a WAV file without samples"
+    assert refused("audio", pcm16_wav(tone(440, 8000, 0.6), 8000)) == \
+        "0.6 s of audio; the stage takes at most 0.5 s per clip (media.max_audio_s)"
+    assert M.check_media("audio", M.wav_bytes(b"\0\0", 8000), lim)[0]["seconds"] == 0.0
+    # how many, in words: a single item is named without a number, audio has no plural
+    assert refused("audio", [M.wav_bytes(b"", 8000)] * 3) == "3 audio, but the stage takes at most 2 per job"
+    assert refused("image", [frame] * 4) == "4 images, but the stage takes at most 3 per job"
+    assert refused("video", [[frame], [frame]]) == "2 videos, but the stage takes at most 1 per job"
+    assert refused("image", [b"x"]) .startswith("not an image")
+    assert refused("image", [frame, b"x"]).startswith("image 2 of 2: not an image")

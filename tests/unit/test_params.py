@@ -195,3 +195,82 @@ def test_merged_overrides_defaults_without_changing_them() -> None:
     assert defaults == {"max_tokens": 8, "temperature": 0.0} and params == {"temperature": 0.7, "seed": 1}
     assert out is not defaults and merged(defaults, {}) == defaults and merged(defaults, {}) is not defaults
     assert merged({}, {"a": None}) == {"a": None}
+
+
+# ------------------------------------------------------------------------- the rule builders
+# The tables above are built when the module is imported; these build rules afresh, so that what a
+# builder makes (its check and its schema) is tried too.
+
+
+def test_integer_rule_checks_and_describes_its_bounds() -> None:
+    r = M._integer(8, 64, multiple=8)
+    assert r.schema == {"type": "integer", "minimum": 8, "maximum": 64, "multipleOf": 8}
+    assert repr(r) == "Rule({'type': 'integer', 'minimum': 8, 'maximum': 64, 'multipleOf': 8})"
+    assert [r(v) for v in (8, 64, 16)] == [None, None, None]
+    assert r(0) == r(72) == "must be from 8 to 64"
+    assert r(12) == "must be a multiple of 8"
+    assert r(True) == r(16.0) == r("16") == "must be an integer"
+    lo_only = M._integer(-1)
+    assert lo_only.schema == {"type": "integer", "minimum": -1}
+    assert lo_only(-1) is None and lo_only(7) is None and lo_only(-2) == "must be >= -1"
+    hi_only = M._integer(hi=3)
+    assert hi_only.schema == {"type": "integer", "maximum": 3}
+    assert hi_only(-100) is None and hi_only(3) is None and hi_only(4) is not None
+    free = M._integer()
+    assert free.schema == {"type": "integer"} and free(-(2**70)) is None and free(5) is None
+
+
+def test_number_rule_checks_and_describes_its_bounds() -> None:
+    closed = M._number(0, 2)
+    assert closed.schema == {"type": "number", "minimum": 0, "maximum": 2}
+    assert [closed(v) for v in (0, 0.0, 1.5, 2)] == [None] * 4
+    assert closed(-0.001) == "must be >= 0" and closed(2.001) == "must be <= 2"
+    for bad in (True, NAN, INF, -INF, "1", None):
+        assert closed(bad) == "must be a finite number"
+    opened = M._number(0, lo_open=True)
+    assert opened.schema == {"type": "number", "exclusiveMinimum": 0}
+    assert opened(0) == opened(-1) == "must be > 0" and opened(1e-9) is None and opened(1e300) is None
+    hi_only = M._number(hi=1)
+    assert hi_only.schema == {"type": "number", "maximum": 1} and hi_only(-5) is None and hi_only(1.5) == "must be <= 1"
+    assert M._number().schema == {"type": "number"} and M._number()(-1e300) is None
+
+
+def test_type_rules() -> None:
+    flag, text, count = M._of_type(bool, "true or false"), M._of_type(str, "a string"), M._of_type(int, "an integer")
+    assert flag.schema == {"type": "boolean"} and text.schema == {"type": "string"} and count.schema == {"type": "integer"}
+    assert M._of_type(float, "a number").schema == {"type": "number"}
+    assert flag(False) is None and flag(0) == "must be true or false"
+    assert text("") is None and text(b"x") == "must be a string"
+    assert count(3) is None and count(True) == "must be an integer" and count(3.0) == "must be an integer"
+
+
+def test_stop_rule() -> None:
+    assert M._check_stop("") == M._check_stop(["a", ""]) == "must not be or hold an empty string"
+    assert M._check_stop("XXXX") is None and M._check_stop(["XXXX"]) is None and M._check_stop([]) is None
+
+
+def test_adapters_rule() -> None:
+    assert M._check_adapters({"a": -10, "b": 10, "c": 0.5}) is None
+    assert M._check_adapters(["a"]) == "must be an object of adapter names and weights: {\"style\": 0.8}"
+    for weight in (-10.5, -11, 10.5, 11, NAN, INF, True, "1", None):
+        assert M._check_adapters({"a": 1, "s": weight}) == \
+            f"must give each adapter a weight from -10 to 10 ('s': {weight!r})"
+
+
+def test_token_bounds_problem() -> None:
+    assert M.token_bounds_problem("gen", {"min_tokens": 9, "max_tokens": 8}) == \
+        "params.gen.min_tokens (9) must not be more than max_tokens (8)"
+    assert M.token_bounds_problem("gen", {"min_tokens": 8, "max_tokens": 8}) is None
+    assert M.token_bounds_problem("gen", {"min_tokens": 9}) is None
+    assert M.token_bounds_problem("gen", {"max_tokens": 0}) is None
+    assert M.token_bounds_problem("gen", {"min_tokens": 9, "max_tokens": "8"}) is None
+
+
+def test_parallel_size_is_tensor_times_pipeline() -> None:
+    assert M.parallel_size({}) == 1
+    assert M.parallel_size({"tensor_parallel_size": 2}) == 2
+    assert M.parallel_size({"pipeline_parallel_size": 3}) == 3
+    assert M.parallel_size({"tensor_parallel_size": 2, "pipeline_parallel_size": 3}) == 6
+    # A value that is not a positive integer counts as 1 (the checker reports it).
+    for bad in (0, -2, True, 2.0, "2", None):
+        assert M.parallel_size({"tensor_parallel_size": bad, "pipeline_parallel_size": 3}) == 3

@@ -93,3 +93,38 @@ def test_the_models_context_is_read_where_its_config_keeps_it(llm: Path, tmp_pat
     (tmp_path / "tokenizer.json").write_bytes((llm / "tokenizer.json").read_bytes())
     window = PL.window_of(stage(tmp_path))
     assert (window.max_len if window is not None else 0) == ctx
+
+
+def test_context_length_from_args_or_the_models_config(tmp_path: Path) -> None:
+    assert PL.context_length(stage(None, max_model_len=77)) == 77
+    assert PL.context_length(stage(None)) is None
+    for bad in (0, -5, True, "77", 77.0):
+        assert PL.context_length(stage(None, max_model_len=bad)) is None
+    for i, (cfg, want) in enumerate([
+            ({"max_position_embeddings": 4096}, 4096), ({"n_positions": 1024}, 1024),
+            ({"max_sequence_length": 2048}, 2048), ({"seq_length": 512}, 512),
+            ({"max_position_embeddings": 0, "seq_length": 300}, 300),
+            ({"max_position_embeddings": True, "n_positions": 64}, 64),
+            ({"text_config": {"max_position_embeddings": 8192}}, 8192),
+            ({"text_config": None, "thinker_config": {"text_config": {"max_position_embeddings": 32768}}}, 32768),
+            ({"max_position_embeddings": 10, "text_config": {"max_position_embeddings": 20}}, 10),
+            ({"max_position_embeddings": "4096"}, None), ({}, None)]):
+        model = tmp_path / f"m{i}"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(cfg))
+        assert PL.context_length(stage(model)) == want, cfg
+        assert PL.context_length(stage(model, max_model_len=99)) == 99        # the args win
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{")
+    assert PL.context_length(stage(tmp_path / "broken")) is None
+    assert PL.context_length(stage(tmp_path / "absent")) is None
+
+
+def test_max_tokens_problem_in_vllms_words() -> None:
+    s = stage(None, max_model_len=128)
+    assert PL.max_tokens_problem(s, 128) is None and PL.max_tokens_problem(s, 1) is None
+    assert PL.max_tokens_problem(s, 129) == ("max_tokens=129 cannot be greater than max_model_len=128. Please request "
+                                             "fewer output tokens.")
+    assert PL.max_tokens_problem(s, 200, "max_completion_tokens").startswith("max_completion_tokens=200 cannot")
+    assert PL.max_tokens_problem(s, True) is None and PL.max_tokens_problem(s, 129.0) is None
+    assert PL.max_tokens_problem(stage(None), 10**9) is None          # nothing to measure against

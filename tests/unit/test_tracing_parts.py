@@ -301,3 +301,46 @@ def test_a_new_trace_is_sampled_at_the_configured_rate_as_the_sdk_decides(rate: 
     share = sum(r.sampled for r in refs) / len(refs)
     assert abs(share - rate) < 0.03, (rate, share)
     assert tracing._bound == TraceIdRatioBased.get_bound_for_rate(rate)       # the bound itself, exactly
+
+
+def test_span_refs_under_a_carrier_a_span_or_nothing(spans: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import random
+
+    from omnid.tracing import SpanRef
+
+    tracing, memory = spans
+    random.seed(48)
+    refs = [tracing.ref(None) for _ in range(40)]
+    assert all(0 < r.span_id < 2**64 and 0 < r.trace_id < 2**128 for r in refs)
+    assert len({r.span_id for r in refs}) == len({r.trace_id for r in refs}) == 40
+    assert all(r.parent_id is None and r.sampled and not r.remote and r.tracestate is None for r in refs)
+    remote = tracing.ref({"traceparent": PARENT, "tracestate": "k=v"})
+    assert (remote.trace_id, remote.parent_id, remote.sampled, remote.remote, remote.tracestate) == (
+        int(trace_id_of(PARENT) or "", 16), 0x00F067AA0BA902B7, True, True, "k=v")
+    child = tracing.ref(remote)
+    assert child == SpanRef(remote.trace_id, child.span_id, remote.span_id, True, False, "k=v")
+    assert child.span_id != remote.span_id
+    for flags, sampled in (("00", False), ("01", True), ("10", False), ("03", True)):
+        assert tracing.ref({"traceparent": PARENT[:-2] + flags}).sampled is sampled, flags
+    assert tracing.ref({"tracestate": "k=v"}).parent_id is None and tracing.ref({}).remote is False
+    # a draw of 0 is no id (OpenTelemetry's invalid one)
+    monkeypatch.setattr(random, "getrandbits", lambda bits: 0)
+    zero = tracing.ref(None)
+    assert (zero.trace_id, zero.span_id) == (1, 1)
+    # the sample bound: the trace id's low 64 bits below sample x 2^64 are kept
+    half = Tracing(TracingConfig(otlp_endpoint="http://127.0.0.1:9", sample=0.5, service_name="t"), "t", export=False)
+    monkeypatch.setattr(random, "getrandbits", lambda bits: (1 << 64) | (1 << 63) if bits == 128 else 5)
+    assert half.ref(None).sampled is False
+    monkeypatch.setattr(random, "getrandbits", lambda bits: (1 << 64) | ((1 << 63) - 1) if bits == 128 else 5)
+    assert half.ref(None).sampled is True
+    half.shutdown()
+    tracing.record(child, "inner", 1, 2)
+    (span,) = memory.get_finished_spans()
+    assert span.kind.name == "INTERNAL"
+
+
+def test_trace_headers_bounds() -> None:
+    assert trace_headers(PARENT, "x" * 512) == {"traceparent": PARENT, "tracestate": "x" * 512}
+    assert trace_headers(PARENT, " k=v ") == {"traceparent": PARENT, "tracestate": "k=v"}
+    assert trace_headers(PARENT, "") == {"traceparent": PARENT}
+    assert trace_id_of(None) is None and trace_id_of("garbage") is None

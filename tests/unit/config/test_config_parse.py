@@ -656,3 +656,57 @@ def test_a_pipeline_keeps_outputs_of_stages_that_are_not_last(tmp_path: Path) ->
     assert "a last stage: all its outputs are the job's already" in found["pipelines.p.outputs.b"][0]
     assert "is not in the pipeline" in found["pipelines.p.outputs.c"][0]
     assert "must be a list of output names" in found["pipelines.p.outputs.a"][0]
+
+
+# ------------------------------------------------------------------------- the checker's own words
+
+
+def test_checker_get_names_the_kinds_wanted_and_the_value_found() -> None:
+    from omnid.config.checker import Checker, typename
+
+    c = Checker()
+    data = {"n": "3", "flag": True, "ratio": [1], "t": 5, "x": 1.5, "ok": 3, "b": True}
+    assert c.get(data, "n", "stages.a", int) is None
+    assert c.get(data, "flag", "stages.a", (int, float), 7) == 7
+    assert c.get(data, "ratio", "", (dict, list, str, bool, int, float, bytes)) == [1]
+    assert c.get(data, "t", "top", (dict, str)) is None
+    assert c.get(data, "x", "top", (list, bytes)) is None
+    assert c.get(data, "ok", "", int) == 3 and c.get(data, "b", "", (bool, int)) is True
+    assert c.get(data, "missing", "top", int, 9) == 9 and c.problems[-1].path == "top.x"
+    assert c.get(data, "needed", "", int, required=True) is None
+    assert [str(p) for p in c.problems] == [
+        "stages.a.n: must be an integer, not a string",
+        "stages.a.flag: must be an integer or a number, not a boolean",
+        "top.t: must be a table or a string, not an integer",
+        "top.x: must be an array or bytes, not a number",
+        "needed: is required",
+    ]
+    c2 = Checker()
+    assert c2.table([1], "stages.a.args") == {} and c2.table({"k": 1}, "p") == {"k": 1}
+    assert c2.table(None, "p") == {}
+    assert [str(p) for p in c2.problems] == ["stages.a.args: must be a table, not an array", "p: must be a table, not NoneType"]
+    assert [typename(v) for v in ({}, [], "", False, 0, 0.0, None, b"")] == [
+        "a table", "an array", "a string", "a boolean", "an integer", "a number", "NoneType", "bytes"]
+
+
+def test_callable_refs_are_checked_in_form_and_found_on_the_python_path(tmp_path: Path) -> None:
+    from omnid.config.checker import Checker, check_callable_ref
+
+    (tmp_path / "mine_pkg").mkdir()
+    (tmp_path / "mine_pkg" / "__init__.py").write_text("")
+    (tmp_path / "mine_pkg" / "steps.py").write_text("def run(x):\n    return x\n")
+    c = Checker()
+    check_callable_ref(c, "mine_pkg.steps:run", "a", (tmp_path,))
+    check_callable_ref(c, "json:loads", "b", (tmp_path,))           # the python path comes before sys.path, not instead
+    assert c.problems == []
+    for ref in ("mine_pkg.steps", ":run", "mine_pkg.steps:", "a:b:c", "mine pkg:run", "m:1run"):
+        check_callable_ref(c, ref, "p", (tmp_path,))
+    assert [p.message for p in c.problems] == [f"must be \"package.module:function\", not {r!r}" for r in (
+        "mine_pkg.steps", ":run", "mine_pkg.steps:", "a:b:c", "mine pkg:run", "m:1run")]
+    (tmp_path / "solo_step_mod.py").write_text("def run(x):\n    return x\n")
+    c = Checker()
+    check_callable_ref(c, "solo_step_mod:run", "p", ())
+    assert [p.message for p in c.problems] == ["module 'solo_step_mod' cannot be found on sys.path (python_path is "
+                                               "empty; its folders are relative to the config file's folder)"]
+    check_callable_ref(c, "solo_step_mod:run", "p", (tmp_path,))
+    assert len(c.problems) == 1

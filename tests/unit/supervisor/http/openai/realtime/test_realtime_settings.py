@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from omnid.supervisor.http.openai.realtime.events import EventError
-from omnid.supervisor.http.openai.realtime.settings import EAGERNESS_MS, SessionSettings
+from omnid.supervisor.http.openai.realtime.settings import EAGERNESS_MS, SessionSettings, TurnDetection, turn_detection
 
 
 def refused(call: Any, *args: Any) -> EventError:
@@ -219,3 +219,87 @@ def test_the_session_document_is_openais() -> None:
     doc["output_modalities"].append("text")
     doc["audio"]["input"]["format"]["rate"] = 1
     assert s.modalities == ["audio"] and s.doc("sess_9")["audio"]["input"]["format"]["rate"] == 24000   # copies
+
+
+TD = "session.audio.input.turn_detection"
+TURN_REFUSALS = [
+    ("vad", ("invalid_type", f"{TD} must be an object or null", TD)),
+    ({"type": "ai_vad"}, ("invalid_value", f"{TD}.type must be \"server_vad\" or \"semantic_vad\"", f"{TD}.type")),
+    ({"eagerness": "low"}, ("unknown_parameter", f"{TD}.eagerness is not a server_vad setting", f"{TD}.eagerness")),
+    ({"type": "semantic_vad", "threshold": 0.5, "silence_duration_ms": 1},
+     ("unknown_parameter", f"{TD}.silence_duration_ms is not a semantic_vad setting", f"{TD}.silence_duration_ms")),
+    ({"create_response": 1}, ("invalid_type", f"{TD}.create_response must be true or false", f"{TD}.create_response")),
+    ({"interrupt_response": "no"},
+     ("invalid_type", f"{TD}.interrupt_response must be true or false", f"{TD}.interrupt_response")),
+    ({"type": "semantic_vad", "eagerness": "eager"},
+     ("invalid_value", f"{TD}.eagerness must be low, medium, high or auto", f"{TD}.eagerness")),
+    *[({"threshold": bad}, ("invalid_value", f"{TD}.threshold must be a number from 0.0 to 1.0", f"{TD}.threshold"))
+      for bad in (-0.01, 1.01, True, "0.5")],
+    *[({name: bad}, ("invalid_value", f"{TD}.{name} must be an integer from 0 to 10000", f"{TD}.{name}"))
+      for name in ("prefix_padding_ms", "silence_duration_ms") for bad in (-1, 10001, 5.0, False)],
+    *[({"idle_timeout_ms": bad}, ("invalid_value", f"{TD}.idle_timeout_ms must be an integer from 5000 to 30000, or "
+                                  "null", f"{TD}.idle_timeout_ms")) for bad in (4999, 30001, 6000.0, True)],
+]
+
+
+@pytest.mark.parametrize(("raw", "why"), TURN_REFUSALS, ids=lambda v: repr(v)[:40].replace("\\", ""))
+def test_turn_detection_refusals_say_code_message_and_param(raw: Any, why: tuple[str, str, str]) -> None:
+    e = refused(turn_detection, raw, TD, [])
+    assert (e.code, e.message, e.param) == why
+
+
+def test_turn_detection_takes_every_setting_at_its_bounds() -> None:
+    ignored: list[str] = []
+    assert turn_detection(None, TD, ignored) is None
+    t = turn_detection({}, TD, ignored)
+    assert t == TurnDetection() and ignored == []
+    for low, high in ((0, 10000), (10000, 0)):
+        t = turn_detection({"type": "server_vad", "threshold": low / 10000, "prefix_padding_ms": low,
+                            "silence_duration_ms": high, "create_response": False, "interrupt_response": False},
+                           TD, ignored)
+        assert t == TurnDetection("server_vad", low / 10000, low, high, False, False)
+        assert isinstance(t.threshold, float)
+    assert turn_detection({"threshold": 1}, TD, ignored).threshold == 1.0 and ignored == []
+    for idle in (5000, 30000):
+        assert turn_detection({"idle_timeout_ms": idle}, TD, ignored) == TurnDetection()
+    assert turn_detection({"idle_timeout_ms": None}, TD, ignored) == TurnDetection()
+    assert ignored == [f"{TD}.idle_timeout_ms"] * 2          # taken, left off
+    semantic = turn_detection({"type": "semantic_vad", "create_response": False}, TD, ignored)
+    assert semantic == TurnDetection("semantic_vad", silence_duration_ms=EAGERNESS_MS["auto"], create_response=False)
+    for eagerness, ms in EAGERNESS_MS.items():
+        t = turn_detection({"type": "semantic_vad", "eagerness": eagerness, "interrupt_response": False}, TD, [])
+        assert (t.eagerness, t.silence_duration_ms, t.interrupt_response) == (eagerness, ms, False)
+    assert semantic.doc() == {"type": "semantic_vad", "eagerness": "auto", "create_response": False,
+                              "interrupt_response": True, "silence_duration_ms": 800, "threshold": 0.5,
+                              "prefix_padding_ms": 300}
+
+
+def test_session_update_tool_choice_and_optional_features() -> None:
+    s = SessionSettings("voice", speaks=True, hears=True)
+    for choice in ("auto", "none", "required", {"type": "function", "name": "f"}):
+        assert s.update({"tool_choice": choice}) == []
+    e = refused(s.update, {"tool_choice": "always"})
+    assert (e.code, e.message, e.param) == ("invalid_value", "session.tool_choice must be auto, none, required or a tool",
+                                            "session.tool_choice")
+    # Off, empty or "auto": nothing asked for, nothing left off; anything else is named.
+    assert s.update({"tools": [], "tracing": None, "parallel_tool_calls": False, "truncation": "auto"}) == []
+    assert s.update({"tracing": "auto", "parallel_tool_calls": True}) == ["session.parallel_tool_calls"]
+    e = refused(s.update, {"audio": {"input": {"noise_reduction": "near"}}})
+    assert (e.code, e.message, e.param) == ("invalid_type", "session.audio.input.noise_reduction must be an object or "
+                                            "null", "session.audio.input.noise_reduction")
+    # An update that does not name turn detection keeps the session's.
+    s.update({"audio": {"input": {"turn_detection": {"threshold": 0.9}}}})
+    s.update({"instructions": "x", "audio": {"output": {"voice": "ash"}}})
+    assert s.turn is not None and s.turn.threshold == 0.9 and s.voice == "ash"
+    # The output side names the voice.
+    s.update({"audio": {"output": {"voice": "coral"}, "input": {"format": {"type": "audio/pcm", "rate": 24000}}}})
+    assert s.voice == "coral"
+
+
+def test_a_responses_tool_choice_and_audio() -> None:
+    s = SessionSettings("omni", speaks=True, voice="ash")
+    assert s.response_options({"tool_choice": "none"}).voice == "ash"
+    e = refused(s.response_options, {"audio": {"input": {}}})
+    assert (e.code, e.param) == ("invalid_value", "response.audio.input")
+    e = refused(s.response_options, {"audio": {"output": {"transcription": {}}}})
+    assert e.param == "response.audio.output.transcription"
