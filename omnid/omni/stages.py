@@ -485,10 +485,21 @@ class Code2Wav:
         _loader("token2wav")(load)              # (logs "omni part loaded", as the load hooks do)
         self.model, self.speakers = _cached("token2wav", _model_dir(load))
         self.n_codes = int(self.model.code2wav_dit_model.config.num_embeds)
+        self.live: set[int] = set()             # the sessions open (streams playing or about to)
 
     def open(self, inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> _Code2WavJob:
         decoder = _decoder(self.model, self.speakers, inputs, params)
-        return _Code2WavJob(inputs["codes"], decoder, int(params.get("code_offset", 0)), self.n_codes)
+        busy_first = params.get("busy_first")
+        if busy_first is not None and self.live and int(busy_first) > decoder.ramp[0]:
+            # other streams share the cores: its second window comes slower than it would alone, so its
+            # first one holds more audio (its first packet a little later, no gap after it)
+            decoder.ramp = (int(busy_first), *decoder.ramp[1:])
+        job = _Code2WavJob(inputs["codes"], decoder, int(params.get("code_offset", 0)), self.n_codes)
+        self.live.add(id(job))
+        return job
+
+    def close(self, job: _Code2WavJob) -> None:
+        self.live.discard(id(job))
 
     def ready(self, job: _Code2WavJob) -> bool:
         return job.can_step()

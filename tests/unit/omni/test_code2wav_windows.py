@@ -65,3 +65,21 @@ def test_fixed_windows_and_a_last_scrap() -> None:
     got = schedule(decoder(chunk_blocks=1), 38)
     assert [(n, (w.first, w.last, w.end)) for n, w in got] == [(24, (0, 24, 48)), (36, (24, 48, 72)),
                                                                (38, (48, 76, 76))]    # 4 frames joined
+
+
+def test_a_stream_that_starts_beside_others_has_a_longer_first_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """code2wav's `busy_first`: while another stream is open, a new one's first window makes that many
+    codes final (its second comes slower on shared cores); alone, or without it, the ramp's own."""
+    from omnid.omni import stages
+
+    monkeypatch.setattr(stages, "_decoder", lambda model, speakers, inputs, params: decoder(ramp=[14, 12, 16]))
+    c2w = object.__new__(stages.Code2Wav)
+    c2w.model, c2w.speakers, c2w.n_codes, c2w.live = None, {}, 100, set()
+    params = {"busy_first": 24}
+    alone = c2w.open({"codes": iter(())}, params, None)
+    beside = c2w.open({"codes": iter(())}, params, None)
+    unset = c2w.open({"codes": iter(())}, {}, None)
+    assert (alone.decoder.ramp, beside.decoder.ramp, unset.decoder.ramp) == ((14, 12, 16), (24, 12, 16), (14, 12, 16))
+    for job in (alone, beside, unset):
+        c2w.close(job)
+    assert c2w.open({"codes": iter(())}, params, None).decoder.ramp == (14, 12, 16)    # (closed: alone again)
