@@ -485,7 +485,7 @@ class Code2Wav:
         _loader("token2wav")(load)              # (logs "omni part loaded", as the load hooks do)
         self.model, self.speakers = _cached("token2wav", _model_dir(load))
         self.n_codes = int(self.model.code2wav_dit_model.config.num_embeds)
-        self.live: set[int] = set()             # the sessions open (streams playing or about to)
+        self.live: set[_Code2WavJob] = set()    # the sessions open (streams playing or about to)
 
     def open(self, inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> _Code2WavJob:
         decoder = _decoder(self.model, self.speakers, inputs, params)
@@ -495,11 +495,11 @@ class Code2Wav:
             # first one holds more audio (its first packet a little later, no gap after it)
             decoder.ramp = (int(busy_first), *decoder.ramp[1:])
         job = _Code2WavJob(inputs["codes"], decoder, int(params.get("code_offset", 0)), self.n_codes)
-        self.live.add(id(job))
+        self.live.add(job)
         return job
 
     def close(self, job: _Code2WavJob) -> None:
-        self.live.discard(id(job))
+        self.live.discard(job)
 
     def ready(self, job: _Code2WavJob) -> bool:
         return job.can_step()
