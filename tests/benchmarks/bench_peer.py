@@ -113,7 +113,7 @@ def _client(ctx: Ctx, port: int, concurrency: int, key: str | None, tag: str) ->
            "--tokenizer", str(MODELS / "llm"), "--dataset-name", "random", "--random-input-len", str(INPUT_LEN),
            "--random-output-len", str(OUTPUT_LEN), "--num-prompts", str(prompts(concurrency)), "--max-concurrency",
            str(concurrency), "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
-           "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out.parent),
+           "--metric-percentiles", "50,99", "--save-result", "--save-detailed", "--result-dir", str(out.parent),
            "--result-filename", out.name]
     with open(log, "wb") as f:
         done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=max(60.0, ctx.left()))
