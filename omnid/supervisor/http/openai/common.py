@@ -413,10 +413,10 @@ def find_pipeline(config: Config, name: Any) -> PipelineConfig:
     return p
 
 
-def pipeline_for(config: Config, store: JobStore, body: dict[str, Any], *kinds: str) -> PipelineConfig:
-    """The pipeline named by `model` (looked up once), if it produces each of `kinds` (or may: a
-    last stage whose engine declares no answer, untried)."""
-    p = find_pipeline(config, body.get("model"))
+def pipeline_for(config: Config, store: JobStore, asked: RequestBody, *kinds: str) -> PipelineConfig:
+    """The pipeline the request's `model` names (looked up once), if it produces each of `kinds` (or
+    may: a last stage whose engine declares no answer, untried)."""
+    p = find_pipeline(config, asked.model)
     produces = admission.answers(config, store, p)
     for kind in kinds:
         if produces is not None and kind not in produces:
