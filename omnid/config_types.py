@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from omnid.media import NO_MEDIA, MediaLimits
 
@@ -271,13 +271,17 @@ class EdgeConfig:
                 "transform": self.transform}
 
 
+Overload = Literal["queue", "refuse"]
+OVERLOAD_MODES: tuple[str, ...] = get_args(Overload)
+
+
 @dataclass(frozen=True)
 class RealtimeConfig:
     """`[pipelines.X] realtime = { ... }`: the pipeline's jobs are streams a listener plays as they
     come, admitted only while the pipeline's measured capacity keeps the admitted ones on time
     (omnid/supervisor/jobs/admission_gate.py)."""
 
-    overload: str = "queue"             # past capacity: "queue" (wait, bounded) or "refuse" (503 at once)
+    overload: Overload = "queue"        # past capacity: "queue" (wait, bounded) or "refuse" (503 at once)
     max_waiting_streams: int = 16       # "queue": streams that may wait; past it, 503 as in "refuse"
     margin: float = 0.9                 # admit while the streams stay under margin x the capacity measured
     warmup: Mapping[str, Any] | None = field(default_factory=lambda: {"prompt": "warm up"})
@@ -286,7 +290,6 @@ class RealtimeConfig:
     warmup_params: Mapping[str, Any] = field(default_factory=dict)
 
 
-OVERLOAD_MODES = ("queue", "refuse")
 
 
 @dataclass(frozen=True)

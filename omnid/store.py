@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 import structlog
 
 from omnid.paths import PRIVATE_DIR, PRIVATE_FILE
-from omnid.vocabulary import JobRecord, JobState
+from omnid.vocabulary import Event, JobRecord, JobState
 
 log = structlog.get_logger("omnid.store")
 _T = TypeVar("_T")
@@ -174,7 +174,7 @@ class JobStore:
         self.db = self._with_room(self._open_db)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dirty: dict[str, JobRecord] = {}                        # jobs to write (latest state)
-        self._events: builtins.list[tuple[str, int, dict[str, Any]]] = []   # events to write
+        self._events: builtins.list[tuple[str, int, Event]] = []   # events to write
         self._inputs: dict[str, tuple[str, int] | None] = {}          # job inputs to keep (None: drop)
         self._flush_due = False
 
@@ -361,15 +361,15 @@ class JobStore:
         merged.sort(key=lambda j: j.created_at, reverse=True)
         return merged[:limit]
 
-    def append_event(self, job_id: str, seq: int, event: dict[str, Any]) -> None:
+    def append_event(self, job_id: str, seq: int, event: Event) -> None:
         self._events.append((job_id, seq, event))
         self._written()
 
-    def events(self, job_id: str, after: int = 0) -> builtins.list[dict[str, Any]]:
+    def events(self, job_id: str, after: int = 0) -> builtins.list[Event]:
         """The job's events in order; `after`: only those after the first `after` of them."""
         self.flush()
         rows = self.db.execute("SELECT seq, doc FROM events WHERE job = ? AND seq > ? ORDER BY seq", (job_id, after))
-        stored: dict[int, dict[str, Any]] = {seq: json.loads(doc) for seq, doc in rows}
+        stored: dict[int, Event] = {seq: json.loads(doc) for seq, doc in rows}
         for job, seq, ev in self._events:       # not on disk yet (a full disk)
             if job == job_id and seq > after:
                 stored[seq] = ev

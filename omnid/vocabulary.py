@@ -1,15 +1,22 @@
 """The words omnid and its clients share: states, event types, error codes, and the job record.
 
 Imported by the supervisor, the stage workers and `omnictl`'s client library alike, so it uses
-the standard library only and does no work at import. Nothing here runs in a thread of its own
-or blocks.
+the standard library only (and `typing_extensions`' TypedDict, which pydantic reads on Python 3.11)
+and does no work at import. Nothing here runs in a thread of its own or blocks.
 
 Where to add things:
 - a job state, a stage-run state or a worker state: the enums below (their values are the
   strings the API, the database and `omnictl` show);
 - an event type: `EventType` (the scheduler emits it, `omnictl` renders it);
 - an API error code: `ErrorCode` (the socket API answers it, `omnictl` and tests match on it);
-- a field of a job: `JobRecord` / `StageRun`, and `to_doc` / `from_doc` beside them.
+- a field of a job: `JobRecord` / `StageRun` / `JobError` (their `to_doc` and `from_doc` follow
+  the fields); a field of an event: `EventFields`.
+
+These classes are the one definition of the job document and its events: the API's JSON is made
+from their fields (`to_doc`), and the OpenAPI document's `Job`, `StageRun`, `JobError`, `Output`
+and `Event` schemas are generated from them (supervisor/http/openapi_schemas.py, through pydantic,
+which reads their types, and their attribute docstrings as the fields' descriptions; nothing here
+imports it).
 
 Every state change of a job or of a stage run goes through `JobRecord.set_state` /
 `StageRun.set_state`, which also stamp the times.
@@ -17,9 +24,11 @@ Every state change of a job or of a stage run goes through `JobRecord.set_state`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
+
+from typing_extensions import NotRequired, Required, TypedDict
 
 
 class JobState(StrEnum):
@@ -206,17 +215,36 @@ class ErrorCode(StrEnum):
 # ------------------------------------------------------------------------------ the job record
 
 
+class StageProgress(TypedDict):
+    """A stage's `progress` in the job document: steps done, of how many (null: unknown)."""
+
+    done: int
+    total: NotRequired[int | None]
+
+
+class JobOutput(TypedDict):
+    """One output file of a job: an item of its document's `outputs`, and its `output` event."""
+
+    name: str
+    file: str
+    kind: str
+    content_type: str
+    size: NotRequired[int]
+    stage: NotRequired[str]
+
+
 @dataclass
 class StageRun:
     """One job's run through one stage: `stages.NAME` in the job document."""
 
     state: StageRunState = StageRunState.PENDING
-    progress: dict[str, int] | None = None
+    progress: StageProgress | None = None
     started_at: float | None = None
     finished_at: float | None = None
     elapsed_s: float | None = None
     segments: int = 0
-    replica: int | None = None   # which replica of the stage serves the job (chosen by load at submit)
+    replica: int | None = None
+    """which replica of the stage serves the job (chosen by load at submit)"""
 
     def set_state(self, state: StageRunState, now: float) -> None:
         """Change state, stamping `started_at` on running and `finished_at` when it ends."""
@@ -227,16 +255,16 @@ class StageRun:
             self.finished_at = now
 
     def to_doc(self) -> dict[str, Any]:
-        return {"state": str(self.state), "progress": self.progress, "started_at": self.started_at,
-                "finished_at": self.finished_at, "elapsed_s": self.elapsed_s, "segments": self.segments,
-                "replica": self.replica}
+        doc = self.__dict__.copy()          # (its fields, in order: a copy is quicker than a literal of them)
+        doc["state"] = str(self.state)
+        return doc
 
     @classmethod
     def from_doc(cls, doc: dict[str, Any]) -> StageRun:
-        return cls(state=StageRunState(doc["state"]), progress=doc.get("progress"),
-                   started_at=doc.get("started_at"), finished_at=doc.get("finished_at"),
-                   elapsed_s=doc.get("elapsed_s"), segments=int(doc.get("segments", 0)),
-                   replica=doc.get("replica"))
+        fields = _known(cls, doc)
+        fields["state"] = _RUN_STATES.get(doc["state"]) or StageRunState(doc["state"])
+        fields["segments"] = int(doc.get("segments", 0))
+        return cls(**fields)
 
 
 JOB_LINKS = ("self", "events", "cancel", "outputs")
@@ -258,7 +286,9 @@ class JobError:
     stage: str | None = None
 
     def to_doc(self) -> dict[str, Any]:
-        return {"code": str(self.code), "message": self.message, "stage": self.stage}
+        doc = self.__dict__.copy()
+        doc["code"] = str(self.code)
+        return doc
 
     @classmethod
     def from_doc(cls, doc: dict[str, Any]) -> JobError:
@@ -269,25 +299,30 @@ class JobError:
         return cls(code, str(doc.get("message") or ""), doc.get("stage"))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class JobRecord:
-    """A job as the API shows it and the store keeps it (`to_doc` is the API's JSON object)."""
+    """A job as the API shows it and the store keeps it."""
+
+    # Its fields, in this order, are its document's keys (`to_doc`): the order is part of the API's bytes.
 
     id: str
     pipeline: str
+    state: JobState = JobState.QUEUED
     owner_uid: int
     created_at: float
-    timeout_s: float
-    inputs: dict[str, Any]                      # a summary: long texts clipped, files as name and size
-    params: dict[str, dict[str, Any]]
-    stages: dict[str, StageRun]
-    state: JobState = JobState.QUEUED
     started_at: float | None = None
     finished_at: float | None = None
-    outputs: list[dict[str, Any]] = field(default_factory=list)
+    timeout_s: float
+    inputs: dict[str, Any]
+    """a summary: long texts clipped, files as name and size"""
+    params: dict[str, dict[str, Any]]
+    stages: dict[str, StageRun]
+    outputs: list[JobOutput] = field(default_factory=list)
     error: JobError | None = None
-    priority: int = 0                           # lower runs earlier (omnid/fair_queue.py)
-    key: str | None = None                      # the API key it came with (TCP); its owner for fair share
+    priority: int = 0
+    """lower runs earlier"""
+    key: str | None = None
+    """the API key it came with (TCP); fair share's owner"""
 
     @property
     def terminal(self) -> bool:
@@ -303,22 +338,76 @@ class JobRecord:
             self.error = error
 
     def to_doc(self) -> dict[str, Any]:
-        # Key order is part of the API's bytes: keep it as it is.
-        return {
-            "id": self.id, "pipeline": self.pipeline, "state": str(self.state), "owner_uid": self.owner_uid,
-            "created_at": self.created_at, "started_at": self.started_at, "finished_at": self.finished_at,
-            "timeout_s": self.timeout_s, "inputs": self.inputs, "params": self.params,
-            "stages": {name: run.to_doc() for name, run in self.stages.items()},
-            "outputs": self.outputs, "error": self.error.to_doc() if self.error else None, "priority": self.priority,
-            "key": self.key,
-        }
+        doc = self.__dict__.copy()          # its fields, in order
+        doc["state"] = str(self.state)
+        doc["stages"] = {name: run.to_doc() for name, run in self.stages.items()}
+        doc["error"] = self.error.to_doc() if self.error else None
+        return doc
 
     @classmethod
     def from_doc(cls, doc: dict[str, Any]) -> JobRecord:
-        return cls(id=doc["id"], pipeline=doc["pipeline"], owner_uid=int(doc["owner_uid"]),
-                   created_at=doc["created_at"], timeout_s=doc["timeout_s"], inputs=doc["inputs"],
-                   params=doc["params"], stages={n: StageRun.from_doc(s) for n, s in doc["stages"].items()},
-                   state=JobState(doc["state"]), started_at=doc.get("started_at"),
-                   finished_at=doc.get("finished_at"), outputs=list(doc.get("outputs") or []),
-                   error=JobError.from_doc(doc["error"]) if doc.get("error") else None,
-                   priority=int(doc.get("priority") or 0), key=doc.get("key"))
+        fields = _known(cls, doc)
+        fields["state"] = _JOB_STATES.get(doc["state"]) or JobState(doc["state"])
+        fields["owner_uid"] = int(doc["owner_uid"])
+        fields["stages"] = {n: StageRun.from_doc(s) for n, s in doc["stages"].items()}
+        fields["outputs"] = list(doc.get("outputs") or [])
+        fields["error"] = JobError.from_doc(doc["error"]) if doc.get("error") else None
+        fields["priority"] = int(doc.get("priority") or 0)
+        return cls(**fields)
+
+
+def _known(cls: type, doc: dict[str, Any]) -> dict[str, Any]:
+    """The keys of a stored document that are fields of `cls` (an older record may lack some: their
+    defaults stand; a key this version no longer has is dropped)."""
+    names = _FIELD_NAMES[cls]
+    return doc.copy() if doc.keys() <= names else {k: v for k, v in doc.items() if k in names}
+
+
+_FIELD_NAMES: dict[type, frozenset[str]] = {cls: frozenset(f.name for f in fields(cls)) for cls in (StageRun, JobRecord)}
+# (a dict finds a state by its value in a tenth of the time the enum's call takes: a record read back
+# from the store has one per stage)
+_JOB_STATES = {str(s): s for s in JobState}
+_RUN_STATES = {str(s): s for s in StageRunState}
+
+
+# ------------------------------------------------------------------------------ the events
+
+
+class EventFields(TypedDict, total=False):
+    """What a job's event says besides its `type`, `job` and `ts` (`EventStream.emit`'s keywords); which
+    type says what: `EventType`."""
+
+    stage: str
+    state: JobState
+    error: dict[str, Any] | None
+    """state, when the job ended badly: why"""
+    done: int
+    total: int | None
+    index: int
+    is_last: bool
+    text: str
+    audio_s: float
+    """seconds of the segment's WAV audio"""
+    code: ErrorCode
+    message: str
+    elapsed_s: float | None
+    wake_s: float | None
+    usage: dict[str, int]
+    finish_reason: str
+    """stage_finished of a vllm stage: why its answer ended, "stop" (an end token, a stop string) or
+    "length" (max_tokens, or the context window full)"""
+    trace_id: str
+    """state queued, with tracing on: the job's trace"""
+    name: str
+    file: str
+    kind: str
+    content_type: str
+    size: int
+
+
+class Event(EventFields, total=False):
+    """A job's event (`GET /v1/jobs/{id}/events`, the job store's `events`)."""
+
+    type: Required[EventType]
+    job: Required[str]
+    ts: Required[float]

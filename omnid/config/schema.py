@@ -4,9 +4,11 @@
 
 The parser (daemon.py, stages.py, pipelines.py) reads every table through its model (`read`):
 pydantic checks the keys, types and bounds, and its errors are said in the house's words, at their
-key path (`stages.draw.max_inflight: must be > 0, not 0`), never in pydantic's. What depends on more
-than one key, on the engine or on the disk (a model folder, a `module:function`, an edge's stages)
-stays with the parser. A key whose per-item checks the parser says itself (`devices`, `window`,
+key path (`stages.draw.max_inflight: must be > 0, not 0`), never in pydantic's. A key's default is
+the parsed type's (config_types.py; `_DAEMON.max_queued_jobs`), stated there only; a key whose
+parsed form differs (a path, an octal mode, `devices`) has its own. What depends on more than one
+key, on the engine or on the disk (a model folder, a `module:function`, an edge's stages) stays
+with the parser. A key whose per-item checks the parser says itself (`devices`, `window`,
 `hidden_layers`, ...) is typed here for the schema and the reference, but not validated twice
 (`SkipValidation`).
 
@@ -20,16 +22,27 @@ Runs wherever the config is parsed (the supervisor, `omnid --check`); pydantic o
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation, ValidationError, WithJsonSchema, WrapValidator
 from pydantic_core import PydanticCustomError
 
 from omnid.config.checker import Checker, typename
-from omnid.config_types import OVERLOAD_MODES
+from omnid.config_types import (
+    OVERLOAD_MODES,
+    DaemonConfig,
+    LoraConfig,
+    Overload,
+    OwnerPolicy,
+    RayNeeds,
+    RealtimeConfig,
+    StageConfig,
+    TracingConfig,
+)
 from omnid.engines.capabilities import CAPABILITIES, TENSOR_OUTPUTS, stage_accepts, stage_params_schema
 from omnid.media import DEFAULT_MAX_AUDIO_S, DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, DEFAULT_MAX_VIDEO_FRAMES
 
@@ -41,7 +54,6 @@ EngineCore = Literal["inline", "process"]
 Batching = Literal["step", "call"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["auto", "console", "json"]
-Overload = Literal["queue", "refuse"]
 OutputKind = Literal["text", "image", "audio", "tensor", "json", "file"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
 ENGINE_CORES: tuple[str, ...] = get_args(EngineCore)
@@ -225,6 +237,24 @@ def _required(schema: dict[str, Any]) -> None:
     schema["omnid_required"] = True
 
 
+class _Parsed:
+    """The defaults of a parsed type's fields (config_types.py, what the daemon runs with), where a key's
+    default is stated once: `_DAEMON.max_queued_jobs` is `DaemonConfig.max_queued_jobs`'s, as TOML
+    writes it (a tuple as an array, a mapping as a table)."""
+
+    def __init__(self, parsed: Any) -> None:
+        self._fields = {f.name: f for f in dataclasses.fields(parsed)}
+
+    def __getattr__(self, name: str) -> Any:
+        f = self._fields[name]
+        value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        return list(value) if isinstance(value, tuple) else dict(value) if isinstance(value, Mapping) else value
+
+
+_DAEMON, _TRACING, _OWNER, _RAY, _LORA, _STAGE, _REALTIME = map(_Parsed, (
+    DaemonConfig, TracingConfig, OwnerPolicy, RayNeeds, LoraConfig, StageConfig, RealtimeConfig))
+
+
 class _Table(BaseModel):
     # strict: TOML's types as they are (a `true` is no number, "5" no integer); a float key takes an integer
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
@@ -277,12 +307,12 @@ class TracingTable(_Table):
     otlp_endpoint: Annotated[str, Field(pattern=r"^https?://[^/\s]+(/\S*)?$"), says(
         lambda v: f"must be an http(s) URL like \"http://127.0.0.1:4318\" (an OTLP/HTTP receiver: an "
                   f"OpenTelemetry Collector, Jaeger), not {v!r}")] = Field(
-        default="http://127.0.0.1:4318", description="the OTLP/HTTP receiver's base URL; spans go to <it>/v1/traces")
+        default=_TRACING.otlp_endpoint, description="the OTLP/HTTP receiver's base URL; spans go to <it>/v1/traces")
     sample: Annotated[float, Field(ge=0, le=1), says(
         lambda v: f"must be between 0 and 1 (the share of traces kept), not {v}")] = Field(
-        default=1.0, description="the share of new traces kept (a caller's sampled flag is followed)")
+        default=_TRACING.sample, description="the share of new traces kept (a caller's sampled flag is followed)")
     service_name: Annotated[str, _check(_not_blank), says("must not be empty")] = Field(
-        default="omnid", description="`service.name` of the spans (a stage's: \"<it>:<stage>\")")
+        default=_TRACING.service_name, description="`service.name` of the spans (a stage's: \"<it>:<stage>\")")
 
 
 class OwnerTable(_Table):
@@ -309,81 +339,81 @@ class DaemonTable(_Table):
         default="0660", description="the socket's permission bits: an octal string (\"0660\") or an integer")
     socket_group: str | None = Field(default=None, description="the socket's group")
     admin_group: str | None = Field(default=None, description="besides root, who may restart, sleep and wake stages")
-    max_queued_jobs: int = Field(default=256, gt=0, description="per pipeline; past it the API answers 429")
+    max_queued_jobs: int = Field(default=_DAEMON.max_queued_jobs, gt=0, description="per pipeline; past it the API answers 429")
     default_timeout_s: float = Field(
-        default=600.0, gt=0, description="a job's timeout when neither it nor its pipeline sets one")
-    max_request_bytes: int = Field(default=64 << 20, gt=0, description="a request body's limit (413 past it)")
-    heartbeat_interval_s: float = Field(default=1.0, gt=0, description="how often a worker says it is alive")
+        default=_DAEMON.default_timeout_s, gt=0, description="a job's timeout when neither it nor its pipeline sets one")
+    max_request_bytes: int = Field(default=_DAEMON.max_request_bytes, gt=0, description="a request body's limit (413 past it)")
+    heartbeat_interval_s: float = Field(default=_DAEMON.heartbeat_interval_s, gt=0, description="how often a worker says it is alive")
     heartbeat_timeout_s: float = Field(
-        default=30.0, gt=0, description="a worker silent this long is killed and restarted")
-    startup_timeout_s: float = Field(default=900.0, gt=0,
+        default=_DAEMON.heartbeat_timeout_s, gt=0, description="a worker silent this long is killed and restarted")
+    startup_timeout_s: float = Field(default=_DAEMON.startup_timeout_s, gt=0,
                                      description="how long a stage may take to load before it is given up")
     cancel_grace_s: float = Field(
-        default=5.0, gt=0, description="a running job that ignores its cancel this long gets its worker restarted")
-    stop_grace_s: float = Field(default=10.0, gt=0, description="SIGTERM to SIGKILL, for a worker being stopped")
+        default=_DAEMON.cancel_grace_s, gt=0, description="a running job that ignores its cancel this long gets its worker restarted")
+    stop_grace_s: float = Field(default=_DAEMON.stop_grace_s, gt=0, description="SIGTERM to SIGKILL, for a worker being stopped")
     drain_timeout_s: float = Field(
-        default=60.0, ge=0, description="on SIGTERM, how long running jobs may take to finish")
+        default=_DAEMON.drain_timeout_s, ge=0, description="on SIGTERM, how long running jobs may take to finish")
     restart_backoff_s: float = Field(
-        default=1.0, gt=0, description="the first wait before a crashed stage is started again, doubling")
-    restart_backoff_max_s: float = Field(default=30.0, gt=0, description="... up to this")
+        default=_DAEMON.restart_backoff_s, gt=0, description="the first wait before a crashed stage is started again, doubling")
+    restart_backoff_max_s: float = Field(default=_DAEMON.restart_backoff_max_s, gt=0, description="... up to this")
     max_restarts: int = Field(
-        default=5, ge=0, description="more crashes than this within restart_window_s marks the stage failed")
-    restart_window_s: float = Field(default=300.0, gt=0, description="see max_restarts")
+        default=_DAEMON.max_restarts, ge=0, description="more crashes than this within restart_window_s marks the stage failed")
+    restart_window_s: float = Field(default=_DAEMON.restart_window_s, gt=0, description="see max_restarts")
     log_level: Annotated[LogLevel, says(f"must be one of {', '.join(get_args(LogLevel))}")] = Field(
-        default="info", description="the daemon's log level")
+        default=_DAEMON.log_level, description="the daemon's log level")
     log_format: Annotated[LogFormat, says(
         "must be \"console\" or \"json\", or \"auto\" (json unless stderr is a terminal)")] = Field(
-        default="auto", description="auto: JSON lines unless stderr is a terminal; or console, json")
+        default=_DAEMON.log_format, description="auto: JSON lines unless stderr is a terminal; or console, json")
     shm_min_bytes: int = Field(
-        default=1 << 20, gt=0, description="values from this size cross stages through shared memory")
+        default=_DAEMON.shm_min_bytes, gt=0, description="values from this size cross stages through shared memory")
     keep_jobs_days: float = Field(
-        default=30.0, ge=0,
+        default=_DAEMON.keep_jobs_days, ge=0,
         description="finished jobs created longer ago are removed with their events and files (0: off)")
     keep_jobs: int = Field(
-        default=10000, ge=0, description="finished jobs past this many, oldest first, are removed (0: off)")
+        default=_DAEMON.keep_jobs, ge=0, description="finished jobs past this many, oldest first, are removed (0: off)")
     retention_interval_s: float = Field(
-        default=60.0, gt=0, description="how often retention runs (and once at start)")
+        default=_DAEMON.retention_interval_s, gt=0, description="how often retention runs (and once at start)")
     client_idle_timeout_s: float = Field(
-        default=30.0, gt=0, description="a connection that sends no request this long is closed")
+        default=_DAEMON.client_idle_timeout_s, gt=0, description="a connection that sends no request this long is closed")
     metrics_listen: HostPort | None = Field(default=None, description="\"127.0.0.1:9464\": /metrics over TCP too")
     log_file_max_bytes: int = Field(
-        default=10 << 20, gt=0, description="the per-stage and daemon log files rotate at this size")
-    log_file_keep: int = Field(default=3, ge=0, description="... keeping this many rotated files")
+        default=_DAEMON.log_file_max_bytes, gt=0, description="the per-stage and daemon log files rotate at this size")
+    log_file_keep: int = Field(default=_DAEMON.log_file_keep, ge=0, description="... keeping this many rotated files")
     ray_address: str | None = Field(
         default=None, description="the Ray cluster of Ray-placed stages: the head's \"HOST:6379\", or \"auto\"")
     preload_workers: bool = Field(
-        default=True,
+        default=_DAEMON.preload_workers,
         description="a CPU stage's worker is forked from its engine's fork server (libraries imported already) "
                     "instead of spawned bare")
     listen: list[ListenAddress] = Field(
-        default=[], description="TCP addresses ([\"127.0.0.1:8080\"]) that serve the socket's application, each "
+        default=_DAEMON.listen, description="TCP addresses ([\"127.0.0.1:8080\"]) that serve the socket's application, each "
                         "request with an API key")
     allow_origins: list[Origin] = Field(
-        default=[], description="CORS on the TCP listener: browser origins let in (\"*\": any)")
+        default=_DAEMON.allow_origins, description="CORS on the TCP listener: browser origins let in (\"*\": any)")
     metrics_without_key: bool = Field(
-        default=False, description="GET /metrics on the TCP listener answers without a key")
+        default=_DAEMON.metrics_without_key, description="GET /metrics on the TCP listener answers without a key")
     min_free_mb: int = Field(
-        default=512, ge=0, description="below this on the state dir's filesystem the daemon takes no new jobs")
-    min_free_inodes: int = Field(default=1024, ge=0, description="... or below this many free inodes")
+        default=_DAEMON.min_free_mb, ge=0, description="below this on the state dir's filesystem the daemon takes no new jobs")
+    min_free_inodes: int = Field(default=_DAEMON.min_free_inodes, ge=0, description="... or below this many free inodes")
     ballast_mb: int = Field(
-        default=32, ge=0,
+        default=_DAEMON.ballast_mb, ge=0,
         description="space set aside in <state_dir>/ballast, given back when the disk fills (0: none)")
     fair_share: bool = Field(
-        default=True,
+        default=_DAEMON.fair_share,
         description="within a priority level, stages take jobs in turn across owners, by weight; false: in arrival "
                     "order")
     max_wait_s: float = Field(
-        default=300.0, ge=0,
+        default=_DAEMON.max_wait_s, ge=0,
         description="a job that waited this long in a stage's queue goes ahead of those that have not (0: off)")
     owners: dict[OwnerName, OwnerTable] = Field(
         default={},
         description="[daemon.owners.WHO] (\"default\", a uid, \"key:NAME\"): weight, max_priority, max_queued")
     tracing: TracingTable | None = Field(
         default=None, description="OpenTelemetry traces of the jobs, over OTLP/HTTP (off when absent)")
-    max_realtime_sessions: int = Field(default=64, gt=0, description="realtime sessions (/v1/realtime) open at once")
-    max_realtime_sessions_per_key: int = Field(default=8, gt=0, description="... per API key (per uid on the socket)")
+    max_realtime_sessions: int = Field(default=_DAEMON.max_realtime_sessions, gt=0, description="realtime sessions (/v1/realtime) open at once")
+    max_realtime_sessions_per_key: int = Field(default=_DAEMON.max_realtime_sessions_per_key, gt=0, description="... per API key (per uid on the socket)")
     realtime_idle_timeout_s: float = Field(
-        default=600.0, gt=0,
+        default=_DAEMON.realtime_idle_timeout_s, gt=0,
         description="a realtime session with no client event this long (and no response under way) is closed")
     realtime_transcription: str | None = Field(
         default=None,
@@ -414,22 +444,22 @@ class LoraTable(_Table):
 
     adapters: dict[str, Annotated[str, says(
         lambda v: f"must be a string (the adapter's folder), not {typename(v)}", types=True)]] = Field(
-        default={}, description="the stage's adapters: name -> folder (relative: from the config file's folder)")
-    max_loras: int = Field(default=4, gt=0, description="vllm: adapters in one batch (vLLM's max_loras)")
-    max_lora_rank: int = Field(default=16, gt=0, description="the highest rank an adapter may have (vLLM: one of "
+        default=_LORA.adapters, description="the stage's adapters: name -> folder (relative: from the config file's folder)")
+    max_loras: int = Field(default=_LORA.max_loras, gt=0, description="vllm: adapters in one batch (vLLM's max_loras)")
+    max_lora_rank: int = Field(default=_LORA.max_lora_rank, gt=0, description="the highest rank an adapter may have (vLLM: one of "
                                                      + ", ".join(map(str, VLLM_LORA_RANKS)) + ")")
 
 
 class RayTable(_Table):
     """`ray = { ... }`: what a Ray-placed stage's worker asks of the cluster."""
 
-    num_cpus: float = Field(default=1.0, ge=0, description="CPUs of the worker's actor")
-    num_gpus: float = Field(default=0.0, ge=0, description="GPUs of the worker's actor (instead of `devices`)")
+    num_cpus: float = Field(default=_RAY.num_cpus, ge=0, description="CPUs of the worker's actor")
+    num_gpus: float = Field(default=_RAY.num_gpus, ge=0, description="GPUs of the worker's actor (instead of `devices`)")
     memory_mb: int | None = Field(default=None, gt=0, description="a scheduling hint, in MiB")
     resources: dict[str, Annotated[float, Field(gt=0), says(
         lambda v: f"must be a number > 0, not {_shown(v)}", types=True)]] = Field(
-        default={}, description="custom resources: { node2 = 1 }")
-    labels: dict[str, str] = Field(default={}, description="a node label selector: { zone = \"b\" }")
+        default=_RAY.resources, description="custom resources: { node2 = 1 }")
+    labels: dict[str, str] = Field(default=_RAY.labels, description="a node label selector: { zone = \"b\" }")
 
 
 def _cache_schema() -> dict[str, Any]:
@@ -483,22 +513,22 @@ class StageTable(_Table):
     devices: Annotated[list[int] | list[list[int]], SkipValidation] = Field(
         default=[], description="GPU indices ([]: the CPU; [[0], [1]]: one set per replica)")
     exclusive: bool = Field(
-        default=False, description="no other stage, nor another replica of it, may share its devices")
+        default=_STAGE.exclusive, description="no other stage, nor another replica of it, may share its devices")
     replicas: Annotated[int, Field(ge=1, le=MAX_REPLICAS), says(
         lambda v: f"must be from 1 to {MAX_REPLICAS}, not {v}")] = Field(
         default=1, description="workers of this stage (devices = [[0], [1]]: one per device set)")
     idle_unload_s: float | None = Field(
         default=None, gt=0, description="no work this long: the stage sleeps until a job comes")
-    max_inflight: int = Field(default=1, gt=0, description="jobs inside the stage at once (the engine batches them)")
-    queue_capacity: int = Field(default=4, gt=0, description="the stage's input queue's high watermark")
+    max_inflight: int = Field(default=_STAGE.max_inflight, gt=0, description="jobs inside the stage at once (the engine batches them)")
+    queue_capacity: int = Field(default=_STAGE.queue_capacity, gt=0, description="the stage's input queue's high watermark")
     shm_pool_mb: int = Field(
-        default=1024, ge=0, description="the stage's shared-memory pool for large inputs (0: none)")
+        default=_STAGE.shm_pool_mb, ge=0, description="the stage's shared-memory pool for large inputs (0: none)")
     args: dict[str, Any] = Field(
-        default={},
+        default=_STAGE.args,
         description="engine construction arguments: EngineArgs for vLLM; from_pretrained keyword arguments and "
                     "dtype for diffusers")
-    defaults: dict[str, Any] = Field(default={}, description="per-job parameters, which a job may override")
-    env: dict[str, str] = Field(default={}, description="extra environment for the worker")
+    defaults: dict[str, Any] = Field(default=_STAGE.defaults, description="per-job parameters, which a job may override")
+    env: dict[str, str] = Field(default=_STAGE.env, description="extra environment for the worker")
     placement: Annotated[Placement | list[Placement], SkipValidation] = Field(
         default="local",
         description="\"local\" (the default) or \"ray\": the worker runs as a Ray actor; a list gives one per "
@@ -511,26 +541,26 @@ class StageTable(_Table):
         description="a leak guard: a worker whose resident memory is over it is restarted between jobs")
     engine_core: Annotated[EngineCore, says(
         lambda v: f"must be one of {', '.join(map(repr, ENGINE_CORES))}, not {v!r}")] = Field(
-        default="process",
+        default=_STAGE.engine_core,
         description="vllm stages: the engine core in a process of its own, or inline in the worker's thread")
     outputs: Annotated[list[str], SkipValidation, WithJsonSchema(
         {"type": "array", "items": {"enum": ["text", *TENSOR_OUTPUTS]}})] = Field(
         default=[], description="vllm stages: the tensors every job gives besides text (token_ids, hidden_states)")
     hidden_layers: Annotated[list[int], SkipValidation] = Field(
-        default=[-1],
+        default=_STAGE.hidden_layers,
         description="vllm stages: which hidden states (output_hidden_states indices; -1: after the final norm)")
-    hidden_prompt: bool = Field(default=False, description="vllm stages: the prompt's rows of the hidden states too")
+    hidden_prompt: bool = Field(default=_STAGE.hidden_prompt, description="vllm stages: the prompt's rows of the hidden states too")
     prompt_embeds: bool = Field(
-        default=False, description="vllm stages: a job may give embeddings instead of a prompt")
+        default=_STAGE.prompt_embeds, description="vllm stages: a job may give embeddings instead of a prompt")
     batching: Annotated[Batching, says(
         lambda v: f"must be one of {', '.join(map(repr, BATCHINGS))}, not {v!r}")] = Field(
-        default="step",
+        default=_STAGE.batching,
         description="diffusers stages with max_inflight > 1: a job joins the running batch at the next denoising "
                     "step, or \"call\": one pipeline call per batch")
     cache: Annotated[dict[str, Any] | None, SkipValidation, WithJsonSchema(_cache_schema())] = Field(
         default=None,
         description="diffusers DiT stages: { kind = \"first_block\", threshold = 0.5 } and the other kinds")
-    lazy: bool = Field(default=False, description="python stages: true skips the function's load hook at start")
+    lazy: bool = Field(default=_STAGE.lazy, description="python stages: true skips the function's load hook at start")
     lora: LoraTable | None = Field(
         default=None, description="vllm and diffusers stages: LoRA adapters of the stage's model")
 
@@ -556,17 +586,17 @@ class RealtimeTable(_Table):
 
     overload: Annotated[Overload, says(
         lambda v: f"must be {' or '.join(repr(m) for m in OVERLOAD_MODES)}, not {v!r}")] = Field(
-        default="queue", description="past capacity: \"queue\" (wait, bounded) or \"refuse\" (503 at once)")
-    max_waiting_streams: int = Field(default=16, ge=0, description="\"queue\": streams that may wait; past it, 503")
+        default=_REALTIME.overload, description="past capacity: \"queue\" (wait, bounded) or \"refuse\" (503 at once)")
+    max_waiting_streams: int = Field(default=_REALTIME.max_waiting_streams, ge=0, description="\"queue\": streams that may wait; past it, 503")
     margin: Annotated[float, Field(gt=0, le=1), says(
         lambda v: f"must be in (0, 1], the share of the measured capacity to fill, not {v}")] = Field(
-        default=0.9, description="admit while the streams stay under margin x the capacity measured")
+        default=_REALTIME.margin, description="admit while the streams stay under margin x the capacity measured")
     warmup: Annotated[dict[str, Any] | bool, says(
         lambda v: f"must be a table or a boolean, not {typename(v)}", types=True)] = Field(
         default=True,
         description="the inputs of the warm-up job run before the pipeline is ready (true: { prompt = \"warm up\" "
                     "}; false: none)")
-    warmup_params: dict[str, Any] = Field(default={}, description="the warm-up job's params, by stage")
+    warmup_params: dict[str, Any] = Field(default=_REALTIME.warmup_params, description="the warm-up job's params, by stage")
 
 
 class PipelineTable(_Table):

@@ -10,7 +10,7 @@ go backwards.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 from omnid import __version__
 
 if TYPE_CHECKING:
+    from omnid.supervisor.jobs.streams import RealtimeState
     from omnid.supervisor.resources import ConnectionGuard, DiskWatch
     from omnid.supervisor.workers.stage import StageHandle
     from omnid.supervisor.workers.stage_group import StageGroup
@@ -33,7 +34,7 @@ class _StreamsCollector:
     """The real-time pipelines' measured capacity and their streams (omnid/supervisor/jobs/streams.py)."""
 
     def __init__(self) -> None:
-        self.snapshots: Callable[[], dict[str, dict[str, Any]]] | None = None
+        self.snapshots: Callable[[], dict[str, RealtimeState]] | None = None
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         cap = GaugeMetricFamily("omnid_pipeline_capacity_audio_seconds_per_second", "Audio seconds a second a "
@@ -43,8 +44,9 @@ class _StreamsCollector:
         refused = CounterMetricFamily("omnid_pipeline_streams_refused", "Streams refused with 503 over_capacity",
                                       labels=["pipeline"])
         for name, snap in (self.snapshots() if self.snapshots else {}).items():
-            if snap.get("audio_per_s") is not None:
-                cap.add_metric([name], float(snap["audio_per_s"]))
+            rate = snap["audio_per_s"]
+            if rate is not None:
+                cap.add_metric([name], float(rate))
                 streams.add_metric([name, "admits"], float(snap.get("streams") or 0))
             streams.add_metric([name, "running"], float(snap["running"]))
             streams.add_metric([name, "waiting"], float(snap["waiting"]))
@@ -268,7 +270,7 @@ class Metrics:
     def stream_slack(self, pipeline: str, seconds: float) -> None:
         self.slack.labels(pipeline).observe(seconds)
 
-    def watch_streams(self, snapshots: Callable[[], dict[str, dict[str, Any]]]) -> None:
+    def watch_streams(self, snapshots: Callable[[], dict[str, RealtimeState]]) -> None:
         """Report the real-time pipelines' capacity and streams (the scheduler's gate, once it exists)."""
         self._streams.snapshots = snapshots
 

@@ -15,7 +15,7 @@ import os
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import structlog
 from aiohttp import web
@@ -26,7 +26,7 @@ from omnid.supervisor.errors import Refused
 from omnid.supervisor.jobs.live_job import LAGGED
 from omnid.supervisor.jobs.scheduler import Scheduler
 from omnid.supervisor.workers import stage_logs
-from omnid.vocabulary import ErrorCode, JobRecord
+from omnid.vocabulary import ErrorCode, Event, JobRecord
 
 log = structlog.get_logger("omnid.api")
 
@@ -35,7 +35,7 @@ STREAM_CHUNK = 64 * 1024
 _FLAGS = {"1": True, "true": True, "0": False, "false": False}
 LOG_POLL_S = 0.1              # `?follow=1`: how often a log file is looked at for new lines
 DISCONNECT_POLL_S = 0.25      # how long a handler waiting on a quiet job may take to see that its caller hung up
-HUNG_UP: dict[str, Any] = {"type": "hung_up"}    # what HangupWatch puts in the queue of a caller that is gone
+HUNG_UP = cast(Event, {"type": "hung_up"})     # what HangupWatch puts in the queue of a caller that is gone (a mark)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
@@ -108,7 +108,7 @@ async def next_event(request: web.Request, queue: asyncio.Queue[Any]) -> Any:
 
 
 async def follow_batches(request: web.Request, scheduler: Scheduler,
-                         job_id: str) -> AsyncGenerator[list[dict[str, Any]], None]:
+                         job_id: str) -> AsyncGenerator[list[Event], None]:
     """The job's events from its start until it ended, each once, as the lists that are there at
     once (the past in one, then what one wake-up finds queued: a step's tokens of a batch come
     together), so a reader writes each list in one write. ConnectionResetError if the caller hangs
@@ -130,7 +130,7 @@ async def follow_batches(request: web.Request, scheduler: Scheduler,
                 # The hang-up is looked at after every wake-up as well as after every quiet
                 # DISCONNECT_POLL_S: a job whose events flow (every token) is cancelled too.
                 item = await next_event(request, queue)
-                batch: list[dict[str, Any]] = []
+                batch: list[Event] = []
                 while True:
                     if item is None:
                         if batch:
@@ -156,7 +156,7 @@ async def follow_batches(request: web.Request, scheduler: Scheduler,
             scheduler.unsubscribe(job_id, queue)
 
 
-async def follow(request: web.Request, scheduler: Scheduler, job_id: str) -> AsyncGenerator[dict[str, Any], None]:
+async def follow(request: web.Request, scheduler: Scheduler, job_id: str) -> AsyncGenerator[Event, None]:
     """`follow_batches`, one event at a time."""
     async with aclosing(follow_batches(request, scheduler, job_id)) as batches:
         async for batch in batches:

@@ -1,8 +1,9 @@
-"""The OpenAPI document's component schemas: every document the API answers (a job, its events,
-a pipeline and its description, a stage, health and readiness, the keys, the OpenAI paths' models and
-errors), the job request with each pipeline's inputs and each stage's params, the OpenAI paths'
-request bodies (generated from the models that check them, each beside its endpoint in openai/), and
-the small JSON Schema builders they are written with.
+"""The OpenAPI document's component schemas: every document the API answers (a job and its events,
+generated from the classes in omnid.vocabulary that make them; a pipeline and its description, a
+stage, health and readiness, the keys, the OpenAI paths' models and errors), the job request with
+each pipeline's inputs and each stage's params, the OpenAI paths' request bodies (generated from the
+models that check them, each beside its endpoint in openai/), and the small JSON Schema builders
+the others are written with.
 
 Pure functions of the config, called by openapi.py as it builds `GET /v1/openapi.json` (in the
 supervisor's event-loop thread); no I/O. Each schema is built from what the server checks with (the
@@ -17,7 +18,8 @@ import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from pydantic.json_schema import models_json_schema
+from pydantic import ConfigDict, TypeAdapter, with_config
+from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue, models_json_schema
 
 from omnid.config import Config, StageConfig
 from omnid.engines.capabilities import CAPABILITIES, capabilities, stage_params_schema
@@ -29,7 +31,20 @@ from omnid.supervisor.http.openai.common import PRIORITY_SCHEMA, RequestBody
 from omnid.supervisor.http.openai.completions import CompletionRequest
 from omnid.supervisor.http.openai.images import ImageRequest
 from omnid.supervisor.http.openai.speech import SpeechRequest
-from omnid.vocabulary import JOB_LINKS, ErrorCode, EventType, JobState, StageRunState, WorkerState
+from omnid.supervisor.jobs.scheduler import QueuePlace
+from omnid.supervisor.jobs.streams import RealtimeState, StreamPlace
+from omnid.vocabulary import (
+    JOB_LINKS,
+    ErrorCode,
+    Event,
+    EventFields,
+    JobError,
+    JobOutput,
+    JobRecord,
+    JobState,
+    StageRun,
+    WorkerState,
+)
 
 # ------------------------------------------------------------------ the builders
 
@@ -75,16 +90,6 @@ PRIORITY = PRIORITY_SCHEMA
 REQUESTS: dict[str, type[RequestBody]] = {"ChatCompletionRequest": ChatCompletionRequest,
                                           "CompletionRequest": CompletionRequest, "ImageRequest": ImageRequest,
                                           "SpeechRequest": SpeechRequest}
-# Where a queued job waits, per stage (GET /v1/jobs/{id}; omnictl status JOB)
-QUEUE_PLACE = {"type": "object", "description": "a queued job's place in each stage's queue that holds it (or "
-               "whose feeder does): position 1 is next; ahead, by priority; running there now",
-               "additionalProperties": {"type": "object", "properties": {
-                   "position": {"type": "integer"}, "ahead": {"type": "integer"},
-                   "ahead_by_priority": {"type": "object", "additionalProperties": {"type": "integer"}},
-                   "running": {"type": "integer"}, "priority": {"type": "integer"}},
-                   "required": ["position", "ahead", "ahead_by_priority", "running", "priority"]}}
-
-
 def _job_request(config: Config) -> dict[str, Any]:
     """`POST /v1/jobs`'s body: one alternative per pipeline, with each stage's params schema."""
     timeout = nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 7 * 24 * 3600})
@@ -130,100 +135,186 @@ LORA = nullable(obj({"base": nullable(STR), "max_loras": INT, "max_lora_rank": I
                     ["base", "adapters", "max_loras", "max_lora_rank"]))
 
 
-def schemas(config: Config) -> dict[str, Any]:
-    """`components.schemas`: every document the API answers, and the job request."""
-    stage_run = obj({
-        "state": enum(StageRunState),
-        "progress": nullable(obj({"done": INT, "total": nullable(INT)}, ["done"])),
-        "started_at": nullable(NUM), "finished_at": nullable(NUM), "elapsed_s": nullable(NUM),
-        "segments": INT, "replica": nullable(INT),
-    }, ["state", "progress", "started_at", "finished_at", "elapsed_s", "segments", "replica"], extra=False)
-    output = obj({"name": STR, "file": STR, "kind": STR, "content_type": STR, "size": INT,
-                  "stage": STR}, ["name", "file", "kind", "content_type"])
-    job_error = obj({"code": enum(ErrorCode), "message": STR, "stage": nullable(STR)}, ["code", "message"])
-    file_summary = obj({"filename": nullable(STR), "size": INT, "format": STR, "width": INT, "height": INT,
-                        "seconds": NUM, "rate": INT, "channels": INT, "samples": INT}, ["size"])
-    input_summary = {"anyOf": [PLAIN_VALUE_SCHEMA, file_summary, {"type": "array", "items": file_summary}]}
-    job_keys = {
-        "id": STR, "pipeline": STR, "state": enum(JobState), "owner_uid": INT,
-        "created_at": NUM, "started_at": nullable(NUM), "finished_at": nullable(NUM), "timeout_s": NUM,
-        "inputs": {"type": "object", "additionalProperties": input_summary},
-        "params": {"type": "object", "additionalProperties": {"type": "object",
-                                                              "additionalProperties": PLAIN_VALUE_SCHEMA}},
-        "stages": {"type": "object", "additionalProperties": ref("StageRun")},
-        "outputs": {"type": "array", "items": ref("Output")},
-        "error": nullable(ref("JobError")),
-        "priority": {"type": "integer", "description": "lower runs earlier"},
-        "key": {**nullable(STR), "description": "the API key it came with (TCP); fair share's owner"},
-    }
-    # window: -1 (full trigger), N (segments per window) or a schedule [N1, N2, ...] (the last repeats)
-    window = {"oneOf": [INT, {"type": "array", "items": INT, "minItems": 1}]}
-    edge = obj({"from": STR, "to": STR, "window": window, "map": nullable({"type": "object"}),
-                "transform": nullable(STR)}, ["from", "to", "window"])
-    pipeline_keys = {"name": STR, "stages": {"type": "array", "items": STR},
-                     "edges": {"type": "array", "items": ref("Edge")},
-                     "sources": {"type": "array", "items": STR}, "sinks": {"type": "array", "items": STR},
-                     "timeout_s": nullable(NUM), "retries": INT,
-                     "kept_outputs": {"type": "object", "additionalProperties": {"type": "array", "items": STR},
-                                      "description": "the config's `outputs`: outputs of stages that are not "
-                                                     "last kept as the job's too"}}
-    realtime = obj({"overload": enum(("queue", "refuse")), "margin": NUM, "max_waiting_streams": INT, "warm": BOOL,
-                    "audio_per_s": {**nullable(NUM), "description": "audio seconds a second the pipeline can make, "
-                                    "measured from its stages' step times (null until measured)"},
-                    "streams": {**nullable(INT), "description": "how many streams its capacity admits at once"},
-                    "running": INT, "waiting": INT, "refused": INT,
-                    "cost_per_audio_s": {"type": "object", "additionalProperties": NUM,
-                                         "description": "per stage (and `cpu`, the CPU stages together over "
-                                                        "the host's cores): seconds of work an audio second costs"}},
-                   ["overload", "warm", "audio_per_s", "running", "waiting"])
-    stream = {"type": "object", "description": "a real-time pipeline's job: while it waits for capacity, its "
-              "`position` (1: next), `estimated_start_s` and how many are `running`; once it plays, the "
-              "`audio_s` sent, its listener's `slack_s` (audio still to play; below 0: late) and `late_packets`",
-              "properties": {"position": INT, "estimated_start_s": NUM, "running": INT, "audio_s": NUM,
-                             "slack_s": NUM, "late_packets": INT}}
-    pipeline_keys["realtime"] = realtime
-    param_doc = {"type": "object", "properties": {"default": PLAIN_VALUE_SCHEMA}}
-    described = {
-        **pipeline_keys,
-        "inputs": {"type": "object", "additionalProperties": obj(
-            {"known": BOOL, "engine": STR, "note": STR,
-             "media": obj({**{k: INT for k in MEDIA_KINDS}, "max_bytes": INT, "max_pixels": INT,
-                           "max_audio_s": NUM, "max_video_frames": INT}, [*MEDIA_KINDS]),
-             "inputs": {"type": "object", "additionalProperties": obj(
-                 {"type": STR, "required": BOOL, "description": STR}, ["type", "required"])}},
-            ["known", "engine", "inputs"])},
-        "params": {"type": "object", "additionalProperties": obj(
-            {"engine": STR, "accepts": STR, "params": {"type": "object", "additionalProperties": param_doc}},
-            ["engine", "accepts", "params"])},
-        "outputs": {"type": "object", "additionalProperties": obj(
-            {"known": BOOL, "engine": STR, "note": STR,
-             "outputs": {"type": "array", "items": obj({"name": STR, "kind": STR, "file": STR,
-                                                        "content_type": STR, "description": STR},
-                                                       ["name", "kind", "content_type"])}},
-            ["known", "engine", "outputs"])},
-        "adapters": {"type": "object", "additionalProperties": LORA,
-                     "description": "the LoRA adapters of its stages that have a lora table, and their base model"},
-    }
-    stage_keys = {
-        "name": STR, "engine": enum(CAPABILITIES), "state": enum(WorkerState),
-        "pid": nullable(INT), "devices": {"type": "array", "items": INT}, "queue_depth": INT,
-        "queue_capacity": INT, "max_inflight": INT, "running": {"type": "array", "items": STR},
-        "jobs_done": INT, "restarts": INT, "rss_bytes": nullable(INT), "cpu_percent": nullable(NUM),
-        "gpu_memory_bytes": nullable(INT), "uptime_s": nullable(NUM), "load_s": nullable(NUM),
-        "last_error": nullable(STR),
-        "last_restart": nullable(obj({"reason": STR, "at": NUM}, ["reason", "at"], extra=False)),
-        "model": nullable(STR), "function": nullable(STR), "lazy": BOOL,
-        "placement": enum(("local", "ray", "mixed")), "node": nullable(STR),
-        "ray": {"type": ["object", "null"]},     # a Ray-placed worker: node_id, node_ip, node_name, host, actor_id
-        "info": {"type": "object", "description": "what the loaded engine reports: for a vLLM stage its model, "
-                 "dtype, max_model_len, compiled (torch.compile'd or eager), vllm (the vLLM version its worker "
-                 "runs), engine_core, threads; tensors and media where configured"},
-    }
-    replica_keys = {**stage_keys, "replica": INT, "label": STR, "retiring": BOOL}
-    stage_keys = {**stage_keys, "replica_count": INT, "down": {"type": "array", "items": STR},
+# ------------------------------------------------------------------ the job document and its events
+
+
+class _Described(GenerateJsonSchema):
+    """pydantic's JSON Schema of a type, without the title it gives every field nor the defaults (a
+    document always carries every field)."""
+
+    def field_title_should_be_set(self, schema: Any) -> bool:
+        return False
+
+    def default_schema(self, schema: Any) -> JsonSchemaValue:
+        return self.generate_inner(schema["schema"])
+
+
+# The job document and its events are defined once, by the vocabulary's classes that make them: their
+# component schemas are generated from those (a field's docstring is its description); a class of
+# these is named by a $ref, any other part (an enum, the progress) is written in place.
+_DOCUMENTS: dict[str, Any] = {"Job": JobRecord, "StageRun": StageRun, "JobError": JobError, "Output": JobOutput,
+                              "Event": Event, "EventFields": EventFields}
+_COMPONENT = {kind.__name__: name for name, kind in _DOCUMENTS.items()}
+# What a job's inputs and params hold: the JSON values the request's checks let in (admission.py); an
+# input's file or audio, as its summary.
+_FILE_SUMMARY = obj({"filename": nullable(STR), "size": INT, "format": STR, "width": INT, "height": INT,
+                     "seconds": NUM, "rate": INT, "channels": INT, "samples": INT}, ["size"])
+_JOB_VALUES = {
+    "inputs": {"type": "object", "additionalProperties": {
+        "anyOf": [PLAIN_VALUE_SCHEMA, _FILE_SUMMARY, {"type": "array", "items": _FILE_SUMMARY}]}},
+    "params": {"type": "object", "additionalProperties": {"type": "object", "additionalProperties": PLAIN_VALUE_SCHEMA}},
+}
+
+
+def _placed(node: Any, defs: dict[str, Any]) -> Any:
+    """A generated schema with its $refs to the documents' classes named as components, the rest in place."""
+    if isinstance(node, list):
+        return [_placed(item, defs) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        name = node["$ref"].rsplit("/", 1)[1]
+        if name in _COMPONENT:
+            return ref(_COMPONENT[name])
+        node = {**{k: v for k, v in defs[name].items() if k != "title"}, **{k: v for k, v in node.items() if k != "$ref"}}
+    return {key: _placed(value, defs) for key, value in node.items()}
+
+
+def generated(kind: Any) -> dict[str, Any]:
+    """The JSON Schema of a class that makes a document (a dataclass, a TypedDict), from its fields."""
+    if isinstance(kind, type):
+        with_config(ConfigDict(use_attribute_docstrings=True))(kind)
+    schema = TypeAdapter(kind).json_schema(mode="serialization", schema_generator=_Described)
+    return {k: v for k, v in _placed(schema, schema.get("$defs", {})).items() if k not in ("$defs", "title")}
+
+
+@functools.cache
+def job_schemas() -> dict[str, Any]:
+    """`Job` (the record's document: every field, nothing else; and what its GET adds: its place in
+    the queues, per stage, and its stream's), `NewJob` (and its links), `StageRun`, `JobError`,
+    `Output` and `Event`, from their classes; `JobList`, `Deleted`."""
+    found = {name: generated(kind) for name, kind in _DOCUMENTS.items()}
+    for name in ("Job", "StageRun", "JobError"):            # a record's to_doc: all its fields, no other
+        found[name] |= {"required": list(found[name]["properties"]), "additionalProperties": False}
+    job = found["Job"]["properties"]
+    job |= {key: job[key] | schema for key, schema in _JOB_VALUES.items()}     # (their descriptions kept)
+    # (pydantic reads a class's own attribute docstrings: an event's fields are described by EventFields')
+    found["Event"]["properties"] |= found.pop("EventFields")["properties"] | {"error": nullable(ref("JobError"))}
+    stream = generated(StreamPlace)
+    found["NewJob"] = {**found["Job"], "required": [*found["Job"]["required"], "links"], "properties": {
+        **job, "links": obj({k: STR for k in JOB_LINKS}, list(JOB_LINKS), extra=False), "stream": stream,
+        "trace_id": {**STR, "description": "the job's trace ([daemon] tracing on): the caller's traceparent's, "
+                     "else a new one"}}}
+    job |= {"stream": stream, "queue": {"type": "object", "additionalProperties": generated(QueuePlace)}}
+    return found | {"JobList": obj({"jobs": {"type": "array", "items": ref("Job")}}, ["jobs"], extra=False),
+                    "Deleted": obj({"deleted": STR}, ["deleted"], extra=False)}
+
+
+# ------------------------------------------------------------------ the pipelines, the stages, the service
+
+# A real-time pipeline's capacity and streams (GET /v1/pipelines, /v1/stages), as the gate makes it
+REALTIME = generated(RealtimeState)
+# window: -1 (full trigger), N (segments per window) or a schedule [N1, N2, ...] (the last repeats)
+_WINDOW = {"oneOf": [INT, {"type": "array", "items": INT, "minItems": 1}]}
+PIPELINE_KEYS = {"name": STR, "stages": {"type": "array", "items": STR}, "edges": {"type": "array", "items": ref("Edge")},
+                 "sources": {"type": "array", "items": STR}, "sinks": {"type": "array", "items": STR},
+                 "timeout_s": nullable(NUM), "retries": INT,
+                 "kept_outputs": {"type": "object", "additionalProperties": {"type": "array", "items": STR},
+                                  "description": "the config's `outputs`: outputs of stages that are not last kept "
+                                                 "as the job's too"},
+                 "realtime": REALTIME}
+_PIPELINE_REQUIRED = [k for k in PIPELINE_KEYS if k != "realtime"]
+_PARAM_DOC = {"type": "object", "properties": {"default": PLAIN_VALUE_SCHEMA}}
+_PIPELINE_DESCRIBED = {
+    **PIPELINE_KEYS,
+    "inputs": {"type": "object", "additionalProperties": obj(
+        {"known": BOOL, "engine": STR, "note": STR,
+         "media": obj({**{k: INT for k in MEDIA_KINDS}, "max_bytes": INT, "max_pixels": INT,
+                       "max_audio_s": NUM, "max_video_frames": INT}, [*MEDIA_KINDS]),
+         "inputs": {"type": "object", "additionalProperties": obj(
+             {"type": STR, "required": BOOL, "description": STR}, ["type", "required"])}},
+        ["known", "engine", "inputs"])},
+    "params": {"type": "object", "additionalProperties": obj(
+        {"engine": STR, "accepts": STR, "params": {"type": "object", "additionalProperties": _PARAM_DOC}},
+        ["engine", "accepts", "params"])},
+    "outputs": {"type": "object", "additionalProperties": obj(
+        {"known": BOOL, "engine": STR, "note": STR,
+         "outputs": {"type": "array", "items": obj({"name": STR, "kind": STR, "file": STR,
+                                                    "content_type": STR, "description": STR},
+                                                   ["name", "kind", "content_type"])}},
+        ["known", "engine", "outputs"])},
+    "adapters": {"type": "object", "additionalProperties": LORA,
+                 "description": "the LoRA adapters of its stages that have a lora table, and their base model"},
+}
+PIPELINE_SCHEMAS = {
+    "Edge": obj({"from": STR, "to": STR, "window": _WINDOW, "map": nullable({"type": "object"}),
+                 "transform": nullable(STR)}, ["from", "to", "window"]),
+    "Pipeline": obj(PIPELINE_KEYS, _PIPELINE_REQUIRED),
+    "PipelineList": obj({"pipelines": {"type": "array", "items": ref("Pipeline")}}, ["pipelines"]),
+    "PipelineDescription": obj(_PIPELINE_DESCRIBED, [*_PIPELINE_REQUIRED, "inputs", "params", "outputs"]),
+}
+
+
+_STAGE_KEYS = {
+    "name": STR, "engine": enum(CAPABILITIES), "state": enum(WorkerState),
+    "pid": nullable(INT), "devices": {"type": "array", "items": INT}, "queue_depth": INT,
+    "queue_capacity": INT, "max_inflight": INT, "running": {"type": "array", "items": STR},
+    "jobs_done": INT, "restarts": INT, "rss_bytes": nullable(INT), "cpu_percent": nullable(NUM),
+    "gpu_memory_bytes": nullable(INT), "uptime_s": nullable(NUM), "load_s": nullable(NUM),
+    "last_error": nullable(STR),
+    "last_restart": nullable(obj({"reason": STR, "at": NUM}, ["reason", "at"], extra=False)),
+    "model": nullable(STR), "function": nullable(STR), "lazy": BOOL,
+    "placement": enum(("local", "ray", "mixed")), "node": nullable(STR),
+    "ray": {"type": ["object", "null"]},     # a Ray-placed worker: node_id, node_ip, node_name, host, actor_id
+    "info": {"type": "object", "description": "what the loaded engine reports: for a vLLM stage its model, "
+             "dtype, max_model_len, compiled (torch.compile'd or eager), vllm (the vLLM version its worker "
+             "runs), engine_core, threads; tensors and media where configured"},
+}
+_REPLICA_KEYS = {**_STAGE_KEYS, "replica": INT, "label": STR, "retiring": BOOL}
+STAGE_SCHEMAS = {
+    "Stage": obj({**_STAGE_KEYS, "replica_count": INT, "down": {"type": "array", "items": STR},
                   "idle_unload_s": nullable(NUM), "idle_s": nullable(NUM), "slept_at": nullable(NUM),
                   "wake_s": nullable(NUM), "lora": LORA,
-                  "replicas": {"type": "array", "items": obj(replica_keys, ["name", "replica", "state", "pid"])}}
+                  "replicas": {"type": "array", "items": obj(_REPLICA_KEYS, ["name", "replica", "state", "pid"])}},
+                 ["name", "engine", "state", "pid"]),
+    "StageList": obj({"stages": {"type": "array", "items": ref("Stage")},
+                      "realtime": {"type": "object", "additionalProperties": REALTIME,
+                                   "description": "each real-time pipeline's capacity and streams"}},
+                     ["stages"]),
+    "Restarting": obj({"restarting": STR, "stage": ref("Stage")}, ["restarting", "stage"]),
+    "Sleeping": obj({"sleeping": STR, "already": BOOL, "stage": ref("Stage")}, ["sleeping", "stage"]),
+    "Waking": obj({"waking": STR, "already": BOOL, "stage": ref("Stage")}, ["waking", "stage"]),
+    "StageAdapters": obj({"stage": STR, "lora": LORA}, ["stage", "lora"]),
+    "AdapterRequest": obj({"name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"},
+                           "path": {**STR, "minLength": 1, "description": "the adapter's folder (relative: "
+                                    "to the config file's folder)"}}, ["name", "path"], extra=False),
+}
+
+
+SERVICE_SCHEMAS = {
+    "Health": obj({"status": {"const": "ok"}, "pid": INT, "uptime_s": NUM, "version": STR,
+                   "live_jobs": INT, "stopping_jobs": INT},
+                  ["status", "pid", "uptime_s", "version", "live_jobs"]),
+    "Ready": obj({"ready": BOOL, "stages": {"type": "object", "additionalProperties": enum(WorkerState)},
+                  "not_ready": {"type": "array", "items": STR}, "draining": BOOL,
+                  "warming": {"type": "array", "items": STR,
+                              "description": "real-time pipelines whose warm-up job has not run yet"},
+                  "lazy": {"type": "array", "items": STR,
+                           "description": "python stages with `lazy = true`: ready before their function "
+                                           "has loaded what it needs (it does so on its first job)"},
+                  "reasons": {"type": "array", "items": {"enum": [ErrorCode.DISK_FULL]},
+                              "description": "why not ready besides the stages: disk_full"},
+                  "disk": obj({"full": BOOL, "reason": {"type": ["string", "null"]}, "free_mb": INT,
+                               "min_free_mb": INT, "free_inodes": {"type": ["integer", "null"]},
+                               "min_free_inodes": INT, "ballast_mb": INT}, ["full", "free_mb"]),
+                  "replicas_down": {"type": "object", "additionalProperties": {
+                       "type": "object", "additionalProperties": enum(WorkerState)}}},
+                 ["ready", "stages", "not_ready"]),
+}
+
+
+def schemas(config: Config) -> dict[str, Any]:
+    """`components.schemas`: every document the API answers, and the job request."""
     return {
         "Error": obj({"error": obj({"code": enum(ErrorCode), "message": STR,
                                     "input": {**STR, "description": "the input a 400 invalid_media or "
@@ -231,61 +322,7 @@ def schemas(config: Config) -> dict[str, Any]:
                                    ["code", "message"])},
                      ["error"], extra=False),
         "JobRequest": _job_request(config),
-        "Job": obj({**job_keys, "queue": QUEUE_PLACE, "stream": stream}, job_keys, extra=False),
-        "NewJob": obj({**job_keys, "links": obj({k: STR for k in JOB_LINKS}, list(JOB_LINKS), extra=False),
-                       "trace_id": {**STR, "description": "the job's trace ([daemon] tracing on): the caller's "
-                                    "traceparent's, else a new one"}, "stream": stream},
-                      [*job_keys, "links"], extra=False),
-        "JobList": obj({"jobs": {"type": "array", "items": ref("Job")}}, ["jobs"], extra=False),
-        "StageRun": stage_run,
-        "Output": output,
-        "JobError": job_error,
-        "Event": obj({"type": enum(EventType), "job": STR, "ts": NUM, "stage": STR, "state": enum(JobState),
-                      "error": nullable(ref("JobError")), "done": INT, "total": nullable(INT), "index": INT,
-                      "is_last": BOOL, "text": STR, "audio_s": NUM, "code": enum(ErrorCode), "message": STR,
-                      "elapsed_s": nullable(NUM), "wake_s": nullable(NUM),
-                      "usage": {"type": "object", "additionalProperties": INT},
-                      "finish_reason": {**STR, "description": "stage_finished of a vllm stage: why its answer "
-                                        "ended, \"stop\" (an end token, a stop string) or \"length\" "
-                                        "(max_tokens, or the context window full)"},
-                      "trace_id": {**STR, "description": "state queued, with tracing on: the job's trace"}},
-                     ["type", "job", "ts"]),
-        "Deleted": obj({"deleted": STR}, ["deleted"], extra=False),
-        "Edge": edge,
-        "Pipeline": obj(pipeline_keys, [k for k in pipeline_keys if k != "realtime"]),
-        "PipelineList": obj({"pipelines": {"type": "array", "items": ref("Pipeline")}}, ["pipelines"]),
-        "PipelineDescription": obj(described, [*(k for k in pipeline_keys if k != "realtime"), "inputs", "params",
-                                               "outputs"]),
-        "Stage": obj(stage_keys, ["name", "engine", "state", "pid"]),
-        "StageList": obj({"stages": {"type": "array", "items": ref("Stage")},
-                          "realtime": {"type": "object", "additionalProperties": realtime,
-                                       "description": "each real-time pipeline's capacity and streams"}},
-                         ["stages"]),
-        "Restarting": obj({"restarting": STR, "stage": ref("Stage")}, ["restarting", "stage"]),
-        "Sleeping": obj({"sleeping": STR, "already": BOOL, "stage": ref("Stage")}, ["sleeping", "stage"]),
-        "Waking": obj({"waking": STR, "already": BOOL, "stage": ref("Stage")}, ["waking", "stage"]),
-        "StageAdapters": obj({"stage": STR, "lora": LORA}, ["stage", "lora"]),
-        "AdapterRequest": obj({"name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"},
-                               "path": {**STR, "minLength": 1, "description": "the adapter's folder (relative: "
-                                        "to the config file's folder)"}}, ["name", "path"], extra=False),
-        "Health": obj({"status": {"const": "ok"}, "pid": INT, "uptime_s": NUM, "version": STR,
-                       "live_jobs": INT, "stopping_jobs": INT},
-                      ["status", "pid", "uptime_s", "version", "live_jobs"]),
-        "Ready": obj({"ready": BOOL, "stages": {"type": "object", "additionalProperties": enum(WorkerState)},
-                      "not_ready": {"type": "array", "items": STR}, "draining": BOOL,
-                      "warming": {"type": "array", "items": STR,
-                                  "description": "real-time pipelines whose warm-up job has not run yet"},
-                      "lazy": {"type": "array", "items": STR,
-                               "description": "python stages with `lazy = true`: ready before their function "
-                                               "has loaded what it needs (it does so on its first job)"},
-                      "reasons": {"type": "array", "items": {"enum": [ErrorCode.DISK_FULL]},
-                                  "description": "why not ready besides the stages: disk_full"},
-                      "disk": obj({"full": BOOL, "reason": {"type": ["string", "null"]}, "free_mb": INT,
-                                   "min_free_mb": INT, "free_inodes": {"type": ["integer", "null"]},
-                                   "min_free_inodes": INT, "ballast_mb": INT}, ["full", "free_mb"]),
-                      "replicas_down": {"type": "object", "additionalProperties": {
-                           "type": "object", "additionalProperties": enum(WorkerState)}}},
-                     ["ready", "stages", "not_ready"]),
+        **job_schemas(), **PIPELINE_SCHEMAS, **STAGE_SCHEMAS, **SERVICE_SCHEMAS,
     }
 
 

@@ -19,14 +19,13 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
-from typing import Any
 
 import structlog
 
 from omnid import protocol as P
 from omnid.supervisor.jobs.control import EndControl
 from omnid.supervisor.jobs.live_job import LiveJob
-from omnid.vocabulary import ErrorCode, EventType, JobError, JobRecord, JobState, StageRunState
+from omnid.vocabulary import ErrorCode, EventFields, EventType, JobError, JobRecord, JobState, StageRunState
 
 log = structlog.get_logger("omnid.scheduler")
 
@@ -69,10 +68,10 @@ class Ending:
         if state is JobState.SUCCEEDED:
             self._write_manifest(record)
         jobs.store.save(record)
-        fields: dict[str, Any] = {"state": str(state)}
+        said: EventFields = {"state": state}
         if error:
-            fields["error"] = error.to_doc()
-        job.events.emit(EventType.STATE, **fields)
+            said["error"] = error.to_doc()
+        job.events.emit(EventType.STATE, **said)
         job.events.close()
         for name in job.pipeline.stages:
             h = jobs.stages.get(name)

@@ -9,23 +9,26 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
+
+from typing_extensions import Unpack
 
 from omnid.config import PipelineConfig
 from omnid.store import JobStore
-from omnid.vocabulary import EventType, JobRecord, StageRun
+from omnid.vocabulary import Event, EventFields, EventType, JobRecord, StageRun
 
 if TYPE_CHECKING:
     from omnid.supervisor.jobs.tracing import JobTrace
 
 # What a subscriber receives: an event; None once the stream is over; LAGGED when it fell more
 # than SUBSCRIBER_BACKLOG events behind (its queue was dropped: it reads the rest from the store).
-LAGGED: dict[str, Any] = {"type": "lagged"}
+# (a mark, matched by identity and never sent: not one of the EventTypes)
+LAGGED = cast(Event, {"type": "lagged"})
 SUBSCRIBER_BACKLOG = 1000
-EventQueue = asyncio.Queue[dict[str, Any] | None]
+EventQueue = asyncio.Queue[Event | None]
 
 
-def _offer(q: EventQueue, event: dict[str, Any] | None) -> bool:
+def _offer(q: EventQueue, event: Event | None) -> bool:
     """Queue for a subscriber without ever waiting or growing past its bound; False: it lagged."""
     try:
         q.put_nowait(event)
@@ -50,10 +53,11 @@ class EventStream:
         self._store = store
         self._seq = seq                     # events so far (a job restored after a restart has some)
         self._subscribers: set[EventQueue] = set()
-        self.observer: Callable[[dict[str, Any]], None] | None = None   # the job's trace (tracing on)
+        self.observer: Callable[[Event], None] | None = None   # the job's trace (tracing on)
 
-    def emit(self, type_: EventType, **fields: Any) -> None:
-        event = {"type": str(type_), "job": self.job_id, "ts": time.time(), **fields}
+    def emit(self, type_: EventType, **fields: Unpack[EventFields]) -> None:
+        """One event (`vocabulary.Event`: what each type says, `EventFields`) to the store and the subscribers."""
+        event: Event = {"type": type_, "job": self.job_id, "ts": time.time(), **fields}
         self._seq += 1
         self._store.append_event(self.job_id, self._seq, event)
         if self.observer is not None:

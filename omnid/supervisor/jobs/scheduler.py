@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
+from typing_extensions import TypedDict
 
 from omnid import protocol as P
 from omnid.config import Config
@@ -44,13 +45,25 @@ from omnid.supervisor.jobs.live_job import EventQueue, LiveJob
 from omnid.supervisor.jobs.recovery import Recovery
 from omnid.supervisor.jobs.restore import take_back
 from omnid.supervisor.jobs.stage_sleep import SleepTender
-from omnid.supervisor.jobs.streams import Gate
+from omnid.supervisor.jobs.streams import Gate, StreamPlace
 from omnid.supervisor.jobs.submission import Submission
 from omnid.supervisor.live import Live
 from omnid.supervisor.metrics import Metrics
 from omnid.supervisor.workers.stage import StageHandle
 from omnid.supervisor.workers.stage_group import StageGroup
-from omnid.vocabulary import ErrorCode, EventType, JobError, JobRecord, JobState, StageRun, StageRunState, WorkerState
+from omnid.vocabulary import (
+    ErrorCode,
+    Event,
+    EventFields,
+    EventType,
+    JobError,
+    JobOutput,
+    JobRecord,
+    JobState,
+    StageRun,
+    StageRunState,
+    WorkerState,
+)
 
 if TYPE_CHECKING:
     from omnid.tracing import Tracing
@@ -60,6 +73,17 @@ log = structlog.get_logger("omnid.scheduler")
 
 TICK_S = 1.0            # how often the real-time pipelines are tended (streams.py)
 PLACES_TTL_S = 0.2      # how old the snapshot of a stage's order that `queue_places` reads may be
+
+
+class QueuePlace(TypedDict):
+    """a queued job's place in one stage's queue that holds it (or whose feeder does): `position` 1 is
+    next; `ahead` of it, and by priority; `running` there now; its own `priority`"""
+
+    position: int
+    ahead: int
+    ahead_by_priority: dict[str, int]
+    running: int
+    priority: int
 
 
 @dataclass
@@ -162,9 +186,9 @@ class Scheduler:
             from omnid.supervisor.jobs.tracing import JobTrace
             job.trace = JobTrace(self.tracing, record, sub.trace, sub.received_at)
             job.events.observer = job.trace.on_event
-            job.events.emit(EventType.STATE, state=str(JobState.QUEUED), trace_id=job.trace.trace_id)
+            job.events.emit(EventType.STATE, state=JobState.QUEUED, trace_id=job.trace.trace_id)
         else:
-            job.events.emit(EventType.STATE, state=str(JobState.QUEUED))
+            job.events.emit(EventType.STATE, state=JobState.QUEUED)
         try:
             self.store.commit()         # accepted once it is on disk: a 201 promises it (a full disk: not)
         except StoreWriteFailed as e:
@@ -218,7 +242,7 @@ class Scheduler:
         self.recovery.forget(job_id)
         self.gate.ended(job_id)
 
-    def streams(self, job_id: str) -> dict[str, Any] | None:
+    def streams(self, job_id: str) -> StreamPlace | None:
         """A live job's stream: its place and estimated start while it waits for capacity, or its
         listener's clock once it plays (audio sent, slack: seconds of audio its listener holds)."""
         wait = self.gate.waiting(job_id)
@@ -238,7 +262,7 @@ class Scheduler:
         owner = f"key:{record.key}" if record.key else f"uid:{record.owner_uid}"
         job.rank = self.fair.rank(record.priority, owner, weight, self.config.daemon.fair_share)
 
-    def queue_places(self, job_id: str) -> dict[str, dict[str, Any]]:
+    def queue_places(self, job_id: str) -> dict[str, QueuePlace]:
         """Where a live job waits: per stage whose queue holds it (or whose feeder does), its place
         (1: next), how many wait ahead of it (by priority) and how many that stage is running now.
         The order is the queues' own (omnid/fair_queue.py: rank, then the bound on waiting), as
@@ -248,7 +272,7 @@ class Scheduler:
         if job is None or all(r.state not in (StageRunState.PENDING, StageRunState.QUEUED)
                               for r in job.record.stages.values()):
             return {}
-        places: dict[str, dict[str, Any]] = {}
+        places: dict[str, QueuePlace] = {}
         for stage in job.pipeline.stages:
             if not self._waits_at(job, stage):
                 continue
@@ -309,7 +333,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ events to clients
 
-    def subscribe(self, job_id: str, after: int = 0) -> tuple[list[dict[str, Any]], EventQueue | None]:
+    def subscribe(self, job_id: str, after: int = 0) -> tuple[list[Event], EventQueue | None]:
         """Past events (those after the first `after`), and a queue of the events to come (None if
         the job is over).
 
@@ -385,7 +409,7 @@ class Scheduler:
             if self.metrics:
                 self.metrics.job_started(job.pipeline.name, now - job.record.created_at, exemplar(job))
             job.record.set_state(JobState.RUNNING, now)
-            job.events.emit(EventType.STATE, state=str(JobState.RUNNING))
+            job.events.emit(EventType.STATE, state=JobState.RUNNING)
             self.store.save(job.record)
             # committed before anyone hears it: a job a client saw running is running on disk, so a
             # daemon killed now fails it as interrupted on its next start (not a silent re-run)
@@ -405,7 +429,7 @@ class Scheduler:
             if self.metrics:
                 self.metrics.first_segment(job.pipeline.name, job.first_output_segment - job.record.created_at,
                                            exemplar(job))
-        fields: dict[str, Any] = {"stage": stage, "index": msg.index, "is_last": msg.is_last}
+        fields: EventFields = {"stage": stage, "index": msg.index, "is_last": msg.is_last}
         if msg.text is not None:
             fields["text"] = msg.text
         if msg.audio_s and stage in job.pipeline.sinks:
@@ -441,8 +465,8 @@ class Scheduler:
                 group.replicas[job.route(name)].send(deadline)
 
     def on_output(self, job: LiveJob, stage: str, msg: P.Output) -> None:
-        out = {"name": msg.name, "file": msg.file, "kind": msg.kind, "content_type": msg.content_type,
-               "size": msg.size, "stage": stage}
+        out: JobOutput = {"name": msg.name, "file": msg.file, "kind": msg.kind, "content_type": msg.content_type,
+                          "size": msg.size, "stage": stage}
         job.record.outputs.append(out)
         job.events.emit(EventType.OUTPUT, **out)
 
@@ -452,9 +476,12 @@ class Scheduler:
         run.elapsed_s = round(msg.elapsed_s, 4)
         if self.metrics:
             self.metrics.stage_finished(stage, msg.elapsed_s)
-        job.events.emit(EventType.STAGE_FINISHED, stage=stage, elapsed_s=run.elapsed_s,
-                        **({"usage": dict(msg.usage)} if msg.usage else {}),
-                        **({"finish_reason": msg.finish_reason} if msg.finish_reason else {}))
+        said: EventFields = {"stage": stage, "elapsed_s": run.elapsed_s}
+        if msg.usage:
+            said["usage"] = dict(msg.usage)
+        if msg.finish_reason:
+            said["finish_reason"] = msg.finish_reason
+        job.events.emit(EventType.STAGE_FINISHED, **said)
         self.store.save(job.record)
         # Every stage, not only the sinks: workers report on separate pipes, so a sink's
         # Finished may be read before an upstream's (fan-in), which must not be left "running".
@@ -469,8 +496,9 @@ class Scheduler:
 
     def on_failed_job(self, job: LiveJob, stage: str, msg: P.Failed) -> None:
         job.stage(stage).set_state(StageRunState.FAILED, time.time())
-        job.events.emit(EventType.ERROR, stage=stage, code=str(msg.code), message=msg.error)
-        self.finish(job, JobState.FAILED, JobError(ErrorCode(msg.code), f"stage {stage!r}: {msg.error}", stage))
+        code = ErrorCode(msg.code)
+        job.events.emit(EventType.ERROR, stage=stage, code=code, message=msg.error)
+        self.finish(job, JobState.FAILED, JobError(code, f"stage {stage!r}: {msg.error}", stage))
 
     def on_stopped(self, job: LiveJob, stage: str, msg: P.Stopped) -> None:
         # Only a job that already ended gets here when it was cancelled (it is not live any more).

@@ -41,11 +41,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
+from typing_extensions import TypedDict
 
-from omnid.config_types import PipelineConfig, RealtimeConfig
+from omnid.config_types import Overload, PipelineConfig, RealtimeConfig
 from omnid.supervisor.errors import Refused
 from omnid.vocabulary import ErrorCode
 
@@ -55,11 +56,43 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("omnid.streams")
 
+
 WINDOW_S = 8.0          # the capacity's measuring window
 MIN_AUDIO_S = 1.0       # a window's audio below this measures nothing (an idle pipeline keeps its figure)
 SMOOTHING = 0.5         # the moving average's weight of a new window
 DEFAULT_STREAM_S = 10.0     # a stream's expected length before one has ended (for estimates)
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class RealtimeState(TypedDict):
+    """A real-time pipeline's capacity and streams (`realtime` of GET /v1/pipelines, /v1/stages)."""
+
+    overload: Overload
+    margin: float
+    max_waiting_streams: int
+    warm: bool
+    audio_per_s: float | None
+    """audio seconds a second the pipeline can make, measured from its stages' step times (null until measured)"""
+    streams: int | None
+    """how many streams its capacity admits at once"""
+    running: int
+    waiting: int
+    refused: int
+    cost_per_audio_s: dict[str, float]
+    """per stage (and `cpu`, the CPU stages together over the host's cores): seconds of work an audio second costs"""
+
+
+class StreamPlace(TypedDict, total=False):
+    """a real-time pipeline's job: while it waits for capacity, its `position` (1: next),
+    `estimated_start_s` and how many are `running`; once it plays, the `audio_s` sent, its listener's
+    `slack_s` (audio still to play; below 0: late) and `late_packets`"""
+
+    position: int
+    estimated_start_s: float | None
+    running: int
+    audio_s: float
+    slack_s: float
+    late_packets: int
 
 
 @dataclass
@@ -154,7 +187,7 @@ class Streams:
             heapq.heappush(free, t + length)
         return out
 
-    def snapshot(self, now: float) -> dict[str, Any]:
+    def snapshot(self, now: float) -> RealtimeState:
         return {"overload": self.config.overload, "margin": self.config.margin,
                 "max_waiting_streams": self.config.max_waiting_streams, "warm": self.warm,
                 "audio_per_s": None if self.meter.audio_per_s is None else round(self.meter.audio_per_s, 3),
@@ -230,7 +263,7 @@ class Gate:
         s.waiting.sort(key=lambda j: j.rank)
         return False
 
-    def waiting(self, job_id: str) -> dict[str, Any] | None:
+    def waiting(self, job_id: str) -> StreamPlace | None:
         """A waiting stream's place (1: next) and estimated start (seconds from now); None otherwise."""
         s = self._by_job.get(job_id)
         if s is None:
@@ -309,7 +342,7 @@ class Gate:
             if stage in s.meter.stages:
                 s.warm = False
 
-    def snapshots(self) -> dict[str, dict[str, Any]]:
+    def snapshots(self) -> dict[str, RealtimeState]:
         now = time.monotonic()
         return {name: s.snapshot(now) for name, s in self.pipelines.items()}
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from omnid.tracing import Event, Tracing
 from omnid.vocabulary import ErrorCode, EventType, JobRecord, JobState
+from omnid.vocabulary import Event as JobEvent
 
 
 def _ns(ts: float) -> int:
@@ -43,7 +44,7 @@ class JobTrace:
         self.headers = self.ref.headers         # what the workers' stage spans hang under
         self.traceparent = self.ref.traceparent
 
-    def on_event(self, event: dict[str, Any]) -> None:
+    def on_event(self, event: JobEvent) -> None:
         """One of the job's events, as it is emitted."""
         kind = event["type"]
         if kind == EventType.STATE:

@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from omnid import config as C
 from omnid.config import schema as S
 from omnid.config.checker import PRODUCED_KINDS, Checker
-from omnid.config_types import OVERLOAD_MODES, RealtimeConfig
+from omnid.config_types import OVERLOAD_MODES
 from omnid.media import NO_MEDIA
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -156,28 +156,6 @@ def test_the_schema_refuses_a_wrong_config(validator: jsonschema.Draft202012Vali
 
 def defaults(model: type[BaseModel]) -> dict[str, Any]:
     return {name: f.default for name, f in model.model_fields.items()}
-
-
-@pytest.mark.parametrize("model, parsed, own", [
-    (S.DaemonTable, C.DaemonConfig, {"socket", "state_dir", "lock_dir", "socket_mode", "owners"}),
-    (S.TracingTable, C.TracingConfig, set()),
-    (S.OwnerTable, C.OwnerPolicy, set()),
-    (S.RayTable, C.RayNeeds, set()),
-    (S.LoraTable, C.LoraConfig, set()),
-    (S.StageTable, C.StageConfig, {"engine", "model", "python_path", "devices", "replicas", "placement", "ray",
-                                   "media", "outputs", "produces", "cache"}),
-    (S.RealtimeTable, RealtimeConfig, {"warmup"}),
-])
-def test_a_models_defaults_are_the_parsed_types(model: type[BaseModel], parsed: type[Any], own: set[str]) -> None:
-    """A key left out means the same in the file's model and in what the daemon runs with."""
-    fields = {f.name: f for f in dataclasses.fields(parsed)}
-    for name, default in defaults(model).items():
-        if name in own or name not in fields:
-            continue
-        f = fields[name]
-        theirs = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        ours = list(theirs) if isinstance(theirs, tuple) and isinstance(default, list) else theirs
-        assert (dict(ours) if isinstance(ours, dict) else ours) == default, f"{model.__name__}.{name}"
 
 
 def test_the_media_tables_defaults_are_no_medias() -> None:

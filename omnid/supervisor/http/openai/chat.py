@@ -251,7 +251,7 @@ class Chat(Endpoint):
         body = await read_body(request)
         chat = ChatCompletionRequest.parse(body)
         audio = chat.audio_format()
-        p = pipeline_for(self.api.config, self.api.store, body, "text", *(["audio"] if audio is not None else []))
+        p = pipeline_for(self.api.config, self.api.store, chat, "text", *(["audio"] if audio is not None else []))
         stream, include_usage = chat.stream_flags()
         messages, parts = chat_messages(chat.messages)
         params = sampling(self.api.config, p, chat.sampling_values(), {"include_prompt": False})

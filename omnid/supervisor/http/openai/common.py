@@ -45,7 +45,7 @@ from omnid.supervisor.errors import Refused, retry_after
 from omnid.supervisor.http import admission
 from omnid.supervisor.http.admission import json_body
 from omnid.supervisor.jobs.submission import Submission
-from omnid.vocabulary import ErrorCode, EventType, JobRecord
+from omnid.vocabulary import ErrorCode, Event, EventType, JobRecord
 
 if TYPE_CHECKING:
     from omnid.supervisor.http.api.app import Api
@@ -413,10 +413,10 @@ def find_pipeline(config: Config, name: Any) -> PipelineConfig:
     return p
 
 
-def pipeline_for(config: Config, store: JobStore, body: dict[str, Any], *kinds: str) -> PipelineConfig:
-    """The pipeline named by `model` (looked up once), if it produces each of `kinds` (or may: a
-    last stage whose engine declares no answer, untried)."""
-    p = find_pipeline(config, body.get("model"))
+def pipeline_for(config: Config, store: JobStore, asked: RequestBody, *kinds: str) -> PipelineConfig:
+    """The pipeline the request's `model` names (looked up once), if it produces each of `kinds` (or
+    may: a last stage whose engine declares no answer, untried)."""
+    p = find_pipeline(config, asked.model)
     produces = admission.answers(config, store, p)
     for kind in kinds:
         if produces is not None and kind not in produces:
@@ -503,11 +503,11 @@ def generation(config: Config, p: PipelineConfig) -> Generation:
     return Generation(text, admission.token_stage(config, p))
 
 
-def take(ev: dict[str, Any], gen: Generation) -> str | None:
+def take(ev: Event, gen: Generation) -> str | None:
     """What one event says of the generation: its counts into `gen`, a text segment's text out."""
     stage = ev.get("stage")
     if ev["type"] == EventType.PROGRESS and stage == gen.token_stage:
-        gen.tokens, gen.max_tokens = int(ev["done"]), int(ev["total"])
+        gen.tokens, gen.max_tokens = ev["done"], ev["total"]
     elif ev["type"] == EventType.STAGE_FINISHED and stage == gen.token_stage:
         if ev.get("usage"):
             gen.prompt_tokens = int(ev["usage"].get("prompt_tokens") or 0)

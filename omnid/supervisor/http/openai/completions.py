@@ -59,7 +59,7 @@ class Completions(Endpoint):
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await read_body(request)
         completion = CompletionRequest.parse(body)
-        p = pipeline_for(self.api.config, self.api.store, body, "text")
+        p = pipeline_for(self.api.config, self.api.store, completion, "text")
         stream, include_usage = completion.stream_flags()
         prompt, echo = completion.text, completion.echo
         stage = admission.token_stage(self.api.config, p)

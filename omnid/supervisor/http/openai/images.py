@@ -69,7 +69,7 @@ class Images(Endpoint):
     async def handle(self, request: web.Request) -> web.Response:
         body = await read_body(request)
         asked = ImageRequest.parse(body)
-        p = pipeline_for(self.api.config, self.api.store, body, "image")
+        p = pipeline_for(self.api.config, self.api.store, asked, "image")
         draw = admission.image_stage(self.api.config, p)
         params: dict[str, dict[str, Any]] = {}
         size = asked.width_height()

@@ -34,7 +34,7 @@ from omnid.supervisor.http.openai.common import (
     take,
     usage,
 )
-from omnid.vocabulary import ErrorCode, JobRecord, JobState
+from omnid.vocabulary import ErrorCode, JobOutput, JobRecord, JobState
 
 if TYPE_CHECKING:
     from omnid.supervisor.http.api.app import Api
@@ -63,7 +63,7 @@ async def on_prepare(request: web.Request, response: web.StreamResponse) -> None
         response.content_type = str(ctype)
 
 
-def pick(outputs: list[dict[str, Any]], kind: str, name: str, stage: str | None) -> dict[str, Any] | None:
+def pick(outputs: list[JobOutput], kind: str, name: str, stage: str | None) -> JobOutput | None:
     """The output of `kind` named `name` (else the first of that kind), of `stage` if given."""
     mine = [o for o in outputs if o["kind"] == kind and (stage is None or o.get("stage") == stage)]
     return next((o for o in mine if o["name"] == name), mine[0] if mine and stage is not None else None)
@@ -85,7 +85,7 @@ def succeeded(scheduler: Scheduler, job_id: str) -> JobRecord:
     return record
 
 
-async def read_output(store: JobStore, record: JobRecord, out: dict[str, Any]) -> bytes:
+async def read_output(store: JobStore, record: JobRecord, out: JobOutput) -> bytes:
     """One output's bytes (in the loop's default executor); 410 when its file is gone."""
     path = store.job_dir(record.id) / out["file"]
     try:

@@ -74,7 +74,7 @@ class Speech(Endpoint):
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await read_body(request)
         asked = SpeechRequest.parse(body)
-        p = pipeline_for(self.api.config, self.api.store, body, "audio")
+        p = pipeline_for(self.api.config, self.api.store, asked, "audio")
         text, fmt, sse, voice = asked.input, asked.response_format or "wav", asked.stream_format == "sse", asked.voice
         params: dict[str, dict[str, Any]] = {}
         for s in p.sinks:        # `voice` goes to a last stage that declares it in its defaults

@@ -11,7 +11,7 @@ import pytest
 
 from omnid.config import Config, DaemonConfig, EdgeConfig, PipelineConfig, StageConfig
 from omnid.config_types import LoraConfig
-from omnid.supervisor.http.openai.common import OpenAiError, adapter_choice, find_pipeline, pipeline_for
+from omnid.supervisor.http.openai.common import OpenAiError, RequestBody, adapter_choice, find_pipeline, pipeline_for
 from omnid.supervisor.http.openai.models import adapter_model, model_doc
 
 D = Path("/nonexistent")
@@ -64,9 +64,10 @@ def test_an_unknown_model_is_a_404_in_openais_words() -> None:
 
 def test_a_model_must_give_the_endpoints_answer() -> None:
     cfg = config()
-    assert pipeline_for(cfg, NoJobs(), {"model": "t2i"}, "image").name == "t2i"      # type: ignore[arg-type]
+    asked = RequestBody.parse({"model": "t2i"})
+    assert pipeline_for(cfg, NoJobs(), asked, "image").name == "t2i"      # type: ignore[arg-type]
     with pytest.raises(OpenAiError) as e:
-        pipeline_for(cfg, NoJobs(), {"model": "t2i"}, "text")                          # type: ignore[arg-type]
+        pipeline_for(cfg, NoJobs(), asked, "text")                          # type: ignore[arg-type]
     assert e.value.code == "model_not_supported" and e.value.param == "model"
     assert e.value.message == ("model 't2i' produces image, not text; /v1/chat/completions needs a pipeline "
                                "that ends in text")
