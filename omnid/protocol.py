@@ -207,6 +207,7 @@ class Segment:
     text: str | None = None
     count: int = 1                  # segments coalesced into this one (their texts joined)
     audio_s: float = 0.0            # seconds of WAV audio the segment(s) carried (omnid.engines.base.audio_seconds)
+    finish_reason: str | None = None    # the last segment of a text engine's answer: why it ended
 
 
 @dataclass(frozen=True)

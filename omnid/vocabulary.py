@@ -138,7 +138,8 @@ class EventType(StrEnum):
     STATE = "state"                      # state (and error, when it ended badly)
     STAGE_STARTED = "stage_started"      # stage
     PROGRESS = "progress"                # stage, done, total
-    SEGMENT = "segment"                  # stage, index, is_last, text?, audio_s? (seconds of WAV audio)
+    SEGMENT = "segment"                  # stage, index, is_last, text?, audio_s? (seconds of WAV audio),
+                                         # finish_reason? (a vllm stage's last segment)
     OUTPUT = "output"                    # name, file, kind, content_type, size, stage
     STAGE_FINISHED = "stage_finished"    # stage, elapsed_s
     ERROR = "error"                      # stage, code, message
@@ -394,7 +395,7 @@ class EventFields(TypedDict, total=False):
     wake_s: float | None
     usage: dict[str, int]
     finish_reason: str
-    """stage_finished of a vllm stage: why its answer ended, "stop" (an end token, a stop string) or
+    """stage_finished of a vllm stage, and its last segment: why its answer ended, "stop" (an end token, a stop string) or
     "length" (max_tokens, or the context window full)"""
     trace_id: str
     """state queued, with tracing on: the job's trace"""

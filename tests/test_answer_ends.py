@@ -139,6 +139,20 @@ def test_a_python_stages_text_returned_at_the_end_is_the_answer_on_every_path(da
     assert streamed(client, "completions", model="say", prompt="waves")[:2] == ("you said: waves", "stop")
 
 
+def test_a_streamed_answer_says_its_finish_reason_with_its_last_token(daemon: RunningDaemon, client: Any) -> None:
+    """As `vllm serve` ends a stream: the last token's chunk carries `finish_reason` (no empty chunk
+    after it, one more gap for a client that times them); the usage chunk and `[DONE]` follow."""
+    for path, body in (("chat", {"model": "chat", "messages": CHAT}), ("completions", {"model": "chat", "prompt": "The sea is"})):
+        chunks = list((client.chat.completions if path == "chat" else client.completions).create(
+            stream=True, stream_options={"include_usage": True}, max_tokens=8, **body))
+        with_choices = [c for c in chunks if c.choices]
+        last = with_choices[-1].choices[0]
+        assert last.finish_reason == "length", (path, with_choices[-1])
+        assert ((last.delta.content if path == "chat" else last.text) or ""), (path, "an empty last chunk", chunks[-3:])
+        assert all(c.choices[0].finish_reason is None for c in with_choices[:-1]), path
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8, (path, chunks[-1])
+
+
 # ------------------------------------------------------------------ cut by the context window
 
 

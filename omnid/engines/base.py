@@ -117,7 +117,8 @@ class RequestContext:
         if text is not None and len(text) > 2000:      # the event shows it; the output keeps it whole
             text = text[:2000] + " [...]"
         audio = audio_seconds(outputs, self._wav)
-        self._emit(P.Segment(job=self.job, index=self.segments, is_last=is_last, text=text, audio_s=float(audio or 0.0)))
+        self._emit(P.Segment(job=self.job, index=self.segments, is_last=is_last, text=text, audio_s=float(audio or 0.0),
+                             finish_reason=self.finish_reason if is_last else None))
         self.segments += 1
 
     def finish(self, outputs: dict[str, Any]) -> None:

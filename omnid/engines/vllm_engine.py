@@ -611,7 +611,9 @@ class VllmEngine(Engine):
             if req.ctx.wants:
                 segment.update(step_tensors(req, list(completion.token_ids), out.prompt_token_ids, self._tapped,
                                             self.stage.hidden_prompt))
-            req.ctx.segment(segment, is_last=out.finished)
+            if out.finished:        # vLLM's own reason ("length": max_tokens or the context window), said
+                req.ctx.finish_reason = str(completion.finish_reason) if completion.finish_reason else None
+            req.ctx.segment(segment, is_last=out.finished)      # (with the last segment: a stream ends with it)
             if out.finished or req.tokens // PROGRESS_EVERY != before // PROGRESS_EVERY:
                 req.ctx.progress(req.tokens, req.max_tokens)   # every few tokens: the segments tell each one
             if out.finished:
@@ -621,8 +623,6 @@ class VllmEngine(Engine):
                 sep = " " if req.prefix and generated and not generated[0].isspace() else ""
                 prompt_tokens = len(out.prompt_token_ids or ()) or req.prompt_len
                 req.ctx.usage = {"prompt_tokens": prompt_tokens, "completion_tokens": req.tokens}
-                # vLLM's own reason: "length" when max_tokens or the context window ended it
-                req.ctx.finish_reason = str(completion.finish_reason) if completion.finish_reason else None
                 final: dict[str, Any] = {"text": (req.prefix + sep + generated).strip()}
                 if req.ctx.wants:
                     final.update(whole_tensors(req))

@@ -183,7 +183,8 @@ def _coalesce(messages: list[object]) -> list[object]:
         if isinstance(msg, P.Segment) and isinstance(prev, P.Segment) and at is not None:
             text = None if prev.text is None and msg.text is None else (prev.text or "") + (msg.text or "")
             out[at] = P.Segment(job=msg.job, index=prev.index, is_last=msg.is_last, text=text,
-                                count=prev.count + msg.count, audio_s=prev.audio_s + msg.audio_s)
+                                count=prev.count + msg.count, audio_s=prev.audio_s + msg.audio_s,
+                                finish_reason=msg.finish_reason)
             continue
         if isinstance(job, str):
             last[job] = len(out)

@@ -432,6 +432,8 @@ class Scheduler:
         fields: EventFields = {"stage": stage, "index": msg.index, "is_last": msg.is_last}
         if msg.text is not None:
             fields["text"] = msg.text
+        if msg.finish_reason is not None:
+            fields["finish_reason"] = msg.finish_reason
         if msg.audio_s and stage in job.pipeline.sinks:
             fields["audio_s"] = round(msg.audio_s, 4)
             self._heard(job, msg.audio_s)

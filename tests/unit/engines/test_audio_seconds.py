@@ -31,3 +31,13 @@ def test_coalesced_segments_add_their_audio() -> None:
     b = P.Segment(job="j", index=1, is_last=False, audio_s=0.24)
     (merged,) = _coalesce([a, b])
     assert isinstance(merged, P.Segment) and merged.count == 2 and abs(merged.audio_s - 0.48) < 1e-9
+
+
+def test_coalesced_segments_keep_the_last_ones_end_and_finish_reason() -> None:
+    """A stream's last segment joined with the step before it still says it is the last, and why
+    the answer ended (a chat sends `finish_reason` with it)."""
+    a = P.Segment(job="j", index=0, is_last=False, text="the ")
+    b = P.Segment(job="j", index=1, is_last=True, text="sea", finish_reason="stop")
+    (merged,) = _coalesce([a, b])
+    assert isinstance(merged, P.Segment)
+    assert (merged.text, merged.is_last, merged.finish_reason) == ("the sea", True, "stop")

@@ -480,7 +480,9 @@ class Generation:
     tokens: int | None = None
     max_tokens: int | None = None
     prompt_tokens: int = 0          # what the vLLM stage counted (its stage_finished event's usage)
-    finished_by: str | None = None  # the vLLM stage's own finish_reason (its stage_finished event)
+    finished_by: str | None = None  # the vLLM stage's own finish_reason (its last segment, its stage_finished event)
+    ends_job: bool = False          # no stage follows the text stage: its last segment ends the answer
+    text_done: bool = False         # the text stage's last segment came
 
     @property
     def completion_tokens(self) -> int:
@@ -500,7 +502,8 @@ def generation(config: Config, p: PipelineConfig) -> Generation:
     text = admission.text_stage(config, p)
     if text is None:
         raise bad("model", f"model {p.name!r} does not end in text", ErrorCode.MODEL_NOT_SUPPORTED)
-    return Generation(text, admission.token_stage(config, p))
+    ends = [s for s in p.stages if not p.outgoing(s)]      # (every other stage leads to it)
+    return Generation(text, admission.token_stage(config, p), ends_job=ends == [text])
 
 
 def take(ev: Event, gen: Generation) -> str | None:
@@ -515,6 +518,10 @@ def take(ev: Event, gen: Generation) -> str | None:
             gen.finished_by = ev["finish_reason"]
     elif ev["type"] == EventType.SEGMENT and stage == gen.text_stage:
         gen.segments += 1
+        if ev.get("is_last"):
+            gen.text_done = True
+            if isinstance(ev.get("finish_reason"), str):
+                gen.finished_by = ev["finish_reason"]
         return ev.get("text") or None
     return None
 

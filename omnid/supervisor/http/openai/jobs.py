@@ -130,11 +130,14 @@ class OpenAiJobs:
             async for batch in batches:
                 if on_event is not None:
                     await on_event()
+                done = gen.text_done
                 texts = [text for ev in batch if (text := take(ev, gen))]
                 if texts:
                     text = "".join(texts)
                     gen.pieces.append(text)
                     yield text
+                elif gen.text_done and not done:
+                    yield ""                    # (the text stage's last segment had no text: its end, at once)
         record = succeeded(self.api.scheduler, job.id)
         text = await self.text_at_end(record, gen)
         if text:
@@ -159,21 +162,33 @@ class OpenAiJobs:
                          usage_head: dict[str, Any] | None, piece: Callable[[str], dict[str, Any]],
                          last: Callable[[], dict[str, Any]],
                          on_event: Callable[[], Awaitable[None]] | None = None,
-                         opening: Opening | None = None) -> None:
+                         opening: Opening | None = None,
+                         last_piece: Callable[[str], dict[str, Any]] | None = None) -> None:
         """A streamed answer's tail: a chunk per piece of text (`on_event` awaited at every event and
         once more at the end), the `last` chunk and the usage chunk (when `usage_head`), or the job's
         error said in the stream as OpenAI's servers do; then `[DONE]`. `opening` (a chat's role
-        chunk) goes out with the first of them, in the same write."""
+        chunk) goes out with the first of them, in the same write.
+
+        `last_piece(text)`: the last chunk with the answer's last text in it, as `vllm serve` ends a
+        stream: sent as soon as the text stage's last segment arrives when no stage follows it (the
+        job's own end, its outputs written, comes a few ms later: the usage chunk and `[DONE]` wait
+        for it, and a job that fails even then says its error after)."""
         opening = opening or Opening(None)
+        ended = False
         try:
             async for text in self.deltas(request, job, gen, on_event=on_event):
-                await sse_send(resp, *opening.take(), piece(text))
+                if last_piece is not None and gen.ends_job and gen.text_done and not ended:
+                    ended = True
+                    await sse_send(resp, *opening.take(), last_piece(text))
+                elif text:
+                    await sse_send(resp, *opening.take(), piece(text))
             if on_event is not None:
                 await on_event()                # the rest, once the job has ended
         except OpenAiError as e:
             await sse_send(resp, *opening.take(), error_event(e))
         else:
-            await sse_send(resp, *opening.take(), last())
+            if not ended:
+                await sse_send(resp, *opening.take(), last())
             if usage_head is not None:
                 await sse_send(resp, {**usage_head, "choices": [], "usage": usage(gen)})
         await sse_done(resp)
@@ -222,7 +237,8 @@ class OpenAiJobs:
             if echo:
                 await sse_send(resp, *opening.take(), chunk(echo))
             await self.sse_answer(request, resp, job, gen, head if include_usage else None, chunk,
-                                  lambda: chunk(None, gen.finish_reason), opening=opening)
+                                  lambda: chunk(None, gen.finish_reason), opening=opening,
+                                  last_piece=lambda text: chunk(text or None, gen.finish_reason))
         except ConnectionError as e:
             log.debug("chat stream reader went away", job=job.id, error=str(e))
         return resp
