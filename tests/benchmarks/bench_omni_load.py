@@ -2,9 +2,11 @@
 serve on time? (`make bench BENCH_ARGS="--only omni_load"`)
 
 One daemon: the demo's omni pipeline (thinker on vLLM, talker and code2wav sessions stages on the
-tiny Qwen2.5-Omni), twice: `omni` with admission by capacity on (`realtime = {}`, overload "queue")
-and `omni_open` without it (every stream admitted, as before). Each stream is a 128-token answer
-that its client plays from its first packet on. The offered load goes from 0.5x to 4x the
+tiny Qwen2.5-Omni), three times: `omni` with the demo's admission by capacity (overload "queue"),
+`omni_open` without it (every stream admitted, as before) and `omni_refuse` (the demo's admission,
+overload "refuse"). Each stream is a 128-token answer that its client plays from its first packet on.
+Then the same sweep of the demo's `tts` pipeline (a codec LM on vLLM and code2wav; TTS_TOKENS codes,
+5 s of audio), in a daemon of its own. The offered load goes from 0.5x to 4x the
 pipeline's own capacity estimate (`GET /v1/stages`, `realtime` of the pipeline), the streams arriving
 spread over ARRIVAL_S seconds. Per row:
 - first packet: submit -> the first audio packet (p50, and the max);
@@ -13,7 +15,9 @@ spread over ARRIVAL_S seconds. Per row:
 - gap-free start: first packet + that buffer (the max over the streams that started);
 - audio s / wall s: all streams' audio over the wave's wall time; goodput: the same, counting only
   the streams with no late packet;
-- refused (503) and queued streams.
+- refused (503) and queued streams; the refused ones' answer time (each must carry Retry-After), the
+  queued ones' start against the estimate they were given (`refuse` waves at 2x and 4x; queued
+  streams of the `queue` ones).
 A PNG plot of goodput and late packets against offered load is written beside the JSON rows.
 """
 
@@ -32,7 +36,9 @@ from bench_tensors import _launch
 from omnictl.client import ClientError
 
 TOKENS = 128
+TTS_TOKENS = 250                # the tts streams: 250 codes, 5 s of audio
 CODES_PER_TOKEN = 4
+MIN_ESTIMATE_S = 1.0            # a queued stream's start against its estimate: estimates under 1 s count as 1 s
 LATE_S = 0.02                   # a packet later than this past its play time is late
 ARRIVAL_S = 2.0                 # a wave's streams arrive spread over this long
 OUT = Path(__file__).resolve().parents[2] / ".run"      # beside make bench's bench.json
@@ -44,6 +50,7 @@ DEMO = tomllib.loads((ROOT / "etc" / "omnid-demo.toml").read_text())
 DEMO_CODE2WAV = DEMO["stages"]["code2wav"]["defaults"]
 DEMO_WINDOW = next(e["window"] for e in DEMO["pipelines"]["omni"]["edges"] if e["to"] == "code2wav")
 REALTIME: dict[str, Any] = DEMO["pipelines"]["omni"]["realtime"]
+TTS_REALTIME: dict[str, Any] = DEMO["pipelines"]["tts"]["realtime"]
 
 
 def config(realtime: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -65,7 +72,20 @@ def config(realtime: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict
             "edges": [{"from": "thinker", "to": "talker", "window": 1, "map": tensors},
                       {"from": "talker", "to": "code2wav", "window": DEMO_WINDOW, "map": {"codes": "codes"}}],
             "timeout_s": 600}
-    return stages, {"omni": {**pipe, "realtime": realtime or {}}, "omni_open": dict(pipe)}
+    return stages, {"omni": {**pipe, "realtime": realtime or {}}, "omni_open": dict(pipe),
+                    "omni_refuse": {**pipe, "realtime": {**(realtime or {}), "overload": "refuse"}}}
+
+
+def tts_config(realtime: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The demo's tts stages (its codec LM and code2wav) and its pipeline three times, as `config`'s."""
+    stages = {name: dict(DEMO["stages"][name]) for name in ("tts", "tts_code2wav")}
+    for st in stages.values():
+        st["model"] = str(MODELS / Path(st["model"]).name)
+    stages["tts"]["args"] = {**stages["tts"]["args"], "max_model_len": 512}
+    stages["tts"]["defaults"] = {**stages["tts"]["defaults"], "max_tokens": TTS_TOKENS}
+    pipe = {k: v for k, v in DEMO["pipelines"]["tts"].items() if k != "realtime"}
+    return stages, {"tts": {**pipe, "realtime": realtime or {}}, "tts_open": dict(pipe),
+                    "tts_refuse": {**pipe, "realtime": {**(realtime or {}), "overload": "refuse"}}}
 
 
 def buffer_needed(packets: list[tuple[float, float]]) -> float:
@@ -123,7 +143,7 @@ class Stream:
         return late_packets(self.packets)
 
 
-def _stream(d: Daemon, pipeline: str, i: int, delay: float) -> Stream:
+def _stream(d: Daemon, pipeline: str, sink: str, i: int, delay: float) -> Stream:
     time.sleep(delay)
     s = Stream(time.time())
     try:
@@ -139,7 +159,7 @@ def _stream(d: Daemon, pipeline: str, i: int, delay: float) -> Stream:
     for ev in d.follow(str(job["id"]), timeout=600):
         if ev.get("type") == "stage_started" and s.started_s is None:
             s.started_s = float(ev["ts"]) - s.t0
-        if ev.get("type") == "segment" and ev.get("stage") == "code2wav" and ev.get("audio_s"):
+        if ev.get("type") == "segment" and ev.get("stage") == sink and ev.get("audio_s"):
             s.packets.append((float(ev["ts"]), float(ev["audio_s"])))
         if ev.get("type") == "state":
             s.state = str(ev.get("state"))
@@ -173,12 +193,15 @@ class Wave:
                 "refused": len(refused), "refused_ms_max": max((s.refused_in_s or 0) * 1e3 for s in refused)
                 if refused else None, "retry_after": all(s.retry_after for s in refused) if refused else None,
                 "queued": sum(1 for s in self.streams if s.queued),
+                "queued_late_max": max((s.started_s / max(s.estimate_s, MIN_ESTIMATE_S) for s in self.streams
+                                        if s.queued and s.started_s is not None and s.estimate_s is not None),
+                                       default=None),
                 "failed": sum(1 for s in self.served() if s.state != "succeeded")}
 
 
-def wave(d: Daemon, pipeline: str, n: int) -> Wave:
+def wave(d: Daemon, pipeline: str, n: int, sink: str = "code2wav") -> Wave:
     t0 = time.monotonic()
-    streams = in_threads(n, lambda i: _stream(d, pipeline, i, ARRIVAL_S * i / max(1, n)), timeout=900)
+    streams = in_threads(n, lambda i: _stream(d, pipeline, sink, i, ARRIVAL_S * i / max(1, n)), timeout=900)
     for s in streams:
         if isinstance(s, BaseException):
             raise s
@@ -193,15 +216,19 @@ def capacity(d: Daemon, pipeline: str = "omni") -> dict[str, Any]:
     return {}
 
 
-def plot(rows: list[dict[str, Any]], peak: float, path: Path) -> None:
+def _mode(pipeline: str) -> str:
+    return "off" if pipeline.endswith("_open") else "refuse" if pipeline.endswith("_refuse") else "on"
+
+
+def plot(rows: list[dict[str, Any]], peak: float, path: Path, title: str) -> None:
     """Goodput and late packets against offered load (x capacity), admission on and off."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for pipeline, label in (("omni", "admission on"), ("omni_open", "admission off")):
-        rs = [r for r in rows if r["pipeline"] == pipeline]
+    for mode, label in (("on", "admission on"), ("off", "admission off")):
+        rs = [r for r in rows if _mode(r["pipeline"]) == mode]
         xs = [r["load"] for r in rs]
         a.plot(xs, [r["goodput"] for r in rs], marker="o", label=label)
         b.plot(xs, [100 * r["late"] / max(1, r["packets"]) for r in rs], marker="o", label=label)
@@ -212,7 +239,7 @@ def plot(rows: list[dict[str, Any]], peak: float, path: Path) -> None:
     for ax in (a, b):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("omni speech under load (tiny Qwen2.5-Omni, 2 CPU cores, 128-token answers)")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -220,81 +247,130 @@ def plot(rows: list[dict[str, Any]], peak: float, path: Path) -> None:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = ["admission", "offered", "x cap", "1st p50", "1st max", "late/packets", "no gap", "buffer max",
-            "gap-free start max", "audio s/s", "goodput", "refused (ms max)", "queued", "failed"]
+            "gap-free start max", "audio s/s", "goodput", "refused (ms max)", "queued (start / estimate, max)",
+            "failed"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
+        queued = str(r["queued"]) + (f" ({r['queued_late_max']:.2f}x)" if r.get("queued_late_max") else "")
         lines.append("| " + " | ".join([
-            "on" if r["pipeline"] == "omni" else "off", str(r["offered"]), f"{r['load']:g}", fmt(r["first_p50"], "s"),
+            _mode(r["pipeline"]), str(r["offered"]), f"{r['load']:g}", fmt(r["first_p50"], "s"),
             fmt(r["first_max"], "s"), f"{r['late']} / {r['packets']}", f"{r['no_gap']} of {r['served']}",
             fmt(r["buffer_max"], "s"), fmt(r["gapfree_max"], "s"), fmt(r["audio_per_s"]), fmt(r["goodput"]),
-            f"{r['refused']}" + (f" ({r['refused_ms_max']:.0f})" if r["refused"] else ""), str(r["queued"]),
+            f"{r['refused']}" + (f" ({r['refused_ms_max']:.0f})" if r["refused"] else ""), queued,
             str(r["failed"])]) + " |")
     return "\n".join(lines)
 
 
-def bench_omni_load(ctx: Ctx) -> list[Row]:
-    stages, pipelines = config(REALTIME)
-    d = _launch(stages, pipelines)
+@dataclass
+class Sweep:
+    """One real-time pipeline's sweep: its name (`omni`, `tts`), its sink stage, its rows."""
+
+    name: str
+    sink: str
+    lone: dict[str, Any]
+    rows: list[dict[str, Any]]
+    cap: dict[str, Any]
+
+
+def sweep(ctx: Ctx, d: Daemon, name: str, sink: str, loads: tuple[float, ...]) -> Sweep:
+    """A lone stream, then each load with admission on and off (and refusing, from 2x on)."""
+    ctx.log(f"{name}: capacity when ready: {capacity(d, name)}")
+    lone = wave(d, name, 1, sink).row()
+    lone["load"] = 0.0
+    ctx.log(f"{name}: lone stream: {lone}")
+    cap = capacity(d, name)
+    streams = max(1, int(cap.get("streams") or 4))
+    ctx.log(f"{name}: capacity after a stream: {cap}")
     rows: list[dict[str, Any]] = []
-    try:
-        cap = capacity(d)
-        ctx.log(f"capacity when ready: {cap}")
-        lone = wave(d, "omni", 1).row()
-        lone["load"] = 0.0
-        ctx.log(f"lone stream: {lone}")
-        cap = capacity(d)
-        streams = max(1, int(cap.get("streams") or 4))
-        ctx.log(f"capacity after a stream: {cap}")
-        loads = LOADS if not ctx.quick else (1.0, 2.0)
-        for load in loads:
-            n = max(1, math.ceil(load * streams))
-            for pipeline in ("omni", "omni_open"):
-                ctx.check(f"{pipeline} x{load}")
-                w = wave(d, pipeline, n)
-                r = w.row()
-                r["load"] = load
-                late = {i: late_indexes(st.packets) for i, st in enumerate(w.streams) if st.late}
-                if late:
-                    ctx.log(f"{pipeline} {n} streams, late packets (stream: (index, s late)): {late}")
-                rows.append(r)
-                ctx.log(f"{pipeline} {n} streams: {r}")
-                d.drain(120)
-        cap = capacity(d)
-    finally:
-        kill_daemon(d)
+    for load in loads:
+        n = max(1, math.ceil(load * streams))
+        for pipeline in (name, f"{name}_open", *([f"{name}_refuse"] if load >= 2.0 else [])):
+            ctx.check(f"{pipeline} x{load}")
+            w = wave(d, pipeline, n, sink)
+            r = w.row()
+            r["load"] = load
+            late = {i: late_indexes(st.packets) for i, st in enumerate(w.streams) if st.late}
+            if late:
+                ctx.log(f"{pipeline} {n} streams, late packets (stream: (index, s late)): {late}")
+            rows.append(r)
+            ctx.log(f"{pipeline} {n} streams: {r}")
+            d.drain(120)
+    return Sweep(name, sink, lone, rows, capacity(d, name))
+
+
+def report(ctx: Ctx, s: Sweep, title: str) -> list[Row]:
+    """The sweep's plot and table (.run/NAME_load.png, .md), and its rows against the goals."""
     OUT.mkdir(exist_ok=True)
-    peak = max((r["goodput"] for r in rows), default=0.0)
-    plot(rows, peak, OUT / "omni_load.png")
-    (OUT / "omni_load.md").write_text(table([lone] + rows) + "\n")
+    lone, rows, cap, tag = s.lone, s.rows, s.cap, f"{s.name}_load"
+    shown = [r for r in rows if _mode(r["pipeline"]) != "refuse"]
+    peak = max((r["goodput"] for r in shown), default=0.0)
+    plot(shown, peak, OUT / f"{tag}.png", title)
+    (OUT / f"{tag}.md").write_text(table([lone] + rows) + "\n")
     ctx.log("\n" + table([lone] + rows))
-    ctx.log(f"plot and table: {OUT / 'omni_load.png'}, {OUT / 'omni_load.md'}")
-    within = next((r for r in rows if r["pipeline"] == "omni" and r["load"] == 1.0), None)
-    over = [r for r in rows if r["pipeline"] == "omni" and r["load"] >= 2.0]
+    ctx.log(f"plot and table: {OUT / f'{tag}.png'}, {OUT / f'{tag}.md'}")
+    within = next((r for r in rows if r["pipeline"] == s.name and r["load"] == 1.0), None)
+    over = [r for r in rows if r["pipeline"] == s.name and r["load"] >= 2.0]
     most_on_time = max((r["served"] for r in rows if r["late"] == 0), default=0)
     result = [
-        Row("omni_load: a lone stream's gap-free start", lone["gapfree_max"], "s", "its first packet",
+        Row(f"{tag}: a lone stream's gap-free start", lone["gapfree_max"], "s", "its first packet",
             lone["first_p50"], "s", (lone["gapfree_max"] or 0) / (lone["first_p50"] or 1), "gap-free / first",
             at_most(1.2, "<= 1.2x"), f"late packets {lone['late']} of {lone['packets']} (goal 0)"),
-        Row("omni_load: concurrent streams with no late packet", float(most_on_time), "streams",
+        Row(f"{tag}: concurrent streams with no late packet", float(most_on_time), "streams",
             "the capacity the pipeline measured", float(cap.get("audio_per_s") or 0), "audio s/s",
             most_on_time / max(1e-9, float(cap.get("audio_per_s") or 0)), "streams / measured audio s/s",
             at_least(0.8, ">= 0.8x"), f"capacity {cap}"),
     ]
     if within:
-        result.append(Row("omni_load: within capacity, slowest gap-free start", within["gapfree_max"], "s",
+        result.append(Row(f"{tag}: within capacity, slowest gap-free start", within["gapfree_max"], "s",
                           "a lone stream's", lone["gapfree_max"], "s",
                           (within["gapfree_max"] or 0) / max(1e-9, lone["gapfree_max"] or 0), "within / lone",
                           at_most(2.0, "<= 2x"), f"{within['offered']} streams, late {within['late']} of "
                           f"{within['packets']} (goal 0)"))
     for r in over:
-        result.append(Row(f"omni_load: goodput at {r['load']:g}x capacity, admission on", r["goodput"], "audio s/s",
+        result.append(Row(f"{tag}: goodput at {r['load']:g}x capacity, admission on", r["goodput"], "audio s/s",
                           "the peak goodput of the sweep", peak, "audio s/s", r["goodput"] / max(1e-9, peak),
                           "goodput / peak", at_least(0.9, ">= 0.9x"),
                           f"late {r['late']} of {r['packets']} (goal <= 1 %), queued {r['queued']}, "
                           f"refused {r['refused']}"))
+    refusing = next((r for r in rows if _mode(r["pipeline"]) == "refuse" and r["load"] == max(LOADS)), None)
+    if refusing is not None and refusing["refused"]:
+        result.append(Row(f"{tag}: refused streams' answer at {refusing['load']:g}x capacity, slowest",
+                          refusing["refused_ms_max"] / 1e3, "s", "the goal's 20 ms", 0.02, "s",
+                          refusing["refused_ms_max"] / 20.0, "refusal / 20 ms", at_most(1.0, "<= 1.0x"),
+                          f"{refusing['refused']} refused of {refusing['offered']}, each with Retry-After: "
+                          f"{refusing['retry_after']}; admitted: late {refusing['late']} of {refusing['packets']}"))
+    queued = [r["queued_late_max"] for r in rows if r.get("queued_late_max") is not None]
+    if queued:
+        result.append(Row(f"{tag}: queued streams' start against their estimate, slowest", max(queued), "x",
+                          "their estimate", 1.0, "x", max(queued), "start / estimate", at_most(1.5, "<= 1.5x"),
+                          f"queued streams in {len(queued)} waves (estimates under {MIN_ESTIMATE_S:g} s count "
+                          f"as {MIN_ESTIMATE_S:g} s)"))
     return result
 
 
-FIGURES = ["omni_load: a lone stream's gap-free start", "omni_load: concurrent streams with no late packet",
-           "omni_load: within capacity, slowest gap-free start",
-           *[f"omni_load: goodput at {x:g}x capacity, admission on" for x in LOADS if x >= 2.0]]
+def bench_omni_load(ctx: Ctx) -> list[Row]:
+    loads = LOADS if not ctx.quick else (1.0, 2.0)
+    stages, pipelines = config(REALTIME)
+    d = _launch(stages, pipelines)
+    try:
+        omni = sweep(ctx, d, "omni", "code2wav", loads)
+    finally:
+        kill_daemon(d)
+    result = report(ctx, omni, "omni speech under load (tiny Qwen2.5-Omni, 2 CPU cores, 128-token answers)")
+    if ctx.quick:
+        return result
+    stages, pipelines = tts_config(TTS_REALTIME)
+    d = _launch(stages, pipelines)
+    try:
+        tts = sweep(ctx, d, "tts", "tts_code2wav", loads)
+    finally:
+        kill_daemon(d)
+    return result + report(ctx, tts, f"tts speech under load (tiny codec LM, 2 CPU cores, {TTS_TOKENS} codes)")
+
+
+FIGURES = [f"{tag}_load: {what}" for tag in ("omni", "tts") for what in (
+    "a lone stream's gap-free start", "concurrent streams with no late packet",
+    "within capacity, slowest gap-free start",
+    *[f"goodput at {x:g}x capacity, admission on" for x in LOADS if x >= 2.0],
+    f"refused streams' answer at {max(LOADS):g}x capacity, slowest",
+    "queued streams' start against their estimate, slowest")]

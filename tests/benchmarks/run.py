@@ -65,7 +65,7 @@ BENCHES: list[Bench] = [
           ["streaming: submit -> 1st consumer segment, window 8", "streaming: submit -> job end, window 8"],
           (200, 90), ("engines",)),
     Bench("omni", "streaming", bench_omni.bench_omni, bench_omni.FIGURES, (900, 600), ()),
-    Bench("omni_load", "streaming", bench_omni_load.bench_omni_load, bench_omni_load.FIGURES, (1500, 700), ()),
+    Bench("omni_load", "streaming", bench_omni_load.bench_omni_load, bench_omni_load.FIGURES, (2700, 700), ()),
     Bench("realtime", "streaming", bench_realtime.bench_realtime, bench_realtime.FIGURES, (900, 700), ()),
     Bench("vad", "streaming", bench_vad.bench_vad, bench_vad.FIGURES, (600, 400), ()),
     Bench("tap_cost", "streaming", bench_tensors.bench_tap_cost,
