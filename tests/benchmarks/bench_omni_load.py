@@ -220,6 +220,17 @@ def _mode(pipeline: str) -> str:
     return "off" if pipeline.endswith("_open") else "refuse" if pipeline.endswith("_refuse") else "on"
 
 
+def measured(d: Daemon, pipeline: str, before: dict[str, Any], timeout: float = 12.0) -> dict[str, Any]:
+    """The capacity once the pipeline's meter has measured the stream that just ran (its window is
+    8 s: a stream shorter than that is counted a few seconds after it ended)."""
+    deadline = time.monotonic() + timeout
+    cap = capacity(d, pipeline)
+    while cap.get("audio_per_s") == before.get("audio_per_s") and time.monotonic() < deadline:
+        time.sleep(0.5)
+        cap = capacity(d, pipeline)
+    return cap
+
+
 def plot(rows: list[dict[str, Any]], peak: float, path: Path, title: str) -> None:
     """Goodput and late packets against offered load (x capacity), admission on and off."""
     import matplotlib
@@ -274,12 +285,13 @@ class Sweep:
 
 def sweep(ctx: Ctx, d: Daemon, name: str, sink: str, loads: tuple[float, ...]) -> Sweep:
     """A lone stream, then each load with admission on and off (and refusing, from 2x on)."""
-    ctx.log(f"{name}: capacity when ready: {capacity(d, name)}")
+    ready = capacity(d, name)
+    ctx.log(f"{name}: capacity when ready: {ready}")
     lone = wave(d, name, 1, sink).row()
     lone["load"] = 0.0
     ctx.log(f"{name}: lone stream: {lone}")
-    cap = capacity(d, name)
-    streams = max(1, int(cap.get("streams") or 4))
+    cap = measured(d, name, ready)
+    streams = max(1, int(cap["streams"])) if cap.get("streams") is not None else 4
     ctx.log(f"{name}: capacity after a stream: {cap}")
     rows: list[dict[str, Any]] = []
     for load in loads:
