@@ -119,7 +119,8 @@ def test_past_capacity_streams_wait_in_a_known_place_then_are_refused(d: Running
         got = d.client.job(doc["id"])
         assert got["state"] == "queued" and got["stream"]["position"] == i + 1, got
     estimates = [d.client.job(j)["stream"]["estimated_start_s"] for j in waiting]
-    assert estimates == sorted(estimates), estimates
+    # (each read is seconds from its own moment: streams that start together read a few ms apart)
+    assert all(b >= a - 0.05 for a, b in zip(estimates, estimates[1:])), estimates
     # past max_waiting_streams: 503 over_capacity, with a Retry-After of when a stream should end
     status, headers, doc = post(d, "/v1/jobs", {"pipeline": "speech", "params": {"q": LONG}})
     assert status == 503 and doc["error"]["code"] == "over_capacity", doc
