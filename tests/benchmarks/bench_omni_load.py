@@ -72,8 +72,14 @@ def config(realtime: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict
             "edges": [{"from": "thinker", "to": "talker", "window": 1, "map": tensors},
                       {"from": "talker", "to": "code2wav", "window": DEMO_WINDOW, "map": {"codes": "codes"}}],
             "timeout_s": 600}
-    return stages, {"omni": {**pipe, "realtime": realtime or {}}, "omni_open": dict(pipe),
-                    "omni_refuse": {**pipe, "realtime": {**(realtime or {}), "overload": "refuse"}}}
+    return stages, three("omni", pipe, realtime)
+
+
+def three(name: str, pipe: dict[str, Any], realtime: dict[str, Any] | None) -> dict[str, Any]:
+    """The pipeline three times: NAME (admission by `realtime`), NAME_open (none), NAME_refuse
+    (`realtime` with overload "refuse")."""
+    return {name: {**pipe, "realtime": realtime or {}}, f"{name}_open": dict(pipe),
+            f"{name}_refuse": {**pipe, "realtime": {**(realtime or {}), "overload": "refuse"}}}
 
 
 def tts_config(realtime: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -84,8 +90,7 @@ def tts_config(realtime: dict[str, Any] | None = None) -> tuple[dict[str, Any], 
     stages["tts"]["args"] = {**stages["tts"]["args"], "max_model_len": 512}
     stages["tts"]["defaults"] = {**stages["tts"]["defaults"], "max_tokens": TTS_TOKENS}
     pipe = {k: v for k, v in DEMO["pipelines"]["tts"].items() if k != "realtime"}
-    return stages, {"tts": {**pipe, "realtime": realtime or {}}, "tts_open": dict(pipe),
-                    "tts_refuse": {**pipe, "realtime": {**(realtime or {}), "overload": "refuse"}}}
+    return stages, three("tts", pipe, realtime)
 
 
 def buffer_needed(packets: list[tuple[float, float]]) -> float:
@@ -360,23 +365,21 @@ def report(ctx: Ctx, s: Sweep, title: str) -> list[Row]:
     return result
 
 
-def bench_omni_load(ctx: Ctx) -> list[Row]:
-    loads = LOADS if not ctx.quick else (1.0, 2.0)
-    stages, pipelines = config(REALTIME)
-    d = _launch(stages, pipelines)
+def swept(ctx: Ctx, daemon: tuple[dict[str, Any], dict[str, Any]], name: str, sink: str) -> Sweep:
+    """`sweep` in a daemon of its own (stages, pipelines), stopped after."""
+    d = _launch(*daemon)
     try:
-        omni = sweep(ctx, d, "omni", "code2wav", loads)
+        return sweep(ctx, d, name, sink, LOADS if not ctx.quick else (1.0, 2.0))
     finally:
         kill_daemon(d)
+
+
+def bench_omni_load(ctx: Ctx) -> list[Row]:
+    omni = swept(ctx, config(REALTIME), "omni", "code2wav")
     result = report(ctx, omni, "omni speech under load (tiny Qwen2.5-Omni, 2 CPU cores, 128-token answers)")
     if ctx.quick:
         return result
-    stages, pipelines = tts_config(TTS_REALTIME)
-    d = _launch(stages, pipelines)
-    try:
-        tts = sweep(ctx, d, "tts", "tts_code2wav", loads)
-    finally:
-        kill_daemon(d)
+    tts = swept(ctx, tts_config(TTS_REALTIME), "tts", "tts_code2wav")
     return result + report(ctx, tts, f"tts speech under load (tiny codec LM, 2 CPU cores, {TTS_TOKENS} codes)")
 
 
