@@ -127,8 +127,19 @@ def _client(ctx: Ctx, port: int, concurrency: int, key: str | None, tag: str) ->
 
 
 def _loads(ctx: Ctx, port: int, key: str | None, tag: str) -> dict[int, dict[str, Any]]:
-    """Every concurrency's load against the server on `port`, lowest first."""
-    return {c: _client(ctx, port, c, key, f"{tag}-c{c}") for c in CONCURRENCY}
+    """Every concurrency's load against the server on `port`, lowest first. The peer's (no key) is run
+    once more when `vllm serve` left requests unanswered (seen once: 94 of 96 at 32): the anchor is
+    its figures, not its rare failures; omnid's failures are errors."""
+    loads: dict[int, dict[str, Any]] = {}
+    for c in CONCURRENCY:
+        try:
+            loads[c] = _client(ctx, port, c, key, f"{tag}-c{c}")
+        except RuntimeError as e:
+            if key is not None:
+                raise
+            ctx.log(f"{tag}-c{c}: {e}; once more")
+            loads[c] = _client(ctx, port, c, key, f"{tag}-c{c}-again")
+    return loads
 
 
 def _vllm_round(ctx: Ctx, tag: str) -> dict[int, dict[str, Any]]:
