@@ -3,8 +3,9 @@
 Runs the benches marked `fast` in run.py's BENCHES (quick mode) twice, each time on fresh shared
 daemons, and compares each row's ratio with the baseline kept beside this file (baseline.json). A row
 is flagged when the mean of its two ratios is more than 10 % worse than the baseline's (worse: the
-way its `better` says) AND that shortfall is larger than the spread of the two runs (|run 1 - run 2|):
-the runs agree with each other, not with the baseline, so noise alone does not explain it. Exits 1
+way its `better` says) AND that shortfall is larger than the spread of the two runs (|run 1 - run 2|),
+and than the spread of the two runs the baseline was written from: the runs agree with each other,
+not with the baseline, and the baseline's own runs agreed, so noise alone does not explain it. Exits 1
 naming the flagged rows (and 2 when a row is missing or failed), 0 otherwise; prints one table.
 
 `--update` writes the baseline from this run (the mean of the two ratios per row). A change that
@@ -55,7 +56,8 @@ def judge(figure: str, base: dict[str, object] | None, runs: list[float], better
     if len(runs) < RUNS:
         return Verdict(figure, float(ratio), runs, str(direction), "missing")
     mean = sum(runs) / len(runs)
-    spread = max(runs) - min(runs)
+    kept = [float(r) for r in base.get("runs") or () if isinstance(r, (int, float))]   # (the baseline's own runs)
+    spread = max(max(runs) - min(runs), max(kept) - min(kept) if len(kept) >= 2 else 0.0)
     shortfall = (mean - ratio) if direction == "lower" else (ratio - mean)     # > 0: worse
     worse = shortfall / abs(ratio)
     flagged = worse > WORSE_BY and shortfall > spread
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = [v.figure for v in verdicts if v.status == "missing"]
     if flagged:
         print(f"\nbench-check: {len(flagged)} row(s) more than {100 * WORSE_BY:.0f} % worse than the baseline "
-              f"and outside the two runs' spread:")
+              f"and outside the runs' spread (this run's and the baseline's):")
         for f in flagged:
             print(f"  - {f}")
     if missing:

@@ -21,6 +21,10 @@ def test_noise_or_an_improvement_or_a_small_change_is_not() -> None:
     assert judge("r", {"ratio": 5.0, "better": "lower"}, [5.2, 6.3], "lower").status == "ok"     # runs disagree
     assert judge("r", {"ratio": 5.0, "better": "lower"}, [4.0, 4.1], "lower").status == "ok"     # better
     assert judge("r", {"ratio": 5.0, "better": "lower"}, [5.4, 5.45], "lower").status == "ok"   # 9 % worse
+    # 12 % worse than a baseline whose own runs were 1.02 and 0.82: within the baseline's noise
+    assert judge("r", {"ratio": 0.92, "runs": [1.02, 0.82], "better": "lower"}, [1.02, 1.03], "lower").status == "ok"
+    assert judge("r", {"ratio": 0.92, "runs": [0.93, 0.91], "better": "lower"}, [1.02, 1.03], "lower").status \
+        == "FLAGGED"
 
 
 def test_a_row_without_a_baseline_or_without_both_runs_is_said_so() -> None:
