@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("pipecat")
 speech = pytest.importorskip("speech")
 
-from conftest import RunningDaemon, wait_for  # noqa: E402
+from conftest import TERMINAL, RunningDaemon, wait_for  # noqa: E402
 from voicetest import VOICE_STAGES, tracked, voice_daemon  # noqa: E402
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm]
@@ -109,12 +109,12 @@ def test_a_pipecat_voice_agent_greets_takes_two_spoken_turns_and_is_interrupted_
         ends = [t for t in speaker.ended_at if t > after]
         return bool(ends) and sum(n for t, n in speaker.heard if after < t < ends[-1]) > 24000
 
-    def last_job_created() -> float:
-        return max(j["created_at"] for j in d.client.jobs(pipeline="voice", limit=20)["jobs"])
+    def voice_jobs() -> list[dict[str, Any]]:
+        return list(d.client.jobs(pipeline="voice", limit=20)["jobs"])
 
     def ended(n: int) -> bool:
-        jobs = d.client.jobs(pipeline="voice", limit=20)["jobs"]
-        return len(jobs) >= n and all(j["state"] in ("succeeded", "failed", "cancelled", "timed_out") for j in jobs)
+        jobs = voice_jobs()
+        return len(jobs) >= n and all(j["state"] in TERMINAL for j in jobs)
 
     async def agent() -> dict[str, Any]:
         runner = PipelineRunner(handle_sigint=False)
@@ -134,7 +134,8 @@ def test_a_pipecat_voice_agent_greets_takes_two_spoken_turns_and_is_interrupted_
             # response.done), so its ends are not counted here: the daemon's fifth job has ended, and
             # the speech heard after that job began was followed by a response's end
             await wait(lambda: ended(5), "the answer to the interruption's job")
-            await wait(lambda: answered(after=last_job_created()), "the answer to the interruption")
+            last = max(j["created_at"] for j in voice_jobs())              # (the fifth job's: it has ended)
+            await wait(lambda: answered(after=last), "the answer to the interruption")
         except BaseException:
             await task.cancel()
             await asyncio.wait({running}, timeout=60)     # (what failed is the error said, not this)
@@ -146,8 +147,7 @@ def test_a_pipecat_voice_agent_greets_takes_two_spoken_turns_and_is_interrupted_
     r = asyncio.run(asyncio.wait_for(agent(), 600))
     assert not r["errors"], r["errors"]
     assert all(n > 24000 for n in r["audio"][:3]), r["audio"]           # the greeting and two answers spoke
-    jobs = d.client.jobs(pipeline="voice", limit=20)["jobs"]
-    states = sorted(j["state"] for j in jobs)
+    states = sorted(j["state"] for j in voice_jobs())
     assert states.count("cancelled") == 1 and states.count("succeeded") >= 4, states   # one cut by voice
     # the assistant's turns went into pipecat's own context, as it keeps them
     roles = [m["role"] for m in context.get_messages()]
