@@ -596,13 +596,7 @@ class VllmEngine(Engine):
     def step(self) -> None:
         if self._core_outputs is not None and not self._wait_for_core():
             return                          # woken (a cancel, a new job): nothing from the core yet
-        # Every step the core has made since the last look, not only the oldest: a core in a process
-        # of its own steps on while this loop sends segments and windows, and one of its steps taken
-        # per turn of the loop would leave the loop behind (a new request's first token queued behind
-        # another's finished ones)
-        outputs = list(self.engine.step())
-        while self.outputs_waiting():
-            outputs.extend(self.engine.step())
+        outputs = self.engine.step()
         if self._watching or self._forget:
             self._take_rows()
         for out in outputs:
