@@ -217,6 +217,12 @@ class Engine(abc.ABC):
         process): its next step's outputs are there to take. Others: False (a step computes them)."""
         return False
 
+    def on_step_ended(self, hook: Callable[[], None]) -> None:
+        """The worker's hook for an engine that takes several steps of its own in one `step` (vLLM's
+        core in a process, which steps on while the worker's loop runs): it calls `hook` between two,
+        so that what each reported stays its own events (a token is one segment event). Others:
+        nothing (a `step` is one step)."""
+
     def set_adapters(self, adapters: Mapping[str, Path]) -> None:
         """The stage's LoRA adapters in force changed (added or removed at run time): serve these
         from now on. Jobs already running keep the adapter they started with. Others: nothing."""

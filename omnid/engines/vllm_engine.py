@@ -36,7 +36,7 @@ import os
 import queue
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -298,6 +298,7 @@ class VllmEngine(Engine):
 
     def __init__(self, stage: StageConfig) -> None:
         self._own_core = stage.engine_core == "process"
+        self._step_ended: Callable[[], None] = _nothing     # the worker's (`on_step_ended`)
         args = _prepare_process(stage, self._own_core)
         warnings.filterwarnings("ignore", category=FutureWarning)
         from vllm import EngineArgs, LLMEngine, SamplingParams
@@ -430,6 +431,9 @@ class VllmEngine(Engine):
                     self.engine.remove_lora(request.lora_int_id)
                 except Exception:
                     pass
+
+    def on_step_ended(self, hook: Callable[[], None]) -> None:
+        self._step_ended = hook
 
     def outputs_waiting(self) -> bool:
         # vLLM's SyncMPClient: a thread of its own puts each step's outputs on this queue.
@@ -596,9 +600,22 @@ class VllmEngine(Engine):
     def step(self) -> None:
         if self._core_outputs is not None and not self._wait_for_core():
             return                          # woken (a cancel, a new job): nothing from the core yet
-        outputs = self.engine.step()
+        # Every step the core has made since the last look, not only the oldest: a core in a process
+        # of its own steps on while this loop sends segments and windows, and one of its steps taken
+        # per turn of the loop would leave the loop behind (a new request's first token queued behind
+        # another's finished ones)
+        steps = [self.engine.step()]
+        while self.outputs_waiting():
+            steps.append(self.engine.step())
         if self._watching or self._forget:
             self._take_rows()
+        for i, outputs in enumerate(steps):
+            if i:
+                self._step_ended()      # each core step's tokens stay their own segment events
+            self._outputs(outputs)
+
+    def _outputs(self, outputs: list[Any]) -> None:
+        """One core step's outputs, onto their requests: a segment each, and the finished ones."""
         for out in outputs:
             req = self._requests.get(out.request_id)
             if req is None:
@@ -671,3 +688,7 @@ class VllmEngine(Engine):
 
     def has_work(self) -> bool:
         return bool(self._requests)
+
+
+def _nothing() -> None:
+    pass

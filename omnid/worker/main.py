@@ -88,6 +88,7 @@ class StageWorker:
         self.send: Callable[[object], None] = reporter.send
         self.post: Callable[[object], None] = reporter.post
         self.flush = reporter.flush
+        self.end_step = reporter.end_step
         self.tracer: StageTracer | None = None      # `[daemon] tracing`: this stage's spans of its jobs
         if spec.config.daemon.tracing is not None:
             from omnid.worker.tracing import StageTracer, engine_environment
@@ -236,6 +237,7 @@ class StageWorker:
 
     def run(self) -> None:
         engine, handoff = self.engine, self.handoff
+        engine.on_step_ended(self.end_step)     # (an engine that takes several steps of its own in one)
         while not self.shutting_down.is_set():
             handoff.handle_resends(on_wait=self._step, busy=engine.has_work)
             # 1. take input: block briefly only when the engine has nothing to do; take none while

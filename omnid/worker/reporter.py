@@ -60,6 +60,7 @@ class Reporter:
         self._before_flush = before_flush
         self._send_lock = threading.Lock()
         self._posted: list[object] = []      # main-thread messages not sent yet (`post`, `flush`)
+        self._step_starts: list[int] = []    # where in `_posted` an engine's next step began (`end_step`)
         self._flushed_at = 0.0
         self._held_since: float | None = None   # `_posted` kept back by a busy channel since then,
         self._held_count = 0                    # when it held this many messages
@@ -84,6 +85,12 @@ class Reporter:
         if time.monotonic() - self._flushed_at >= BATCH_DELAY_S and not self._busy():
             self.flush()
 
+    def end_step(self) -> None:
+        """An engine that takes several steps of its own in one `step` ended one: what it posted so
+        far is never coalesced with what the next one posts (a token is one segment event)."""
+        if self._posted and (not self._step_starts or self._step_starts[-1] != len(self._posted)):
+            self._step_starts.append(len(self._posted))
+
     def flush(self, more_soon: bool = False) -> None:
         """Send the queued messages of the main thread, coalesced: a job's consecutive progress
         reports become the last one, its consecutive text segments one segment.
@@ -105,8 +112,9 @@ class Reporter:
         held = self._held_count if self._held_since is not None else 0
         self._held_since = None
         self._before_flush()                # a step's live output segments, for ?stream=1 readers
-        messages = _coalesce(self._posted[:held]) + _coalesce(self._posted[held:])
-        self._posted = []
+        cuts = sorted({0, held, *self._step_starts, len(self._posted)})
+        messages = [m for a, b in zip(cuts, cuts[1:]) for m in _coalesce(self._posted[a:b])]
+        self._posted, self._step_starts = [], []
         for data in _packs(messages):
             with self._send_lock:
                 try:

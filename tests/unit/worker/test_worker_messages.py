@@ -93,3 +93,26 @@ def test_a_busy_pipe_holds_nothing_when_no_step_follows_or_the_message_must_go()
     r.flush(more_soon=True)                 # nor anything but segments and progress
     assert _read(sup) == [P.Segment("a", 0, False, text="a"), P.Segment("a", 1, True, text="b"),
                           P.Segment("b", 0, False, text="first"), P.Finished("a", 0.1)]
+
+
+def test_steps_an_engine_took_in_one_call_stay_their_own_segments() -> None:
+    # vLLM's core in a process steps on while the worker's loop runs; one engine `step` then takes
+    # several of its steps, and says where each ended: each token is still one segment event.
+    r, sup = _reporter()
+    r.post(P.Segment("a", 0, False, text="0"))      # sent at once, not read: the pipe is busy from here on
+    r.post(P.Segment("a", 1, False, text="he"))
+    r.post(P.Progress("a", 1, 10))
+    r.end_step()
+    r.end_step()                            # (an empty step: no cut of its own)
+    r.post(P.Segment("a", 2, False, text="l"))
+    r.post(P.Segment("a", 3, False, text="lo"))     # one step that said two: joined, as before
+    r.end_step()
+    r.post(P.Segment("a", 4, True, text="!"))
+    r.flush()
+    r.post(P.Segment("b", 1, False, text="x"))
+    r.post(P.Segment("b", 2, False, text="y"))
+    r.flush()                               # (the cuts went with the last flush)
+    assert _read(sup) == [P.Segment("a", 0, False, text="0"),
+                          P.Segment("a", 1, False, text="he"), P.Progress("a", 1, 10),
+                          P.Segment("a", 2, False, text="llo", count=2), P.Segment("a", 4, True, text="!"),
+                          P.Segment("b", 1, False, text="xy", count=2)]
