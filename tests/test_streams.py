@@ -27,6 +27,7 @@ SPEAKER = {"engine": "python", "sessions": "speakers:Speaker", "python_path": [s
            "queue_capacity": 16}
 LONG = {"packets": 50}          # a stream of 5 audio seconds: still running while the others come
 WARM = {"warmup": {}, "warmup_params": {}}
+RAMP_SLACK_S = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,8 @@ def d() -> Iterator[RunningDaemon]:
                                                  "warmup_params": {"q": {"packets": 40}}}},
         "refusing": {"stages": ["r"], "realtime": {"overload": "refuse", "margin": 0.8, **WARM,
                                                    "warmup_params": {"r": {"packets": 40}}}},
+        "ramping": {"stages": ["b"], "realtime": {"margin": 0.8, "start_slack_s": RAMP_SLACK_S, **WARM,
+                                                  "warmup_params": {"b": {"packets": 40}}}},
         "plain": {"stages": ["b"]},             # no admission: the listener's clock orders its batches all the same
     }
     with module_daemon(folder, stages, pipelines, ready_timeout=120) as rd:
@@ -187,6 +190,25 @@ def test_slack_orders_a_batch(d: RunningDaemon) -> None:
     assert b_packets[-1][0] < a_packets[-1][0], (b_packets[-1], a_packets[-1])
     # and neither listener waited: a had audio to spare while b caught up
     assert late(a_packets) == 0 and late(b_packets) == 0
+
+
+def test_a_new_stream_waits_until_the_one_before_it_holds_start_slack(d: RunningDaemon) -> None:
+    """`start_slack_s`: with room for both, the second of two streams submitted together waits (in
+    line, not refused) until the first holds that much audio at its listener: a start's burst never
+    lands on a stream that has not buffered yet."""
+    snap = measured(d, "ramping")
+    assert snap["streams"] >= 2, snap
+    status, _, first = post(d, "/v1/jobs", {"pipeline": "ramping", "params": {"b": {"packets": 30}}})
+    assert status == 201 and "stream" not in first, first          # an idle pipeline: at once
+    status, _, second = post(d, "/v1/jobs", {"pipeline": "ramping", "params": {"b": {"packets": 10}}})
+    assert status == 201 and second["stream"]["position"] == 1, second     # room, yet it waits
+    assert d.wait(first["id"])["state"] == "succeeded" and d.wait(second["id"])["state"] == "succeeded"
+    a = packets(d, first["id"])
+    began = started_at(d, second["id"])
+    held = sum(s for ts, s in a if ts <= began) - (began - a[0][0])     # the first's listener's buffer then
+    assert held >= RAMP_SLACK_S - 0.1, (held, a[:8], began)
+    assert began - a[0][0] < 2.0, (began, a[0])     # and no longer than that took: a packet let it go
+    assert late(a) == 0 and late(packets(d, second["id"])) == 0
 
 
 def test_capacity_follows_a_stage_that_slows_down(d: RunningDaemon) -> None:

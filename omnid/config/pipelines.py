@@ -236,12 +236,12 @@ def _parse_edges(c: Checker, edges_raw: list[Any], path: str, members: list[str]
 
 def _realtime(r: RealtimeTable | None) -> RealtimeConfig | None:
     """`realtime = { overload = "queue" | "refuse", max_waiting_streams = N, margin = 0.9,
-    warmup = { INPUT = VALUE } | false, warmup_params = { STAGE = { ... } } }`."""
+    start_slack_s = 0, warmup = { INPUT = VALUE } | false, warmup_params = { STAGE = { ... } } }`."""
     if r is None:
         return None
     warmup = RealtimeConfig().warmup if r.warmup is True else None if r.warmup is False else dict(r.warmup)
     return RealtimeConfig(overload=r.overload, max_waiting_streams=r.max_waiting_streams, margin=r.margin,
-                          warmup=warmup, warmup_params=dict(r.warmup_params))
+                          start_slack_s=r.start_slack_s, warmup=warmup, warmup_params=dict(r.warmup_params))
 
 
 def _parse_kept_outputs(c: Checker, p: Mapping[str, Any], path: str, members: list[str],

@@ -124,7 +124,7 @@ class Scheduler:
         self.ending = Ending(self, self._forget)
         self.sleeper = SleepTender(self, self.recovery.worker_slept)
         # real-time pipelines: admission by their measured capacity, and their warm-up (streams.py)
-        self.gate = Gate(stages, self._start, self._warm_up)
+        self.gate = Gate(stages, self._start, self._warm_up, self._plays_until)
         self._gated: Config | None = None       # the config the gate was last given
         self._configure_gate()
         self._tick: asyncio.TimerHandle | None = self.loop.call_later(TICK_S, self._tend_streams)
@@ -241,6 +241,11 @@ class Scheduler:
         """A job ended: the workers' and the gate's accounts of it go."""
         self.recovery.forget(job_id)
         self.gate.ended(job_id)
+
+    def _plays_until(self, job_id: str) -> float | None:
+        """When a live job's listener runs out of the audio sent so far (wall clock); None before its first."""
+        job = self.live_jobs.get(job_id)
+        return job.audio_plays_until if job is not None and job.first_audio is not None else None
 
     def streams(self, job_id: str) -> StreamPlace | None:
         """A live job's stream: its place and estimated start while it waits for capacity, or its

@@ -27,6 +27,13 @@ every queue is (priority, then fair share: `LiveJob.rank`), up to `max_waiting_s
 capacity rises, the next ones start. A non-streamed job of the pipeline counts as a stream: it takes
 the same work.
 
+A stream's start has a cost of its own: its first stage makes its first audio in a burst (a codec
+LM makes a whole answer's codes in about a second) while the streams that began just before it are
+still filling their listeners' buffers. With `start_slack_s`, a new stream also waits (a fraction of
+a second, never refused for it) until every running stream that began less than RAMP_S ago holds
+that much audio at its listener (one with no audio yet holds none); the audio each packet adds is
+what lets the next one go (`heard`).
+
 Ready means warm: the pipeline takes streams only after a warm-up job (`realtime.warmup`'s inputs)
 has gone through its stages, at start and after a restart of one of them; meanwhile streams wait
 (or are refused). That job is also the capacity's first measurement.
@@ -61,6 +68,7 @@ WINDOW_S = 8.0          # the capacity's measuring window
 MIN_AUDIO_S = 1.0       # a window's audio below this measures nothing (an idle pipeline keeps its figure)
 SMOOTHING = 0.5         # the moving average's weight of a new window
 DEFAULT_STREAM_S = 10.0     # a stream's expected length before one has ended (for estimates)
+RAMP_S = 5.0            # `start_slack_s`: the streams that began this recently are waited for
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
@@ -159,8 +167,26 @@ class Streams:
             return 1.0
         return self.config.margin * self.meter.audio_per_s
 
-    def can_start(self) -> bool:
-        return self.warm and (not self.running or len(self.running) + 1 <= self.slots)
+    def has_room(self, ahead: int = 0) -> bool:
+        """Capacity for one more stream after the running ones and `ahead` others (an idle pipeline
+        always takes one)."""
+        taken = len(self.running) + ahead
+        return self.warm and (not taken or taken + 1 <= self.slots)
+
+    def ramped(self, plays_until: Callable[[str], float | None]) -> bool:
+        """`start_slack_s`: every stream that began less than RAMP_S ago holds that much audio at its
+        listener (`plays_until(job)`: when its audio runs out, wall clock; None before its first)."""
+        need = self.config.start_slack_s
+        if need <= 0:
+            return True
+        mono, wall = time.monotonic(), time.time()
+        for job, began in self.running.items():
+            if job == self.warming or mono - began >= RAMP_S:
+                continue
+            until = plays_until(job)
+            if until is None or until - wall < need:
+                return False
+        return True
 
     def expected_length(self) -> float:
         return sum(self.lengths) / len(self.lengths) if self.lengths else DEFAULT_STREAM_S
@@ -202,10 +228,12 @@ class Gate:
     pipeline's warm-up job (which comes back through `admit(job, warm_up=True)`)."""
 
     def __init__(self, groups: Mapping[str, StageGroup], start: Callable[[LiveJob], None],
-                 warm_up: Callable[[str], object]) -> None:
+                 warm_up: Callable[[str], object],
+                 plays_until: Callable[[str], float | None] = lambda job: None) -> None:
         self._groups = groups
         self._start = start
         self._warm_up = warm_up
+        self._plays_until = plays_until     # a running job's listener runs out of audio then (`ramped`)
         self.pipelines: dict[str, Streams] = {}
         self._by_job: dict[str, Streams] = {}     # every job the gate holds or runs -> its pipeline's streams
 
@@ -233,8 +261,8 @@ class Gate:
         """Before a job is made: refuse it (503 over_capacity, with Retry-After) when it could not
         start now and may not wait."""
         s = self.pipelines.get(pipeline.name)
-        if s is None or (s.can_start() and not s.waiting):
-            return
+        if s is None or s.has_room(ahead=len(s.waiting)):
+            return                          # (it starts now, or after the streams ahead of it ramp up)
         now = time.monotonic()
         if s.config.overload == "queue" and len(s.waiting) < s.config.max_waiting_streams:
             return
@@ -256,7 +284,7 @@ class Gate:
         self._by_job[job.id] = s
         if warm_up:
             s.warming = job.id
-        if warm_up or (s.can_start() and not s.waiting):
+        if warm_up or (not s.waiting and s.has_room() and s.ramped(self._plays_until)):
             s.running[job.id] = time.monotonic()
             return True
         s.waiting.append(job)
@@ -289,7 +317,7 @@ class Gate:
         self.release(s)
 
     def release(self, s: Streams) -> None:
-        while s.waiting and s.can_start():
+        while s.waiting and s.has_room() and s.ramped(self._plays_until):
             job = s.waiting.pop(0)
             s.running[job.id] = time.monotonic()
             self._start(job)
@@ -302,6 +330,8 @@ class Gate:
         for s in self.pipelines.values():
             if not s.meter.stages or not set(stages).isdisjoint(s.meter.stages):
                 s.meter.audio_s += seconds
+                if s.waiting and s.config.start_slack_s > 0:
+                    self.release(s)         # (the audio a starting stream holds may let the next one go)
 
     def tick(self) -> None:
         """Once a second: sample every real-time pipeline's stages, start what now fits, warm up

@@ -3,6 +3,7 @@ busy and CPU seconds per audio second in, the capacity and the admission decisio
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -124,3 +125,29 @@ def test_a_cold_pipeline_waits_for_its_warm_up() -> None:
     assert g.admit(warm, warm_up=True) and s.warming == "warm"
     g.ended("warm")
     assert s.warm and started == ["a"]
+
+
+def test_with_start_slack_a_new_stream_waits_for_the_young_ones_to_hold_that_much_audio() -> None:
+    p = PipelineConfig(name="speech", stages=("s",), edges=(),
+                       realtime=RealtimeConfig(overload="refuse", margin=0.9, start_slack_s=0.5))
+    started: list[str] = []
+    until: dict[str, float] = {}
+    g = S.Gate({}, lambda job: started.append(job.id), lambda name: None, until.get)
+    g.configure({"speech": p}, frozenset())
+    s = g.streams("speech")
+    assert s is not None
+    s.warm, s.meter.audio_per_s = True, 10.0                # room for 9
+    assert g.admit(FakeJob("a", p))                         # an idle pipeline: at once
+    g.check(p)                                              # room: never refused for a ramp, even in "refuse"
+    assert not g.admit(FakeJob("b", p))                     # "a" has no audio yet: "b" waits
+    until["a"] = time.time() + 0.2
+    g.heard(("s",), 0.2)
+    assert started == []                                    # 0.2 s held: not yet
+    until["a"] = time.time() + 0.6
+    g.heard(("s",), 0.4)
+    assert started == ["b"]                                 # 0.6 s held: the next one goes, from a packet
+    s.running["b"] -= S.RAMP_S                              # "b" began long ago: not waited for
+    assert g.admit(FakeJob("c", p))
+    p0 = PipelineConfig(name="speech", stages=("s",), edges=(), realtime=RealtimeConfig(margin=0.9))
+    g.configure({"speech": p0}, frozenset())                # (start_slack_s 0: off; a reload keeps the streams)
+    assert g.admit(FakeJob("d", p0))                        # "c" has no audio, and "d" starts all the same
