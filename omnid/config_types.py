@@ -285,7 +285,8 @@ class RealtimeConfig:
     max_waiting_streams: int = 16       # "queue": streams that may wait; past it, 503 as in "refuse"
     margin: float = 0.9                 # admit while the streams stay under margin x the capacity measured
     start_slack_s: float = 0.0          # a new stream starts only once every running one that began less
-                                        # than RAMP_S ago holds this much audio at its listener (0: off)
+                                        # than RAMP_S ago holds this much audio at its listener, or
+                                        # MAX_HOLD_S has passed (0: off)
     warmup: Mapping[str, Any] | None = field(default_factory=lambda: {"prompt": "warm up"})
                                         # the inputs of the warm-up job run before the pipeline is ready
                                         # (and after a restart of one of its stages); None: no warm-up

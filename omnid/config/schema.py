@@ -593,8 +593,8 @@ class RealtimeTable(_Table):
         default=_REALTIME.margin, description="admit while the streams stay under margin x the capacity measured")
     start_slack_s: float = Field(
         default=_REALTIME.start_slack_s, ge=0,
-        description="a new stream starts only once every stream that began in the last few seconds holds this "
-                    "much audio at its listener (its start-up burst never starves their ramp; 0: off)")
+        description="a new stream starts only once every stream that began in the last 3 s holds this much "
+                    "audio at its listener, 1 s at most (its start-up burst never starves their ramp; 0: off)")
     warmup: Annotated[dict[str, Any] | bool, says(
         lambda v: f"must be a table or a boolean, not {typename(v)}", types=True)] = Field(
         default=True,

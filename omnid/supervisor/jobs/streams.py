@@ -29,10 +29,11 @@ the same work.
 
 A stream's start has a cost of its own: its first stage makes its first audio in a burst (a codec
 LM makes a whole answer's codes in about a second) while the streams that began just before it are
-still filling their listeners' buffers. With `start_slack_s`, a new stream also waits (a fraction of
-a second, never refused for it) until every running stream that began less than RAMP_S ago holds
-that much audio at its listener (one with no audio yet holds none); the audio each packet adds is
-what lets the next one go (`heard`).
+still filling their listeners' buffers. With `start_slack_s`, a new stream that has room also waits
+(never refused for it) until every running stream that began less than RAMP_S ago holds that much
+audio at its listener (one with no audio yet holds none), or MAX_HOLD_S has passed: the audio each
+packet adds is what lets the next one go (`heard`), and a loaded pipeline, whose streams gain slack
+slowly, delays a start by a second at most.
 
 Ready means warm: the pipeline takes streams only after a warm-up job (`realtime.warmup`'s inputs)
 has gone through its stages, at start and after a restart of one of them; meanwhile streams wait
@@ -68,7 +69,8 @@ WINDOW_S = 8.0          # the capacity's measuring window
 MIN_AUDIO_S = 1.0       # a window's audio below this measures nothing (an idle pipeline keeps its figure)
 SMOOTHING = 0.5         # the moving average's weight of a new window
 DEFAULT_STREAM_S = 10.0     # a stream's expected length before one has ended (for estimates)
-RAMP_S = 5.0            # `start_slack_s`: the streams that began this recently are waited for
+RAMP_S = 3.0            # `start_slack_s`: the streams that began this recently are waited for,
+MAX_HOLD_S = 1.0        # and for no longer than this (a loaded pipeline's streams gain slack slowly)
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
@@ -159,6 +161,7 @@ class Streams:
     warming: str | None = None              # the warm-up job in flight
     lengths: deque[float] = field(default_factory=lambda: deque(maxlen=32))   # ended streams' durations
     refused: int = 0
+    held_since: float | None = None         # the next stream has had room, and waited for the ramps, since then
 
     @property
     def slots(self) -> float:
@@ -175,17 +178,22 @@ class Streams:
 
     def ramped(self, plays_until: Callable[[str], float | None]) -> bool:
         """`start_slack_s`: every stream that began less than RAMP_S ago holds that much audio at its
-        listener (`plays_until(job)`: when its audio runs out, wall clock; None before its first)."""
+        listener (`plays_until(job)`: when its audio runs out, wall clock; None before its first),
+        or the next stream has waited MAX_HOLD_S for that already."""
         need = self.config.start_slack_s
-        if need <= 0:
-            return True
         mono, wall = time.monotonic(), time.time()
+        if need <= 0 or (self.held_since is not None and mono - self.held_since >= MAX_HOLD_S):
+            self.held_since = None
+            return True
         for job, began in self.running.items():
             if job == self.warming or mono - began >= RAMP_S:
                 continue
             until = plays_until(job)
             if until is None or until - wall < need:
+                if self.held_since is None:
+                    self.held_since = mono
                 return False
+        self.held_since = None
         return True
 
     def expected_length(self) -> float:

@@ -148,6 +148,12 @@ def test_with_start_slack_a_new_stream_waits_for_the_young_ones_to_hold_that_muc
     assert started == ["b"]                                 # 0.6 s held: the next one goes, from a packet
     s.running["b"] -= S.RAMP_S                              # "b" began long ago: not waited for
     assert g.admit(FakeJob("c", p))
+    assert not g.admit(FakeJob("e", p))                     # "c" has no audio yet: "e" waits ...
+    assert s.held_since is not None
+    s.held_since -= S.MAX_HOLD_S
+    g.heard(("s",), 0.1)
+    assert started == ["b", "e"]                            # ... a second at most
+    s.running["e"] -= S.RAMP_S
     p0 = PipelineConfig(name="speech", stages=("s",), edges=(), realtime=RealtimeConfig(margin=0.9))
     g.configure({"speech": p0}, frozenset())                # (start_slack_s 0: off; a reload keeps the streams)
     assert g.admit(FakeJob("d", p0))                        # "c" has no audio, and "d" starts all the same
