@@ -211,14 +211,18 @@ class Streams:
         return max(1, math.ceil((ends[0] if ends else now) - now))
 
     def estimates(self, now: float) -> dict[str, float]:
-        """Each waiting stream's estimated start, seconds from now."""
+        """Each waiting stream's estimated start, seconds from now: when a slot frees, and with
+        `start_slack_s` no sooner than the hold after the start before it (MAX_HOLD_S, its bound)."""
         free = self.frees_at(now) or [now]
         heapq.heapify(free)
         length, out = self.expected_length(), {}
+        hold = MAX_HOLD_S if self.config.start_slack_s > 0 else 0.0
+        after = now if self.held_since is None else self.held_since + hold     # (the next start, at the earliest)
         for job in self.waiting:
-            t = heapq.heappop(free)
+            t = max(heapq.heappop(free), after)
             out[job.id] = round(max(0.0, t - now), 3)
             heapq.heappush(free, t + length)
+            after = t + hold
         return out
 
     def snapshot(self, now: float) -> RealtimeState:

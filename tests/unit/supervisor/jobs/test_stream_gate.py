@@ -150,6 +150,10 @@ def test_with_start_slack_a_new_stream_waits_for_the_young_ones_to_hold_that_muc
     assert g.admit(FakeJob("c", p))
     assert not g.admit(FakeJob("e", p))                     # "c" has no audio yet: "e" waits ...
     assert s.held_since is not None
+    assert not g.admit(FakeJob("f", p))                     # (and "f" after it: each start's hold in its estimate)
+    est = [g.waiting(n)["estimated_start_s"] for n in ("e", "f")]                        # type: ignore[index]
+    assert S.MAX_HOLD_S - 0.1 <= est[0] <= S.MAX_HOLD_S and est[1] == pytest.approx(est[0] + S.MAX_HOLD_S, abs=0.01)
+    g.ended("f")
     s.held_since -= S.MAX_HOLD_S
     g.heard(("s",), 0.1)
     assert started == ["b", "e"]                            # ... a second at most
