@@ -8,8 +8,15 @@ and than the spread of the two runs the baseline was written from: the runs agre
 not with the baseline, and the baseline's own runs agreed, so noise alone does not explain it. Exits 1
 naming the flagged rows (and 2 when a row is missing or failed), 0 otherwise; prints one table.
 
-`--update` writes the baseline from this run (the mean of the two ratios per row). A change that
-moves a row on purpose updates the baseline in the same commit, and says why in the message.
+A ratio is steady on one host, not across hosts (the segment row reads 5.9x on host A and 8-9x on an
+AMD EPYC, on the same tree: system calls cost more there against the plain-Python anchor), so the
+baseline keeps one entry per host, named by its CPU model, core count and AMX (`host_id`). A host
+with no entry is compared with another's, said so, and nothing is flagged: write its own first,
+with `--update` on an untouched tree.
+
+`--update` writes this host's baseline from four runs (the mean of the ratios per row, and the runs,
+whose spread is the noise a later check allows for), beside the other hosts'. A change that moves a row on purpose updates the baseline in the same commit, and
+says why in the message.
 
 Not part of `make test`: the machine is shared and noisy. Runs in one process; the benches in the
 runner's thread (run.py's run_bench), the daemons as run.py starts them.
@@ -33,6 +40,7 @@ from run import BENCHES, run_suite  # noqa: E402
 BASELINE = BENCH_DIR / "baseline.json"
 WORSE_BY = 0.10         # flagged past 10 % worse than the baseline (and past the two runs' spread)
 RUNS = 2
+UPDATE_RUNS = 4         # a baseline's runs: their spread is the host's noise the check allows for
 
 
 @dataclass
@@ -43,6 +51,35 @@ class Verdict:
     better: str | None
     status: str          # "ok", "FLAGGED", "missing", "new", "unchecked"
     worse: float = 0.0   # how much worse than the baseline, as a fraction (negative: better)
+
+
+def host_id() -> str:
+    """This host's name in the baseline: its CPU model, its cores (the ones this process may use)
+    and whether it has AMX (oneDNN's matmuls differ with it)."""
+    model, flags = "unknown CPU", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown CPU":
+                model = " ".join(value.split())
+            elif key.strip() == "flags" and not flags:
+                flags = value
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model}, {cores} cores" + (", AMX" if "amx_tile" in flags.split() else "")
+
+
+def host_baseline(doc: dict[str, object], host: str) -> tuple[str | None, dict[str, dict[str, object]]]:
+    """The rows to compare with and whose they are: this host's entry, else the first host's (a
+    baseline written before hosts were kept has its rows at the top: "unrecorded")."""
+    hosts = dict(doc.get("hosts") or {})                               # type: ignore[call-overload]
+    if isinstance(doc.get("rows"), dict):
+        hosts.setdefault("unrecorded", {"rows": doc["rows"]})
+    if not hosts:
+        return None, {}
+    name = host if host in hosts else next(iter(hosts))
+    return name, dict(hosts[name].get("rows") or {})
 
 
 def judge(figure: str, base: dict[str, object] | None, runs: list[float], better: str | None) -> Verdict:
@@ -84,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     fast = [b for b in BENCHES if b.fast]
     runs: list[list[Row]] = []
     problems: list[str] = []
-    for i in range(RUNS):
-        print(f"bench-check: run {i + 1} of {RUNS} ({', '.join(b.name for b in fast)}); "
+    n_runs = UPDATE_RUNS if args.update else RUNS
+    for i in range(n_runs):
+        print(f"bench-check: run {i + 1} of {n_runs} ({', '.join(b.name for b in fast)}); "
               f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
         rows, probs, _, _ = run_suite(fast, quick=True)
         runs.append(rows)
@@ -98,26 +136,42 @@ def main(argv: list[str] | None = None) -> int:
             if r.error is None and r.ratio is not None:
                 ratios.setdefault(r.figure, []).append(r.ratio)
     path = Path(args.baseline)
+    host = host_id()
+    doc = json.loads(path.read_text()) if path.exists() else {}
     if args.update:
-        doc = {"about": "make bench-check's baseline: the mean ratio of two quick runs of the fast benches "
-                        "(tests/benchmarks/check.py); update it in the commit that moves a row on purpose",
-               "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load_avg": os.getloadavg()[0],
-               "rows": {f: {"ratio": round(sum(xs) / len(xs), 4), "runs": [round(x, 4) for x in xs],
-                            "better": figures[f]}
-                        for f, xs in ratios.items() if len(xs) == RUNS and figures[f] is not None}}
-        path.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"baseline written to {path} ({len(doc['rows'])} rows)")
+        hosts = {k: v for k, v in (doc.get("hosts") or {}).items() if k != host}
+        if isinstance(doc.get("rows"), dict):
+            hosts.setdefault("unrecorded", {"written_at": doc.get("written_at"), "load_avg": doc.get("load_avg"),
+                                            "rows": doc["rows"]})
+        rows = {f: {"ratio": round(sum(xs) / len(xs), 4), "runs": [round(x, 4) for x in xs], "better": figures[f]}
+                for f, xs in ratios.items() if len(xs) == n_runs and figures[f] is not None}
+        hosts[host] = {"written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load_avg": os.getloadavg()[0],
+                       "rows": rows}
+        out = {"about": "make bench-check's baseline, one entry per host (check.py host_id): the mean ratio of two "
+                        "quick runs of the fast benches (tests/benchmarks/check.py); update it in the commit that "
+                        "moves a row on purpose", "hosts": hosts}
+        path.write_text(json.dumps(out, indent=2) + "\n")
+        print(f"baseline for {host} written to {path} ({len(rows)} rows)")
         return 0
-    baseline = json.loads(path.read_text())["rows"] if path.exists() else {}
+    whose, baseline = host_baseline(doc, host)
     verdicts = [judge(f, baseline.get(f), ratios.get(f, []), figures[f]) for f in figures]
+    for v in verdicts:
+        if whose != host and v.status == "FLAGGED":
+            v.status = "worse (another host's baseline)"
     verdicts += [Verdict(f, None, [], None, "missing") for f in baseline if f not in figures]
     print()
+    print(f"this host: {host}; baseline: {whose if whose != host else 'its own'}")
     print(report(verdicts))
     for p in problems:
         print(f"problem: {p}")
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": [[r.to_json() for r in rows] for rows in runs],
                                                "verdicts": [v.__dict__ for v in verdicts]}, indent=2) + "\n")
+    if whose != host:
+        print(f"\nbench-check: no baseline for this host ({host}); compared with {whose or 'none'}'s, for "
+              f"information: ratios differ between hosts, so nothing is flagged. Write this host's from an "
+              f"untouched tree: make bench-check BENCH_CHECK_ARGS=--update")
+        return 0
     flagged = [v.figure for v in verdicts if v.status == "FLAGGED"]
     missing = [v.figure for v in verdicts if v.status == "missing"]
     if flagged:

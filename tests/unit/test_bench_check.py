@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from check import judge  # noqa: E402
+from check import host_baseline, host_id, judge  # noqa: E402
 
 
 def test_a_row_worse_than_its_baseline_beyond_noise_is_flagged_either_way() -> None:
@@ -31,3 +31,13 @@ def test_a_row_without_a_baseline_or_without_both_runs_is_said_so() -> None:
     assert judge("r", None, [4.0, 4.1], "lower").status == "new"
     assert judge("r", {"ratio": 5.0, "better": "lower"}, [6.0], "lower").status == "missing"
     assert judge("r", {"ratio": 5.0}, [6.0, 6.1], None).status == "unchecked"
+
+
+def test_each_host_is_compared_with_its_own_baseline() -> None:
+    rows_a, rows_b = {"r": {"ratio": 5.9}}, {"r": {"ratio": 8.5}}
+    doc = {"hosts": {"A, 2 cores": {"rows": rows_a}, "B, 2 cores": {"rows": rows_b}}}
+    assert host_baseline(doc, "B, 2 cores") == ("B, 2 cores", rows_b)
+    assert host_baseline(doc, "C, 2 cores") == ("A, 2 cores", rows_a)      # (another's: said so, nothing flagged)
+    assert host_baseline({"rows": rows_a}, "B, 2 cores") == ("unrecorded", rows_a)   # (written before hosts)
+    assert host_baseline({}, "B, 2 cores") == (None, {})
+    assert "cores" in host_id()
