@@ -69,6 +69,7 @@ WINDOW_S = 8.0          # the capacity's measuring window
 MIN_AUDIO_S = 1.0       # a window's audio below this measures nothing (an idle pipeline keeps its figure)
 SMOOTHING = 0.5         # the moving average's weight of a new window
 DEFAULT_STREAM_S = 10.0     # a stream's expected length before one has ended (for estimates)
+WARM_GRACE_S = 2.0      # a warm-up's last busy seconds come with the workers' next stats: cold until then
 RAMP_S = 3.0            # `start_slack_s`: the streams that began this recently are waited for,
 MAX_HOLD_S = 1.0        # and for no longer than this (a loaded pipeline's streams gain slack slowly)
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -122,19 +123,32 @@ class Meter:
     audio_s: float = 0.0                    # audio its jobs have made since the daemon started
     audio_per_s: float | None = None        # the estimate (None until measured)
     cost: dict[str, float] = field(default_factory=dict)    # what bounds it, per stage and "cpu": s a second
+    provisional: bool = False               # the estimate was measured cold (a warm-up's)
+    _cold: bool = False
     _samples: deque[_Sample] = field(default_factory=deque)
 
-    def sample(self, now: float, busy: Mapping[str, float], cpu: Mapping[str, float]) -> None:
+    def sample(self, now: float, busy: Mapping[str, float], cpu: Mapping[str, float], cold: bool = False) -> None:
+        """`cold`: the pipeline is warming up. Its warm-up's first steps load and compile (the demo's
+        omni read 0.2-0.6 audio s/s from them, a tenth of what it makes warm): a figure measured
+        cold (the warm-up's whole window, at its end) is provisional, and the first warm window's
+        replaces it instead of joining the average; that window starts at the first warm sample."""
         s = _Sample(now, self.audio_s, dict(busy), dict(cpu))
         if self._samples and any(busy.get(k, 0.0) < v for k, v in self._samples[-1].busy.items()):
             self._samples.clear()           # a worker restarted: its counters began again
+        warmed, self._cold = self._cold and not cold, cold
         self._samples.append(s)
         while len(self._samples) > 2 and now - self._samples[1].at >= WINDOW_S:
             self._samples.popleft()
         first = self._samples[0]
         audio = s.audio_s - first.audio_s
-        if now - first.at < WINDOW_S / 2 or audio < MIN_AUDIO_S:
-            return
+        if warmed:
+            if audio >= MIN_AUDIO_S:
+                self._estimate(first, s, audio, provisional=True)
+            self._samples = deque([s])
+        elif now - first.at >= WINDOW_S / 2 and audio >= MIN_AUDIO_S:
+            self._estimate(first, s, audio, provisional=cold)
+
+    def _estimate(self, first: _Sample, s: _Sample, audio: float, provisional: bool) -> None:
         cost = {st: max(0.0, s.busy.get(st, 0.0) - first.busy.get(st, 0.0)) / audio for st in self.stages}
         cpu_cost = sum(max(0.0, s.cpu.get(st, 0.0) - first.cpu.get(st, 0.0)) for st in self.on_cpu) / audio / CORES
         if self.on_cpu:
@@ -143,7 +157,9 @@ class Meter:
         if worst <= 0:
             return
         new = 1.0 / worst
-        self.audio_per_s = new if self.audio_per_s is None else (1 - SMOOTHING) * self.audio_per_s + SMOOTHING * new
+        old = None if self.provisional else self.audio_per_s
+        self.audio_per_s = new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
+        self.provisional = provisional
         self.cost = {k: round(v, 4) for k, v in cost.items()}
         self._samples = deque([s])          # (the next window starts here: estimates do not overlap)
 
@@ -158,6 +174,7 @@ class Streams:
     running: dict[str, float] = field(default_factory=dict)    # job -> when it started (monotonic)
     waiting: list[LiveJob] = field(default_factory=list)       # in the order they start
     warm: bool = False
+    warm_at: float = 0.0                    # when it became warm (monotonic)
     warming: str | None = None              # the warm-up job in flight
     lengths: deque[float] = field(default_factory=lambda: deque(maxlen=32))   # ended streams' durations
     refused: int = 0
@@ -325,7 +342,7 @@ class Gate:
         s.waiting = [j for j in s.waiting if j.id != job_id]
         if job_id == s.warming:
             s.warming = None
-            s.warm = True                   # (a failed warm-up is the scheduler's to log)
+            s.warm, s.warm_at = True, time.monotonic()   # (a failed warm-up is the scheduler's to log)
         self.release(s)
 
     def release(self, s: Streams) -> None:
@@ -362,7 +379,7 @@ class Gate:
                     stats = h.stats
                     busy[stage] = busy.get(stage, 0.0) + stats.busy_s / len(group.replicas)
                     cpu[stage] = cpu.get(stage, 0.0) + stats.cpu_s
-            s.meter.sample(now, busy, cpu)
+            s.meter.sample(now, busy, cpu, cold=not s.warm or now - s.warm_at < WARM_GRACE_S)
             if not ready:
                 continue
             if not s.warm and s.warming is None:

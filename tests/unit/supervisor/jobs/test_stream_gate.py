@@ -161,3 +161,35 @@ def test_with_start_slack_a_new_stream_waits_for_the_young_ones_to_hold_that_muc
     p0 = PipelineConfig(name="speech", stages=("s",), edges=(), realtime=RealtimeConfig(margin=0.9))
     g.configure({"speech": p0}, frozenset())                # (start_slack_s 0: off; a reload keeps the streams)
     assert g.admit(FakeJob("d", p0))                        # "c" has no audio, and "d" starts all the same
+
+
+def test_a_warm_ups_figure_is_provisional(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm-up's cold steps (loads, compiles: 0.2 audio s a busy second here) give a first
+    figure, which the first warm window's (4 audio s/s) replaces: not their mean."""
+    from types import SimpleNamespace as NS
+    clock = [1000.0]
+    monkeypatch.setattr(S.time, "monotonic", lambda: clock[0])
+    stats = NS(busy_s=0.0, cpu_s=0.0)
+    groups: Any = {"s": NS(state=NS(serving=True), replicas=[NS(stats=stats)])}
+    p = PipelineConfig(name="speech", stages=("s",), edges=(), realtime=RealtimeConfig(margin=0.9))
+    g = S.Gate(groups, lambda job: None, lambda name: None)
+    g.configure({"speech": p}, frozenset())
+    s = g.streams("speech")
+    assert s is not None
+    assert g.admit(FakeJob("warm", p), warm_up=True) and s.warming == "warm"     # its warm-up job in flight
+    for _ in range(8):
+        clock[0] += 1.0
+        s.meter.audio_s += 0.2
+        stats.busy_s += 1.0
+        g.tick()
+    assert s.meter.audio_per_s == pytest.approx(0.2) and s.meter.provisional
+    for audio, busy in [(0.0, 1.0)] + [(1.0, 0.25)] * 10:
+        if audio == 0.0:
+            s.meter.audio_s += 1.5                          # its last packets, heard after the last tick,
+            g.ended("warm")                                 # then its end; its last busy second with the next stats
+        clock[0] += 1.0
+        s.meter.audio_s += audio
+        stats.busy_s += busy
+        g.tick()
+    assert s.meter.audio_per_s == pytest.approx(4.0)
+    assert not s.meter.provisional
