@@ -37,7 +37,8 @@ slowly, delays a start by a second at most.
 
 Ready means warm: the pipeline takes streams only after a warm-up job (`realtime.warmup`'s inputs)
 has gone through its stages, at start and after a restart of one of them; meanwhile streams wait
-(or are refused). That job is also the capacity's first measurement.
+(or are refused). That job is also the capacity's first measurement, a provisional one (its steps
+are cold): the first window of real streams replaces it.
 """
 
 from __future__ import annotations
