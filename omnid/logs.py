@@ -146,6 +146,10 @@ _wrap_foreign: tuple[bool, bool] = (False, False)     # (wrap lines that are no 
 _settings: tuple[str, str, str] = ("info", "auto", "omnid")   # what `configure` was given (the format it chose)
 _ERRORISH = re.compile(rb"(?i)\b(error|traceback|exception|fatal)\b")
 _WARNISH = re.compile(rb"(?i)\bwarn(ing)?\b")
+# A library that says it falls back has handled what it names: vLLM's engine core (a process of its
+# own, with no handler: Python prints its warnings bare) on a CPU without the ISA oneDNN wants says
+# "Failed to create oneDNN linear, fallback to torch linear. Exception: ...", a warning_once.
+_FALLBACK = re.compile(rb"(?i)\bfall(ing)?[ -]?back\b")
 
 
 def settings() -> tuple[str, str, str]:
@@ -204,8 +208,8 @@ def foreign_lines(whole: bytes, stage: str, process: str | None = None) -> bytes
     On a `json` log, a line that is not a JSON object already (a tqdm bar, a C library's warning,
     a `print`, a traceback's lines) is wrapped as one: `{"timestamp", "level", "event": "stderr",
     "process", "stage", "line"}`, so that the stream stays JSON lines for the tools that read it.
-    `level`: error for a line that speaks of an error, traceback or exception, warning for a
-    warning, else info. A carriage-return progress bar keeps its last state. On a console log
+    `level`: warning for a line that says warning or that it falls back (what it names was handled),
+    error for one that speaks of an error, traceback or exception, else info. A carriage-return progress bar keeps its last state. On a console log
     (a terminal), lines pass unchanged."""
     wrap, journald = _wrap_foreign
     if not wrap:
@@ -217,7 +221,8 @@ def foreign_lines(whole: bytes, stage: str, process: str | None = None) -> bytes
             out.append(line)
             continue
         text = line.rsplit(b"\r", 1)[-1] if b"\r" in line.rstrip(b"\r") else line.rstrip(b"\r")
-        level = "error" if _ERRORISH.search(text) else "warning" if _WARNISH.search(text) else "info"
+        level = ("warning" if _WARNISH.search(text) or _FALLBACK.search(text) else
+                 "error" if _ERRORISH.search(text) else "info")
         doc = {"timestamp": utc_timestamp(), "level": level, "event": "stderr", "process": process or f"stage:{stage}",
                **({"stage": stage} if stage else {}), "line": text.decode("utf-8", "replace")}
         record = json.dumps(doc, ensure_ascii=False)

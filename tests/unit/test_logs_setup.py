@@ -170,6 +170,10 @@ def test_foreign_lines_are_wrapped_on_a_json_log_only(tmp_path) -> None:
     doc = _json.loads(second)
     assert (doc["event"], doc["stage"], doc["level"], doc["line"]) == ("stderr", "gen", "error",
                                                                        "Traceback (most recent call last):")
+    levels = [_json.loads(x)["level"] for x in L.foreign_lines(
+        b"Failed to create oneDNN linear, fallback to torch linear. Exception: could not create a primitive\n"
+        b"error: boom\nWARNING: an error was retried\nloaded\n", "gen").decode().splitlines()]
+    assert levels == ["warning", "error", "warning", "info"]        # (a fallback, an error, a warning, news)
     L.configure("info", "console", stream=out)
     assert L.foreign_lines(b"raw\n", "gen") == b"raw\n"
     L.configure("info", "json", stream=out)
