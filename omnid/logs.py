@@ -209,8 +209,8 @@ def foreign_lines(whole: bytes, stage: str, process: str | None = None) -> bytes
     a `print`, a traceback's lines) is wrapped as one: `{"timestamp", "level", "event": "stderr",
     "process", "stage", "line"}`, so that the stream stays JSON lines for the tools that read it.
     `level`: warning for a line that says warning or that it falls back (what it names was handled),
-    error for one that speaks of an error, traceback or exception, else info. A carriage-return progress bar keeps its last state. On a console log
-    (a terminal), lines pass unchanged."""
+    error for one that speaks of an error, traceback or exception, else info. A carriage-return
+    progress bar keeps its last state. On a console log (a terminal), lines pass unchanged."""
     wrap, journald = _wrap_foreign
     if not wrap:
         return whole

@@ -15,8 +15,8 @@ with no entry is compared with another's, said so, and nothing is flagged: write
 with `--update` on an untouched tree.
 
 `--update` writes this host's baseline from four runs (the mean of the ratios per row, and the runs,
-whose spread is the noise a later check allows for), beside the other hosts'. A change that moves a row on purpose updates the baseline in the same commit, and
-says why in the message.
+whose spread is the noise a later check allows for), beside the other hosts'. A change that moves a
+row on purpose updates the baseline in the same commit, and says why in the message.
 
 Not part of `make test`: the machine is shared and noisy. Runs in one process; the benches in the
 runner's thread (run.py's run_bench), the daemons as run.py starts them.
@@ -31,6 +31,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -70,12 +71,18 @@ def host_id() -> str:
     return f"{model}, {cores} cores" + (", AMX" if "amx_tile" in flags.split() else "")
 
 
-def host_baseline(doc: dict[str, object], host: str) -> tuple[str | None, dict[str, dict[str, object]]]:
-    """The rows to compare with and whose they are: this host's entry, else the first host's (a
-    baseline written before hosts were kept has its rows at the top: "unrecorded")."""
-    hosts = dict(doc.get("hosts") or {})                               # type: ignore[call-overload]
+def _hosts(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The baseline's entries by host (a baseline written before hosts were kept has its rows at the
+    top: "unrecorded")."""
+    hosts = dict(doc.get("hosts") or {})
     if isinstance(doc.get("rows"), dict):
-        hosts.setdefault("unrecorded", {"rows": doc["rows"]})
+        hosts.setdefault("unrecorded", {k: doc[k] for k in ("written_at", "load_avg", "rows") if k in doc})
+    return hosts
+
+
+def host_baseline(doc: dict[str, Any], host: str) -> tuple[str | None, dict[str, dict[str, object]]]:
+    """The rows to compare with and whose they are: this host's entry, else the first host's."""
+    hosts = _hosts(doc)
     if not hosts:
         return None, {}
     name = host if host in hosts else next(iter(hosts))
@@ -139,17 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     host = host_id()
     doc = json.loads(path.read_text()) if path.exists() else {}
     if args.update:
-        hosts = {k: v for k, v in (doc.get("hosts") or {}).items() if k != host}
-        if isinstance(doc.get("rows"), dict):
-            hosts.setdefault("unrecorded", {"written_at": doc.get("written_at"), "load_avg": doc.get("load_avg"),
-                                            "rows": doc["rows"]})
+        hosts = _hosts(doc)
         rows = {f: {"ratio": round(sum(xs) / len(xs), 4), "runs": [round(x, 4) for x in xs], "better": figures[f]}
                 for f, xs in ratios.items() if len(xs) == n_runs and figures[f] is not None}
         hosts[host] = {"written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load_avg": os.getloadavg()[0],
                        "rows": rows}
-        out = {"about": "make bench-check's baseline, one entry per host (check.py host_id): the mean ratio of two "
-                        "quick runs of the fast benches (tests/benchmarks/check.py); update it in the commit that "
-                        "moves a row on purpose", "hosts": hosts}
+        out = {"about": "make bench-check's baseline, one entry per host (check.py host_id): the mean ratio of "
+                        f"{UPDATE_RUNS} quick runs of the fast benches (tests/benchmarks/check.py); update it in "
+                        "the commit that moves a row on purpose", "hosts": hosts}
         path.write_text(json.dumps(out, indent=2) + "\n")
         print(f"baseline for {host} written to {path} ({len(rows)} rows)")
         return 0
