@@ -192,6 +192,23 @@ def test_slack_orders_a_batch(d: RunningDaemon) -> None:
     assert late(a_packets) == 0 and late(b_packets) == 0
 
 
+def test_a_stream_far_ahead_yields_its_steps_to_a_starting_one(d: RunningDaemon) -> None:
+    """`yield_ahead_s` (default 1 s): while a stream starts (no audio yet, then under half a second at
+    its listener), one holding seconds of audio sits out the steps, so that the newcomer's first
+    packets come as fast as alone's; it goes on after, and neither listener waits."""
+    ahead = d.submit("plain", {}, {"b": {"packets": 100, "packet_s": 0.5, "pace_ahead_s": 0}})
+    wait_for(lambda: d.client.job(ahead)["stages"]["b"]["segments"] >= 10, 30,
+             "the first stream to hold seconds of audio at its listener")
+    new = d.submit("plain", {}, {"b": {"packets": 10}})
+    assert d.wait(new)["state"] == "succeeded" and d.wait(ahead)["state"] == "succeeded"
+    a_packets, b_packets = packets(d, ahead), packets(d, new)
+    start, held = b_packets[0][0], b_packets[4][0]      # the newcomer's first packet, and its fifth (0.5 s)
+    assert a_packets[-1][0] > held, "the first stream ended before the second started: nothing to yield"
+    during = [ts for ts, _ in a_packets if start < ts < held]
+    assert during == [], f"the stream far ahead was stepped {len(during)} times while the new one started"
+    assert late(a_packets) == 0 and late(b_packets) == 0
+
+
 def test_a_new_stream_waits_until_the_one_before_it_holds_start_slack(d: RunningDaemon) -> None:
     """`start_slack_s`: with room for both, the second of two streams submitted together waits (in
     line, not refused) until the first holds that much audio at its listener: a start's burst never

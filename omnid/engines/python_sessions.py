@@ -34,6 +34,12 @@ leaving between steps (continuous batching). The class gives that to any python 
   of audio (a parameter, default 3; 0: never paced) is not stepped until that falls below it:
   a stage far ahead of its listeners leaves the host's cores to the stages that are not (on a CPU
   host every stage shares them), and a stream never holds more than that in flight.
+- Yielding to the stream about to run dry: while a session of the step is close to a gap (its
+  listener holds less than half its `yield_ahead_s`, default 1; or it has sent no audio yet and
+  opened less than 2 s ago: a starting stream), the sessions whose listeners hold more than
+  `yield_ahead_s` sit that step out (0: never). A step's cost grows with its rows on a CPU and the
+  stages share the cores, so the starting stream's first packets come about as fast as alone's,
+  and the streams that yield never run dry for it.
 - `max_inflight` bounds the live sessions. A cancel takes effect at the next step boundary: the
   session is closed and never stepped again, and the others' results are untouched.
 - `lazy = true`: the class is made on the first job instead of at start.
@@ -49,6 +55,8 @@ from typing import Any
 from omnid.engines.base import Cancelled, InputStream, RequestContext
 
 DEFAULT_PACE_AHEAD_S = 3.0  # a stream this far ahead of its listener waits (the parameter `pace_ahead_s`)
+DEFAULT_YIELD_AHEAD_S = 1.0  # ... and this far ahead, it yields a step to a stream about to run dry (`yield_ahead_s`)
+STARTING_S = 2.0            # a session with no audio out yet counts as about to run dry this long after it opened
 
 
 @dataclass(frozen=True)
@@ -67,12 +75,33 @@ class _Live:
     outputs: dict[str, Any] = field(default_factory=dict)
     opened: float = field(default_factory=time.time)
     pace_ahead_s: float = DEFAULT_PACE_AHEAD_S
+    yield_ahead_s: float = DEFAULT_YIELD_AHEAD_S
 
     @property
     def due(self) -> float:
         """When its listener runs out of audio (`ctx.deadline`, the supervisor's listener clock); a
         session that has sent none yet is due since it opened (its first packet is awaited)."""
         return self.ctx.deadline if self.ctx.deadline is not None else self.opened
+
+
+def _yielded(batch: list[_Live]) -> list[_Live]:
+    """The batch less the streams far ahead (`yield_ahead_s`) when one in it is about to run dry (its
+    listener holds less than half its own `yield_ahead_s`, or it has sent no audio yet and opened less
+    than STARTING_S ago): on a CPU host a step's cost grows with its rows and every stage shares the
+    cores, so the stream starting or near a gap gets them. A stream yields only while it is ahead by
+    more than that: it never runs dry for it."""
+    now = time.time()
+
+    def slack(live: _Live) -> float | None:
+        return None if live.ctx.deadline is None else live.ctx.deadline - now
+
+    def urgent(live: _Live) -> bool:
+        s = slack(live)
+        return now - live.opened < STARTING_S if s is None else s < live.yield_ahead_s / 2
+
+    if not any(urgent(live) for live in batch):
+        return batch
+    return [live for live in batch if (s := slack(live)) is None or s <= live.yield_ahead_s]
 
 
 def streams_ready(ctx: RequestContext) -> bool:
@@ -100,11 +129,13 @@ class SessionRunner:
         return self._impl
 
     def open(self, ctx: RequestContext, params: dict[str, Any]) -> None:
-        try:
-            pace = float(params.get("pace_ahead_s", DEFAULT_PACE_AHEAD_S))
-        except (TypeError, ValueError):
-            ctx.fail(f"pace_ahead_s must be a number of seconds, not {params.get('pace_ahead_s')!r}")
-            return
+        seconds: dict[str, float] = {}
+        for key, default in (("pace_ahead_s", DEFAULT_PACE_AHEAD_S), ("yield_ahead_s", DEFAULT_YIELD_AHEAD_S)):
+            try:
+                seconds[key] = float(params.get(key, default))
+            except (TypeError, ValueError):
+                ctx.fail(f"{key} must be a number of seconds, not {params.get(key)!r}")
+                return
         try:
             session = self.impl.open(ctx.inputs, params, ctx)
         except Cancelled:
@@ -117,7 +148,9 @@ class SessionRunner:
             self._close(session)
             ctx.stopped()
             return
-        self._live[ctx.job] = _Live(ctx, session, pace_ahead_s=pace if pace > 0 else float("inf"))
+        pace, yield_ = seconds["pace_ahead_s"], seconds["yield_ahead_s"]
+        self._live[ctx.job] = _Live(ctx, session, pace_ahead_s=pace if pace > 0 else float("inf"),
+                                    yield_ahead_s=yield_ if yield_ > 0 else float("inf"))
 
     def _ready(self, live: _Live) -> bool:
         if live.ctx.held():
@@ -133,7 +166,7 @@ class SessionRunner:
             if live.ctx.cancelled():
                 self._end(job).ctx.stopped()
         # least slack first: the session whose listener runs dry soonest leads the batch
-        batch = sorted((live for live in self._live.values() if self._ready(live)), key=lambda live: live.due)
+        batch = _yielded(sorted((live for live in self._live.values() if self._ready(live)), key=lambda live: live.due))
         if not batch:
             return
         try:

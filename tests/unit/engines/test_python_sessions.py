@@ -149,10 +149,11 @@ def test_check_refuses_sessions_beside_a_function_and_on_other_engines(tmp_path:
 
 def test_sessions_are_stepped_least_slack_first() -> None:
     """The listener's clock (`ctx.deadline`, the supervisor's Deadline) orders a step's sessions: the
-    one whose audio runs out first leads; one with no audio out yet is due since it opened."""
+    one whose audio runs out first leads; one with no audio out yet is due since it opened. (None
+    yields its step here: `yield_ahead_s` 0; that rule has a test of its own.)"""
     import time
 
-    engine = PythonEngine(stage())
+    engine = PythonEngine(stage(defaults={"yield_ahead_s": 0}))
     impl = engine.sessions.impl             # type: ignore[union-attr]
     a, b, c = Job("a", {"n": 5}), Job("b", {"n": 5}), Job("c", {"n": 5})
     for job in (a, b, c):
@@ -301,3 +302,46 @@ def test_streams_ready_and_a_class_of_its_own_ready() -> None:
         r.open(Job(name).ctx, {})
     r.step()
     assert stepped == [["yes"]]
+
+
+def test_a_stream_far_ahead_yields_a_step_to_one_about_to_run_dry() -> None:
+    """`yield_ahead_s` (default 1 s): while a session is close to a gap (under half that at its
+    listener) or starting (no audio yet, opened under 2 s ago), the ones more than that ahead sit the
+    step out; the others still batch, least slack first. 0: never."""
+    import time
+
+    from omnid.engines import python_sessions as S
+
+    engine = PythonEngine(stage())
+    impl = engine.sessions.impl             # type: ignore[union-attr]
+    a, b, c = Job("a", {"n": 50}), Job("b", {"n": 50}), Job("c", {"n": 50})
+    for job in (a, b, c):
+        engine.add(job.ctx)
+    now = time.time()
+    a.ctx.deadline, b.ctx.deadline, c.ctx.deadline = now + 1.5, now + 0.8, now + 0.9
+    engine.step()
+    assert impl.steps[-1] == ["b", "c", "a"]        # nobody near a gap: one batch
+    b.ctx.deadline = now + 0.3
+    engine.step()
+    assert impl.steps[-1] == ["b", "c"]             # b near a gap: a, 1.5 s ahead, yields; c (0.9 s) does not
+    a.ctx.deadline = now + 0.95
+    engine.step()
+    assert impl.steps[-1] == ["b", "c", "a"]        # a no longer that far ahead
+    a.ctx.deadline, b.ctx.deadline = now + 1.5, now + 0.8
+    d = Job("d", {"n": 50})
+    engine.add(d.ctx)                               # starting: no audio out yet
+    engine.step()
+    assert impl.steps[-1] == ["d", "b", "c"]
+    engine.sessions._live["d"].opened -= S.STARTING_S      # type: ignore[union-attr]
+    engine.step()
+    assert impl.steps[-1][-1] == "a"                # (d, still silent, leads by the time it opened)
+    never = PythonEngine(stage(defaults={"yield_ahead_s": 0}))
+    x, y = Job("x", {"n": 5}), Job("y", {"n": 5})
+    for job in (x, y):
+        never.add(job.ctx)
+    x.ctx.deadline = time.time() + 2.5
+    never.step()
+    assert never.sessions.impl.steps[-1] == ["y", "x"]      # type: ignore[union-attr]
+    bad = Job("bad", {"yield_ahead_s": "soon"})
+    engine.add(bad.ctx)
+    assert bad.ctx.outcome is Outcome.FAILED and bad.ctx.error == "yield_ahead_s must be a number of seconds, not 'soon'"
