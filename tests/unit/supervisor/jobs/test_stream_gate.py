@@ -97,7 +97,7 @@ def test_the_gate_admits_what_fits_then_queues_by_rank_then_refuses() -> None:
     assert not g.admit(urgent)
     assert g.waiting("urgent")["position"] == 1 and g.waiting("late")["position"] == 2     # type: ignore[index]
     est = [g.waiting(n)["estimated_start_s"] for n in ("urgent", "late")]                 # type: ignore[index]
-    assert 0 < est[0] <= est[1]
+    assert 0 < est[0] <= est[1] + 0.05      # (each is seconds from its own reading: a slow host reads them ms apart)
     with pytest.raises(Refused) as e:
         g.check(p)
     assert e.value.status == 503 and str(e.value.code) == "over_capacity" and e.value.extra["retry_after_s"] >= 1
