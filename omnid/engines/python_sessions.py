@@ -77,6 +77,10 @@ class _Live:
     pace_ahead_s: float = DEFAULT_PACE_AHEAD_S
     yield_ahead_s: float = DEFAULT_YIELD_AHEAD_S
 
+    def slack(self, now: float) -> float | None:
+        """The audio its listener still holds (seconds; None before its first audio)."""
+        return None if self.ctx.deadline is None else self.ctx.deadline - now
+
     @property
     def due(self) -> float:
         """When its listener runs out of audio (`ctx.deadline`, the supervisor's listener clock); a
@@ -92,16 +96,13 @@ def _yielded(batch: list[_Live]) -> list[_Live]:
     more than that: it never runs dry for it."""
     now = time.time()
 
-    def slack(live: _Live) -> float | None:
-        return None if live.ctx.deadline is None else live.ctx.deadline - now
-
     def urgent(live: _Live) -> bool:
-        s = slack(live)
+        s = live.slack(now)
         return now - live.opened < STARTING_S if s is None else s < live.yield_ahead_s / 2
 
     if not any(urgent(live) for live in batch):
         return batch
-    return [live for live in batch if (s := slack(live)) is None or s <= live.yield_ahead_s]
+    return [live for live in batch if (s := live.slack(now)) is None or s <= live.yield_ahead_s]
 
 
 def streams_ready(ctx: RequestContext) -> bool:
@@ -129,13 +130,14 @@ class SessionRunner:
         return self._impl
 
     def open(self, ctx: RequestContext, params: dict[str, Any]) -> None:
-        seconds: dict[str, float] = {}
+        ahead: dict[str, float] = {}            # pace_ahead_s and yield_ahead_s (0 or less: never)
         for key, default in (("pace_ahead_s", DEFAULT_PACE_AHEAD_S), ("yield_ahead_s", DEFAULT_YIELD_AHEAD_S)):
             try:
-                seconds[key] = float(params.get(key, default))
+                value = float(params.get(key, default))
             except (TypeError, ValueError):
                 ctx.fail(f"{key} must be a number of seconds, not {params.get(key)!r}")
                 return
+            ahead[key] = value if value > 0 else float("inf")
         try:
             session = self.impl.open(ctx.inputs, params, ctx)
         except Cancelled:
@@ -148,14 +150,12 @@ class SessionRunner:
             self._close(session)
             ctx.stopped()
             return
-        pace, yield_ = seconds["pace_ahead_s"], seconds["yield_ahead_s"]
-        self._live[ctx.job] = _Live(ctx, session, pace_ahead_s=pace if pace > 0 else float("inf"),
-                                    yield_ahead_s=yield_ if yield_ > 0 else float("inf"))
+        self._live[ctx.job] = _Live(ctx, session, pace_ahead_s=ahead["pace_ahead_s"], yield_ahead_s=ahead["yield_ahead_s"])
 
     def _ready(self, live: _Live) -> bool:
         if live.ctx.held():
             return False
-        if live.ctx.deadline is not None and live.ctx.deadline - time.time() > live.pace_ahead_s:
+        if (slack := live.slack(time.time())) is not None and slack > live.pace_ahead_s:
             return False                        # paced: far enough ahead of its listener (others need the host)
         check = getattr(self.impl, "ready", None)
         return bool(check(live.session)) if check is not None else streams_ready(live.ctx)
