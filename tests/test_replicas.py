@@ -84,7 +84,7 @@ def test_each_replica_has_its_own_devices(start_daemon: Start, tmp_path: Path) -
 
 def test_kill_9_of_one_replica_loses_only_its_job(start_daemon: Start) -> None:
     stages = {"slow": py_stage("sleep", defaults={"seconds": 1.5}, replicas=2)}
-    d = start_daemon(stages, {"p": {"stages": ["slow"]}}, {"restart_backoff_s": 0.5})
+    d = start_daemon(stages, {"p": {"stages": ["slow"]}}, {"restart_backoff_s": 3.0})
     pids = replica_pids(d, "slow")
     jobs = [d.submit("p", {"text": f"j{k}"}) for k in range(4)]     # two running, two queued behind them
     for j in jobs[:2]:
