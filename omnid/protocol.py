@@ -260,3 +260,29 @@ class Stopped:
     """A cancelled job's work has stopped in this stage."""
 
     job: str
+
+
+# ------------------------------------------------------------------ a Ray-placed worker and its handle
+# (worker/ray_actor.py, the actor; supervisor/workers/ray_stage.py, its handle in the supervisor)
+
+# What the actor's `admit` answers (the handle's bridge turns it into the data plane's acknowledgements).
+ADMITTED, DROPPED, FULL, CLOSING = "A", "D", "F", "C"
+EXITING = "exiting"     # the worker's last message after a planned stop (Shutdown)
+PLAIN = "plain"         # a request answer: send it again as a plain pickle (the receiver has no pool)
+
+
+@dataclass(frozen=True)
+class LogLines:
+    """Lines the worker wrote to its stdout or stderr (its engine's too), for the supervisor, which
+    keeps them in the stage's log file (`omnictl logs`) and forwards them to its own stderr."""
+
+    lines: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class Usage:
+    """The actor process's resident memory (with its children's) and CPU use, sampled on its node
+    (the supervisor cannot: the process may be on another machine)."""
+
+    rss_bytes: int | None
+    cpu_percent: float | None

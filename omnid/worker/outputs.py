@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import shutil
 from collections.abc import Callable, Iterator
@@ -24,34 +23,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from omnid.config import PipelineConfig
-from omnid.paths import PRIVATE_DIR, PRIVATE_FILE, STREAM_DIR, stream_file
+from omnid.job_files import PlannedFile, private, private_dirs, write_planned
+from omnid.paths import STREAM_DIR, stream_file
 from omnid.protocol import Output
-
-
-def _private(path: str, flags: int) -> int:
-    """`open()`'s opener: a file it creates is 0600 (PRIVATE_FILE), never more whatever the umask."""
-    return os.open(path, flags | os.O_CLOEXEC, PRIVATE_FILE)
-
-
-def _private_dirs(folder: Path) -> None:
-    """`folder` and whichever of its parents are missing, each 0700 (PRIVATE_DIR); `mkdir(parents=True)`
-    would give the parents the umask's mode."""
-    try:
-        folder.mkdir(mode=PRIVATE_DIR, exist_ok=True)
-    except FileNotFoundError:
-        _private_dirs(folder.parent)
-        folder.mkdir(mode=PRIVATE_DIR, exist_ok=True)
-
-
-def _write(path: Path, data: bytes) -> int:
-    """Write atomically: readers see the whole file or none. Not fsynced (4 ms a file on this
-    kind of disk, more than a small job's whole run): like the job database (WAL,
-    synchronous=NORMAL), a power cut may lose the last moments; a crash of omnid loses nothing."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb", opener=_private) as f:
-        f.write(data)
-    os.replace(tmp, path)
-    return len(data)
 
 
 def _is_pil(value: Any) -> bool:
@@ -157,8 +131,8 @@ class StreamWriter:
             f = self._files.get(name)
             if f is None:
                 path = stream_file(self.job_dir, f"{self.prefix}{name}")
-                _private_dirs(path.parent)
-                f = self._files[name] = open(path, "ab", opener=_private)
+                private_dirs(path.parent)
+                f = self._files[name] = open(path, "ab", opener=private)
             f.write(data)
 
     def flush(self) -> None:
@@ -174,10 +148,6 @@ class StreamWriter:
 def write_outputs(job: str, job_dir: Path, outputs: dict[str, Any], prefix: str = "") -> list[Output]:
     """Write every output of a sink stage; return one `Output` event per file."""
     return write_planned(job, job_dir, plan_outputs(outputs, prefix))
-
-
-# One file of a sink's outputs, encoded but not written: (output name, file name, bytes, content type, kind).
-PlannedFile = tuple[str, str, bytes, str, str]
 
 
 def plan_outputs(outputs: dict[str, Any], prefix: str = "") -> list[PlannedFile]:
@@ -196,18 +166,6 @@ def plan_outputs(outputs: dict[str, Any], prefix: str = "") -> list[PlannedFile]
                 out_name, file = base, f"{stem}.{suffix}"
             planned.append((out_name, file, data, ctype, kind))
     return planned
-
-
-def write_planned(job: str, job_dir: Path, planned: list[PlannedFile]) -> list[Output]:
-    """Write planned files into the job's folder; one `Output` event per file."""
-    _private_dirs(job_dir)
-    events: list[Output] = []
-    for out_name, file, data, ctype, kind in planned:
-        if "/" in file or file.startswith(".") or file in ("", ".."):
-            raise ValueError(f"not a file name: {file!r}")
-        size = _write(job_dir / file, data)
-        events.append(Output(job=job, name=out_name, file=file, kind=kind, content_type=ctype, size=size))
-    return events
 
 
 # A sink's outputs -> their files in the job's folder, one `Output` event each (job, outputs, prefix).

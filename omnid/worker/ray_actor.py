@@ -46,7 +46,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -54,6 +53,7 @@ import ray
 from omnid import protocol as P
 from omnid.dataplane import shm
 from omnid.dataplane.wire import BUSY_POLL_S, OFFER_TIMEOUT_S, POLL_S, Closing, RawItem, WorkItem
+from omnid.protocol import ADMITTED, CLOSING, DROPPED, EXITING, FULL, PLAIN, LogLines, Usage
 from omnid.worker.bootstrap import Start
 from omnid.worker.main import StageWorker
 
@@ -61,29 +61,6 @@ MAX_CONCURRENCY = 16     # calls at once in the default group: control, the long
 DATA_CONCURRENCY = 64    # `admit` calls at once (each may wait at the watermark): their own group, so
                          # senders waiting for room never starve the control calls and heartbeats
 SINK_TIMEOUT_S = 120.0
-# What `admit` answers (the bridge turns it into the data plane's acknowledgements).
-ADMITTED, DROPPED, FULL, CLOSING = "A", "D", "F", "C"
-EXITING = "exiting"     # the worker's last message after a planned stop (Shutdown)
-PLAIN = "plain"         # a request answer: send it again as a plain pickle (the receiver has no pool)
-
-
-@dataclass(frozen=True)
-class LogLines:
-    """Lines the worker wrote to its stdout or stderr (its engine's too), for the supervisor, which
-    keeps them in the stage's log file (`omnictl logs`) and forwards them to its own stderr."""
-
-    lines: tuple[bytes, ...]
-
-
-@dataclass(frozen=True)
-class Usage:
-    """The actor process's resident memory (with its children's) and CPU use, sampled on its node
-    (the supervisor cannot: the process may be on another machine)."""
-
-    rss_bytes: int | None
-    cpu_percent: float | None
-
-
 MAX_LOG_LINE = 16 << 10
 
 

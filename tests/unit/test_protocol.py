@@ -66,6 +66,8 @@ def examples() -> dict[type, Any]:
         P.Stopped: P.Stopped(job=JOB),
         P.Batch: P.Batch(messages=(P.Started(job=JOB), P.Segment(job=JOB, index=0, is_last=False, text="a"))),
         P.Reconfigure: P.Reconfigure(config=a_config()),
+        P.LogLines: P.LogLines(lines=(b"INFO loading", b"")),
+        P.Usage: P.Usage(rss_bytes=512 * 2**20, cpu_percent=37.5),
     }
 
 

@@ -46,7 +46,9 @@ from omnid.dataplane.listener import Listener
 from omnid.dataplane.sender import Sender
 from omnid.dataplane.shm import ShmPool
 from omnid.dataplane.wire import OFFSET, POOL_REQUEST, RESERVE, SHM_ITEM, Closing, NeedsPlain, RawItem
+from omnid.job_files import write_planned
 from omnid.process_stats import ProcessSample
+from omnid.stage_entry import ray_actor_class
 from omnid.supervisor.live import Live
 from omnid.supervisor.workers.stage import StageHandle, error_summary
 from omnid.supervisor.workers.stage_logs import log_file, stage_log_path, write_all
@@ -182,7 +184,6 @@ class RayStageHandle(StageHandle):
         await super().start()
 
     def _spawn(self) -> None:
-        from omnid.worker.ray_actor import remote_class
         self._loop = asyncio.get_running_loop()
         self._open_bridge()
         spec = P.WorkerSpec(stage=self.name, config=self.config, data_dir=self.data_dir,
@@ -198,7 +199,7 @@ class RayStageHandle(StageHandle):
         self._became_ready = False
         self._load_error = None
         self._location = {}
-        actor = remote_class().options(**options).remote(spec)
+        actor = ray_actor_class().options(**options).remote(spec)
         self._actor = actor
         self._incarnation += 1
         inc = self._incarnation
@@ -300,10 +301,8 @@ class RayStageHandle(StageHandle):
             sender.close()
 
     def _carry_out(self, inc: int, sender: Sender, request: tuple[Any, ...]) -> Any:
-        from omnid.worker.ray_actor import PLAIN
         kind = request[0]
         if kind == "sink":
-            from omnid.worker.outputs import write_planned
             _, job, planned = request
             return write_planned(job, self.jobs_dir / job, planned)
         _, dst, raw = request
@@ -313,13 +312,12 @@ class RayStageHandle(StageHandle):
             return sender.send_raw(dst, raw, abandon=lambda: raw.job in self._dead_jobs
                                    or not self._current(inc) or self._stopping)
         except NeedsPlain:
-            return PLAIN
+            return P.PLAIN
 
     def _admit(self, raw: RawItem) -> bool | None:
         """The bridge: one item for the worker (a listener thread); blocks while the worker's queue is full."""
         import ray
 
-        from omnid.worker.ray_actor import ADMITTED, CLOSING, DROPPED
         actor = self._actor
         try:
             if actor is None or not self._became_ready or self._stopping:
@@ -337,9 +335,9 @@ class RayStageHandle(StageHandle):
             if type(e).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError"):
                 raise Closing() from e      # it died: the sender tries the next incarnation
             raise
-        if answer == CLOSING:
+        if answer == P.CLOSING:
             raise Closing()
-        return True if answer == ADMITTED else False if answer == DROPPED else None
+        return True if answer == P.ADMITTED else False if answer == P.DROPPED else None
 
     def _call(self, fn: Any, *args: Any) -> None:
         loop = self._loop
@@ -354,15 +352,14 @@ class RayStageHandle(StageHandle):
     def _on_messages(self, inc: int, messages: list[object]) -> None:
         if inc != self._incarnation:
             return                          # a late word of an incarnation that is gone
-        from omnid.worker.ray_actor import EXITING, LogLines, Usage
         for msg in messages:
-            if msg == EXITING:              # its worker stopped as asked: end the actor
+            if msg == P.EXITING:              # its worker stopped as asked: end the actor
                 self._end_actor()
                 continue
-            if isinstance(msg, LogLines):
+            if isinstance(msg, P.LogLines):
                 self._log_lines(msg.lines)
                 continue
-            if isinstance(msg, Usage):
+            if isinstance(msg, P.Usage):
                 self._usage = ProcessSample(rss_bytes=msg.rss_bytes, cpu_percent=msg.cpu_percent)
                 continue
             if isinstance(msg, P.Ready):

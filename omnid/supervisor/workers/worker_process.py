@@ -21,6 +21,7 @@ from multiprocessing.process import BaseProcess
 
 from omnid import protocol as P
 from omnid.engines.capabilities import capabilities
+from omnid.stage_entry import stage_main
 from omnid.supervisor.workers.fork_servers import ServerProcess, server_for
 
 _SPAWN = multiprocessing.get_context("spawn")
@@ -61,8 +62,7 @@ class WorkerProcess:
         # The worker's fds 1 and 2: an OS pipe whose write end goes over as a Connection (passed as an
         # fd by the start method, like the control pipe's end); the handle stores and forwards its lines.
         self.log_read, self._log_write = multiprocessing.Pipe(duplex=False)
-        from omnid.worker.bootstrap import worker_main
-        self.process = make(target=worker_main, args=(spec, self._child, self._log_write),
+        self.process = make(target=stage_main, args=(spec, self._child, self._log_write),
                             name=f"omnid-stage-{label}", daemon=False)
 
     def start(self) -> tuple[BaseProcess, Connection, Connection]:

@@ -1,24 +1,22 @@
-"""Imports go down, never up: the supervisor's front end (omnid/supervisor/http/) imports nothing of
-the stage workers' code (omnid/worker/), and the rest of the supervisor only what is listed here (its
-handles that start a worker process or a Ray actor), so that no new one comes in unseen.
+"""Imports go down, never up: the supervisor (its front end, omnid/supervisor/http/, and the rest) and
+omnictl import nothing of the stage workers' code (omnid/worker/) (issue 44).
 
-What both sides share lives in a neutral room below them (the job folder's stream files:
-omnid/paths.py). Read from the source (ast): imports inside functions and under TYPE_CHECKING count.
+What both sides share lives in a neutral room below them: the job folder's stream files
+(omnid/paths.py) and private files (omnid/job_files.py), the messages (omnid/protocol.py, a Ray
+actor's words too); the supervisor starts a worker by omnid/stage_entry.py's two entry points, which
+import the worker when called. Read from the source (ast): imports inside functions and under
+TYPE_CHECKING count; and checked in a fresh interpreter, where the daemon's modules load none of it.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 SUPERVISOR = ROOT / "omnid" / "supervisor"
-# What is left to move (issue 44: no import from omnid/worker/ into omnid/supervisor/): a worker's
-# entry point and the Ray actor's class and words, which these handles start and speak to.
-STILL_ALLOWED = {
-    "omnid/supervisor/workers/worker_process.py": {"omnid.worker.bootstrap"},
-    "omnid/supervisor/workers/ray_stage.py": {"omnid.worker.ray_actor", "omnid.worker.outputs"},
-}
 
 
 def worker_imports(source: str, module: str) -> set[str]:
@@ -59,7 +57,16 @@ def test_the_front_end_imports_nothing_of_the_workers() -> None:
     assert found == {}, found
 
 
-def test_the_rest_of_the_supervisor_only_what_is_listed() -> None:
-    found = {path: names for path, names in _modules(SUPERVISOR).items() if names}
-    assert found == STILL_ALLOWED, "a new import of omnid/worker/ (or one the list no longer needs): " \
-                                   f"{found}"
+def test_the_rest_of_the_supervisor_and_omnictl_import_nothing_of_the_workers() -> None:
+    found = {path: names for folder in (SUPERVISOR, ROOT / "omnictl") for path, names in _modules(folder).items()
+             if names}
+    assert found == {}, found
+
+
+def test_the_daemon_s_modules_load_without_the_worker() -> None:
+    code = ("import sys, omnid.cli, omnid.supervisor.daemon, omnid.supervisor.workers.worker_process, "
+            "omnid.supervisor.workers.ray_stage, omnid.stage_entry, omnictl.cli; "
+            "print(sorted(m for m in sys.modules if m.startswith('omnid.worker')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
