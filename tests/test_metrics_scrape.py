@@ -1,4 +1,4 @@
-"""What Prometheus scrapes: the standard process series, build info, queue-wait and stage-duration
+"""What Prometheus scrapes: the standard process series, build info, the supervisor's GC pauses, queue-wait and stage-duration
 histograms, segments (tokens) per stage, per-stage memory; and /metrics over TCP when asked."""
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ def test_the_scrape_has_what_people_graph_and_is_served_over_tcp(
     assert value(text, 'omnid_stage_segments_total{stage="gen"}') == 6            # 5 and the closing one
     assert value(text, 'omnid_stage_rss_bytes{replica="0",stage="gen"}') > 10 << 20
     assert "omnid_stage_segments_total" in d.client.metrics()          # the same registry on the socket
+    # the start's objects are frozen out of the collector's walks once ready (tens of thousands: the
+    # modules, the API's routes and schemas), and the supervisor's collections are timed, the full
+    # collection before that freeze among them
+    assert value(text, "omnid_gc_frozen_objects") > 10_000
+    assert value(text, 'omnid_gc_pause_seconds_count{generation="2"}') >= 1
     try:                                                  # only /metrics over TCP: never the API
         urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/jobs", timeout=10)
         raise AssertionError("the API answered over TCP")

@@ -22,6 +22,7 @@ Runs in the supervisor process's main thread, in one asyncio event loop
 from __future__ import annotations
 
 import asyncio
+import gc
 import grp
 import os
 import resource
@@ -199,6 +200,7 @@ class Daemon:
                 log.info("client connections", limit=self.guard.limit)
             systemd.notify(f"READY=1\nSTATUS=serving {len(self.config.pipelines)} pipelines")
             log.info("ready", startup_s=round(time.time() - self.info.started, 3))
+            _freeze_heap()
             self._serving = True
             self.info.state = DaemonState.SERVING
             if self._reload_wanted:
@@ -277,6 +279,7 @@ class Daemon:
         self._retention = Retention(self.config.daemon, store,
                                     lambda: set(sched.live_jobs) | {job for _, job in sched.stopping})
         metrics.watch_streams(self.scheduler.gate.snapshots)
+        metrics.watch_gc()
         api = Api(self.live, store, self.scheduler, self.stages, metrics, self.info)
         OpenAiApi(api).mount(api.app)       # /v1/models, /v1/chat/completions, ... on the same socket
         RealtimeApi(api).mount(api.app)     # /v1/realtime: OpenAI's Realtime API, a WebSocket session
@@ -508,6 +511,16 @@ class Daemon:
 
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _freeze_heap() -> None:
+    """What the start made (the config, the API's routes and schemas, the stage handles, every module)
+    lives as long as the daemon: out of the cyclic collector's sight from here on, so that a full
+    collection while streams are live walks only what serving made. Measured at 128 streamed chats:
+    the event loop stood 61 ms in one full collection, every stream's next token with it (vLLM's API
+    server freezes its start the same way, `freeze_gc_heap`)."""
+    gc.collect()
+    gc.freeze()
 
 
 def run(config: Config) -> int:

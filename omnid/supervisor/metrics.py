@@ -9,6 +9,8 @@ go backwards.
 
 from __future__ import annotations
 
+import gc
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
@@ -186,6 +188,27 @@ class _ResourceCollector(Collector):
                                       value=self.guard.refused)
 
 
+class _GcPauses(Collector):
+    """The supervisor's cyclic garbage collections: how long each stood (a `gc.callbacks` entry; every
+    one stops the event loop, and every live stream's next token with it), and the objects frozen out
+    of the collector's sight at start (daemon._freeze_heap)."""
+
+    def __init__(self, pauses: Histogram) -> None:
+        self.pauses = pauses
+        self._began = 0.0
+
+    def __call__(self, phase: str, info: Mapping[str, int]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.pauses.labels(str(info["generation"])).observe(time.perf_counter() - self._began)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily("omnid_gc_frozen_objects", "Objects the daemon's start made, which the cyclic "
+                                "garbage collector no longer walks (frozen once the daemon is ready)",
+                                value=gc.get_freeze_count())
+
+
 class Metrics:
     def __init__(self, stages: Mapping[str, "StageGroup"]) -> None:
         self.registry = CollectorRegistry()
@@ -236,8 +259,17 @@ class Metrics:
         self.handoff_s = Histogram("omnid_edge_handoff_seconds", "An upstream stage's outputs being there (its "
                                    "end; its first segment on a streaming edge) to the downstream admitting them",
                                    ["src", "dst"], buckets=_waits, registry=self.registry)
+        self._gc = _GcPauses(Histogram("omnid_gc_pause_seconds", "The supervisor's cyclic garbage collections, each "
+                                       "a stop of its event loop", ["generation"], registry=self.registry,
+                                       buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)))
+        self.registry.register(self._gc)
         self.refused = Counter("omnid_jobs_refused", "Submits refused for want of a resource (507 disk_full)",
                                ["reason"], registry=self.registry)
+
+    def watch_gc(self) -> None:
+        """Time this process's garbage collections from now on (the daemon's; one watcher a process)."""
+        gc.callbacks[:] = [c for c in gc.callbacks if not isinstance(c, _GcPauses)]
+        gc.callbacks.append(self._gc)
 
     def watch(self, disk: DiskWatch | None, guard: ConnectionGuard | None) -> None:
         """Report these resources too (the daemon, once it has made them)."""
