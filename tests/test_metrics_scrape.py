@@ -31,8 +31,8 @@ def value(text: str, series: str) -> float:
 def test_the_scrape_has_what_people_graph_and_is_served_over_tcp(
         start_daemon: Callable[..., RunningDaemon]) -> None:
     port = free_port()
-    d = start_daemon({"gen": py_stage("count", defaults={"n": 5, "delay": 0.0})}, {"p": {"stages": ["gen"]}},
-                     {"metrics_listen": f"127.0.0.1:{port}"})
+    d = start_daemon({"gen": py_stage("count", defaults={"n": 5, "delay": 0.0}), "gc": py_stage("gc_frozen")},
+                     {"p": {"stages": ["gen"]}, "g": {"stages": ["gc"]}}, {"metrics_listen": f"127.0.0.1:{port}"})
     assert d.wait(d.submit("p"))["state"] == "succeeded"
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert value(text, "process_resident_memory_bytes") > 0 and value(text, "process_open_fds") > 0
@@ -47,6 +47,10 @@ def test_the_scrape_has_what_people_graph_and_is_served_over_tcp(
     # collection before that freeze among them
     assert value(text, "omnid_gc_frozen_objects") > 10_000
     assert value(text, 'omnid_gc_pause_seconds_count{generation="2"}') >= 1
+    # and a stage worker's, its engine loaded, before its first job (its own process: the stage says)
+    job = d.submit("g")
+    assert d.wait(job)["state"] == "succeeded"
+    assert int(d.client.output(job, "text")[0]) > 10_000
     try:                                                  # only /metrics over TCP: never the API
         urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/jobs", timeout=10)
         raise AssertionError("the API answered over TCP")

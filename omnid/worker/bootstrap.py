@@ -16,6 +16,7 @@ parent are asked of the kernel by `omnid.prctl`.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -73,6 +74,7 @@ class Start:
             os._exit(P.EXIT_LOAD_FAILED)
         info = dict(worker.engine.info())
         self.ready(worker, info)
+        freeze_heap()
         worker.send(P.Ready(pid=os.getpid(), load_s=time.monotonic() - t0, info=info))
         threading.Thread(target=worker.heartbeat_loop, name="heartbeat", daemon=True).start()
         self.serving()
@@ -197,3 +199,14 @@ def capture_output(log_pipe: Connection | None, log_format: str) -> str:
     if isinstance(sys.stdout, io.TextIOWrapper):
         sys.stdout.reconfigure(line_buffering=True)   # a `print` reaches `omnictl logs -f` at once
     return fmt
+
+
+def freeze_heap() -> None:
+    """The loaded engine (its modules, the model's modules and parameters: hundreds of thousands of
+    objects) lives as long as the worker: out of the cyclic collector's sight before the first job, so
+    that a full collection walks only what serving made. Measured on the demo's omni stages: unfrozen,
+    a full collection stood a talker's or code2wav's busy loop 200-320 ms, and the thinker's worker
+    450-590 ms (once mid-stream: every stream's next packet that late); frozen, no pause over 2 ms
+    while streams played. vLLM's own engine core freezes its start the same way (`freeze_gc_heap`)."""
+    gc.collect()
+    gc.freeze()
