@@ -11,11 +11,14 @@ their pages shared, and its own set-up (bootstrap.setup_environment) follows as 
 Only CPU stages without an `env` of their own come from here (supervisor/workers/worker_process.py):
 a GPU stage must see its own devices before CUDA is looked at, and a stage's `env` may set what a
 library reads as it is imported. A module that fails to import here is left to the worker, which
-imports it again and reports what it raises, as it would have without a server.
+imports it again and reports what it raises, as it would have without a server. The server freezes
+what it imported out of the cyclic garbage collector before it forks, so that no worker's collection
+touches (and copies) those shared pages.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 
@@ -47,7 +50,12 @@ def _preload() -> None:
                 importlib.import_module(name)
             except Exception:       # noqa: BLE001 (the worker imports it again and reports what it raises)
                 pass
-
+    # What it imported, out of the cyclic collector's sight before any fork: a worker's own collections
+    # (bootstrap.freeze_heap, before its first job) then walk none of it, and its pages stay shared.
+    # Without this, a worker forked from the vLLM server copied 134 MB of them on its first full
+    # collection (measured: its private memory 2 MB before that collection, 136 MB after).
+    gc.collect()
+    gc.freeze()
 
 
 _preload()
