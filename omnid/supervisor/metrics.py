@@ -9,13 +9,15 @@ go backwards.
 
 from __future__ import annotations
 
+import bisect
 import gc
+import itertools
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
@@ -191,19 +193,33 @@ class _ResourceCollector(Collector):
 class _GcPauses(Collector):
     """The supervisor's cyclic garbage collections: how long each stood (a `gc.callbacks` entry; every
     one stops the event loop, and every live stream's next token with it), and the objects frozen out
-    of the collector's sight at start (daemon._freeze_heap)."""
+    of the collector's sight at start (daemon._freeze_heap). The callback counts into plain lists and
+    takes no lock: a collection may start inside any code, a lock's holder's too (prometheus_client's
+    metrics hold a Lock while they allocate), so the histogram is made at scrape time."""
 
-    def __init__(self, pauses: Histogram) -> None:
-        self.pauses = pauses
+    BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+    def __init__(self) -> None:
         self._began = 0.0
+        self._counts = [[0] * (len(self.BUCKETS) + 1) for _ in range(3)]     # per generation, per bucket (+Inf last)
+        self._sums = [0.0, 0.0, 0.0]
 
     def __call__(self, phase: str, info: Mapping[str, int]) -> None:
         if phase == "start":
             self._began = time.perf_counter()
-        else:
-            self.pauses.labels(str(info["generation"])).observe(time.perf_counter() - self._began)
+            return
+        took, gen = time.perf_counter() - self._began, info["generation"]
+        self._counts[gen][bisect.bisect_left(self.BUCKETS, took)] += 1
+        self._sums[gen] += took
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:
+        pauses = HistogramMetricFamily("omnid_gc_pause_seconds", "The supervisor's cyclic garbage collections, "
+                                       "each a stop of its event loop", labels=["generation"])
+        bounds = [str(b) for b in self.BUCKETS] + ["+Inf"]
+        for gen, counts in enumerate(self._counts):
+            pauses.add_metric([str(gen)], list(zip(bounds, itertools.accumulate(counts), strict=True)),
+                              sum_value=self._sums[gen])
+        yield pauses
         yield GaugeMetricFamily("omnid_gc_frozen_objects", "Objects the daemon's start made, which the cyclic "
                                 "garbage collector no longer walks (frozen once the daemon is ready)",
                                 value=gc.get_freeze_count())
@@ -259,9 +275,7 @@ class Metrics:
         self.handoff_s = Histogram("omnid_edge_handoff_seconds", "An upstream stage's outputs being there (its "
                                    "end; its first segment on a streaming edge) to the downstream admitting them",
                                    ["src", "dst"], buckets=_waits, registry=self.registry)
-        self._gc = _GcPauses(Histogram("omnid_gc_pause_seconds", "The supervisor's cyclic garbage collections, each "
-                                       "a stop of its event loop", ["generation"], registry=self.registry,
-                                       buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)))
+        self._gc = _GcPauses()
         self.registry.register(self._gc)
         self.refused = Counter("omnid_jobs_refused", "Submits refused for want of a resource (507 disk_full)",
                                ["reason"], registry=self.registry)
