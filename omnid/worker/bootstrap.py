@@ -202,11 +202,13 @@ def capture_output(log_pipe: Connection | None, log_format: str) -> str:
 
 
 def freeze_heap() -> None:
-    """The loaded engine (its modules, the model's modules and parameters: hundreds of thousands of
-    objects) lives as long as the worker: out of the cyclic collector's sight before the first job, so
-    that a full collection walks only what serving made. Measured on the demo's omni stages: unfrozen,
-    a full collection stood a talker's or code2wav's busy loop 200-320 ms, and the thinker's worker
-    450-590 ms (once mid-stream: every stream's next packet that late); frozen, no pause over 2 ms
-    while streams played. vLLM's own engine core freezes its start the same way (`freeze_gc_heap`)."""
+    """What this process has made so far, out of the cyclic collector's sight: a worker's loaded engine
+    before its first job (here), a fork server's imports before it forks (preload.py). The loaded
+    engine (its modules, the model's modules and parameters: hundreds of thousands of objects) lives
+    as long as the worker, and a full collection then walks only what serving made. Measured on the
+    demo's omni stages: unfrozen, a full collection stood a talker's or code2wav's busy loop 200-320
+    ms, and the thinker's worker 450-590 ms (once mid-stream: every stream's next packet that late);
+    frozen, no pause over 2 ms while streams played. vLLM's own engine core freezes its start the
+    same way (`freeze_gc_heap`)."""
     gc.collect()
     gc.freeze()

@@ -353,7 +353,7 @@ class RayStageHandle(StageHandle):
         if inc != self._incarnation:
             return                          # a late word of an incarnation that is gone
         for msg in messages:
-            if msg == P.EXITING:              # its worker stopped as asked: end the actor
+            if msg == P.EXITING:            # its worker stopped as asked: end the actor
                 self._end_actor()
                 continue
             if isinstance(msg, P.LogLines):
