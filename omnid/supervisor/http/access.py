@@ -35,14 +35,15 @@ import structlog
 from aiohttp import web
 
 from omnid.keys import ApiKey, KeyFileError, KeyStore
-from omnid.supervisor.http.api.app import RETRY_AFTER_S, error
+from omnid.supervisor.errors import RETRY_AFTER_S
+from omnid.supervisor.http.api.core import error
 from omnid.supervisor.http.api.keys import Keys
 from omnid.supervisor.http.openai.common import OPENAI_PATHS, OpenAiError
 from omnid.supervisor.http.openai.realtime import events as realtime_events
 from omnid.vocabulary import ErrorCode
 
 if TYPE_CHECKING:
-    from omnid.supervisor.http.api.app import Api
+    from omnid.supervisor.http.api.core import ApiCore
 
 log = structlog.get_logger("omnid.access")
 
@@ -70,7 +71,7 @@ class _Usage:
 class Access:
     """The door of the TCP listener."""
 
-    def __init__(self, api: Api, keys: KeyStore) -> None:
+    def __init__(self, api: ApiCore, keys: KeyStore) -> None:
         self.api = api
         self.keys = keys
         self._usage: dict[str, _Usage] = {}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import structlog
 from aiohttp import web
@@ -35,7 +35,7 @@ from omnid.supervisor.http.admission import json_body
 from omnid.vocabulary import ErrorCode
 
 if TYPE_CHECKING:
-    from omnid.supervisor.live import Live
+    from omnid.supervisor.http.api.core import ApiCore
     from omnid.supervisor.workers.stage_group import StageGroup
 
 log = structlog.get_logger("omnid.adapters")
@@ -50,23 +50,10 @@ def with_stage(config: Config, stage: StageConfig) -> Config:
     return dataclasses.replace(config, stages=stages)
 
 
-class AdapterApi(Protocol):
-    """What the handlers need of the socket API (http/api.py's `Api` fills it; it is never imported here)."""
-
-    live: Live
-
-    @property
-    def config(self) -> Config: ...
-
-    def _stage(self, request: web.Request) -> StageGroup: ...
-
-    def check_admin(self, uid: int) -> None: ...
-
-
 class Adapters:
     """The handlers; they read and change the config in force through the API's `Live`."""
 
-    def __init__(self, api: AdapterApi) -> None:
+    def __init__(self, api: ApiCore) -> None:
         self.api = api
 
     def routes(self) -> list[web.RouteDef]:
@@ -75,7 +62,7 @@ class Adapters:
                 web.delete("/v1/stages/{name}/adapters/{adapter}", self.remove)]
 
     def _stage(self, request: web.Request) -> tuple[StageGroup, StageConfig]:
-        group = self.api._stage(request)
+        group = self.api.stage(request)
         stage = self.api.config.stages[group.name]
         if not capabilities(stage.engine).lora:
             raise Refused(409, ErrorCode.INVALID_ADAPTER, f"stage {group.name!r} is a {stage.engine} stage: it "
@@ -84,7 +71,7 @@ class Adapters:
 
     async def list(self, request: web.Request) -> web.Response:
         """A stage's LoRA adapters in force and their base model (`lora`: null for a stage without)."""
-        group = self.api._stage(request)
+        group = self.api.stage(request)
         return web.json_response({"stage": group.name, "lora": describe(self.api.config.stages[group.name])})
 
     async def add(self, request: web.Request) -> web.Response:

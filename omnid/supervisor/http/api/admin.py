@@ -22,15 +22,15 @@ from omnid.supervisor.workers import stage_logs
 from omnid.vocabulary import ErrorCode
 
 if TYPE_CHECKING:
-    from omnid.supervisor.http.api.app import Api
+    from omnid.supervisor.http.api.core import ApiCore
 
 log = structlog.get_logger("omnid.api")
 
 
 class Admin:
-    """The daemon's handlers, on the `Api`'s collaborators (config, stages, scheduler, info, metrics)."""
+    """The daemon's handlers, on the `ApiCore`'s collaborators (config, stages, scheduler, info, metrics)."""
 
-    def __init__(self, api: Api) -> None:
+    def __init__(self, api: ApiCore) -> None:
         self.api = api
 
     async def list_pipelines(self, request: web.Request) -> web.Response:

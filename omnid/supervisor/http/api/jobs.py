@@ -1,5 +1,5 @@
 """The socket API's jobs: `POST /v1/jobs` (a submission admitted, then taken: admission.py,
-`Api.take`), `GET /v1/jobs` (the caller's, or everyone's for root and admin keys), a job, its event
+`ApiCore.take`), `GET /v1/jobs` (the caller's, or everyone's for root and admin keys), a job, its event
 stream (NDJSON, as they come), cancel, delete, and its output files (whole, or `?stream=1` as a live
 job's last stage produces them). A job is the caller's: only its uid (or root, or an admin key over
 TCP) may read, cancel or delete it.
@@ -25,7 +25,7 @@ from omnid.supervisor.http.http_common import flag, follow_batches, output_file,
 from omnid.vocabulary import TERMINAL_JOB_STATES, ErrorCode, JobRecord, JobState, job_links
 
 if TYPE_CHECKING:
-    from omnid.supervisor.http.api.app import Api
+    from omnid.supervisor.http.api.core import ApiCore
 
 log = structlog.get_logger("omnid.api")
 
@@ -35,9 +35,9 @@ _STATE_NAMES = ", ".join([str(JobState.QUEUED), str(JobState.RUNNING), *sorted(m
 
 
 class Jobs:
-    """The job handlers, on the `Api`'s collaborators (store, scheduler, config)."""
+    """The job handlers, on the `ApiCore`'s collaborators (store, scheduler, config)."""
 
-    def __init__(self, api: Api) -> None:
+    def __init__(self, api: ApiCore) -> None:
         self.api = api
 
     def _job(self, request: web.Request) -> JobRecord:

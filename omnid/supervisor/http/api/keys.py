@@ -20,7 +20,7 @@ from omnid.supervisor.http.admission import json_body
 from omnid.vocabulary import ErrorCode
 
 if TYPE_CHECKING:
-    from omnid.supervisor.http.api.app import Api
+    from omnid.supervisor.http.api.core import ApiCore
 
 log = structlog.get_logger("omnid.access")
 
@@ -30,7 +30,7 @@ MAX_UID = 2**32 - 2
 class Keys:
     """The key commands' handlers; `forget` drops a removed key's use at the door."""
 
-    def __init__(self, api: Api, keys: KeyStore, forget: Callable[[str], None]) -> None:
+    def __init__(self, api: ApiCore, keys: KeyStore, forget: Callable[[str], None]) -> None:
         self.api, self.keys, self.forget = api, keys, forget
 
     def routes(self) -> list[web.RouteDef]:

@@ -19,15 +19,15 @@ from omnid.supervisor.workers import stage_logs
 from omnid.vocabulary import ErrorCode, WorkerState
 
 if TYPE_CHECKING:
-    from omnid.supervisor.http.api.app import Api
+    from omnid.supervisor.http.api.core import ApiCore
 
 log = structlog.get_logger("omnid.api")
 
 
 class Stages:
-    """The stage handlers, on the `Api`'s collaborators (stages, scheduler, config)."""
+    """The stage handlers, on the `ApiCore`'s collaborators (stages, scheduler, config)."""
 
-    def __init__(self, api: Api) -> None:
+    def __init__(self, api: ApiCore) -> None:
         self.api = api
         self._tasks: set[asyncio.Task[None]] = set()     # stage restarts in progress
 
@@ -45,7 +45,7 @@ class Stages:
         other; root or the admin group. A sleeping stage is woken instead. 202 at once: the stage's
         state in `GET /v1/stages` says when it is ready."""
         self.api.admin(request, "restart_stage")
-        group = self.api._stage(request)
+        group = self.api.stage(request)
         self._background(group.restart(f"asked for by uid {request['uid']}", self.api.config.daemon.drain_timeout_s))
         log.info("audit", action="restart_stage", uid=request["uid"], stage=group.name)
         return web.json_response({"restarting": group.name, "stage": group.snapshot()}, status=202)
@@ -54,7 +54,7 @@ class Stages:
         """Stop a stage's workers now, releasing their memory and GPUs, until a job (or `wake`) needs
         it; root or the admin group. 409 while it has work; 202 at once (`sleeping` in its state soon)."""
         self.api.admin(request, "sleep_stage")
-        group = self.api._stage(request)
+        group = self.api.stage(request)
         if self.api.scheduler.has_work(group.name):
             raise Refused(409, ErrorCode.STAGE_BUSY, f"stage {group.name!r} has jobs in progress; put it to sleep "
                           "once they are done (or cancel them)", stage=group.name)
@@ -71,7 +71,7 @@ class Stages:
         """Load a sleeping stage's workers again (before its next job: no wait then); root or the
         admin group. 202 at once; 200 when it is awake already."""
         self.api.admin(request, "wake_stage")
-        group = self.api._stage(request)
+        group = self.api.stage(request)
         awake = not group.resting
         if not awake:
             group.touch()
@@ -84,7 +84,7 @@ class Stages:
         """A stage worker's stdout and stderr (root or daemon.admin_group): `TIME LINE` text lines,
         `?since=` (10m, 1h, ISO 8601, Unix time), `?tail=N`, `?follow=1` (sent as they come)."""
         self.api.admin(request, "stage_logs")
-        group = self.api._stage(request)
+        group = self.api.stage(request)
         raw = request.query.get("replica", "0")
         if not raw.isdigit() or int(raw) >= max(group.stage.replicas, len(group.replicas)):
             raise Refused(400, ErrorCode.INVALID_REQUEST, f"replica must be from 0 to "

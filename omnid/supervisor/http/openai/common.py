@@ -16,7 +16,7 @@ follows it into the answer.
 - The model: a pipeline's name, or `PIPELINE:ADAPTER` for one of its LoRA adapters (`find_pipeline`),
   checked to give the answer its endpoint needs (`pipeline_for`).
 - The job: `submit`, after admission's checks (admission.py, which every front end asks), taken by the
-  socket API (`Api.take`); a text job's answer counted as its events come (`Generation`).
+  socket API (`ApiCore.take`); a text job's answer counted as its events come (`Generation`).
 
 Runs in the supervisor's event-loop thread, inside the socket API's aiohttp application; reading the
 body is the only await. Nothing of the engines is imported (no tokenizer in the supervisor but the
@@ -48,7 +48,7 @@ from omnid.supervisor.jobs.submission import Submission
 from omnid.vocabulary import ErrorCode, Event, EventType, JobRecord
 
 if TYPE_CHECKING:
-    from omnid.supervisor.http.api.app import Api
+    from omnid.supervisor.http.api.core import ApiCore
 
 log = structlog.get_logger("omnid.openai")
 
@@ -451,7 +451,7 @@ CONTENT_TYPE_KEY = "openai_ctype"       # and what a streamed output of unknown 
 WAIT_KEY = "openai_wait"                # and a waiting stream's place (jobs.py: `on_prepare`)
 
 
-def submit(api: Api, request: web.Request, p: PipelineConfig, inputs: dict[str, Any],
+def submit(api: ApiCore, request: web.Request, p: PipelineConfig, inputs: dict[str, Any],
            params: dict[str, dict[str, Any]], summary: dict[str, Any]) -> JobRecord:
     """An ordinary job of the caller's (what `POST /v1/jobs` does after its checks); a `model`
     `PIPELINE:ADAPTER` sets the pipeline's adapter stage's `adapter`."""

@@ -37,7 +37,7 @@ from omnid.supervisor.http.openai.common import (
 from omnid.vocabulary import ErrorCode, JobOutput, JobRecord, JobState
 
 if TYPE_CHECKING:
-    from omnid.supervisor.http.api.app import Api
+    from omnid.supervisor.http.api.core import ApiCore
     from omnid.supervisor.jobs.scheduler import Scheduler
 
 log = structlog.get_logger("omnid.openai")
@@ -108,9 +108,9 @@ class Opening:
 
 
 class OpenAiJobs:
-    """The jobs of the OpenAI paths, on the `Api`'s collaborators (config, store, scheduler)."""
+    """The jobs of the OpenAI paths, on the `ApiCore`'s collaborators (config, store, scheduler)."""
 
-    def __init__(self, api: Api) -> None:
+    def __init__(self, api: ApiCore) -> None:
         self.api = api
 
     def abandon(self, request: web.Request, job_id: str) -> None:
@@ -246,7 +246,7 @@ class OpenAiJobs:
 
 class Endpoint:
     """An endpoint's handler (chat.py, completions.py, images.py, speech.py), on the OpenAI paths'
-    jobs and the `Api`'s collaborators (config, store, scheduler)."""
+    jobs and the `ApiCore`'s collaborators (config, store, scheduler)."""
 
     def __init__(self, jobs: OpenAiJobs) -> None:
         self.jobs, self.api = jobs, jobs.api

@@ -23,7 +23,7 @@ from omnid.supervisor.http import admission
 from omnid.supervisor.http.openai.common import ENDPOINTS, find_pipeline
 
 if TYPE_CHECKING:
-    from omnid.supervisor.http.api.app import Api
+    from omnid.supervisor.http.api.core import ApiCore
 
 
 def model_doc(config: Config, store: JobStore, created: float, p: PipelineConfig) -> dict[str, Any]:
@@ -46,9 +46,9 @@ def adapter_model(config: Config, created: float, p: PipelineConfig, adapter: st
 
 
 class Models:
-    """The model handlers, on the `Api`'s collaborators (config, store, info)."""
+    """The model handlers, on the `ApiCore`'s collaborators (config, store, info)."""
 
-    def __init__(self, api: Api) -> None:
+    def __init__(self, api: ApiCore) -> None:
         self.api = api
 
     async def list_models(self, request: web.Request) -> web.Response:

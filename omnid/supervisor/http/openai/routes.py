@@ -37,13 +37,13 @@ from omnid.supervisor.http.openai.models import Models
 from omnid.supervisor.http.openai.speech import Speech
 
 if TYPE_CHECKING:
-    from omnid.supervisor.http.api.app import Api
+    from omnid.supervisor.http.api.core import ApiCore
 
 
 class OpenAiApi:
-    """The OpenAI-shaped endpoints, on the `Api`'s collaborators (config, store, scheduler, info)."""
+    """The OpenAI-shaped endpoints, on the `ApiCore`'s collaborators (config, store, scheduler, info)."""
 
-    def __init__(self, api: Api) -> None:
+    def __init__(self, api: ApiCore) -> None:
         self.api = api
         self.jobs = OpenAiJobs(api)
 

@@ -1,9 +1,10 @@
 """The front end by endpoint (issue 44): an OpenAI request, from its arrival to the scheduler's
 `submit`, runs code of at most four front-end files: its endpoint's (openai/chat.py, ...), what the
-OpenAI paths share up to a job (openai/common.py), admission.py (its body and its checks), and the
-socket API's `Api.take` (api/app.py), which makes the job. Found by profiling the calls of a real request
-in process (the daemon's `Api` with the OpenAI paths mounted, on a Unix socket; tracing off, no TCP
-door: those add trace_context.py and access.py to every path alike).
+OpenAI paths share up to a job (openai/common.py), admission.py (its body and its checks), and
+api/core.py (the error middleware every request passes, and `ApiCore.take`, which makes the job).
+Found by profiling the calls of a real request in process (the daemon's `Api` with the OpenAI paths
+mounted, on a Unix socket; tracing off, no TCP door: those add trace_context.py and access.py to
+every path alike).
 """
 
 from __future__ import annotations
@@ -100,4 +101,4 @@ def test_a_request_enters_four_front_end_files_before_its_job(entered: dict[str,
                                                               name: str) -> None:
     made, files = entered[name]
     assert made, f"{name}: the request never reached the scheduler (refused on the way: {sorted(files)})"
-    assert files == {CASES[name][2], "openai/common.py", "admission.py", "api/app.py"}, sorted(files)
+    assert files == {CASES[name][2], "openai/common.py", "admission.py", "api/core.py"}, sorted(files)

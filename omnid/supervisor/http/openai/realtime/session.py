@@ -65,7 +65,7 @@ from omnid.supervisor.http.openai.realtime.transcripts import Transcripts
 from omnid.vocabulary import ErrorCode
 
 if TYPE_CHECKING:
-    from omnid.supervisor.http.api.app import Api
+    from omnid.supervisor.http.api.core import ApiCore
 
 log = structlog.get_logger("omnid.realtime")
 
@@ -73,7 +73,7 @@ log = structlog.get_logger("omnid.realtime")
 class RealtimeApi:
     """The `/v1/realtime` handler, and the sessions open now (bounded per key and in all)."""
 
-    def __init__(self, api: Api) -> None:
+    def __init__(self, api: ApiCore) -> None:
         self.api = api
         self.jobs = OpenAiJobs(api)              # the OpenAI paths' jobs followed
         self.sessions: dict[str, _Session] = {}
