@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from typing_extensions import TypedDict
+
 from omnid.media import NO_MEDIA, MediaLimits
 
 FULL_WINDOW = -1                        # an edge's `window` for a full trigger (no streaming)
@@ -249,6 +251,28 @@ class StageConfig:
         return mine == other and self.devices_of(replica) == other.devices_of(replica)
 
 
+# An edge as the API shows it (GET /v1/pipelines): `window` -1 (full trigger), N (segments per window)
+# or a schedule [N1, N2, ...] (the last repeats). ("from" is a keyword: the functional form.)
+EdgeDoc = TypedDict("EdgeDoc", {"from": str, "to": str, "window": int | list[int], "map": dict[str, str] | None,
+                                "transform": str | None})
+
+
+class PipelineDoc(TypedDict):
+    """A pipeline as the API shows it (GET /v1/pipelines, and the start of GET /v1/pipelines/{name})."""
+
+    name: str
+    stages: list[str]
+    edges: list[EdgeDoc]
+    sources: list[str]
+    """its stages fed by the job's own inputs"""
+    sinks: list[str]
+    """its stages whose outputs are the job's"""
+    kept_outputs: dict[str, list[str]]
+    """the config's `outputs`: outputs of stages that are not last kept as the job's too"""
+    timeout_s: float | None
+    retries: int
+
+
 @dataclass(frozen=True)
 class EdgeConfig:
     src: str
@@ -265,7 +289,7 @@ class EdgeConfig:
         """The window sizes of a streaming edge, in order; the last one repeats."""
         return self.schedule or (self.window,)
 
-    def as_api(self) -> dict[str, Any]:
+    def as_api(self) -> EdgeDoc:
         return {"from": self.src, "to": self.dst, "window": list(self.schedule) if self.schedule else self.window,
                 "map": dict(self.map) if self.map is not None else None,
                 "transform": self.transform}
@@ -339,7 +363,7 @@ class PipelineConfig:
         names = self.keep.get(stage, ())
         return {k: v for k, v in outputs.items() if k in names}
 
-    def as_api(self) -> dict[str, Any]:
+    def as_api(self) -> PipelineDoc:
         return {"name": self.name, "stages": list(self.stages),
                 "edges": [e.as_api() for e in self.edges],
                 "sources": list(self.sources), "sinks": list(self.sinks),

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from typing_extensions import TypedDict
+
 from omnid.config_types import Config, PipelineConfig, StageConfig
 
 PEFT_CONFIG = "adapter_config.json"
@@ -217,7 +219,21 @@ def adapter_problem(stage: str, engine: str, adapters: Any, key: str, value: Any
     return None
 
 
-def describe(stage: StageConfig) -> dict[str, Any] | None:
+class AdapterRef(TypedDict):
+    name: str
+    path: str
+
+
+class LoraView(TypedDict):
+    """a stage's LoRA: its base model and its adapters in force"""
+
+    base: str | None
+    adapters: list[AdapterRef]
+    max_loras: int
+    max_lora_rank: int
+
+
+def describe(stage: StageConfig) -> LoraView | None:
     """A stage's LoRA as the API shows it (`GET /v1/stages`, `/v1/pipelines`, `omnictl pipelines`):
     its base model and its adapters in force; None without a `lora` table."""
     if stage.lora is None:

@@ -30,10 +30,10 @@ import resource
 from collections.abc import Awaitable, Callable, Sized
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import structlog
 from aiohttp import web
+from typing_extensions import TypedDict
 
 log = structlog.get_logger("omnid.resources")
 
@@ -42,6 +42,22 @@ BALLAST_NAME = "ballast"
 RETRY_AFTER_S = 10          # what a 507 suggests to wait: space comes back by rm, retention or an operator
 FD_RESERVE = 128            # descriptors kept for the daemon's own use (workers, logs, sqlite) past the clients
 KMSG_MAX_BYTES = 4 << 20    # how much of the kernel log is read at most to explain one SIGKILL
+
+
+class DiskDoc(TypedDict):
+    """the state dir's filesystem: `full` while it is short of space or inodes (then the daemon takes no
+    new jobs)"""
+
+    full: bool
+    reason: str | None
+    """what is short, in words (null: room enough)"""
+    free_mb: int
+    min_free_mb: int
+    free_inodes: int | None
+    """null: the filesystem counts no inodes"""
+    min_free_inodes: int
+    ballast_mb: int
+    """the ballast file's size while it is in place (0 once given back)"""
 
 
 @dataclass
@@ -58,7 +74,7 @@ class DiskState:
     def full(self) -> bool:
         return self.reason is not None
 
-    def as_doc(self, watch: DiskWatch) -> dict[str, Any]:
+    def as_doc(self, watch: DiskWatch) -> DiskDoc:
         return {"full": self.full, "reason": self.reason, "free_mb": self.free_bytes // MB,
                 "min_free_mb": watch.min_free_bytes // MB, "free_inodes": self.free_inodes,
                 "min_free_inodes": watch.min_free_inodes, "ballast_mb": watch.ballast_bytes // MB if self.ballast else 0}

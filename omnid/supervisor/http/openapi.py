@@ -23,6 +23,7 @@ from omnid.config import Config, PipelineConfig, StageConfig
 from omnid.engines.capabilities import capabilities, describe_stage_params
 from omnid.lora import describe as describe_lora
 from omnid.media import IMAGE_FORMATS
+from omnid.supervisor.http.api.documents import PipelineDescription
 from omnid.supervisor.http.openapi_schemas import (
     INT,
     LORA,
@@ -84,19 +85,19 @@ def _stage_outputs(stage: StageConfig) -> dict[str, Any]:
     return {"known": False, "engine": stage.engine, "outputs": [], "note": UNKNOWN_OUTPUTS}
 
 
-def describe_pipeline(config: Config, pipeline: PipelineConfig) -> dict[str, Any]:
+def describe_pipeline(config: Config, pipeline: PipelineConfig) -> PipelineDescription:
     """The discovery document: the listing's fields (`as_api`), then what a job gives it
     (`inputs` per first stage), may set (`params` per stage: types, limits, defaults) and gets
     back (`outputs` per last stage, by engine)."""
-    doc = pipeline.as_api()
     stages = [config.stages[name] for name in pipeline.stages]
-    doc["inputs"] = {s.name: _stage_inputs(s) for s in stages if s.name in pipeline.sources}
-    doc["params"] = {s.name: {"engine": s.engine, **describe_stage_params(s.engine, s.defaults)} for s in stages}
+    params = {s.name: {"engine": s.engine, **describe_stage_params(s.engine, s.defaults)} for s in stages}
     for s in stages:
-        name_adapters(doc["params"][s.name]["params"], s)
-    doc["outputs"] = {s.name: _stage_outputs(s) for s in stages if s.name in pipeline.sinks}
-    doc["adapters"] = {s.name: describe_lora(s) for s in stages if s.lora is not None}
-    return doc
+        name_adapters(params[s.name]["params"], s)
+    return {**pipeline.as_api(),
+            "inputs": {s.name: _stage_inputs(s) for s in stages if s.name in pipeline.sources},
+            "params": params,
+            "outputs": {s.name: _stage_outputs(s) for s in stages if s.name in pipeline.sinks},
+            "adapters": {s.name: describe_lora(s) for s in stages if s.lora is not None}}
 
 
 # ------------------------------------------------------------------ operations

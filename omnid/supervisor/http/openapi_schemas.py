@@ -13,19 +13,26 @@ the description cannot drift from the behaviour.
 
 from __future__ import annotations
 
+import ast
 import copy
 import functools
+import inspect
+import textwrap
+import typing
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import typing_extensions
 from pydantic import ConfigDict, TypeAdapter, with_config
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue, models_json_schema
 
 from omnid.config import Config, StageConfig
+from omnid.config_types import EdgeDoc
 from omnid.engines.capabilities import CAPABILITIES, capabilities, stage_params_schema
-from omnid.lora import pipeline_adapters
+from omnid.lora import LoraView, pipeline_adapters
 from omnid.media import MEDIA_KINDS
 from omnid.params import PLAIN_VALUE_SCHEMA
+from omnid.supervisor.http.api.documents import HealthDoc, PipelineDescription, PipelineListed, ReadyDoc
 from omnid.supervisor.http.openai.chat import ChatCompletionRequest
 from omnid.supervisor.http.openai.common import PRIORITY_SCHEMA, RequestBody
 from omnid.supervisor.http.openai.completions import CompletionRequest
@@ -33,6 +40,7 @@ from omnid.supervisor.http.openai.images import ImageRequest
 from omnid.supervisor.http.openai.speech import SpeechRequest
 from omnid.supervisor.jobs.scheduler import QueuePlace
 from omnid.supervisor.jobs.streams import RealtimeState, StreamPlace
+from omnid.supervisor.workers.documents import StageDoc
 from omnid.vocabulary import (
     JOB_LINKS,
     ErrorCode,
@@ -43,7 +51,6 @@ from omnid.vocabulary import (
     JobRecord,
     JobState,
     StageRun,
-    WorkerState,
 )
 
 # ------------------------------------------------------------------ the builders
@@ -90,6 +97,8 @@ PRIORITY = PRIORITY_SCHEMA
 REQUESTS: dict[str, type[RequestBody]] = {"ChatCompletionRequest": ChatCompletionRequest,
                                           "CompletionRequest": CompletionRequest, "ImageRequest": ImageRequest,
                                           "SpeechRequest": SpeechRequest}
+
+
 def _job_request(config: Config) -> dict[str, Any]:
     """`POST /v1/jobs`'s body: one alternative per pipeline, with each stage's params schema."""
     timeout = nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 7 * 24 * 3600})
@@ -128,11 +137,6 @@ def _adapter_schema(schema: dict[str, Any], stage: StageConfig) -> dict[str, Any
     if isinstance(schema.get("properties"), dict):
         schema["properties"] = name_adapters(dict(schema["properties"]), stage)
     return schema
-
-
-LORA = nullable(obj({"base": nullable(STR), "max_loras": INT, "max_lora_rank": INT,
-                     "adapters": {"type": "array", "items": obj({"name": STR, "path": STR}, ["name", "path"])}},
-                    ["base", "adapters", "max_loras", "max_lora_rank"]))
 
 
 # ------------------------------------------------------------------ the job document and its events
@@ -185,7 +189,54 @@ def generated(kind: Any) -> dict[str, Any]:
     if isinstance(kind, type):
         with_config(ConfigDict(use_attribute_docstrings=True))(kind)
     schema = TypeAdapter(kind).json_schema(mode="serialization", schema_generator=_Described)
+    typed: dict[str, Any] = {}
+    _typed_dicts(kind, typed)
+    for name, cls in typed.items():     # (pydantic reads a TypedDict's own docstrings, not its bases')
+        _describe(schema if cls is kind else schema.get("$defs", {}).get(name, {}), _attribute_docs(cls))
     return {k: v for k, v in _placed(schema, schema.get("$defs", {})).items() if k not in ("$defs", "title")}
+
+
+def _typed_dicts(kind: Any, found: dict[str, Any]) -> None:
+    """Every TypedDict class in `kind`'s fields, by name (as the schema's $defs name them)."""
+    if typing_extensions.is_typeddict(kind) and kind.__name__ not in found:
+        found[kind.__name__] = kind
+        for hint in typing.get_type_hints(kind).values():
+            _typed_dicts(hint, found)
+    for arg in typing.get_args(kind):
+        _typed_dicts(arg, found)
+
+
+def _attribute_docs(cls: Any) -> dict[str, str]:
+    """A TypedDict's field docstrings (a string after the field), its bases' too."""
+    docs: dict[str, str] = {}
+    for base in getattr(cls, "__orig_bases__", ()):
+        if typing_extensions.is_typeddict(base):
+            docs |= _attribute_docs(base)
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    except (OSError, TypeError):
+        return docs                     # (one made by the functional form has no class body)
+    if not isinstance(body, ast.ClassDef):
+        return docs
+    for field, after in zip(body.body, body.body[1:]):
+        if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[field.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def _describe(schema: dict[str, Any], docs: dict[str, str]) -> None:
+    for name, prop in schema.get("properties", {}).items():
+        if name in docs and "description" not in prop:
+            prop["description"] = docs[name]
+
+
+# A stage's LoRA (GET /v1/stages, /v1/pipelines, the adapter endpoints), and a stage's document, from
+# their classes (omnid/lora.py, omnid/supervisor/workers/documents.py).
+LORA = nullable(generated(LoraView))
+STAGE = generated(StageDoc)
+for _doc in (STAGE, STAGE["properties"]["replicas"]["items"]):
+    _doc["properties"]["engine"] |= enum(CAPABILITIES)      # (a config's engine is a str: these are the known)
 
 
 @functools.cache
@@ -214,19 +265,8 @@ def job_schemas() -> dict[str, Any]:
 
 # A real-time pipeline's capacity and streams (GET /v1/pipelines, /v1/stages), as the gate makes it
 REALTIME = generated(RealtimeState)
-# window: -1 (full trigger), N (segments per window) or a schedule [N1, N2, ...] (the last repeats)
-_WINDOW = {"oneOf": [INT, {"type": "array", "items": INT, "minItems": 1}]}
-PIPELINE_KEYS = {"name": STR, "stages": {"type": "array", "items": STR}, "edges": {"type": "array", "items": ref("Edge")},
-                 "sources": {"type": "array", "items": STR}, "sinks": {"type": "array", "items": STR},
-                 "timeout_s": nullable(NUM), "retries": INT,
-                 "kept_outputs": {"type": "object", "additionalProperties": {"type": "array", "items": STR},
-                                  "description": "the config's `outputs`: outputs of stages that are not last kept "
-                                                 "as the job's too"},
-                 "realtime": REALTIME}
-_PIPELINE_REQUIRED = [k for k in PIPELINE_KEYS if k != "realtime"]
 _PARAM_DOC = {"type": "object", "properties": {"default": PLAIN_VALUE_SCHEMA}}
 _PIPELINE_DESCRIBED = {
-    **PIPELINE_KEYS,
     "inputs": {"type": "object", "additionalProperties": obj(
         {"known": BOOL, "engine": STR, "note": STR,
          "media": obj({**{k: INT for k in MEDIA_KINDS}, "max_bytes": INT, "max_pixels": INT,
@@ -243,40 +283,28 @@ _PIPELINE_DESCRIBED = {
                                                     "content_type": STR, "description": STR},
                                                    ["name", "kind", "content_type"])}},
         ["known", "engine", "outputs"])},
-    "adapters": {"type": "object", "additionalProperties": LORA,
-                 "description": "the LoRA adapters of its stages that have a lora table, and their base model"},
 }
+
+
+def _described(schema: dict[str, Any]) -> dict[str, Any]:
+    """A pipeline's description with its inputs, params and outputs as the engines' capabilities
+    describe them (their schemas' detail, which the TypedDict leaves open), descriptions kept."""
+    props = schema["properties"]
+    for key, detail in _PIPELINE_DESCRIBED.items():
+        props[key] = props[key] | detail
+    return schema
+
+
 PIPELINE_SCHEMAS = {
-    "Edge": obj({"from": STR, "to": STR, "window": _WINDOW, "map": nullable({"type": "object"}),
-                 "transform": nullable(STR)}, ["from", "to", "window"]),
-    "Pipeline": obj(PIPELINE_KEYS, _PIPELINE_REQUIRED),
+    "Edge": generated(EdgeDoc),
+    "Pipeline": generated(PipelineListed),
     "PipelineList": obj({"pipelines": {"type": "array", "items": ref("Pipeline")}}, ["pipelines"]),
-    "PipelineDescription": obj(_PIPELINE_DESCRIBED, [*_PIPELINE_REQUIRED, "inputs", "params", "outputs"]),
+    "PipelineDescription": _described(generated(PipelineDescription)),
 }
 
 
-_STAGE_KEYS = {
-    "name": STR, "engine": enum(CAPABILITIES), "state": enum(WorkerState),
-    "pid": nullable(INT), "devices": {"type": "array", "items": INT}, "queue_depth": INT,
-    "queue_capacity": INT, "max_inflight": INT, "running": {"type": "array", "items": STR},
-    "jobs_done": INT, "restarts": INT, "rss_bytes": nullable(INT), "cpu_percent": nullable(NUM),
-    "gpu_memory_bytes": nullable(INT), "uptime_s": nullable(NUM), "load_s": nullable(NUM),
-    "last_error": nullable(STR),
-    "last_restart": nullable(obj({"reason": STR, "at": NUM}, ["reason", "at"], extra=False)),
-    "model": nullable(STR), "function": nullable(STR), "lazy": BOOL,
-    "placement": enum(("local", "ray", "mixed")), "node": nullable(STR),
-    "ray": {"type": ["object", "null"]},     # a Ray-placed worker: node_id, node_ip, node_name, host, actor_id
-    "info": {"type": "object", "description": "what the loaded engine reports: for a vLLM stage its model, "
-             "dtype, max_model_len, compiled (torch.compile'd or eager), vllm (the vLLM version its worker "
-             "runs), engine_core, threads; tensors and media where configured"},
-}
-_REPLICA_KEYS = {**_STAGE_KEYS, "replica": INT, "label": STR, "retiring": BOOL}
 STAGE_SCHEMAS = {
-    "Stage": obj({**_STAGE_KEYS, "replica_count": INT, "down": {"type": "array", "items": STR},
-                  "idle_unload_s": nullable(NUM), "idle_s": nullable(NUM), "slept_at": nullable(NUM),
-                  "wake_s": nullable(NUM), "lora": LORA,
-                  "replicas": {"type": "array", "items": obj(_REPLICA_KEYS, ["name", "replica", "state", "pid"])}},
-                 ["name", "engine", "state", "pid"]),
+    "Stage": STAGE,
     "StageList": obj({"stages": {"type": "array", "items": ref("Stage")},
                       "realtime": {"type": "object", "additionalProperties": REALTIME,
                                    "description": "each real-time pipeline's capacity and streams"}},
@@ -291,26 +319,7 @@ STAGE_SCHEMAS = {
 }
 
 
-SERVICE_SCHEMAS = {
-    "Health": obj({"status": {"const": "ok"}, "pid": INT, "uptime_s": NUM, "version": STR,
-                   "live_jobs": INT, "stopping_jobs": INT},
-                  ["status", "pid", "uptime_s", "version", "live_jobs"]),
-    "Ready": obj({"ready": BOOL, "stages": {"type": "object", "additionalProperties": enum(WorkerState)},
-                  "not_ready": {"type": "array", "items": STR}, "draining": BOOL,
-                  "warming": {"type": "array", "items": STR,
-                              "description": "real-time pipelines whose warm-up job has not run yet"},
-                  "lazy": {"type": "array", "items": STR,
-                           "description": "python stages with `lazy = true`: ready before their function "
-                                           "has loaded what it needs (it does so on its first job)"},
-                  "reasons": {"type": "array", "items": {"enum": [ErrorCode.DISK_FULL]},
-                              "description": "why not ready besides the stages: disk_full"},
-                  "disk": obj({"full": BOOL, "reason": {"type": ["string", "null"]}, "free_mb": INT,
-                               "min_free_mb": INT, "free_inodes": {"type": ["integer", "null"]},
-                               "min_free_inodes": INT, "ballast_mb": INT}, ["full", "free_mb"]),
-                  "replicas_down": {"type": "object", "additionalProperties": {
-                       "type": "object", "additionalProperties": enum(WorkerState)}}},
-                 ["ready", "stages", "not_ready"]),
-}
+SERVICE_SCHEMAS = {"Health": generated(HealthDoc), "Ready": generated(ReadyDoc)}
 
 
 def schemas(config: Config) -> dict[str, Any]:

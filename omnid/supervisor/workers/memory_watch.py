@@ -9,7 +9,7 @@ Runs in the supervisor's event-loop thread, with the handle's heartbeat check; n
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Protocol
+from typing import Protocol
 
 import structlog
 
@@ -17,6 +17,7 @@ from omnid import protocol as P
 from omnid.config import StageConfig
 from omnid.process_stats import rss_bytes
 from omnid.supervisor import resources
+from omnid.supervisor.workers.documents import Where
 from omnid.vocabulary import WorkerState
 
 log = structlog.get_logger("omnid.stage")
@@ -47,7 +48,7 @@ class Watched(Protocol):
     @property
     def stage(self) -> StageConfig: ...
 
-    def where(self) -> dict[str, Any]: ...
+    def where(self) -> Where: ...
 
     async def restart(self, reason: str, idle_timeout: float) -> None: ...
 

@@ -50,6 +50,7 @@ from omnid.job_files import write_planned
 from omnid.process_stats import ProcessSample
 from omnid.stage_entry import ray_actor_class
 from omnid.supervisor.live import Live
+from omnid.supervisor.workers.documents import RayPlace, Where
 from omnid.supervisor.workers.stage import StageHandle, error_summary
 from omnid.supervisor.workers.stage_logs import log_file, stage_log_path, write_all
 from omnid.vocabulary import WorkerState
@@ -151,11 +152,13 @@ class RayStageHandle(StageHandle):
     def alive(self) -> bool:
         return self._actor is not None
 
-    def where(self) -> dict[str, Any]:
+    def where(self) -> Where:
         node = self._location.get("node_ip") if self._actor is not None else None
-        return {"placement": "ray", "node": node, "ray": {k: self._location.get(k) for k in
-                                                          ("node_id", "node_ip", "node_name", "host", "actor_id", "gpus")}
-                if self._actor is not None and self._location else None}
+        where = self._location if self._actor is not None and self._location else None
+        ray: RayPlace | None = None if where is None else {
+            "node_id": where.get("node_id"), "node_ip": where.get("node_ip"), "node_name": where.get("node_name"),
+            "host": where.get("host"), "actor_id": where.get("actor_id"), "gpus": where.get("gpus")}
+        return {"placement": "ray", "node": node, "ray": ray}
 
     def _sample(self) -> ProcessSample:
         """RSS and CPU as the actor samples them on its node (the last report)."""

@@ -40,6 +40,7 @@ from omnid.process_stats import ProcessSampler
 from omnid.supervisor.live import Follower, Live
 from omnid.supervisor.workers import worker_process
 from omnid.supervisor.workers.control_pipe import ControlPipe
+from omnid.supervisor.workers.documents import LastRestart, Where, WorkerDoc
 from omnid.supervisor.workers.liveness import Liveness
 from omnid.supervisor.workers.memory_watch import MemoryWatch
 from omnid.supervisor.workers.restart_policy import GiveUp, RestartPolicy
@@ -118,7 +119,7 @@ class StageHandle(Follower):
         self.restarts = 0
         self.last_error: str | None = None
         self._restart_asked: str | None = None     # the reason of a restart under way: its exit is no error
-        self.last_restart: dict[str, Any] | None = None    # the latest restart asked for: its reason, when
+        self.last_restart: LastRestart | None = None    # the latest restart asked for: its reason, when
         self.started_at: float | None = None
         self.ready_at: float | None = None
         self.load_s: float | None = None
@@ -493,19 +494,19 @@ class StageHandle(Follower):
         pid = self.pid
         return self._sampler.sample(pid).rss_bytes if pid is not None else None
 
-    def where(self) -> dict[str, Any]:
+    def where(self) -> Where:
         """Where the worker runs (`GET /v1/stages`: `placement`, `node`)."""
         return {"placement": "local", "node": None}
 
     def _sample(self) -> Any:
         return self._sampler.sample(self.pid)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> WorkerDoc:
         pid = self.pid
         usage = self._sample()
         return {
             "name": self.name, "replica": self.replica, "label": self.label,
-            "engine": self.stage.engine, "state": str(self.state), "pid": pid,
+            "engine": self.stage.engine, "state": self.state, "pid": pid,
             "devices": list(self.stage.devices), "queue_depth": self.stats.depth,
             "queue_capacity": self.stage.queue_capacity, "max_inflight": self.stage.max_inflight,
             "running": list(self.running), "jobs_done": self.jobs_done,

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import structlog
 
@@ -32,6 +31,7 @@ from omnid.config import Config, StageConfig
 from omnid.locks import DeviceBusy, DeviceLeases
 from omnid.lora import describe as lora_view
 from omnid.supervisor.live import Follower, Live
+from omnid.supervisor.workers.documents import ReplicaDoc, ShmUse, StageDoc, shared
 from omnid.supervisor.workers.stage import StageHandle, StageListener
 from omnid.vocabulary import SleepState, WorkerState
 
@@ -321,19 +321,21 @@ class StageGroup(Follower):
 
     # ------------------------------------------------------------------ inspection
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> StageDoc:
         """`GET /v1/stages`: the stage as a whole (sums over its replicas) and each replica."""
-        replicas = [dict(h.snapshot(), replica=i, retiring=i >= self.active)
-                    for i, h in enumerate(self.replicas)]
+        replicas: list[ReplicaDoc] = [{**h.snapshot(), "replica": i, "retiring": i >= self.active}
+                                      for i, h in enumerate(self.replicas)]
         first = replicas[0]
-        shm = {k: sum(r["shm"][k] for r in replicas) for k in ("capacity_bytes", "used_bytes", "slots")}
+        shm: ShmUse = {"capacity_bytes": sum(r["shm"]["capacity_bytes"] for r in replicas),
+                       "used_bytes": sum(r["shm"]["used_bytes"] for r in replicas),
+                       "slots": sum(r["shm"]["slots"] for r in replicas)}
         rss = [r["rss_bytes"] for r in replicas if r["rss_bytes"] is not None]
         gpu = [r["gpu_memory_bytes"] for r in replicas if r["gpu_memory_bytes"] is not None]
         cpu = [r["cpu_percent"] for r in replicas if r["cpu_percent"] is not None]
-        whole = {k: v for k, v in first.items() if k not in ("replica", "label", "retiring")}
+        placements = {r["placement"] for r in replicas}
         return {
-            **whole,
-            "state": str(self.state),
+            **shared(first),
+            "state": self.state,
             "devices": list(self.stage.devices),
             "replica_count": self.stage.replicas,
             "queue_depth": sum(r["queue_depth"] for r in replicas),
@@ -345,8 +347,8 @@ class StageGroup(Follower):
             "tracked_jobs": sum(r["tracked_jobs"] for r in replicas),
             "last_error": self.last_error, "shm": shm,
             "last_restart": max((r["last_restart"] for r in replicas if r["last_restart"]),
-                                key=lambda restart: float(restart["at"]), default=None),
-            "placement": placements.pop() if len(placements := {r["placement"] for r in replicas}) == 1 else "mixed",
+                                key=lambda restart: restart["at"], default=None),
+            "placement": placements.pop() if len(placements) == 1 else "mixed",
             "node": first["node"] if len(replicas) == 1 else None,
             "down": [h.label for h in self.down()],
             "idle_unload_s": self.stage.idle_unload_s,

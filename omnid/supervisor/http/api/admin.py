@@ -9,7 +9,7 @@ Runs in the supervisor's event-loop thread; nothing blocks (the reload awaits th
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 from aiohttp import web
@@ -17,6 +17,7 @@ from aiohttp import web
 from omnid.lora import describe as lora_view
 from omnid.supervisor.errors import Refused
 from omnid.supervisor.http import admission
+from omnid.supervisor.http.api.documents import HealthDoc, PipelineListed, ReadyDoc
 from omnid.supervisor.http.openapi import describe_pipeline, openapi_document
 from omnid.supervisor.workers import stage_logs
 from omnid.vocabulary import ErrorCode
@@ -36,10 +37,14 @@ class Admin:
     async def list_pipelines(self, request: web.Request) -> web.Response:
         config = self.api.config        # (each with its stages' LoRA adapters, where they have them)
         streams = self.api.scheduler.gate.snapshots()     # a real-time pipeline's capacity and streams
-        return web.json_response({"pipelines": [{**p.as_api(), "adapters": {
-            s: lora_view(config.stages[s]) for s in p.stages if config.stages[s].lora is not None},
-            **({"realtime": streams[p.name]} if p.name in streams else {})}
-            for p in config.pipelines.values()]})
+        pipelines: list[PipelineListed] = []
+        for p in config.pipelines.values():
+            doc: PipelineListed = {**p.as_api(), "adapters": {
+                s: lora_view(config.stages[s]) for s in p.stages if config.stages[s].lora is not None}}
+            if p.name in streams:
+                doc["realtime"] = streams[p.name]
+            pipelines.append(doc)
+        return web.json_response({"pipelines": pipelines})
 
     async def get_pipeline(self, request: web.Request) -> web.Response:
         """One pipeline: its inputs, each stage's parameters (types, limits, defaults), edges, outputs."""
@@ -66,37 +71,35 @@ class Admin:
 
     async def health(self, request: web.Request) -> web.Response:
         info = self.api.info
-        return web.json_response({"status": "ok", "pid": info.pid, "uptime_s": round(time.time() - info.started, 3),
-                                  "version": info.version, "live_jobs": len(self.api.scheduler.live_jobs),
-                                  "stopping_jobs": len(self.api.scheduler.stopping)})
+        doc: HealthDoc = {"status": "ok", "pid": info.pid, "uptime_s": round(time.time() - info.started, 3),
+                          "version": info.version, "live_jobs": len(self.api.scheduler.live_jobs),
+                          "stopping_jobs": len(self.api.scheduler.stopping)}
+        return web.json_response(doc)
 
     async def ready(self, request: web.Request) -> web.Response:
         """Ready when every stage takes jobs: warm, degraded (some replicas down: listed in
         `replicas_down`) or sleeping (it wakes for its next job); and every real-time pipeline has run
-        its warm-up job (`warming`: those that have not yet)."""
-        states = {name: str(h.state) for name, h in self.api.stages.items()}
+        its warm-up job (`warming`: those that have not yet). The disk: `disk` always; not ready, with
+        reason `disk_full`, while it is short."""
         not_ready = sorted(name for name, h in self.api.stages.items()
                            if not h.takes_jobs or (self.api.info.starting and not h.state.warm))
-        down = {name: {h.label: str(h.state) for h in g.down()} for name, g in self.api.stages.items() if g.down()}
         cold = sorted(name for name, snap in self.api.scheduler.gate.snapshots().items() if not snap["warm"])
-        body: dict[str, Any] = {"ready": not not_ready and not cold and not self.api.info.draining, "stages": states,
-                                "not_ready": not_ready, "replicas_down": down, "warming": cold,
-                                "lazy": sorted(n for n in self.api.stages if n in self.api.config.stages
-                                               and self.api.config.stages[n].lazy)}
+        doc: ReadyDoc = {
+            "ready": not not_ready and not cold and not self.api.info.draining,
+            "stages": {name: h.state for name, h in self.api.stages.items()}, "not_ready": not_ready,
+            "replicas_down": {name: {h.label: h.state for h in g.down()} for name, g in self.api.stages.items()
+                              if g.down()},
+            "warming": cold,
+            "lazy": sorted(n for n in self.api.stages if n in self.api.config.stages and self.api.config.stages[n].lazy)}
         if self.api.info.draining:
-            body["draining"] = True
-        self._ready_disk(body)
-        return web.json_response(body, status=200 if body["ready"] else 503)
-
-    def _ready_disk(self, body: dict[str, Any]) -> None:
-        """/v1/ready's word on the disk: `disk` always; not ready, with reason `disk_full`, while short."""
-        if self.api.disk is None:
-            return
-        state = self.api.disk.check()
-        body["disk"] = state.as_doc(self.api.disk)
-        if state.full:
-            body["ready"] = False
-            body.setdefault("reasons", []).append(ErrorCode.DISK_FULL)
+            doc["draining"] = True
+        if self.api.disk is not None:
+            state = self.api.disk.check()
+            doc["disk"] = state.as_doc(self.api.disk)
+            if state.full:
+                doc["ready"] = False
+                doc["reasons"] = [ErrorCode.DISK_FULL]
+        return web.json_response(doc, status=200 if doc["ready"] else 503)
 
     async def get_metrics(self, request: web.Request) -> web.Response:
         from prometheus_client.exposition import choose_encoder
