@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from typing_extensions import TypedDict
+
 from omnid import paths
 
 KEYS_FILE = "api_keys.json"
@@ -44,6 +46,23 @@ def digest(secret: str) -> str:
     return hashlib.sha256(secret.encode("utf-8", "surrogateescape")).hexdigest()  # pragma: no mutate (equivalent: "UTF-8" is the same codec)
 
 
+class ApiKeyDoc(TypedDict):
+    """An API key as `GET /v1/keys` shows it: everything but its hash."""
+
+    name: str
+    uid: int
+    """the user the key acts as"""
+    created: float
+    hint: str
+    """the key's first characters, to tell keys apart"""
+    max_jobs: int | None
+    """its jobs live at once (past it: 429)"""
+    rps: float | None
+    """requests a second (a token bucket of max(1, rps); past it: 429)"""
+    admin: bool
+    """it may do the admin actions over TCP (restart, sleep, wake, reload, others' jobs)"""
+
+
 @dataclass(frozen=True)
 class ApiKey:
     """One key as stored: its name, its owner uid, its hash and its optional limits."""
@@ -57,7 +76,7 @@ class ApiKey:
     rps: float | None = None        # requests per second (a token bucket of `max(1, rps)`; past it: 429)
     admin: bool = False             # may do the admin actions over TCP (restart, sleep, wake, reload, others' jobs)
 
-    def to_doc(self) -> dict[str, Any]:
+    def to_doc(self) -> ApiKeyDoc:
         """What `GET /v1/keys` shows: everything but the hash."""
         return {"name": self.name, "uid": self.uid, "created": self.created, "hint": self.hint,
                 "max_jobs": self.max_jobs, "rps": self.rps, "admin": self.admin}

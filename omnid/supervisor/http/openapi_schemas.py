@@ -29,6 +29,7 @@ from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue, models_jso
 from omnid.config import Config, StageConfig
 from omnid.config_types import EdgeDoc
 from omnid.engines.capabilities import CAPABILITIES, capabilities, stage_params_schema
+from omnid.keys import ApiKeyDoc
 from omnid.lora import LoraView, pipeline_adapters
 from omnid.media import MEDIA_KINDS
 from omnid.params import PLAIN_VALUE_SCHEMA
@@ -352,9 +353,7 @@ def openai_schemas() -> dict[str, Any]:
                       "omnid": {"type": "object"}}, ["id", "object", "created", "owned_by"]),
         "ModelList": obj({"object": {"const": "list"}, "data": {"type": "array", "items": ref("Model")}},
                          ["object", "data"]),
-        "ApiKey": obj({"name": STR, "uid": INT, "created": NUM, "hint": STR, "max_jobs": nullable(INT),
-                       "rps": nullable(NUM), "admin": BOOL},
-                      ["name", "uid", "created", "hint", "max_jobs", "rps", "admin"]),
+        "ApiKey": generated(ApiKeyDoc),
         "NewApiKey": {"allOf": [ref("ApiKey"), obj({"key": {**STR, "description": "the key, shown this once"}},
                                                    ["key"])]},
         "ApiKeyList": obj({"keys": {"type": "array", "items": ref("ApiKey")}, "file": STR}, ["keys", "file"]),
