@@ -30,7 +30,8 @@ from omnid import paths
 
 KEYS_FILE = "api_keys.json"
 KEY_PREFIX = "omk_"                 # so a leaked key is recognisable (secret scanners, logs)
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+_NAME = re.compile(NAME_PATTERN)
 NAME_RULE = "1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"
 
 

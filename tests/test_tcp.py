@@ -153,6 +153,39 @@ def test_keys_are_stored_hashed_in_a_private_file(daemon: RunningDaemon, keys: d
     assert bad.returncode == 4
 
 
+# (body, the field its 400 must name) for POST /v1/keys, as root on the socket
+BAD_KEY_BODIES = [
+    ({"uid": 5}, "\"name\""), ({"name": "no/slashes", "uid": 5}, "\"name\""), ({"name": 7, "uid": 5}, "\"name\""),
+    ({"name": "k1", "uid": -1}, "\"uid\""), ({"name": "k1", "uid": "5"}, "\"uid\""), ({"name": "k1", "uid": True}, "\"uid\""),
+    ({"name": "k1", "uid": 5, "max_jobs": 0}, "\"max_jobs\""), ({"name": "k1", "uid": 5, "max_jobs": 2.5}, "\"max_jobs\""),
+    ({"name": "k1", "uid": 5, "rps": 0}, "\"rps\""), ({"name": "k1", "uid": 5, "rps": "fast"}, "\"rps\""),
+    ({"name": "k1", "uid": 5, "admin": "yes"}, "\"admin\""), ({"name": "k1", "uid": 5, "colour": "red"}, "colour"),
+    ({"name": "k1"}, "\"uid\""), ({"name": "k1", "uid": None}, "\"uid\""),      # root must say whom it stands for
+]
+BAD_ADAPTER_BODIES = [({"path": "/x"}, "adapter's name"), ({"name": "a b", "path": "/x"}, "adapter's name"),
+                      ({"name": "ok", "path": ""}, "\"path\""), ({"name": "ok", "path": 3}, "\"path\""),
+                      ({"name": "ok", "path": "/x", "rank": 8}, "rank")]
+
+
+@pytest.mark.vllm
+def test_key_and_adapter_bodies_are_refused_naming_the_field(daemon: RunningDaemon) -> None:
+    """The socket API's bodies (typed models, KeyRequest and AdapterRequest): each wrong one a 400
+    invalid_request whose message names its field in plain words, never pydantic's; no key is made."""
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(daemon.socket)), base_url="http://omnid") as h:
+        before = {k["name"] for k in h.get("/v1/keys").json()["keys"]}
+        for path, cases in (("/v1/keys", BAD_KEY_BODIES), ("/v1/stages/expand/adapters", BAD_ADAPTER_BODIES)):
+            for body, field in cases:
+                r = h.post(path, json=body)
+                error = r.json()["error"]
+                assert (r.status_code, error["code"]) == (400, "invalid_request"), (path, body, r.text)
+                assert field in error["message"], (body, error["message"])
+                assert not any(w in error["message"] for w in ("Input should", "type=", "pydantic")), error["message"]
+        assert {k["name"] for k in h.get("/v1/keys").json()["keys"]} == before
+        made = h.post("/v1/keys", json={"name": "typed", "uid": THIRD_UID, "rps": 5, "max_jobs": None})
+        assert made.status_code == 201 and made.json()["rps"] == 5.0 and made.json()["uid"] == THIRD_UID
+        assert h.delete("/v1/keys/typed").status_code == 200
+
+
 @pytest.mark.vllm
 def test_the_openai_package_through_a_key(client: Any, daemon: RunningDaemon) -> None:
     models = {m.id for m in client.models.list()}

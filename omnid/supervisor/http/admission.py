@@ -21,10 +21,13 @@ import base64
 import binascii
 import difflib
 import json
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 from aiohttp import web
+from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from omnid import media, prompt_length
 from omnid.config import TENSOR_PROMPTS, Config, PipelineConfig, StageConfig
@@ -406,3 +409,98 @@ def image_stage(config: Config, p: PipelineConfig) -> str | None:
 def prompt_key(config: Config, p: PipelineConfig, otherwise: str = "prompt") -> str:
     """The input a text goes in: `prompt` when a first stage's engine needs a text prompt, else `otherwise`."""
     return "prompt" if any(capabilities(config.stages[s].engine).text_prompt for s in p.sources) else otherwise
+
+
+# ------------------------------------------------------------------ a request body's model, and its problems said plainly
+
+# A message to say for a field (by its path: names, "*" for any index), given where it is ("messages[0].role")
+# and its value; and the param to name when not that path itself: a name, or how much of the path.
+Say = Callable[[str, Any], str]
+Said = dict[tuple[str, ...], tuple[Say, str | int | None]]
+
+
+def fixed(message: str) -> Say:
+    return lambda at, value: message
+
+
+def shown(value: Any) -> str:
+    """A wrong value as a message shows it: its repr, cut (a body may hold megabytes in one field)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:60] + f"... ({len(text)} characters)"
+
+
+class CheckedBody(BaseModel):
+    """A request body's model (pydantic: one definition that parses, checks and describes it), whose
+    problems are said as a user reads them: by `MESSAGES` (per field path) or in plain words, each
+    naming its field; never pydantic's own wording. The front end that parses it raises its own
+    error with them (OpenAI's shape on the OpenAI paths, a `Refused` on the socket API's)."""
+
+    MESSAGES: ClassVar[Said] = {}
+
+    @classmethod
+    def problems(cls, error: ValidationError, body: Any) -> list[tuple[str | None, str]]:
+        """(the field, the message) of each problem of `body`, in order; the fields the body may not
+        have, in one."""
+        errors = error.errors(include_url=False)
+        unknown = [_where(list(err["loc"])) for err in errors if err["type"] == "extra_forbidden"]
+        said = [cls._say(err, body) for err in errors if err["type"] != "extra_forbidden"]
+        if unknown:
+            said.append((unknown[0], f"unknown field(s) {', '.join(unknown)}; the fields are "
+                                     f"{', '.join(cls.model_fields)}"))
+        return said
+
+    @classmethod
+    def _say(cls, err: ErrorDetails, body: Any) -> tuple[str | None, str]:
+        """(param, message) of one of pydantic's errors: the message of the longest known path that
+        starts the error's, else `_plain`'s."""
+        path = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("="))]    # (our union tags)
+        for n in range(len(path), 0, -1):
+            key = tuple("*" if isinstance(p, int) else p for p in path[:n])
+            known = cls.MESSAGES.get(key)
+            if known is not None:
+                at = _where(path[:n])
+                say, param = known
+                named = _where(path[:param]) if isinstance(param, int) else param or at
+                return named, say(at, _value_at(body, path[:n]))
+        return _where(path) or None, _plain(err, _where(path))
+
+
+def _where(path: list[int | str]) -> str:
+    """A field's path as the error names it: `messages[0].content[1]`."""
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
+    return out
+
+
+def _value_at(body: Any, path: list[int | str]) -> Any:
+    for p in path:
+        try:
+            body = body[p]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return body
+
+
+_PLAIN = {"missing": "is required", "string_type": "must be a string", "bool_type": "must be true or false",
+          "int_type": "must be an integer", "float_type": "must be a number", "list_type": "must be an array",
+          "dict_type": "must be an object", "model_type": "must be an object", "model_attributes_type":
+          "must be an object", "none_required": "is not supported (null only)"}
+
+
+def _plain(err: ErrorDetails, at: str) -> str:
+    """A problem no message of the model's names, in plain words."""
+    words = _PLAIN.get(err["type"])
+    if words is None:
+        ctx = err.get("ctx") or {}
+        if err["type"] == "literal_error":
+            words = f"must be {ctx.get('expected')}"
+        elif err["type"] in ("too_short", "too_long"):
+            words = f"must have {'at least' if err['type'] == 'too_short' else 'at most'} " \
+                    f"{ctx.get('min_length', ctx.get('max_length'))} item(s)"
+        else:
+            words = err["msg"].replace("Input should be", "must be")
+    return f"{at or 'the request body'} {words}, not {shown(err['input'])}" if err["type"] != "missing" \
+        else f"{at} {words}"
+
+

@@ -33,7 +33,9 @@ from omnid.keys import ApiKeyDoc
 from omnid.lora import LoraView, pipeline_adapters
 from omnid.media import MEDIA_KINDS
 from omnid.params import PLAIN_VALUE_SCHEMA
+from omnid.supervisor.http.api.adapters import AdapterRequest
 from omnid.supervisor.http.api.documents import HealthDoc, PipelineDescription, PipelineListed, ReadyDoc
+from omnid.supervisor.http.api.keys import KeyRequest
 from omnid.supervisor.http.openai.chat import ChatCompletionRequest
 from omnid.supervisor.http.openai.common import PRIORITY_SCHEMA, RequestBody
 from omnid.supervisor.http.openai.completions import CompletionRequest
@@ -314,9 +316,7 @@ STAGE_SCHEMAS = {
     "Sleeping": obj({"sleeping": STR, "already": BOOL, "stage": ref("Stage")}, ["sleeping", "stage"]),
     "Waking": obj({"waking": STR, "already": BOOL, "stage": ref("Stage")}, ["waking", "stage"]),
     "StageAdapters": obj({"stage": STR, "lora": LORA}, ["stage", "lora"]),
-    "AdapterRequest": obj({"name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"},
-                           "path": {**STR, "minLength": 1, "description": "the adapter's folder (relative: "
-                                    "to the config file's folder)"}}, ["name", "path"], extra=False),
+    "AdapterRequest": AdapterRequest.model_json_schema(mode="validation"),
 }
 
 
@@ -357,13 +357,7 @@ def openai_schemas() -> dict[str, Any]:
         "NewApiKey": {"allOf": [ref("ApiKey"), obj({"key": {**STR, "description": "the key, shown this once"}},
                                                    ["key"])]},
         "ApiKeyList": obj({"keys": {"type": "array", "items": ref("ApiKey")}, "file": STR}, ["keys", "file"]),
-        "KeyRequest": obj({"name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"},
-                           "uid": {"type": "integer", "minimum": 0, "maximum": 2**32 - 2},
-                           "max_jobs": nullable({"type": "integer", "minimum": 1, "maximum": 1_000_000}),
-                           "rps": nullable({"type": "number", "minimum": 0.001, "maximum": 1_000_000}),
-                           "admin": {**BOOL, "description": "the key may do the admin actions over TCP"}},
-                          ["name"], extra=False) | {"description": "root must give uid (no key is root by "
-                                                                    "default)"},
+        "KeyRequest": KeyRequest.model_json_schema(mode="validation"),
         "Reloaded": obj({"status": STR, "reloaded": BOOL}, ["status", "reloaded"]),
     }
 

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import structlog
 from aiohttp import web
+from pydantic import ConfigDict, Field, ValidationError
 
 from omnid import lora as L
 from omnid.config_types import Config, StageConfig
@@ -31,7 +32,7 @@ from omnid.engines.capabilities import capabilities
 from omnid.lora import describe
 from omnid.protocol import Reconfigure
 from omnid.supervisor.errors import Refused
-from omnid.supervisor.http.admission import json_body
+from omnid.supervisor.http.admission import CheckedBody, Said, fixed, json_body
 from omnid.vocabulary import ErrorCode
 
 if TYPE_CHECKING:
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("omnid.adapters")
 
-ADD_KEYS = frozenset({"name", "path"})
 
 
 def with_stage(config: Config, stage: StageConfig) -> Config:
@@ -48,6 +48,19 @@ def with_stage(config: Config, stage: StageConfig) -> Config:
     stages = dict(config.stages)
     stages[stage.name] = stage
     return dataclasses.replace(config, stages=stages)
+
+
+class AdapterRequest(CheckedBody):
+    """`POST /v1/stages/{name}/adapters`: a LoRA adapter to add to the stage."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    MESSAGES: ClassVar[Said] = {
+        ("name",): (lambda at, value: L.name_problem(value) or "\"name\" must name the adapter", None),
+        ("path",): (fixed("\"path\" must be the adapter's folder"), None),
+    }
+
+    name: str = Field(pattern=L.NAME.pattern)
+    path: str = Field(min_length=1, description="the adapter's folder (relative: to the config file's folder)")
 
 
 class Adapters:
@@ -80,13 +93,14 @@ class Adapters:
         self.api.check_admin(request["uid"])
         group, stage = self._stage(request)
         body = await json_body(request)
-        if not isinstance(body, dict) or set(body) - ADD_KEYS or not {"name", "path"} <= set(body):
+        if not isinstance(body, dict):
             raise Refused(400, ErrorCode.INVALID_REQUEST, "the body is {\"name\": NAME, \"path\": FOLDER}")
-        name, path = body["name"], body["path"]
-        if (why := L.name_problem(name)) is not None:
-            raise Refused(400, ErrorCode.INVALID_ADAPTER, why)
-        if not isinstance(path, str) or not path:
-            raise Refused(400, ErrorCode.INVALID_ADAPTER, "\"path\" must be the adapter's folder")
+        try:
+            asked = AdapterRequest.model_validate(body)
+        except ValidationError as e:
+            said = AdapterRequest.problems(e, body)
+            raise Refused(400, ErrorCode.INVALID_REQUEST, "; ".join(dict.fromkeys(m for _, m in said))) from None
+        name, path = asked.name, asked.path
         if stage.lora is None:
             raise Refused(409, ErrorCode.INVALID_ADAPTER, f"stage {group.name!r} has no lora table: vLLM's LoRA "
                           f"is off. Add `lora = {{ max_lora_rank = 16 }}` to stages.{group.name} and restart it")

@@ -9,14 +9,15 @@ Runs in the supervisor's event-loop thread; nothing blocks but the key file's on
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import structlog
 from aiohttp import web
+from pydantic import ConfigDict, Field, ValidationError
 
-from omnid.keys import KeyStore
+from omnid.keys import NAME_PATTERN, NAME_RULE, KeyStore
 from omnid.supervisor.errors import Refused
-from omnid.supervisor.http.admission import json_body
+from omnid.supervisor.http.admission import CheckedBody, Said, fixed, json_body
 from omnid.vocabulary import ErrorCode
 
 if TYPE_CHECKING:
@@ -25,6 +26,27 @@ if TYPE_CHECKING:
 log = structlog.get_logger("omnid.access")
 
 MAX_UID = 2**32 - 2
+
+
+class KeyRequest(CheckedBody):
+    """`POST /v1/keys`: a new API key. root must give `uid` (no key is root by default)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    MESSAGES: ClassVar[Said] = {
+        ("name",): (fixed(f"\"name\" must name the key: {NAME_RULE}"), None),
+        ("uid",): (fixed(f"\"uid\" must be a user id from 0 to {MAX_UID}"), None),
+        ("max_jobs",): (fixed("\"max_jobs\" must be an integer from 1 to 1000000"), None),
+        ("rps",): (fixed("\"rps\" must be a number from 0.001 to 1000000"), None),
+        ("admin",): (fixed("\"admin\" must be true or false"), None),
+    }
+
+    name: str = Field(pattern=NAME_PATTERN)
+    uid: int | None = Field(None, ge=0, le=MAX_UID, description="the user the key acts as (null: the caller's; root "
+                            "must give it)")
+    max_jobs: int | None = Field(None, ge=1, le=1_000_000, description="its jobs live at once (past it: 429)")
+    rps: float | None = Field(None, ge=0.001, le=1_000_000,
+                              description="requests a second (a token bucket of max(1, rps); past it: 429)")
+    admin: bool = Field(False, description="the key may do the admin actions over TCP")
 
 
 class Keys:
@@ -53,40 +75,26 @@ class Keys:
                                   "file": str(self.keys.path)})
 
     async def add_key(self, request: web.Request) -> web.Response:
-        """A new key: `{"name", "uid"?, "max_jobs"?, "rps"?}`; 201 with the key, shown this once."""
+        """A new key (`KeyRequest`); 201 with the key, shown this once."""
         caller = self._key_admin(request)
         body = await json_body(request)
         if not isinstance(body, dict):
             raise Refused(400, ErrorCode.INVALID_REQUEST, "the request body must be a JSON object")
-        unknown = set(body) - {"name", "uid", "max_jobs", "rps", "admin"}
-        if unknown:
-            raise Refused(400, ErrorCode.INVALID_REQUEST, f"unknown field(s) {', '.join(sorted(unknown))}; "
-                          "a key has name, uid, max_jobs, rps, admin")
-        name = body.get("name")
-        if not isinstance(name, str):
-            raise Refused(400, ErrorCode.INVALID_REQUEST, "\"name\" must name the key")
-        if caller == 0 and "uid" not in body:
+        try:
+            asked = KeyRequest.model_validate(body)
+        except ValidationError as e:
+            said = KeyRequest.problems(e, body)
+            raise Refused(400, ErrorCode.INVALID_REQUEST, "; ".join(dict.fromkeys(m for _, m in said))) from None
+        if asked.uid is None and caller == 0:
             # A key is never root by default: root says whom it stands for.
             raise Refused(400, ErrorCode.INVALID_REQUEST, "root must say which user the key acts as: \"uid\" "
                           "(omnictl key add NAME --uid UID); admin actions over TCP need --admin, not uid 0")
-        admin = body.get("admin", False)
-        if not isinstance(admin, bool):
-            raise Refused(400, ErrorCode.INVALID_REQUEST, "\"admin\" must be true or false")
-        uid = body.get("uid", caller)
-        if isinstance(uid, bool) or not isinstance(uid, int) or not 0 <= uid <= MAX_UID:
-            raise Refused(400, ErrorCode.INVALID_REQUEST, f"\"uid\" must be a user id from 0 to {MAX_UID}")
+        name, max_jobs, rps, admin = asked.name, asked.max_jobs, asked.rps, asked.admin
+        uid = caller if asked.uid is None else asked.uid
         if uid == 0 and caller != 0:
             raise Refused(403, ErrorCode.NOT_ADMIN, "only root may make a key that acts as root (uid 0)")
-        max_jobs = body.get("max_jobs")
-        if max_jobs is not None and (isinstance(max_jobs, bool) or not isinstance(max_jobs, int)
-                                     or not 1 <= max_jobs <= 1_000_000):
-            raise Refused(400, ErrorCode.INVALID_REQUEST, "\"max_jobs\" must be an integer from 1 to 1000000")
-        rps = body.get("rps")
-        if rps is not None and (isinstance(rps, bool) or not isinstance(rps, (int, float))
-                                or not 0.001 <= rps <= 1_000_000):
-            raise Refused(400, ErrorCode.INVALID_REQUEST, "\"rps\" must be a number from 0.001 to 1000000")
         try:
-            key, secret = self.keys.add(name, uid, max_jobs, None if rps is None else float(rps), admin)
+            key, secret = self.keys.add(name, uid, max_jobs, rps, admin)
         except ValueError as e:
             if any(k.name == name for k in self.keys.all()):
                 raise Refused(409, ErrorCode.KEY_EXISTS, str(e)) from None

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, TypeVar
 import structlog
 from aiohttp import web
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
-from pydantic_core import ErrorDetails
 
 from omnid import media as M
 from omnid import prompt_length
@@ -43,7 +42,7 @@ from omnid.params import merged
 from omnid.store import JobStore
 from omnid.supervisor.errors import Refused, retry_after
 from omnid.supervisor.http import admission
-from omnid.supervisor.http.admission import json_body
+from omnid.supervisor.http.admission import CheckedBody, Said, fixed, json_body, shown
 from omnid.supervisor.jobs.submission import Submission
 from omnid.vocabulary import ErrorCode, Event, EventType, JobRecord
 
@@ -138,10 +137,6 @@ PRIORITY_SCHEMA = {"type": "integer", "minimum": -1_000_000, "maximum": 1_000_00
 _NULL = {"type": "null"}
 
 B = TypeVar("B", bound="RequestBody")
-# A message to say for a field (by its path: names, "*" for any index), given where it is ("messages[0].role")
-# and its value; and the param to name when not that path itself: a name, or how much of the path.
-Say = Callable[[str, Any], str]
-Said = dict[tuple[str, ...], tuple[Say, str | int | None]]
 
 
 def _maybe(schema: dict[str, Any]) -> dict[str, Any]:
@@ -170,17 +165,7 @@ def _sampling(name: str) -> Any:
     return checked_later(param_schema(_SAMPLER, "max_tokens" if name == "max_completion_tokens" else name))
 
 
-def fixed(message: str) -> Say:
-    return lambda at, value: message
-
-
-def shown(value: Any) -> str:
-    """A wrong value as a message shows it: its repr, cut (a body may hold megabytes in one field)."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:60] + f"... ({len(text)} characters)"
-
-
-class RequestBody(BaseModel):
+class RequestBody(CheckedBody):
     """A request body: its fields checked strictly (a string is no number, "true" no boolean); fields
     omnid does not know are ignored, as OpenAI's clients send some. Each names its `model` (a pipeline:
     the handler looks it up) and may give vLLM's `priority`."""
@@ -198,66 +183,10 @@ class RequestBody(BaseModel):
     def parse(cls: type[B], body: dict[str, Any]) -> B:
         """The body as this model; OpenAiError 400 saying each problem, the first one's field as `param`."""
         try:
-            found = cls.model_validate(body)
+            return cls.model_validate(body)
         except ValidationError as e:
-            said = [cls._say(err, body) for err in e.errors(include_url=False)]
-            messages = list(dict.fromkeys(message for _, message in said))
-            raise bad(said[0][0], "; ".join(messages)) from None
-        return found
-
-    @classmethod
-    def _say(cls, err: ErrorDetails, body: Any) -> tuple[str | None, str]:
-        """(param, message) of one of pydantic's errors: the message of the longest known path that
-        starts the error's, else `_plain`'s."""
-        path = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("="))]    # (our union tags)
-        for n in range(len(path), 0, -1):
-            key = tuple("*" if isinstance(p, int) else p for p in path[:n])
-            known = cls.MESSAGES.get(key)
-            if known is not None:
-                at = _where(path[:n])
-                say, param = known
-                named = _where(path[:param]) if isinstance(param, int) else param or at
-                return named, say(at, _value_at(body, path[:n]))
-        return _where(path) or None, _plain(err, _where(path))
-
-
-def _where(path: list[int | str]) -> str:
-    """A field's path as the error names it: `messages[0].content[1]`."""
-    out = ""
-    for p in path:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
-    return out
-
-
-def _value_at(body: Any, path: list[int | str]) -> Any:
-    for p in path:
-        try:
-            body = body[p]
-        except (KeyError, IndexError, TypeError):
-            return None
-    return body
-
-
-_PLAIN = {"missing": "is required", "string_type": "must be a string", "bool_type": "must be true or false",
-          "int_type": "must be an integer", "float_type": "must be a number", "list_type": "must be an array",
-          "dict_type": "must be an object", "model_type": "must be an object", "model_attributes_type":
-          "must be an object", "none_required": "is not supported (null only)"}
-
-
-def _plain(err: ErrorDetails, at: str) -> str:
-    """A problem no message of the model's names, in plain words."""
-    words = _PLAIN.get(err["type"])
-    if words is None:
-        ctx = err.get("ctx") or {}
-        if err["type"] == "literal_error":
-            words = f"must be {ctx.get('expected')}"
-        elif err["type"] in ("too_short", "too_long"):
-            words = f"must have {'at least' if err['type'] == 'too_short' else 'at most'} " \
-                    f"{ctx.get('min_length', ctx.get('max_length'))} item(s)"
-        else:
-            words = err["msg"].replace("Input should be", "must be")
-    return f"{at or 'the request body'} {words}, not {shown(err['input'])}" if err["type"] != "missing" \
-        else f"{at} {words}"
+            said = cls.problems(e, body)
+            raise bad(said[0][0], "; ".join(dict.fromkeys(message for _, message in said))) from None
 
 
 # ------------------------------------------------------------------ what /v1/chat/completions and /v1/completions share
