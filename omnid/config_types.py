@@ -1,9 +1,9 @@
 """The parsed configuration's types: frozen dataclasses, what `omnid.config` parses a TOML file into.
 
-Standard library only (and `omnid.media`'s limits): every process reads them, and the engines and
-the control protocol name them from below the parser (`omnid.config`, which also names them, imports
-the engines' declarations). The parsed `Config` is handed to every stage worker at spawn, so it must
-stay picklable. Nothing here blocks.
+Standard library only (and `omnid.media`'s limits; typing_extensions' TypedDict for the documents
+the API makes of them): every process reads them, and the engines and the control protocol name them
+from below the parser (`omnid.config`, which also names them, imports the engines' declarations). The
+parsed `Config` is handed to every stage worker at spawn, so it must stay picklable. Nothing here blocks.
 """
 
 from __future__ import annotations

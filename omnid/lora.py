@@ -1,4 +1,4 @@
-"""LoRA adapters of a stage: what a folder holds, read without torch (standard library only).
+"""LoRA adapters of a stage: what a folder holds, read without torch (standard library only, and typing_extensions' TypedDict).
 
 A stage's `lora = { adapters = { sql = "path" }, max_loras = 4, max_lora_rank = 16 }` names its
 adapters (`config_types.LoraConfig`). `omnid --check`, the run-time `POST /v1/stages/{name}/adapters`

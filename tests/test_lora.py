@@ -299,14 +299,17 @@ def test_omnictl_adapter_commands_and_pipelines(daemon: RunningDaemon) -> None:
 
 def test_over_tcp_only_an_admins_key_changes_adapters(daemon: RunningDaemon) -> None:
     user = daemon.client.add_key("lora-user", uid=54321)["key"]
-    admin = daemon.client.add_key("lora-admin", uid=0)["key"]
+    admin = daemon.client.add_key("lora-admin", uid=54321, admin=True)["key"]
+    root = daemon.client.add_key("lora-root", uid=0)["key"]          # uid 0, but not made with --admin
     body = {"name": "t", "path": str(LLM_LORAS / "b")}
-    status, answer = _tcp(daemon, "POST", "/v1/stages/chat/adapters", user, body)
-    assert status == 403 and answer["error"]["code"] == "not_admin"
+    for key in (user, root):            # over TCP only an --admin key may (whatever its uid)
+        status, answer = _tcp(daemon, "POST", "/v1/stages/chat/adapters", key, body)
+        assert status == 403 and answer["error"]["code"] == "not_admin"
     status, answer = _tcp(daemon, "GET", "/v1/stages/chat/adapters", user)
     assert status == 200 and [a["name"] for a in answer["lora"]["adapters"]] == ["a", "b"]
     status, answer = _tcp(daemon, "POST", "/v1/stages/chat/adapters", admin, body)
     assert status == 201 and answer["added"] == "t"
     assert _tcp(daemon, "DELETE", "/v1/stages/chat/adapters/t", user)[0] == 403
+    assert _tcp(daemon, "DELETE", "/v1/stages/chat/adapters/t", root)[0] == 403
     status, answer = _tcp(daemon, "DELETE", "/v1/stages/chat/adapters/t", admin)
     assert status == 200 and answer["removed"] == "t"

@@ -162,7 +162,7 @@ BAD_KEY_BODIES = [
     ({"name": "k1", "uid": 5, "admin": "yes"}, "\"admin\""), ({"name": "k1", "uid": 5, "colour": "red"}, "colour"),
     ({"name": "k1"}, "\"uid\""), ({"name": "k1", "uid": None}, "\"uid\""),      # root must say whom it stands for
 ]
-BAD_ADAPTER_BODIES = [({"path": "/x"}, "adapter's name"), ({"name": "a b", "path": "/x"}, "adapter's name"),
+BAD_ADAPTER_BODIES = [({"path": "/x"}, "\"name\" is required"), ({"name": "a b", "path": "/x"}, "adapter's name"),
                       ({"name": "ok", "path": ""}, "\"path\""), ({"name": "ok", "path": 3}, "\"path\""),
                       ({"name": "ok", "path": "/x", "rank": 8}, "rank")]
 

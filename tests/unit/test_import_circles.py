@@ -1,7 +1,8 @@
 """No import circles in omnid and omnictl: no module reaches itself through the modules it imports.
 
-Read from the source (ast), with every import counted: at the top, under TYPE_CHECKING, and inside
-functions. A circle through type-only or deferred imports does not fail at run time, but it still
+Read from the source (ast), with every import statement counted: at the top, under TYPE_CHECKING, and
+inside functions. (Not the parent packages Python imports before a module: a package's __init__ that
+re-exports its own modules is its face, not a circle.) A circle through type-only or deferred imports does not fail at run time, but it still
 ties its modules into one room that cannot be read, tested or moved alone (the socket API's handlers
 and the OpenAPI document were one such room of 12 modules until they took `ApiCore` from core.py
 instead of `Api` from app.py).

@@ -19,7 +19,7 @@ Nothing here blocks but a key lookup (one `stat` of the key file, see omnid/keys
   audit line it causes names the key. A key itself is never logged.
 - `POST /v1/keys`, `GET /v1/keys`, `DELETE /v1/keys/{name}`: api/keys.py's, mounted here.
 - Over TCP only a key made with `admin` may do the admin actions (restart, sleep, wake a stage,
-  reload, logs, others' jobs), whatever its uid (api/app.py's `admin`); others get 403 `not_admin`.
+  reload, logs, others' jobs), whatever its uid (api/core.py's `admin`); others get 403 `not_admin`.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("omnid.access")
 
 KEY_NAME = "api_key"            # request[KEY_NAME]: the name of the key a TCP request came with
-KEY_ADMIN = "api_key_admin"     # request[KEY_ADMIN]: the key was made with --admin (api/app.py's `admin`)
+KEY_ADMIN = "api_key_admin"     # request[KEY_ADMIN]: the key was made with --admin (api/core.py's `admin`)
 TCP = "tcp"                     # request[TCP]: True for a request that came over TCP
 _SUBMITS = {"/v1/jobs", "/v1/chat/completions", "/v1/completions", "/v1/images/generations", "/v1/audio/speech"}
 _BEARER = re.compile(r"^\s*bearer\s+(\S+)\s*$", re.IGNORECASE)

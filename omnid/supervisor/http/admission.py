@@ -442,8 +442,9 @@ class CheckedBody(BaseModel):
         """(the field, the message) of each problem of `body`, in order; the fields the body may not
         have, in one."""
         errors = error.errors(include_url=False)
-        unknown = [_where(list(err["loc"])) for err in errors if err["type"] == "extra_forbidden"]
-        said = [cls._say(err, body) for err in errors if err["type"] != "extra_forbidden"]
+        top = [err for err in errors if err["type"] == "extra_forbidden" and len(err["loc"]) == 1]
+        unknown = [_where(list(err["loc"])) for err in top]
+        said = [cls._say(err, body) for err in errors if not any(err is t for t in top)]
         if unknown:
             said.append((unknown[0], f"unknown field(s) {', '.join(unknown)}; the fields are "
                                      f"{', '.join(cls.model_fields)}"))
@@ -485,7 +486,7 @@ def _value_at(body: Any, path: list[int | str]) -> Any:
 _PLAIN = {"missing": "is required", "string_type": "must be a string", "bool_type": "must be true or false",
           "int_type": "must be an integer", "float_type": "must be a number", "list_type": "must be an array",
           "dict_type": "must be an object", "model_type": "must be an object", "model_attributes_type":
-          "must be an object", "none_required": "is not supported (null only)"}
+          "must be an object", "none_required": "is not supported (null only)", "extra_forbidden": "is not a field here"}
 
 
 def _plain(err: ErrorDetails, at: str) -> str:
@@ -500,7 +501,7 @@ def _plain(err: ErrorDetails, at: str) -> str:
                     f"{ctx.get('min_length', ctx.get('max_length'))} item(s)"
         else:
             words = err["msg"].replace("Input should be", "must be")
-    return f"{at or 'the request body'} {words}, not {shown(err['input'])}" if err["type"] != "missing" \
-        else f"{at} {words}"
+    return f"{at or 'the request body'} {words}, not {shown(err['input'])}" \
+        if err["type"] not in ("missing", "extra_forbidden") else f"{at} {words}"
 
 

@@ -207,14 +207,15 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
         "A stage's LoRA adapters in force and their base model", {"200": _json(ref("StageAdapters"), "the adapters")},
         parameters=[_path_param("name", "the stage's name")]),
     ("POST", "/v1/stages/{name}/adapters"): _op(
-        "Add a LoRA adapter to a running stage (root or daemon.admin_group): new jobs may name it at once; "
+        "Add a LoRA adapter to a running stage (root or daemon.admin_group; over TCP a key made with admin, else 403 "
+        "not_admin): new jobs may name it at once; "
         "400 invalid_adapter (no LoRA there, a rank above max_lora_rank, made for another model), 409 "
         "adapter_exists, or 409 invalid_adapter for a stage that takes none (no lora table)", {"201": _json(obj({"stage": STR, "added": STR, "rank": INT, "lora": LORA},
                                              ["stage", "added", "lora"]), "added")},
         parameters=[_path_param("name", "the stage's name")], requestBody={"required": True, "content": {
             "application/json": {"schema": ref("AdapterRequest")}}}),
     ("DELETE", "/v1/stages/{name}/adapters/{adapter}"): _op(
-        "Remove a LoRA adapter (root or daemon.admin_group): new jobs may no longer name it; running ones "
+        "Remove a LoRA adapter (root or daemon.admin_group; over TCP a key made with admin, else 403 not_admin): new jobs may no longer name it; running ones "
         "finish with it", {"200": _json(obj({"stage": STR, "removed": STR, "lora": LORA},
                                             ["stage", "removed", "lora"]), "removed")},
         parameters=[_path_param("name", "the stage's name"), _path_param("adapter", "the adapter's name")]),

@@ -2,7 +2,7 @@
 `tracestate` joined, and the job's trace named in the answer.
 
 Every path that makes a job (the socket's and the TCP listener's `POST /v1/jobs`, the OpenAI paths)
-goes through `Api.take`, which calls `joined` (the caller's context and the request's arrival into
+goes through `ApiCore.take`, which calls `joined` (the caller's context and the request's arrival into
 the `Submission`: the job span hangs under the caller's span) and `answered` (the job's context,
 sent back in a `traceresponse` header, W3C Trace Context level 2; `POST /v1/jobs` also says
 `trace_id` in its body). Mounted only when tracing is on (`mount`: a middleware that stamps each

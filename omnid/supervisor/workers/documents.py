@@ -44,7 +44,8 @@ class RayPlace(TypedDict, total=False):
 
 
 class WorkerFields(TypedDict):
-    """What a stage's document and each of its workers' say alike (the stage's: its workers' sums)."""
+    """What a stage's document and each of its workers' say alike. The stage's: its workers' sums (the
+    counts, memory, CPU, queues), its first worker's pid, uptime_s, load_s, spawned_at and ready_at."""
 
     name: str
     engine: str

@@ -342,6 +342,7 @@ class StageGroup(Follower):
             "queue_capacity": self.stage.queue_capacity * self.active,
             "max_inflight": self.stage.max_inflight * self.active,
             "running": list(self.running), "jobs_done": self.jobs_done, "restarts": self.restarts,
+            "rss_restarts": sum(r["rss_restarts"] for r in replicas),
             "rss_bytes": sum(rss) if rss else None, "gpu_memory_bytes": sum(gpu) if gpu else None,
             "cpu_percent": round(sum(cpu), 1) if cpu else None,
             "tracked_jobs": sum(r["tracked_jobs"] for r in replicas),

@@ -55,7 +55,8 @@ class AdapterRequest(CheckedBody):
 
     model_config = ConfigDict(strict=True, extra="forbid")
     MESSAGES: ClassVar[Said] = {
-        ("name",): (lambda at, value: L.name_problem(value) or "\"name\" must name the adapter", None),
+        ("name",): (lambda at, value: "\"name\" is required: the adapter's name" if value is None
+                    else L.name_problem(value) or "\"name\" must name the adapter", None),
         ("path",): (fixed("\"path\" must be the adapter's folder"), None),
     }
 
@@ -90,7 +91,7 @@ class Adapters:
     async def add(self, request: web.Request) -> web.Response:
         """Add an adapter: `{"name": "sql", "path": "/srv/loras/sql"}` (a path relative to the config
         file's folder, as the config's). 201 with the stage's adapters."""
-        self.api.check_admin(request["uid"])
+        self.api.admin(request, "add_adapter")
         group, stage = self._stage(request)
         body = await json_body(request)
         if not isinstance(body, dict):
@@ -125,7 +126,7 @@ class Adapters:
 
     async def remove(self, request: web.Request) -> web.Response:
         """Remove an adapter: new jobs may no longer name it; running ones finish with it."""
-        self.api.check_admin(request["uid"])
+        self.api.admin(request, "remove_adapter")
         group, stage = self._stage(request)
         name = request.match_info["adapter"]
         if name not in stage.adapters:

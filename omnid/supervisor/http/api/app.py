@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import structlog
 from aiohttp import web
 
 from omnid.store import JobStore
@@ -33,9 +32,6 @@ from omnid.supervisor.metrics import Metrics
 from omnid.supervisor.workers.stage_group import StageGroup
 
 __all__ = ["Api", "DaemonInfo", "error"]
-
-log = structlog.get_logger("omnid.api")
-
 
 class Api(ApiCore):
     """The socket API's application and its route table, on the collaborators and checks its handlers
