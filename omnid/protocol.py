@@ -156,7 +156,7 @@ class QueueStats:
     cache_hits: int = 0             # a diffusers stage's DiT cache: transformer calls that skipped the
     cache_misses: int = 0           # remaining blocks, and calls that ran them all
     busy_s: float = 0.0             # wall seconds the engine spent stepping (not waiting for input)
-    cpu_s: float = 0.0              # CPU seconds of the worker and its children (a vLLM core's process)
+    cpu_s: float = 0.0              # CPU seconds of the worker and its children (a vLLM core's process) since Ready
 
 
 @dataclass(frozen=True)

@@ -28,13 +28,15 @@ SPEAKER = {"engine": "python", "sessions": "speakers:Speaker", "python_path": [s
 LONG = {"packets": 50}          # a stream of 5 audio seconds: still running while the others come
 WARM = {"warmup": {}, "warmup_params": {}}
 RAMP_SLACK_S = 0.5
+HEAVY_LOAD_CPU_S = 4.0          # the `heavy` pipeline's stage burns this much CPU as it loads
 
 
 @pytest.fixture(scope="module")
 def d() -> Iterator[RunningDaemon]:
     folder = short_tmpdir()
     stages = {"q": {**SPEAKER, "defaults": {"slow_file": str(folder / "slow")}},
-              "r": dict(SPEAKER), "b": dict(SPEAKER)}
+              "r": dict(SPEAKER), "b": dict(SPEAKER),
+              "h": {**SPEAKER, "env": {"SPEAKER_LOAD_CPU_S": str(HEAVY_LOAD_CPU_S)}}}
     pipelines = {
         "speech": {"stages": ["q"], "realtime": {"max_waiting_streams": 3, "margin": 0.8, **WARM,
                                                  "warmup_params": {"q": {"packets": 40}}}},
@@ -42,6 +44,7 @@ def d() -> Iterator[RunningDaemon]:
                                                    "warmup_params": {"r": {"packets": 40}}}},
         "ramping": {"stages": ["b"], "realtime": {"margin": 0.8, "start_slack_s": RAMP_SLACK_S, **WARM,
                                                   "warmup_params": {"b": {"packets": 40}}}},
+        "heavy": {"stages": ["h"], "realtime": {**WARM, "warmup_params": {"h": {"packets": 40}}}},
         "plain": {"stages": ["b"]},             # no admission: the listener's clock orders its batches all the same
     }
     with module_daemon(folder, stages, pipelines, ready_timeout=120) as rd:
@@ -256,6 +259,18 @@ def test_capacity_follows_a_stage_that_slows_down(d: RunningDaemon) -> None:
             break
     else:
         pytest.fail(f"capacity did not come back: before {before}, now {realtime(d, 'speech')}")
+
+
+def test_the_capacity_at_ready_counts_no_loading_work(d: RunningDaemon) -> None:
+    """The warm-up job's figure is what serving costs: the CPU seconds its stage's engine took to load
+    (4 s, for the 4 audio seconds the warm-up speaks) are not counted as the warm-up's work. Counted,
+    they read as 1 CPU s per audio s, and the pipeline would admit a fraction of what it serves."""
+    snap = measured(d, "heavy")
+    cores = len(os.sched_getaffinity(0))
+    cpu_per_audio_s = snap["cost_per_audio_s"]["cpu"] * cores
+    assert cpu_per_audio_s < 0.25 * HEAVY_LOAD_CPU_S / 4.0, snap
+    busy_bound = 1.0 / snap["cost_per_audio_s"]["h"]        # (0.02 s of sleep a 0.1 s packet: about 5)
+    assert snap["audio_per_s"] >= 0.9 * busy_bound, snap
 
 
 def test_kill9_mid_stream_fails_exactly_its_streams_then_the_waiting_start(d: RunningDaemon) -> None:

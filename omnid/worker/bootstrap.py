@@ -75,6 +75,7 @@ class Start:
         info = dict(worker.engine.info())
         self.ready(worker, info)
         freeze_heap()
+        worker.mark_ready()
         worker.send(P.Ready(pid=os.getpid(), load_s=time.monotonic() - t0, info=info))
         threading.Thread(target=worker.heartbeat_loop, name="heartbeat", daemon=True).start()
         self.serving()

@@ -84,6 +84,7 @@ class StageWorker:
         self.conn = conn
         self.running: dict[str, WorkerJob] = {}     # main: the jobs whose request is in the engine
         self.busy_s = 0.0                   # main thread writes, heartbeat reads: seconds in add and step
+        self.cpu_base_s = 0.0               # the worker's CPU seconds when it became ready (`mark_ready`)
         reporter = Reporter(conn, self._flush_live)
         self.send: Callable[[object], None] = reporter.send
         self.post: Callable[[object], None] = reporter.post
@@ -132,7 +133,12 @@ class StageWorker:
                             depth=intake.queue.qsize(), blocked_s=self.handoff.sender.blocked_s,
                             window_triggers=self.handoff.triggers, shm_capacity=self.pool.capacity if self.pool else 0,
                             shm_used=used, shm_slots=slots, cache_hits=hits, cache_misses=misses,
-                            busy_s=self.busy_s, cpu_s=tree_cpu_seconds(os.getpid()))
+                            busy_s=self.busy_s, cpu_s=max(0.0, tree_cpu_seconds(os.getpid()) - self.cpu_base_s))
+
+    def mark_ready(self) -> None:
+        """Its stats' CPU seconds count from now: what loading the engine cost is not serving work (a
+        real-time pipeline's capacity is measured from these, its warm-up job first)."""
+        self.cpu_base_s = tree_cpu_seconds(os.getpid())
 
     def admit(self, item: WorkItem) -> bool | None:
         """Data-plane callback (a data-conn thread): `Intake.admit`."""
