@@ -38,7 +38,9 @@ def d() -> Iterator[RunningDaemon]:
               "r": dict(SPEAKER), "b": dict(SPEAKER),
               "h": {**SPEAKER, "env": {"SPEAKER_LOAD_CPU_S": str(HEAVY_LOAD_CPU_S)}}}
     pipelines = {
-        "speech": {"stages": ["q"], "realtime": {"max_waiting_streams": 3, "margin": 0.8, **WARM,
+        # (margin 0.75: 3.75 streams at the stage's bound of 5 audio s/s, 3.5 at 7 % overhead: far
+        # from a whole number, which a 1 % change of the measured figure would cross)
+        "speech": {"stages": ["q"], "realtime": {"max_waiting_streams": 3, "margin": 0.75, **WARM,
                                                  "warmup_params": {"q": {"packets": 40}}}},
         "refusing": {"stages": ["r"], "realtime": {"overload": "refuse", "margin": 0.8, **WARM,
                                                    "warmup_params": {"r": {"packets": 40}}}},
@@ -140,9 +142,15 @@ def test_past_capacity_streams_wait_in_a_known_place_then_are_refused(d: Running
         pk = packets(d, job)
         assert len(pk) == LONG["packets"] and late(pk) == 0, (n, pk)
     first_end = min(ended_at(d, j) for j in running)
+    early = 0
     for job in waiting:
         assert d.wait(job)["state"] == "succeeded"
-        assert started_at(d, job) >= first_end - 0.05, "a waiting stream started before a slot freed"
+        early += started_at(d, job) < first_end - 0.05
+    # a waiting stream starts when a slot frees: a stream's end, or (on a loaded host, whose lone
+    # warm-up measured the stage dearer than its batches) the first window of these streams
+    # raising the capacity: by as many as it rose, no more
+    rose = max(0, realtime(d, "speech")["streams"] - n)
+    assert early <= rose, f"{early} waiting streams started before a slot freed (capacity {n} -> {n + rose})"
 
 
 def test_refuse_mode_answers_503_at_once_with_retry_after(d: RunningDaemon) -> None:

@@ -12,7 +12,12 @@ the workers' heartbeats, and the audio seconds the pipeline's jobs have made. Ov
 WINDOW_S seconds, the work one audio second costs is
     per stage:        busy seconds / audio seconds (a stage steps one batch at a time), and
     the CPU stages:   their CPU seconds, together, / audio seconds / the host's cores,
-and the pipeline makes at most 1 / (the largest of those) audio seconds a second. The figure is
+and the pipeline makes at most 1 / (the largest of those) audio seconds a second. A stage's
+seconds come with its heartbeats (one a second), its audio with each packet: each stage's work is
+divided by the audio heard between the two heartbeats that bound its window (`as_of`), not between
+the two samples, or a window whose first heartbeat was a second staler than its last would count
+a second more work than audio (a quarter of a 4 s window: the test pipeline read a cost under its
+stage's physical bound, and admitted a stream past it). The figure is
 kept as a moving average; it follows a stage that slows down within a few windows, and rises as
 batching makes a stream cheaper. The work of the batch sizes the stages actually ran is what is
 measured: a pipeline seen at one stream only knows what one stream costs (a lower bound on its
@@ -43,6 +48,7 @@ are cold): the first window of real streams replaces it.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import os
@@ -113,6 +119,7 @@ class _Sample:
     audio_s: float                          # the pipeline's audio made, in total
     busy: dict[str, float]                  # stage -> its workers' busy seconds (all replicas), in total
     cpu: dict[str, float]                   # stage -> their CPU seconds, in total
+    heard: dict[str, float]                 # stage -> the audio made, in total, when its busy and CPU seconds were
 
 
 @dataclass
@@ -127,13 +134,36 @@ class Meter:
     provisional: bool = False               # the estimate was measured cold (a warm-up's)
     _cold: bool = False
     _samples: deque[_Sample] = field(default_factory=deque)
+    _heard_at: list[float] = field(default_factory=list)       # when audio was heard (monotonic), in order,
+    _heard_total: list[float] = field(default_factory=list)    # and the total after it
+    _heard_before: float = 0.0              # the total before the first of those (older ones are let go)
 
-    def sample(self, now: float, busy: Mapping[str, float], cpu: Mapping[str, float], cold: bool = False) -> None:
-        """`cold`: the pipeline is warming up. Its warm-up's first steps load and compile (the demo's
-        omni read 0.2-0.6 audio s/s from them, a tenth of what it makes warm): a figure measured
-        cold (the warm-up's whole window, at its end) is provisional, and the first warm window's
-        replaces it instead of joining the average; that window starts at the first warm sample."""
-        s = _Sample(now, self.audio_s, dict(busy), dict(cpu))
+    def heard(self, seconds: float, now: float) -> None:
+        """The pipeline made `seconds` of audio (a packet), at `now` (monotonic)."""
+        self.audio_s += seconds
+        if self._heard_at and now <= self._heard_at[-1]:
+            self._heard_total[-1] = self.audio_s
+        else:
+            self._heard_at.append(now)
+            self._heard_total.append(self.audio_s)
+
+    def audio_at(self, t: float) -> float:
+        """The audio made, in total, at `t` (monotonic): as heard up to then."""
+        i = bisect.bisect_right(self._heard_at, t)
+        return self._heard_total[i - 1] if i else self._heard_before
+
+    def sample(self, now: float, busy: Mapping[str, float], cpu: Mapping[str, float], cold: bool = False,
+               as_of: Mapping[str, float] | None = None) -> None:
+        """`as_of`: per stage, when its busy and CPU seconds were taken (its latest heartbeat,
+        monotonic); without it, now. `cold`: the pipeline is warming up. Its warm-up's first steps
+        load and compile (the demo's omni read 0.2-0.6 audio s/s from them, a tenth of what it makes
+        warm): a figure measured cold (the warm-up's whole window, at its end) is provisional, and
+        the first warm window's replaces it instead of joining the average; that window starts at
+        the first warm sample."""
+        heard = {st: self.audio_at(min(now, as_of.get(st, now))) if as_of is not None else self.audio_s
+                 for st in self.stages}
+        s = _Sample(now, self.audio_s, dict(busy), dict(cpu), heard)
+        self._forget(now - 2 * WINDOW_S)
         if self._samples and any(busy.get(k, 0.0) < v for k, v in self._samples[-1].busy.items()):
             self._samples.clear()           # a worker restarted: its counters began again
         warmed, self._cold = self._cold and not cold, cold
@@ -144,14 +174,25 @@ class Meter:
         audio = s.audio_s - first.audio_s
         if warmed:
             if audio >= MIN_AUDIO_S:
-                self._estimate(first, s, audio, provisional=True)
+                self._estimate(first, s, provisional=True)
             self._samples = deque([s])
         elif now - first.at >= WINDOW_S / 2 and audio >= MIN_AUDIO_S:
-            self._estimate(first, s, audio, provisional=cold)
+            self._estimate(first, s, provisional=cold)
 
-    def _estimate(self, first: _Sample, s: _Sample, audio: float, provisional: bool) -> None:
-        cost = {st: max(0.0, s.busy.get(st, 0.0) - first.busy.get(st, 0.0)) / audio for st in self.stages}
-        cpu_cost = sum(max(0.0, s.cpu.get(st, 0.0) - first.cpu.get(st, 0.0)) for st in self.on_cpu) / audio / CORES
+    def _forget(self, before: float) -> None:
+        """Let go of the audio heard before `before` (kept: its total)."""
+        i = bisect.bisect_left(self._heard_at, before)
+        if i:
+            self._heard_before = self._heard_total[i - 1]
+            del self._heard_at[:i], self._heard_total[:i]
+
+    def _estimate(self, first: _Sample, s: _Sample, provisional: bool) -> None:
+        # each stage's seconds over the audio heard between its own two heartbeats
+        heard = {st: s.heard[st] - first.heard[st] for st in self.stages}
+        if any(a < MIN_AUDIO_S / 2 for a in heard.values()):
+            return                          # (a stage with no fresh heartbeat in the window: wait for one)
+        cost = {st: max(0.0, s.busy.get(st, 0.0) - first.busy.get(st, 0.0)) / heard[st] for st in self.stages}
+        cpu_cost = sum(max(0.0, s.cpu.get(st, 0.0) - first.cpu.get(st, 0.0)) / heard[st] for st in self.on_cpu) / CORES
         if self.on_cpu:
             cost["cpu"] = cpu_cost
         worst = max(cost.values(), default=0.0)
@@ -359,7 +400,7 @@ class Gate:
         the work its stages did for it is in their busy and CPU seconds too."""
         for s in self.pipelines.values():
             if not s.meter.stages or not set(stages).isdisjoint(s.meter.stages):
-                s.meter.audio_s += seconds
+                s.meter.heard(seconds, time.monotonic())
                 if s.waiting and s.config.start_slack_s > 0:
                     self.release(s)         # (the audio a starting stream holds may let the next one go)
 
@@ -370,17 +411,20 @@ class Gate:
         for s in self.pipelines.values():
             busy: dict[str, float] = {}
             cpu: dict[str, float] = {}
+            as_of: dict[str, float] = {}
             ready = True
             for stage in s.meter.stages:
                 group = self._groups.get(stage)
                 if group is None:
                     continue
                 ready = ready and group.state.serving
+                n = len(group.replicas)
                 for h in group.replicas:
                     stats = h.stats
-                    busy[stage] = busy.get(stage, 0.0) + stats.busy_s / len(group.replicas)
+                    busy[stage] = busy.get(stage, 0.0) + stats.busy_s / n
                     cpu[stage] = cpu.get(stage, 0.0) + stats.cpu_s
-            s.meter.sample(now, busy, cpu, cold=not s.warm or now - s.warm_at < WARM_GRACE_S)
+                    as_of[stage] = as_of.get(stage, 0.0) + (h.last_heartbeat or now) / n    # (replicas: their mean)
+            s.meter.sample(now, busy, cpu, cold=not s.warm or now - s.warm_at < WARM_GRACE_S, as_of=as_of)
             if not ready:
                 continue
             if not s.warm and s.warming is None:

@@ -66,6 +66,26 @@ def test_the_estimate_follows_a_slower_stage_and_a_restart_starts_a_new_window()
     assert meter.audio_per_s == pytest.approx(1.25, rel=0.05)   # no negative or huge window from the reset
 
 
+def test_each_stage_is_measured_between_its_own_heartbeats() -> None:
+    """Audio comes with each packet, a stage's busy seconds with its heartbeats (a second apart, at
+    any phase to the meter's samples): a window whose first heartbeat was staler than its last
+    must not read a second more work than audio, nor the reverse. The stage costs 0.2 s an audio
+    second, exactly; its heartbeats are 0.9 s stale at every 3rd sample, fresh at the others."""
+    meter = S.Meter(("a",), frozenset({"a"}))
+    packet, cost = 0.1, 0.2
+    seen = []
+    for tick in range(1, 41):
+        for k in range(10):                                 # a packet every 0.1 s
+            meter.heard(packet, tick - 1 + (k + 1) * 0.1)
+        beat = tick - (0.9 if tick % 3 == 0 else 0.0)       # its latest heartbeat
+        made = packet * round(beat / packet)                # the audio made by then
+        meter.sample(float(tick), {"a": cost * made}, {"a": cost * S.CORES * made}, as_of={"a": beat})
+        if meter.audio_per_s is not None:
+            seen.append(meter.audio_per_s)
+    assert len(seen) > 20
+    assert all(v == pytest.approx(1 / cost, rel=0.03) for v in seen), seen
+
+
 class FakeJob:
     def __init__(self, name: str, pipeline: PipelineConfig, priority: int = 0, order: int = 0) -> None:
         self.id = name
@@ -170,7 +190,7 @@ def test_a_warm_ups_figure_is_provisional(monkeypatch: pytest.MonkeyPatch) -> No
     clock = [1000.0]
     monkeypatch.setattr(S.time, "monotonic", lambda: clock[0])
     stats = NS(busy_s=0.0, cpu_s=0.0)
-    groups: Any = {"s": NS(state=NS(serving=True), replicas=[NS(stats=stats)])}
+    groups: Any = {"s": NS(state=NS(serving=True), replicas=[NS(stats=stats, last_heartbeat=0.0)])}
     p = PipelineConfig(name="speech", stages=("s",), edges=(), realtime=RealtimeConfig(margin=0.9))
     g = S.Gate(groups, lambda job: None, lambda name: None)
     g.configure({"speech": p}, frozenset())
@@ -179,16 +199,16 @@ def test_a_warm_ups_figure_is_provisional(monkeypatch: pytest.MonkeyPatch) -> No
     assert g.admit(FakeJob("warm", p), warm_up=True) and s.warming == "warm"     # its warm-up job in flight
     for _ in range(8):
         clock[0] += 1.0
-        s.meter.audio_s += 0.2
+        s.meter.heard(0.2, clock[0])
         stats.busy_s += 1.0
         g.tick()
     assert s.meter.audio_per_s == pytest.approx(0.2) and s.meter.provisional
     for audio, busy in [(0.0, 1.0)] + [(1.0, 0.25)] * 10:
         if audio == 0.0:
-            s.meter.audio_s += 1.5                          # its last packets, heard after the last tick,
+            s.meter.heard(1.5, clock[0])                    # its last packets, heard after the last tick,
             g.ended("warm")                                 # then its end; its last busy second with the next stats
         clock[0] += 1.0
-        s.meter.audio_s += audio
+        s.meter.heard(audio, clock[0])
         stats.busy_s += busy
         g.tick()
     assert s.meter.audio_per_s == pytest.approx(4.0)
