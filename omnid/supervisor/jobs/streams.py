@@ -154,7 +154,7 @@ class Meter:
 
     def sample(self, now: float, busy: Mapping[str, float], cpu: Mapping[str, float], cold: bool = False,
                as_of: Mapping[str, float] | None = None) -> None:
-        """`as_of`: per stage, when its busy and CPU seconds were taken (its latest heartbeat,
+        """`as_of`: per stage, when its busy and CPU seconds were taken (its latest heartbeat's,
         monotonic); without it, now. `cold`: the pipeline is warming up. Its warm-up's first steps
         load and compile (the demo's omni read 0.2-0.6 audio s/s from them, a tenth of what it makes
         warm): a figure measured cold (the warm-up's whole window, at its end) is provisional, and
@@ -423,7 +423,7 @@ class Gate:
                     stats = h.stats
                     busy[stage] = busy.get(stage, 0.0) + stats.busy_s / n
                     cpu[stage] = cpu.get(stage, 0.0) + stats.cpu_s
-                    as_of[stage] = as_of.get(stage, 0.0) + (h.last_heartbeat or now) / n    # (replicas: their mean)
+                    as_of[stage] = as_of.get(stage, 0.0) + (h.stats_at or now) / n     # (replicas: their mean)
             s.meter.sample(now, busy, cpu, cold=not s.warm or now - s.warm_at < WARM_GRACE_S, as_of=as_of)
             if not ready:
                 continue

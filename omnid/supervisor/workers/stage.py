@@ -49,6 +49,7 @@ from omnid.supervisor.workers.worker_process import WorkerProcess, kill_group
 from omnid.vocabulary import WorkerState
 
 log = structlog.get_logger("omnid.stage")
+HEARTBEAT_AGE_MAX_S = 1.0   # a heartbeat's stats are taken as at most this old when read (its `ts` says how old)
 
 
 class StageListener(Protocol):
@@ -126,6 +127,7 @@ class StageHandle(Follower):
         self.info: dict[str, Any] = {}
         self.last_heartbeat = 0.0
         self.stats = P.QueueStats()
+        self.stats_at = 0.0                 # when the worker took them (monotonic; 0: not yet)
         self.totals = P.QueueStats()        # counters of earlier incarnations, for metrics
         self.windows: dict[str, int] = {}   # downstream stage -> windows it admitted from this worker
         self.windows_before: dict[str, int] = {}    # the same, of earlier incarnations
@@ -244,6 +246,9 @@ class StageHandle(Follower):
     def _on_heartbeat(self, msg: P.Heartbeat) -> None:
         self.last_heartbeat = time.monotonic()
         self.stats = msg.stats
+        # (taken as the worker sent them: a supervisor behind on its messages reads them late; a
+        # Ray actor's clock on another host may differ, hence the bound)
+        self.stats_at = self.last_heartbeat - min(max(0.0, time.time() - msg.ts), HEARTBEAT_AGE_MAX_S)
         self.running = msg.running
         self.gpu_memory_bytes = msg.gpu_memory_bytes
         self.tracked_jobs = msg.tracked_jobs
@@ -331,6 +336,7 @@ class StageHandle(Follower):
                                       for k in ("enqueued", "dequeued", "dropped", "blocked_s",
                                                 "window_triggers", "cache_hits", "cache_misses")})
         self.stats = P.QueueStats()
+        self.stats_at = 0.0
         for dst, n in self.windows.items():
             self.windows_before[dst] = self.windows_before.get(dst, 0) + n
         self.windows = {}

@@ -190,7 +190,7 @@ def test_a_warm_ups_figure_is_provisional(monkeypatch: pytest.MonkeyPatch) -> No
     clock = [1000.0]
     monkeypatch.setattr(S.time, "monotonic", lambda: clock[0])
     stats = NS(busy_s=0.0, cpu_s=0.0)
-    groups: Any = {"s": NS(state=NS(serving=True), replicas=[NS(stats=stats, last_heartbeat=0.0)])}
+    groups: Any = {"s": NS(state=NS(serving=True), replicas=[NS(stats=stats, stats_at=0.0)])}
     p = PipelineConfig(name="speech", stages=("s",), edges=(), realtime=RealtimeConfig(margin=0.9))
     g = S.Gate(groups, lambda job: None, lambda name: None)
     g.configure({"speech": p}, frozenset())
