@@ -231,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.list:
         for b in BENCHES:
-            print(f"{b.name:18} {b.area:10} {(b.fn.__doc__ or '').strip().splitlines()[0]}")
+            doc = b.fn.__doc__ or sys.modules[b.fn.__module__].__doc__ or ""     # (the bench's, else its module's)
+            print(f"{b.name:18} {b.area:10} {(doc.strip().splitlines() or [''])[0]}")
         return 0
     wanted = {w.strip() for w in args.only.split(",") if w.strip()}
     unknown = wanted - {b.name for b in BENCHES} - {b.area for b in BENCHES}

@@ -41,3 +41,15 @@ def test_each_host_is_compared_with_its_own_baseline() -> None:
     assert host_baseline({"rows": rows_a}, "B, 2 cores") == ("unrecorded", rows_a)   # (written before hosts)
     assert host_baseline({}, "B, 2 cores") == (None, {})
     assert "cores" in host_id()
+
+
+def test_make_bench_list_names_every_bench_with_a_line_of_what_it_measures() -> None:
+    """`make bench BENCH_ARGS=--list` (a newcomer's first look): it crashed on a bench without a
+    docstring of its own; each now says its own, or its module's, first line."""
+    import subprocess
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(root / "tests" / "benchmarks" / "run.py"), "--list"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()
+    assert len(out) > 20, out
+    assert all(len(line.split(None, 2)) == 3 for line in out), [x for x in out if len(x.split(None, 2)) < 3]
+    assert any(line.startswith("omni_load ") and "Speech under load" in line for line in out), out
