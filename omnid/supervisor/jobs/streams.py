@@ -73,6 +73,7 @@ log = structlog.get_logger("omnid.streams")
 
 
 WINDOW_S = 8.0          # the capacity's measuring window
+LOWER_S = 2 * WINDOW_S  # while streams start, a window that lowers the figure grows up to this
 MIN_AUDIO_S = 1.0       # a window's audio below this measures nothing (an idle pipeline keeps its figure)
 SMOOTHING = 0.5         # the moving average's weight of a new window
 DEFAULT_STREAM_S = 10.0     # a stream's expected length before one has ended (for estimates)
@@ -153,9 +154,14 @@ class Meter:
         return self._heard_total[i - 1] if i else self._heard_before
 
     def sample(self, now: float, busy: Mapping[str, float], cpu: Mapping[str, float], cold: bool = False,
-               as_of: Mapping[str, float] | None = None) -> None:
+               as_of: Mapping[str, float] | None = None, starting: bool = False) -> None:
         """`as_of`: per stage, when its busy and CPU seconds were taken (its latest heartbeat's,
-        monotonic); without it, now. `cold`: the pipeline is warming up. Its warm-up's first steps
+        monotonic); without it, now. `starting`: a stream began less than RAMP_S ago. A start's
+        work comes before its audio (the thinker's prefill, a codec LM's burst): a window that holds
+        it reads a stream dearer than it is, and the demo's omni read 6 slots after a lone stream and
+        3-4 a few seconds into a wave of 6, whose last ones then waited for the first to end. So
+        while streams start, a window that would lower the figure grows instead, up to LOWER_S,
+        where their audio has come too (one that raises it counts at once). `cold`: the pipeline is warming up. Its warm-up's first steps
         load and compile (the demo's omni read 0.2-0.6 audio s/s from them, a tenth of what it makes
         warm): a figure measured cold (the warm-up's whole window, at its end) is provisional, and
         the first warm window's replaces it instead of joining the average; that window starts at
@@ -168,7 +174,7 @@ class Meter:
             self._samples.clear()           # a worker restarted: its counters began again
         warmed, self._cold = self._cold and not cold, cold
         self._samples.append(s)
-        while len(self._samples) > 2 and now - self._samples[1].at >= WINDOW_S:
+        while len(self._samples) > 2 and now - self._samples[1].at >= LOWER_S:
             self._samples.popleft()
         first = self._samples[0]
         audio = s.audio_s - first.audio_s
@@ -177,7 +183,7 @@ class Meter:
                 self._estimate(first, s, provisional=True)
             self._samples = deque([s])
         elif now - first.at >= WINDOW_S / 2 and audio >= MIN_AUDIO_S:
-            self._estimate(first, s, provisional=cold)
+            self._estimate(first, s, provisional=cold, only_up=starting and now - first.at < LOWER_S)
 
     def _forget(self, before: float) -> None:
         """Let go of the audio heard before `before` (kept: its total)."""
@@ -186,7 +192,7 @@ class Meter:
             self._heard_before = self._heard_total[i - 1]
             del self._heard_at[:i], self._heard_total[:i]
 
-    def _estimate(self, first: _Sample, s: _Sample, provisional: bool) -> None:
+    def _estimate(self, first: _Sample, s: _Sample, provisional: bool, only_up: bool = False) -> None:
         # each stage's seconds over the audio heard between its own two heartbeats
         heard = {st: s.heard[st] - first.heard[st] for st in self.stages}
         if any(a < MIN_AUDIO_S / 2 for a in heard.values()):
@@ -200,6 +206,8 @@ class Meter:
             return
         new = 1.0 / worst
         old = None if self.provisional else self.audio_per_s
+        if only_up and old is not None and new < old:
+            return                          # (the window grows: see `starting`)
         self.audio_per_s = new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
         self.provisional = provisional
         self.cost = {k: round(v, 4) for k, v in cost.items()}
@@ -424,7 +432,9 @@ class Gate:
                     busy[stage] = busy.get(stage, 0.0) + stats.busy_s / n
                     cpu[stage] = cpu.get(stage, 0.0) + stats.cpu_s
                     as_of[stage] = as_of.get(stage, 0.0) + (h.stats_at or now) / n     # (replicas: their mean)
-            s.meter.sample(now, busy, cpu, cold=not s.warm or now - s.warm_at < WARM_GRACE_S, as_of=as_of)
+            starting = any(job != s.warming and now - began < RAMP_S for job, began in s.running.items())
+            s.meter.sample(now, busy, cpu, cold=not s.warm or now - s.warm_at < WARM_GRACE_S, as_of=as_of,
+                           starting=starting)
             if not ready:
                 continue
             if not s.warm and s.warming is None:

@@ -86,6 +86,32 @@ def test_each_stage_is_measured_between_its_own_heartbeats() -> None:
     assert all(v == pytest.approx(1 / cost, rel=0.03) for v in seen), seen
 
 
+def test_while_streams_start_a_lower_figure_waits_for_their_audio() -> None:
+    """A start's work comes before its audio: while a stream is starting, a window that would lower
+    the figure grows (up to LOWER_S) instead of counting at once; one that raises it counts."""
+    meter = S.Meter(("a",), frozenset())
+    totals = feed(meter, S.WINDOW_S, {"a": 0.2})
+    assert meter.audio_per_s == pytest.approx(5.0)
+    busy, cpu = totals
+    t = S.WINDOW_S
+    for _ in range(int(S.WINDOW_S)):                        # a wave starts: 0.5 busy s an audio s for now
+        t += 1
+        meter.heard(1.0, t)
+        busy["a"] += 0.5
+        meter.sample(t, busy, cpu, starting=True)
+    assert meter.audio_per_s == pytest.approx(5.0)          # not yet: its audio is still to come
+    while t < S.WINDOW_S + S.LOWER_S + 1:                   # still starting, and still dearer: it counts, late
+        t += 1
+        meter.heard(1.0, t)
+        busy["a"] += 0.5
+        meter.sample(t, busy, cpu, starting=True)
+    assert meter.audio_per_s < 4.0
+    fast = S.Meter(("a",), frozenset())
+    totals = feed(fast, S.WINDOW_S, {"a": 0.2})
+    feed(fast, S.WINDOW_S, {"a": 0.1}, start=S.WINDOW_S + 1, totals=totals)
+    assert fast.audio_per_s is not None and fast.audio_per_s > 5.0     # (a rise counts at once, started or not)
+
+
 class FakeJob:
     def __init__(self, name: str, pipeline: PipelineConfig, priority: int = 0, order: int = 0) -> None:
         self.id = name
