@@ -375,6 +375,9 @@ class Scheduler:
 
     def on_exit(self, handle: StageHandle, reason: str) -> None:
         """A stage worker died (it will be restarted)."""
+        # (first: the streams waiting for its real-time pipelines wait for the warm-up of the next
+        # worker, not start into this one's restart as its streams fail and free their slots)
+        self.gate.stage_restarted(handle.name)
         self.ending.worker_gone(P.address(handle.name, handle.replica))
         self.recovery.worker_died(handle, reason)
 

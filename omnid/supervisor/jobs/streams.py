@@ -451,7 +451,8 @@ class Gate:
             log.warning("warm-up job not taken", pipeline=s.name, error=e.message)
 
     def stage_restarted(self, stage: str) -> None:
-        """A stage's worker is new: each real-time pipeline through it warms up again before new streams."""
+        """A stage's worker died or is new: each real-time pipeline through it warms up again (on
+        the next worker, once it is ready) before new streams start."""
         for s in self.pipelines.values():
             if stage in s.meter.stages:
                 s.warm = False
