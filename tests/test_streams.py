@@ -151,6 +151,8 @@ def test_past_capacity_streams_wait_in_a_known_place_then_are_refused(d: Running
     # raising the capacity: by as many as it rose, no more
     rose = max(0, realtime(d, "speech")["streams"] - n)
     assert early <= rose, f"{early} waiting streams started before a slot freed (capacity {n} -> {n + rose})"
+    # and never past the stage's bound: 0.2 busy s an audio s at least, 5 audio s/s x margin 0.75
+    assert n + rose <= 3, (n, rose, realtime(d, "speech"))
 
 
 def test_refuse_mode_answers_503_at_once_with_retry_after(d: RunningDaemon) -> None:

@@ -8,8 +8,9 @@ A real-time pipeline's jobs are streams that a listener plays as they come: each
 second a second once it plays. How many the pipeline can serve at once is measured, not
 configured (`Meter`): every second the scheduler samples, per stage of the pipeline, the seconds its
 workers spent stepping their engines (`busy_s`) and the CPU seconds they used (`cpu_s`), both from
-the workers' heartbeats, and the audio seconds the pipeline's jobs have made. Over the last
-WINDOW_S seconds, the work one audio second costs is
+the workers' heartbeats, and the audio seconds the pipeline's jobs have made. Over a window of
+WINDOW_S / 2 to WINDOW_S seconds (longer while streams start: `Meter.sample`), the work one audio
+second costs is
     per stage:        busy seconds / audio seconds (a stage steps one batch at a time), and
     the CPU stages:   their CPU seconds, together, / audio seconds / the host's cores,
 and the pipeline makes at most 1 / (the largest of those) audio seconds a second. A stage's
@@ -73,7 +74,7 @@ log = structlog.get_logger("omnid.streams")
 
 
 WINDOW_S = 8.0          # the capacity's measuring window
-LOWER_S = 2 * WINDOW_S  # while streams start, a window that lowers the figure grows up to this
+LOWER_S = 2 * WINDOW_S  # while streams start, the window grows up to this (see Meter.sample)
 MIN_AUDIO_S = 1.0       # a window's audio below this measures nothing (an idle pipeline keeps its figure)
 SMOOTHING = 0.5         # the moving average's weight of a new window
 DEFAULT_STREAM_S = 10.0     # a stream's expected length before one has ended (for estimates)
@@ -134,6 +135,7 @@ class Meter:
     cost: dict[str, float] = field(default_factory=dict)    # what bounds it, per stage and "cpu": s a second
     provisional: bool = False               # the estimate was measured cold (a warm-up's)
     _cold: bool = False
+    _started_in: bool = False               # a stream started during the window now measured
     _samples: deque[_Sample] = field(default_factory=deque)
     _heard_at: list[float] = field(default_factory=list)       # when audio was heard (monotonic), in order,
     _heard_total: list[float] = field(default_factory=list)    # and the total after it
@@ -157,11 +159,13 @@ class Meter:
                as_of: Mapping[str, float] | None = None, starting: bool = False) -> None:
         """`as_of`: per stage, when its busy and CPU seconds were taken (its latest heartbeat's,
         monotonic); without it, now. `starting`: a stream began less than RAMP_S ago. A start's
-        work comes before its audio (the thinker's prefill, a codec LM's burst): a window that holds
-        it reads a stream dearer than it is, and the demo's omni read 6 slots after a lone stream and
-        3-4 a few seconds into a wave of 6, whose last ones then waited for the first to end. So
-        while streams start, a window that would lower the figure grows instead, up to LOWER_S,
-        where their audio has come too (one that raises it counts at once). `cold`: the pipeline is warming up. Its warm-up's first steps
+        work comes before its audio (the thinker's prefill, a codec LM's burst): a short window that
+        holds it reads a stream dearer than it is (the demo's omni read 6 slots after a lone stream
+        and 4 two seconds into a wave of 6, whose last ones then waited for the first to end). So
+        while streams start, no estimate is made (the window grows, up to LOWER_S), and a window
+        that held a start is measured over WINDOW_S at least, not half: the starts' work is
+        counted with the audio that follows it. (Either way: a window that took only the rises
+        at once would pick the noise's highs.) `cold`: the pipeline is warming up. Its warm-up's first steps
         load and compile (the demo's omni read 0.2-0.6 audio s/s from them, a tenth of what it makes
         warm): a figure measured cold (the warm-up's whole window, at its end) is provisional, and
         the first warm window's replaces it instead of joining the average; that window starts at
@@ -173,17 +177,22 @@ class Meter:
         if self._samples and any(busy.get(k, 0.0) < v for k, v in self._samples[-1].busy.items()):
             self._samples.clear()           # a worker restarted: its counters began again
         warmed, self._cold = self._cold and not cold, cold
+        self._started_in = self._started_in or starting
         self._samples.append(s)
         while len(self._samples) > 2 and now - self._samples[1].at >= LOWER_S:
             self._samples.popleft()
         first = self._samples[0]
         audio = s.audio_s - first.audio_s
+        span = now - first.at
         if warmed:
             if audio >= MIN_AUDIO_S:
                 self._estimate(first, s, provisional=True)
             self._samples = deque([s])
-        elif now - first.at >= WINDOW_S / 2 and audio >= MIN_AUDIO_S:
-            self._estimate(first, s, provisional=cold, only_up=starting and now - first.at < LOWER_S)
+            self._started_in = starting
+        elif (span >= (WINDOW_S if self._started_in else WINDOW_S / 2) and audio >= MIN_AUDIO_S
+              and (not starting or span >= LOWER_S)):
+            if self._estimate(first, s, provisional=cold):
+                self._started_in = starting
 
     def _forget(self, before: float) -> None:
         """Let go of the audio heard before `before` (kept: its total)."""
@@ -192,26 +201,26 @@ class Meter:
             self._heard_before = self._heard_total[i - 1]
             del self._heard_at[:i], self._heard_total[:i]
 
-    def _estimate(self, first: _Sample, s: _Sample, provisional: bool, only_up: bool = False) -> None:
+    def _estimate(self, first: _Sample, s: _Sample, provisional: bool) -> bool:
+        """The figure from the window `first`..`s` (True: made; the next window starts at `s`)."""
         # each stage's seconds over the audio heard between its own two heartbeats
         heard = {st: s.heard[st] - first.heard[st] for st in self.stages}
         if any(a < MIN_AUDIO_S / 2 for a in heard.values()):
-            return                          # (a stage with no fresh heartbeat in the window: wait for one)
+            return False                    # (a stage with no fresh heartbeat in the window: wait for one)
         cost = {st: max(0.0, s.busy.get(st, 0.0) - first.busy.get(st, 0.0)) / heard[st] for st in self.stages}
         cpu_cost = sum(max(0.0, s.cpu.get(st, 0.0) - first.cpu.get(st, 0.0)) / heard[st] for st in self.on_cpu) / CORES
         if self.on_cpu:
             cost["cpu"] = cpu_cost
         worst = max(cost.values(), default=0.0)
         if worst <= 0:
-            return
+            return False
         new = 1.0 / worst
         old = None if self.provisional else self.audio_per_s
-        if only_up and old is not None and new < old:
-            return                          # (the window grows: see `starting`)
         self.audio_per_s = new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
         self.provisional = provisional
         self.cost = {k: round(v, 4) for k, v in cost.items()}
         self._samples = deque([s])          # (the next window starts here: estimates do not overlap)
+        return True
 
 
 @dataclass
@@ -226,6 +235,7 @@ class Streams:
     warm: bool = False
     warm_at: float = 0.0                    # when it became warm (monotonic)
     warming: str | None = None              # the warm-up job in flight
+    superseded: set[str] = field(default_factory=set)   # warm-ups of a worker that died since: they warm nothing
     lengths: deque[float] = field(default_factory=lambda: deque(maxlen=32))   # ended streams' durations
     refused: int = 0
     held_since: float | None = None         # the next stream has had room, and waited for the ramps, since then
@@ -253,7 +263,7 @@ class Streams:
             self.held_since = None
             return True
         for job, began in self.running.items():
-            if job == self.warming or mono - began >= RAMP_S:
+            if job == self.warming or job in self.superseded or mono - began >= RAMP_S:
                 continue
             until = plays_until(job)
             if until is None or until - wall < need:
@@ -387,7 +397,9 @@ class Gate:
         if s is None:
             return
         started = s.running.pop(job_id, None)
-        if started is not None and job_id != s.warming:
+        stale = job_id in s.superseded
+        s.superseded.discard(job_id)
+        if started is not None and job_id != s.warming and not stale:
             s.lengths.append(time.monotonic() - started)
         s.waiting = [j for j in s.waiting if j.id != job_id]
         if job_id == s.warming:
@@ -432,7 +444,8 @@ class Gate:
                     busy[stage] = busy.get(stage, 0.0) + stats.busy_s / n
                     cpu[stage] = cpu.get(stage, 0.0) + stats.cpu_s
                     as_of[stage] = as_of.get(stage, 0.0) + (h.stats_at or now) / n     # (replicas: their mean)
-            starting = any(job != s.warming and now - began < RAMP_S for job, began in s.running.items())
+            starting = any(job != s.warming and job not in s.superseded and now - began < RAMP_S
+                           for job, began in s.running.items())
             s.meter.sample(now, busy, cpu, cold=not s.warm or now - s.warm_at < WARM_GRACE_S, as_of=as_of,
                            starting=starting)
             if not ready:
@@ -456,6 +469,9 @@ class Gate:
         for s in self.pipelines.values():
             if stage in s.meter.stages:
                 s.warm = False
+                if s.warming is not None:   # (its end, a failure as this worker died or not, warms nothing)
+                    s.superseded.add(s.warming)
+                    s.warming = None
 
     def snapshots(self) -> dict[str, RealtimeState]:
         now = time.monotonic()

@@ -4,6 +4,7 @@ busy and CPU seconds per audio second in, the capacity and the admission decisio
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 import pytest
@@ -86,30 +87,59 @@ def test_each_stage_is_measured_between_its_own_heartbeats() -> None:
     assert all(v == pytest.approx(1 / cost, rel=0.03) for v in seen), seen
 
 
-def test_while_streams_start_a_lower_figure_waits_for_their_audio() -> None:
-    """A start's work comes before its audio: while a stream is starting, a window that would lower
-    the figure grows (up to LOWER_S) instead of counting at once; one that raises it counts."""
+def run(meter: S.Meter, t: float, until: float, cost: float, busy: dict[str, float], cpu: dict[str, float],
+        starting: bool) -> float:
+    """Samples from `t` to `until`, a second apart, 1 audio s a second at `cost` busy s an audio s."""
+    while t < until:
+        t += 1
+        meter.heard(1.0, t)
+        busy["a"] += cost
+        meter.sample(t, busy, cpu, starting=starting)
+    return t
+
+
+def test_while_streams_start_the_window_grows_until_their_audio_has_come() -> None:
+    """A start's work comes before its audio: while a stream is starting no estimate is made, up
+    to LOWER_S, whichever way it would go (taking the rises at once would pick the noise's highs);
+    a window that held a start is measured over WINDOW_S, not half of it."""
     meter = S.Meter(("a",), frozenset())
-    totals = feed(meter, S.WINDOW_S, {"a": 0.2})
+    busy, cpu = feed(meter, S.WINDOW_S, {"a": 0.2})
     assert meter.audio_per_s == pytest.approx(5.0)
-    busy, cpu = totals
-    t = S.WINDOW_S
-    for _ in range(int(S.WINDOW_S)):                        # a wave starts: 0.5 busy s an audio s for now
-        t += 1
-        meter.heard(1.0, t)
-        busy["a"] += 0.5
-        meter.sample(t, busy, cpu, starting=True)
+    t = run(meter, S.WINDOW_S, S.WINDOW_S * 2, 0.5, busy, cpu, starting=True)     # a wave starts: dearer
     assert meter.audio_per_s == pytest.approx(5.0)          # not yet: its audio is still to come
-    while t < S.WINDOW_S + S.LOWER_S + 1:                   # still starting, and still dearer: it counts, late
-        t += 1
-        meter.heard(1.0, t)
-        busy["a"] += 0.5
-        meter.sample(t, busy, cpu, starting=True)
-    assert meter.audio_per_s < 4.0
-    fast = S.Meter(("a",), frozenset())
-    totals = feed(fast, S.WINDOW_S, {"a": 0.2})
-    feed(fast, S.WINDOW_S, {"a": 0.1}, start=S.WINDOW_S + 1, totals=totals)
-    assert fast.audio_per_s is not None and fast.audio_per_s > 5.0     # (a rise counts at once, started or not)
+    t = run(meter, t, S.WINDOW_S + S.LOWER_S + 1, 0.5, busy, cpu, starting=True)
+    assert meter.audio_per_s < 4.0                          # still starting, still dearer: it counts, late
+    cheap = S.Meter(("a",), frozenset())
+    busy, cpu = feed(cheap, S.WINDOW_S, {"a": 0.2})
+    t = run(cheap, S.WINDOW_S, S.WINDOW_S * 2, 0.1, busy, cpu, starting=True)
+    assert cheap.audio_per_s == pytest.approx(5.0)          # a rise waits too
+    t0 = t
+    t = run(cheap, t, t + S.WINDOW_S / 2, 0.1, busy, cpu, starting=False)
+    assert cheap.audio_per_s is not None and cheap.audio_per_s > 5.0           # the starts are over: it counts
+    # the next window held no start: half a window is enough again
+    before = cheap.audio_per_s
+    run(cheap, t, t + S.WINDOW_S / 2, 0.1, busy, cpu, starting=False)
+    assert cheap.audio_per_s > before and t > t0
+
+
+def test_a_warm_up_of_a_worker_that_died_warms_nothing() -> None:
+    """The stage died while its pipeline's warm-up job ran: that job's end (its failure) does not
+    make the pipeline warm; the next worker's warm-up does."""
+    p = PipelineConfig(name="speech", stages=("s",), edges=(), realtime=RealtimeConfig(margin=0.9))
+    started: list[str] = []
+    g = S.Gate({}, lambda job: started.append(job.id), lambda name: None)
+    g.configure({"speech": p}, frozenset())
+    s = g.streams("speech")
+    assert s is not None
+    s.meter.audio_per_s = 3.4
+    assert g.admit(FakeJob("warm1", p), warm_up=True)
+    assert not g.admit(FakeJob("a", p))                     # cold: it waits
+    g.stage_restarted("s")                                  # the worker died
+    g.ended("warm1")                                        # so its warm-up failed
+    assert not s.warm and started == [] and s.lengths == deque()
+    assert g.admit(FakeJob("warm2", p), warm_up=True)       # the next worker's
+    g.ended("warm2")
+    assert s.warm and started == ["a"]
 
 
 class FakeJob:
