@@ -262,9 +262,7 @@ class Streams:
         if need <= 0 or (self.held_since is not None and mono - self.held_since >= MAX_HOLD_S):
             self.held_since = None
             return True
-        for job, began in self.running.items():
-            if job == self.warming or job in self.superseded or mono - began >= RAMP_S:
-                continue
+        for job in self.starting(mono):
             until = plays_until(job)
             if until is None or until - wall < need:
                 if self.held_since is None:
@@ -272,6 +270,11 @@ class Streams:
                 return False
         self.held_since = None
         return True
+
+    def starting(self, now: float) -> list[str]:
+        """The streams that began less than RAMP_S before `now` (monotonic), warm-ups aside."""
+        return [job for job, began in self.running.items()
+                if now - began < RAMP_S and job != self.warming and job not in self.superseded]
 
     def expected_length(self) -> float:
         return sum(self.lengths) / len(self.lengths) if self.lengths else DEFAULT_STREAM_S
@@ -444,10 +447,8 @@ class Gate:
                     busy[stage] = busy.get(stage, 0.0) + stats.busy_s / n
                     cpu[stage] = cpu.get(stage, 0.0) + stats.cpu_s
                     as_of[stage] = as_of.get(stage, 0.0) + (h.stats_at or now) / n     # (replicas: their mean)
-            starting = any(job != s.warming and job not in s.superseded and now - began < RAMP_S
-                           for job, began in s.running.items())
             s.meter.sample(now, busy, cpu, cold=not s.warm or now - s.warm_at < WARM_GRACE_S, as_of=as_of,
-                           starting=starting)
+                           starting=bool(s.starting(now)))
             if not ready:
                 continue
             if not s.warm and s.warming is None:

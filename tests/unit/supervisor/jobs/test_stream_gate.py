@@ -16,17 +16,19 @@ from omnid.supervisor.jobs import streams as S
 
 def feed(meter: S.Meter, seconds: float, busy_per_audio: dict[str, float], audio_per_s: float = 1.0,
          cpu_per_audio: dict[str, float] | None = None, start: float = 0.0,
-         totals: tuple[dict[str, float], dict[str, float]] | None = None) -> tuple[dict[str, float], dict[str, float]]:
-    """`seconds` of samples, one a second, the pipeline making `audio_per_s`."""
+         totals: tuple[dict[str, float], dict[str, float]] | None = None,
+         starting: bool = False) -> tuple[dict[str, float], dict[str, float]]:
+    """`seconds` of samples, one a second, the pipeline making `audio_per_s` (`starting`: while a
+    stream starts)."""
     busy, cpu = totals or ({}, {})
     for t in range(int(seconds) + 1):
         if t:
-            meter.audio_s += audio_per_s
+            meter.heard(audio_per_s, start + t)
             for st, v in busy_per_audio.items():
                 busy[st] = busy.get(st, 0.0) + v * audio_per_s
             for st, v in (cpu_per_audio or {}).items():
                 cpu[st] = cpu.get(st, 0.0) + v * audio_per_s
-        meter.sample(start + t, busy, cpu)
+        meter.sample(start + t, busy, cpu, starting=starting)
     return busy, cpu
 
 
@@ -87,39 +89,28 @@ def test_each_stage_is_measured_between_its_own_heartbeats() -> None:
     assert all(v == pytest.approx(1 / cost, rel=0.03) for v in seen), seen
 
 
-def run(meter: S.Meter, t: float, until: float, cost: float, busy: dict[str, float], cpu: dict[str, float],
-        starting: bool) -> float:
-    """Samples from `t` to `until`, a second apart, 1 audio s a second at `cost` busy s an audio s."""
-    while t < until:
-        t += 1
-        meter.heard(1.0, t)
-        busy["a"] += cost
-        meter.sample(t, busy, cpu, starting=starting)
-    return t
-
-
 def test_while_streams_start_the_window_grows_until_their_audio_has_come() -> None:
     """A start's work comes before its audio: while a stream is starting no estimate is made, up
     to LOWER_S, whichever way it would go (taking the rises at once would pick the noise's highs);
     a window that held a start is measured over WINDOW_S, not half of it."""
+    w = S.WINDOW_S
     meter = S.Meter(("a",), frozenset())
-    busy, cpu = feed(meter, S.WINDOW_S, {"a": 0.2})
+    totals = feed(meter, w, {"a": 0.2})
     assert meter.audio_per_s == pytest.approx(5.0)
-    t = run(meter, S.WINDOW_S, S.WINDOW_S * 2, 0.5, busy, cpu, starting=True)     # a wave starts: dearer
+    totals = feed(meter, w, {"a": 0.5}, start=w, totals=totals, starting=True)      # a wave starts: dearer
     assert meter.audio_per_s == pytest.approx(5.0)          # not yet: its audio is still to come
-    t = run(meter, t, S.WINDOW_S + S.LOWER_S + 1, 0.5, busy, cpu, starting=True)
+    feed(meter, S.LOWER_S - w + 1, {"a": 0.5}, start=2 * w, totals=totals, starting=True)
     assert meter.audio_per_s < 4.0                          # still starting, still dearer: it counts, late
     cheap = S.Meter(("a",), frozenset())
-    busy, cpu = feed(cheap, S.WINDOW_S, {"a": 0.2})
-    t = run(cheap, S.WINDOW_S, S.WINDOW_S * 2, 0.1, busy, cpu, starting=True)
+    totals = feed(cheap, w, {"a": 0.2})
+    totals = feed(cheap, w, {"a": 0.1}, start=w, totals=totals, starting=True)
     assert cheap.audio_per_s == pytest.approx(5.0)          # a rise waits too
-    t0 = t
-    t = run(cheap, t, t + S.WINDOW_S / 2, 0.1, busy, cpu, starting=False)
+    totals = feed(cheap, w / 2, {"a": 0.1}, start=2 * w, totals=totals)
     assert cheap.audio_per_s is not None and cheap.audio_per_s > 5.0           # the starts are over: it counts
     # the next window held no start: half a window is enough again
     before = cheap.audio_per_s
-    run(cheap, t, t + S.WINDOW_S / 2, 0.1, busy, cpu, starting=False)
-    assert cheap.audio_per_s > before and t > t0
+    feed(cheap, w / 2, {"a": 0.1}, start=2.5 * w, totals=totals)
+    assert cheap.audio_per_s > before
 
 
 def test_a_warm_up_of_a_worker_that_died_warms_nothing() -> None:
