@@ -246,7 +246,9 @@ def test_cancel_and_timeout_mid_stream_stop_both_stages(d: RunningDaemon, tmp_pa
     for how in ("cancel", "timeout"):
         tick, marker = tmp_path / f"{how}.tick", tmp_path / f"{how}.marker"
         params = {"gen": {"max_tokens": 500}, "win": {"delay": 0.3, "tick": str(tick), "marker": str(marker)}}
-        job = d.submit("stream", {"prompt": "go on"}, params=params, timeout_s=1.0 if how == "timeout" else None)
+        # the deadline falls mid-stream: the first window comes ~0.02 s in, while vLLM makes ~700 tokens a
+        # second here (a 1.0 s deadline let it make all 500 first, on a quick run)
+        job = d.submit("stream", {"prompt": "go on"}, params=params, timeout_s=0.3 if how == "timeout" else None)
         wait_for(lambda: _ticks(tick) >= 1, 30, "the consumer to take a window")
         if how == "cancel":
             assert d.client.cancel(job)["state"] == "cancelled"
