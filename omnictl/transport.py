@@ -52,14 +52,28 @@ class ProtocolError(ClientError):
 
 
 class ApiError(ClientError):
-    """The daemon refused the request: a non-2xx status with its ``{"error": {...}}`` body."""
+    """The daemon refused the request: a non-2xx status with its ``{"error": {...}}`` body.
 
-    def __init__(self, status: int, code: str, message: str, body: Any = None) -> None:
+    ``retry_after``: the seconds its ``Retry-After`` header says to wait before trying again (a 429,
+    a 503 such as a real-time pipeline at capacity, a 507), or None when it sent none.
+    """
+
+    def __init__(self, status: int, code: str, message: str, body: Any = None,
+                 retry_after: int | None = None) -> None:
         self.status = status
         self.code = code
         self.message = message
         self.body = body
+        self.retry_after = retry_after
         super().__init__(f"{message} ({code})")
+
+
+def _seconds(header: str | None) -> int | None:
+    """A Retry-After header's delay in seconds (the daemon sends seconds, never an HTTP date)."""
+    try:
+        return max(0, int(header)) if header else None
+    except ValueError:
+        return None
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
@@ -94,8 +108,10 @@ def _connect_reason(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
-def _api_error(status: int, reason: str, raw: bytes) -> ApiError:
-    """Build the ApiError for a non-2xx response, tolerating bodies that are not the API's shape."""
+def _api_error(status: int, reason: str, raw: bytes, retry_after: str | None = None) -> ApiError:
+    """Build the ApiError for a non-2xx response, tolerating bodies that are not the API's shape
+    (`retry_after`: its Retry-After header)."""
+    wait = _seconds(retry_after)
     try:
         body: Any = json.loads(raw) if raw else None
     except ValueError:
@@ -104,9 +120,10 @@ def _api_error(status: int, reason: str, raw: bytes) -> ApiError:
     if isinstance(error, dict):
         code = str(error.get("code") or f"http_{status}")
         message = str(error.get("message") or reason or f"HTTP {status}")
-        return ApiError(status, code, message, body)
+        return ApiError(status, code, message, body, wait)
     text = raw.decode("utf-8", "replace").strip()
-    return ApiError(status, f"http_{status}", text or reason or f"HTTP {status}", body if body is not None else text)
+    return ApiError(status, f"http_{status}", text or reason or f"HTTP {status}", body if body is not None else text,
+                    wait)
 
 
 def _parse_json(raw: bytes) -> Any:
@@ -179,7 +196,8 @@ class Transport:
     def _check(self, response: http.client.HTTPResponse) -> None:
         """Raise ApiError (having read the error body) unless the response is 2xx."""
         if not 200 <= response.status < 300:
-            raise _api_error(response.status, response.reason, self._read_body(response))
+            raise _api_error(response.status, response.reason, self._read_body(response),
+                             response.getheader("Retry-After"))
 
     def _request(
         self,
@@ -197,7 +215,7 @@ class Transport:
         finally:
             conn.close()
         if not 200 <= response.status < 300 and response.status not in accept_statuses:
-            raise _api_error(response.status, response.reason, raw)
+            raise _api_error(response.status, response.reason, raw, response.getheader("Retry-After"))
         if 200 <= response.status < 300:
             return response.status, _parse_json(raw)
         try:

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from conftest import FIXTURES, RunningDaemon, check_config, module_daemon, short_tmpdir, wait_for
 
+from omnictl.client import ApiError
 from omnictl.transport import UnixHTTPConnection
 
 SPEAKER = {"engine": "python", "sessions": "speakers:Speaker", "python_path": [str(FIXTURES)], "max_inflight": 8,
@@ -163,6 +164,11 @@ def test_refuse_mode_answers_503_at_once_with_retry_after(d: RunningDaemon) -> N
     status, headers, doc = post(d, "/v1/jobs", {"pipeline": "refusing", "params": {"r": LONG}})
     took = time.monotonic() - t0
     assert status == 503 and int(headers["retry-after"]) >= 1 and took < 5, (status, headers, took)
+    # the Python client hands its caller the wait
+    with pytest.raises(ApiError) as refused:
+        d.client.submit("refusing", {}, {"r": LONG})
+    assert refused.value.status == 503 and refused.value.code == "over_capacity", refused.value
+    assert refused.value.retry_after is not None and refused.value.retry_after >= 1, refused.value.retry_after
     # OpenAI's shape on the OpenAI paths, with the same header
     status, headers, doc = post(d, "/v1/audio/speech", {"model": "refusing", "input": "hello"})
     assert status == 503, doc

@@ -36,7 +36,7 @@ from typing import Any
 from _harness import MODELS, ROOT, Ctx, Daemon, Row, at_least, at_most, fmt, in_threads, kill_daemon, p50
 from bench_tensors import _launch
 
-from omnictl.client import ClientError
+from omnictl.client import ApiError
 
 TOKENS = 128
 TTS_TOKENS = 250                # the tts streams: 250 codes, 5 s of audio
@@ -173,9 +173,9 @@ def _stream(d: Daemon, pipeline: str, sink: str, i: int, delay: float) -> Stream
     s = Stream(time.time())
     try:
         job = d.client.submit(pipeline, {"prompt": f"tell me a story number {i}"}, {})
-    except ClientError as e:
+    except ApiError as e:
         s.refused, s.refused_in_s = True, time.time() - s.t0
-        s.retry_after = str(getattr(e, "headers", {}).get("retry-after", "")) or None
+        s.retry_after = None if e.retry_after is None else str(e.retry_after)
         s.state = "refused"
         return s
     wait = (job.get("stream") or {})      # (the submit answer's: a waiting stream's place)
@@ -376,7 +376,8 @@ def report(ctx: Ctx, s: Sweep, title: str) -> list[Row]:
                           refusing["refused_ms_max"] / 1e3, "s", "the goal's 20 ms", 0.02, "s",
                           refusing["refused_ms_max"] / 20.0, "refusal / 20 ms", at_most(1.0, "<= 1.0x"),
                           f"{refusing['refused']} refused of {refusing['offered']}, each with Retry-After: "
-                          f"{refusing['retry_after']}; admitted: late {refusing['late']} of {refusing['packets']}"))
+                          f"{refusing['retry_after']}; admitted: late {refusing['late']} of {refusing['packets']}",
+                          error=None if refusing["retry_after"] else "a refused stream's answer had no Retry-After"))
     queued = [r["queued_late_max"] for r in rows if r.get("queued_late_max") is not None]
     if queued:
         result.append(Row(f"{tag}: queued streams' start against their estimate, slowest", max(queued), "x",
