@@ -573,7 +573,9 @@ class EdgeTable(_Table):
     to: str | None = Field(default=None, description="the downstream stage", json_schema_extra=_required)
     window: Annotated[int | list[int], SkipValidation] = Field(
         default=-1, description="-1: the downstream starts on the upstream's last segment; N: it streams, N "
-                        "segments at a time; [4, 8, 16, 25]: a schedule (the last size repeats)")
+                        "segments at a time; [4, 8, 16, 25]: a schedule (the last size repeats)",
+        json_schema_extra={"anyOf": [{"type": "integer", "anyOf": [{"const": -1}, {"minimum": 1}]},
+                                     {"type": "array", "items": {"type": "integer", "minimum": 1}, "minItems": 1}]})
     map: dict[str, Annotated[str, says(
         lambda v: f"must name an upstream output (a string), not {typename(v)}", types=True)]] | None = Field(
         default=None, description="{ downstream_input = \"upstream_output\" } (unset: outputs passed by name)")

@@ -140,6 +140,13 @@ def test_the_test_suites_stages_pass_the_schema(validator: jsonschema.Draft20201
      "'max_tokens' was unexpected"),
     ({"pipelines": {"p": {"stages": ["a"], "edges": [{"from": "a"}]}}}, "pipelines.p.edges.0",
      "'to' is a required property"),
+    # a window is -1 or a count > 0, a schedule at least one count > 0 (as the parser says)
+    ({"pipelines": {"p": {"stages": ["a"], "edges": [{"from": "a", "to": "a", "window": []}]}}},
+     "pipelines.p.edges.0.window", "is not valid under any of the given schemas"),
+    ({"pipelines": {"p": {"stages": ["a"], "edges": [{"from": "a", "to": "a", "window": 0}]}}},
+     "pipelines.p.edges.0.window", "is not valid under any of the given schemas"),
+    ({"pipelines": {"p": {"stages": ["a"], "edges": [{"from": "a", "to": "a", "window": [4, 0]}]}}},
+     "pipelines.p.edges.0.window", "is not valid under any of the given schemas"),
     ({"pipelines": {"p": {"stages": ["a"], "realtime": {"overload": "drop"}}}}, "pipelines.p.realtime.overload",
      "is not one of"),
 ])
