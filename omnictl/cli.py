@@ -38,7 +38,9 @@ class OmnictlGroup(click.Group):
         try:
             return super().invoke(ctx)
         except ApiError as exc:
-            fail(f"{exc.message} ({exc.code})", ExitCode.REFUSED)
+            # a refusal that passes by itself (429, 503, 507): when to try again, as its Retry-After says
+            wait = f" (try again in {exc.retry_after} s)" if exc.retry_after and "try again in" not in exc.message else ""
+            fail(f"{exc.message} ({exc.code}){wait}", ExitCode.REFUSED)
         except DaemonUnreachable as exc:
             fail(str(exc), ExitCode.UNREACHABLE)
         except ClientError as exc:

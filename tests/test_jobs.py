@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import RunningDaemon, py_stage, sleeper, wait_for, wait_started
+from conftest import RunningDaemon, omnictl, py_stage, sleeper, wait_for, wait_started
 
 from omnictl.client import ApiError, EventsIdleTimeout
 
@@ -255,7 +255,9 @@ def test_queue_limit_refuses_without_half_accepting(start_daemon: Callable[..., 
     with pytest.raises(ApiError) as err:
         d.submit("p")
     assert err.value.status == 429 and err.value.code == "queue_full", err.value
-    assert "max_queued_jobs" in err.value.message
+    assert "max_queued_jobs" in err.value.message and err.value.retry_after == 2, err.value   # (its Retry-After)
+    refused = omnictl(d, "submit", "p")
+    assert refused.returncode != 0 and "(queue_full) (try again in 2 s)" in refused.stderr, refused.stderr
     after = d.client.jobs()["jobs"]
     assert [j["id"] for j in after] == [j["id"] for j in before]       # nothing half-accepted
     # The limit is per pipeline.
