@@ -445,6 +445,7 @@ class _Code2WavJob:
         self.opened = time.monotonic()
         self.first_out: float | None = None     # when its first audio went out
         self.audio_s = 0.0                      # the audio it has given
+        self.bad: Exception | None = None       # what was wrong with its codes (the job fails with it)
 
     @property
     def deadline(self) -> float:
@@ -453,15 +454,29 @@ class _Code2WavJob:
         return self.opened if self.first_out is None else self.first_out + self.audio_s
 
     def absorb(self) -> None:
-        while self.codes_in.ready():
-            ok, window = self.codes_in.take()
-            if not ok:
-                self.decoder.finished = True
-                break
-            self.decoder.codes.extend(_codec_codes(window, self.offset, self.n_codes))
+        """Take the codes that came (raises what was wrong with them, once taken: at every call)."""
+        if self.bad is not None:
+            raise self.bad
+        try:
+            while self.codes_in.ready():
+                ok, window = self.codes_in.take()
+                if not ok:
+                    self.decoder.finished = True
+                    break
+                self.decoder.codes.extend(_codec_codes(window, self.offset, self.n_codes))
+        except Exception as e:
+            self.bad = e
+            raise
 
     def can_step(self) -> bool:
-        return self.codes_in.ready() or self.codes_in.ended or self.decoder.next_window() is not None
+        """A step would decode (a whole window's codes are here, or the last ones) or end it. Its
+        codes come one segment each: a step for each (that found no window) cost the tts stage's
+        code2wav a step per code, between its decodes, on the cores the codec LM needed."""
+        try:
+            self.absorb()
+        except Exception:
+            return True                         # (the step says what is wrong with them)
+        return self.decoder.finished or self.decoder.next_window() is not None
 
     def chunk(self, pcm: Any) -> dict[str, Any]:
         audio, self.header = self.header + pcm16(pcm), b""

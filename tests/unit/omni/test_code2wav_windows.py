@@ -83,3 +83,53 @@ def test_a_stream_that_starts_beside_others_has_a_longer_first_window(monkeypatc
     for job in (alone, beside, unset):
         c2w.close(job)
     assert c2w.open({"codes": iter(())}, params, None).decoder.ramp == (14, 12, 16)    # (closed: alone again)
+
+
+class _Codes:
+    """A streamed `codes` input as the engine hands it: one code a window, read without blocking."""
+
+    def __init__(self) -> None:
+        self.waiting: list[Any] = []
+        self.done = False
+
+    def ready(self) -> bool:
+        return bool(self.waiting) or self.done
+
+    def __iter__(self) -> _Codes:
+        return self
+
+    def __next__(self) -> Any:
+        if self.waiting:
+            return self.waiting.pop(0)
+        raise StopIteration
+
+
+def test_a_session_can_step_once_a_window_is_here_not_at_each_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Codes come one segment each: a code2wav session asks for a step only when its next window's
+    codes (with the look-ahead) are in, or they ended, not at every code (each step that found no
+    window cost a step between the decodes, on the cores the codec LM needed). Codes that are none
+    of the codec's fail the job at its next step, however often it is asked."""
+    from omnid.omni import stages
+
+    monkeypatch.setattr(stages, "_decoder", lambda model, speakers, inputs, params: decoder(ramp=[14, 12, 16]))
+    c2w = object.__new__(stages.Code2Wav)
+    c2w.model, c2w.speakers, c2w.n_codes, c2w.live = None, {}, 100, set()
+    codes = _Codes()
+    job = c2w.open({"codes": codes}, {}, None)
+    ready_at = []
+    for n in range(1, 40):
+        codes.waiting.append([n % 100])
+        if c2w.ready(job):
+            ready_at.append(n)
+            break
+    alone = decoder(ramp=[14, 12, 16])
+    first = next(n for n, _ in schedule(alone, 40))       # (the codes in when its first window could run)
+    assert ready_at == [first], (ready_at, first)
+    assert job.decoder.next_window() is not None          # (what that step decodes)
+    codes.done = True
+    assert c2w.ready(job)                                 # the end: the last scrap, or Done
+    bad = c2w.open({"codes": _Codes()}, {}, None)
+    bad.codes_in._stream.waiting.append([500])            # type: ignore[union-attr]
+    assert c2w.ready(bad) and c2w.ready(bad)              # (asked twice: the error is kept)
+    with pytest.raises(ValueError, match="not codec codes"):
+        bad.absorb()
