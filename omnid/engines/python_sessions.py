@@ -34,12 +34,13 @@ leaving between steps (continuous batching). The class gives that to any python 
   of audio (a parameter, default 3; 0: never paced) is not stepped until that falls below it:
   a stage far ahead of its listeners leaves the host's cores to the stages that are not (on a CPU
   host every stage shares them), and a stream never holds more than that in flight.
-- Yielding to the stream about to run dry: while a session of the step is close to a gap (its
-  listener holds less than half its `yield_ahead_s`, default 1; or it has sent no audio yet and
-  opened less than 2 s ago: a starting stream), the sessions whose listeners hold more than
-  `yield_ahead_s` sit that step out (0: never). A step's cost grows with its rows on a CPU and the
-  stages share the cores, so the starting stream's first packets come about as fast as alone's,
-  and the streams that yield never run dry for it.
+- Yielding to the stream about to run dry: while a live session is close to a gap (its listener
+  holds less than half its `yield_ahead_s`, default 1; or it has sent no audio yet and opened less
+  than 2 s ago: a starting stream), the sessions whose listeners hold more than `yield_ahead_s` sit
+  the steps out (0: never), whether that session can be stepped now or waits for its input (the
+  stage before this one, which makes it, needs the cores too). A step's cost grows with its rows on
+  a CPU and the stages share the cores, so the starting stream's first packets come about as fast
+  as alone's, and the streams that yield never run dry for it.
 - `max_inflight` bounds the live sessions. A cancel takes effect at the next step boundary: the
   session is closed and never stepped again, and the others' results are untouched.
 - `lazy = true`: the class is made on the first job instead of at start.
@@ -48,7 +49,7 @@ leaving between steps (continuous batching). The class gives that to any python 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,21 +89,23 @@ class _Live:
         return self.ctx.deadline if self.ctx.deadline is not None else self.opened
 
 
-def _yielded(batch: list[_Live]) -> list[_Live]:
-    """The batch less the streams far ahead (`yield_ahead_s`) when one in it is about to run dry (its
-    listener holds less than half its own `yield_ahead_s`, or it has sent no audio yet and opened less
-    than STARTING_S ago): on a CPU host a step's cost grows with its rows and every stage shares the
-    cores, so the stream starting or near a gap gets them. A stream yields only while it is ahead by
-    more than that: it never runs dry for it."""
+def _yielded(batch: list[_Live], live: Iterable[_Live]) -> list[_Live]:
+    """The batch less the streams far ahead (`yield_ahead_s`) when a live session, in the batch or
+    not, is about to run dry (its listener holds less than half its own `yield_ahead_s`, or it has
+    sent no audio yet and opened less than STARTING_S ago): on a CPU host a step's cost grows with its
+    rows and every stage shares the cores, so the stream starting or near a gap gets them, and so
+    does the stage before this one while that stream waits for its input (a code2wav stepped the
+    streams seconds ahead, 70-80 ms a step, while the codec LM's codes for one at 0 s of slack were
+    late: a gap). A stream yields only while it is ahead by more than that: it never runs dry for it."""
     now = time.time()
 
-    def urgent(live: _Live) -> bool:
-        s = live.slack(now)
-        return now - live.opened < STARTING_S if s is None else s < live.yield_ahead_s / 2
+    def urgent(session: _Live) -> bool:
+        s = session.slack(now)
+        return now - session.opened < STARTING_S if s is None else s < session.yield_ahead_s / 2
 
-    if not any(urgent(live) for live in batch):
+    if not any(urgent(session) for session in live):
         return batch
-    return [live for live in batch if (s := live.slack(now)) is None or s <= live.yield_ahead_s]
+    return [session for session in batch if (s := session.slack(now)) is None or s <= session.yield_ahead_s]
 
 
 def streams_ready(ctx: RequestContext) -> bool:
@@ -165,8 +168,7 @@ class SessionRunner:
         for job, live in list(self._live.items()):
             if live.ctx.cancelled():
                 self._end(job).ctx.stopped()
-        # least slack first: the session whose listener runs dry soonest leads the batch
-        batch = _yielded(sorted((live for live in self._live.values() if self._ready(live)), key=lambda live: live.due))
+        batch = self._batch()
         if not batch:
             return
         try:
@@ -238,7 +240,15 @@ class SessionRunner:
         return bool(self._live)
 
     def ready(self) -> bool:
-        return any(self._ready(live) for live in self._live.values())
+        """A step now would step a session (none ready, or only ones that yield: the worker waits
+        for an input or its next look)."""
+        return bool(self._batch())
+
+    def _batch(self) -> list[_Live]:
+        """The sessions the next step takes: the ready ones, least slack first (the session whose
+        listener runs dry soonest leads), less the ones that yield (`_yielded`)."""
+        ready = sorted((live for live in self._live.values() if self._ready(live)), key=lambda live: live.due)
+        return _yielded(ready, self._live.values()) if ready else ready
 
     def __len__(self) -> int:
         return len(self._live)

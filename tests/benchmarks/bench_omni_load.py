@@ -154,6 +154,7 @@ class Stream:
     estimate_s: float | None = None         # its estimated start, when it was queued
     started_s: float | None = None          # submit -> its first stage started
     state: str = ""
+    job: str = ""
 
     @property
     def first(self) -> float | None:
@@ -178,6 +179,7 @@ def _stream(d: Daemon, pipeline: str, sink: str, i: int, delay: float) -> Stream
         s.retry_after = None if e.retry_after is None else str(e.retry_after)
         s.state = "refused"
         return s
+    s.job = str(job["id"])
     wait = (job.get("stream") or {})      # (the submit answer's: a waiting stream's place)
     if wait.get("position"):
         s.queued, s.estimate_s = True, wait.get("estimated_start_s")

@@ -304,6 +304,40 @@ def test_streams_ready_and_a_class_of_its_own_ready() -> None:
     assert stepped == [["yes"]]
 
 
+def test_a_stream_far_ahead_yields_to_one_that_waits_for_its_input() -> None:
+    """A session near a gap that cannot be stepped yet (its input is not here: the stage before
+    makes it, on the same cores) still makes the ones far ahead sit out; with nothing else to step,
+    `ready` is False (the worker waits for an input instead of stepping the ones ahead, or spinning)."""
+    import time
+
+    impl = Scripted()
+    stepped: list[list[str]] = []
+    impl.answers = lambda sessions: stepped.append(list(sessions)) or [None] * len(sessions)
+    starved: set[str] = {"near"}
+    impl.ready = lambda session: session not in starved         # type: ignore[attr-defined]
+    r = runner(impl)
+    ahead, near, mid = Job("ahead"), Job("near"), Job("mid")
+    for job in (ahead, near, mid):
+        r.open(job.ctx, {})
+    now = time.time()
+    ahead.ctx.deadline, near.ctx.deadline, mid.ctx.deadline = now + 2.0, now + 0.2, now + 30.0
+    starved.add("mid")
+    assert not r.ready()
+    r.step()
+    assert stepped == []                    # ahead (2 s at its listener) yields to near, which waits
+    starved.discard("mid")
+    mid.ctx.deadline = now + 0.8
+    assert r.ready()
+    r.step()
+    assert stepped == [["mid"]]             # one under yield_ahead_s still steps
+    starved.clear()                         # near's input came
+    r.step()
+    assert stepped[-1] == ["near", "mid"]
+    near.ctx.deadline = now + 0.9           # no longer near a gap: all of them again
+    r.step()
+    assert stepped[-1] == ["mid", "near", "ahead"]
+
+
 def test_a_stream_far_ahead_yields_a_step_to_one_about_to_run_dry() -> None:
     """`yield_ahead_s` (default 1 s): while a session is close to a gap (under half that at its
     listener) or starting (no audio yet, opened under 2 s ago), the ones more than that ahead sit the
