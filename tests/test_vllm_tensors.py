@@ -261,7 +261,13 @@ def test_cancel_and_timeout_mid_stream_stop_both_stages(d: RunningDaemon, tmp_pa
         assert _ticks(tick) == n, "the consumer went on"
         # vLLM stopped the request mid-way: far from its 500 tokens, and the stage holds nothing of it
         gen = d.client.job(job)["stages"]["gen"]
-        assert gen["state"] != "succeeded" and (gen["progress"] or {"done": 0})["done"] < 500, gen
+        if how == "timeout" and gen["state"] == "succeeded" and gen["finished_at"] <= doc["finished_at"]:
+            # on a loaded host the deadline can fire after vLLM made all 500 (~0.7 s here; CI saw the
+            # timer's stop reach the consumer 0.3-0.6 s late): nothing was left to stop (the cancel
+            # case, which lands right after the first window, checks the stop itself)
+            pass
+        else:
+            assert gen["state"] != "succeeded" and (gen["progress"] or {"done": 0})["done"] < 500, (gen, doc)
         wait_for(lambda: d.stages()["gen"]["tracked_jobs"] == 0 and d.stages()["win"]["tracked_jobs"] == 0, 10,
                  "both stages to drop the job")
     assert {s: d.stage_pid(s) for s in pids} == pids
