@@ -7,7 +7,8 @@ admission checks) and caught by the API's error middleware; nothing here blocks.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from omnid.vocabulary import ErrorCode
 
@@ -31,3 +32,40 @@ class Refused(Exception):
     def __init__(self, status: int, code: ErrorCode, message: str, **extra: Any) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.extra = status, code, message, extra
+
+
+T = TypeVar("T")
+
+
+class Problems:
+    """The refusals of one request, gathered so that its answer says every one at once: the first's
+    status, code and fields, the messages joined by "; ", and each as `problems[]` when there are several."""
+
+    def __init__(self) -> None:
+        self.found: list[Refused] = []
+
+    def add(self, refused: Refused) -> None:
+        inner = refused.extra.get("problems")
+        if isinstance(inner, list):         # (a part's own gathered answer: its problems, one by one)
+            self.found += [Refused(refused.status, ErrorCode(p["code"]), p["message"],
+                                   **{k: v for k, v in p.items() if k not in ("code", "message")}) for p in inner]
+        else:
+            self.found.append(refused)
+
+    def of(self, check: Callable[..., T], *args: Any) -> T | None:
+        """What `check(*args)` gives; None, its refusal kept, when it refuses."""
+        try:
+            return check(*args)
+        except Refused as e:
+            self.add(e)
+            return None
+
+    def check(self) -> None:
+        """Refused with every problem found, if any."""
+        if len(self.found) == 1:
+            raise self.found[0]
+        if self.found:
+            first = self.found[0]
+            raise Refused(first.status, first.code, "; ".join(dict.fromkeys(r.message for r in self.found)),
+                          **first.extra, problems=[{"code": str(r.code), "message": r.message, **r.extra}
+                                                   for r in self.found])

@@ -36,7 +36,7 @@ from omnid.fair_queue import PRIORITY_LIMIT
 from omnid.lora import adapter_problem
 from omnid.params import merged, plain_value
 from omnid.store import JobStore
-from omnid.supervisor.errors import Refused
+from omnid.supervisor.errors import Problems, Refused
 from omnid.supervisor.jobs.submission import Submission
 from omnid.vocabulary import ErrorCode
 
@@ -67,29 +67,40 @@ def _no_constant(name: str) -> Any:
 
 
 def job_submission(config: Config, body: Any, owner_uid: int) -> Submission:
-    """`POST /v1/jobs`'s body, checked: {"pipeline", "inputs", "params", "timeout_s"}; the job
-    would be `owner_uid`'s."""
+    """`POST /v1/jobs`'s body, checked: {"pipeline", "inputs", "params", "timeout_s", "priority"}; the
+    job would be `owner_uid`'s. A refusal says every problem at once (`Problems`)."""
     if not isinstance(body, dict):
         raise Refused(400, ErrorCode.INVALID_REQUEST, "the request body must be a JSON object")
+    said = Problems()
     unknown = set(body) - JOB_KEYS
     if unknown:
-        raise Refused(400, ErrorCode.INVALID_REQUEST, f"unknown field(s) {', '.join(sorted(unknown))}; "
-                      f"a job has {', '.join(sorted(JOB_KEYS))}")
+        said.add(Refused(400, ErrorCode.INVALID_REQUEST, f"unknown field(s) {', '.join(sorted(unknown))}; "
+                         f"a job has {', '.join(sorted(JOB_KEYS))}"))
     name = body.get("pipeline")
+    pipeline = None
     if not isinstance(name, str) or not name:
-        raise Refused(400, ErrorCode.INVALID_REQUEST, "\"pipeline\" must name a pipeline")
-    pipeline = find_pipeline(config, name)
-    found, summary = inputs(config, body.get("inputs", {}), pipeline)
-    params = job_params(config, body.get("params", {}), pipeline)
-    timeout = body.get("timeout_s")
-    if timeout is not None:
-        # A range check, not math.isfinite: that overflows on a 400-digit integer.
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-                or not 0 < timeout <= MAX_TIMEOUT_S:
-            raise Refused(400, ErrorCode.INVALID_REQUEST, f"\"timeout_s\" must be a number of seconds in "
-                          f"(0, {MAX_TIMEOUT_S:.0f}], not {timeout!r}")
-        timeout = float(timeout)
-    return Submission(pipeline, found, params, summary, owner_uid, timeout, priority=priority(body.get("priority")))
+        said.add(Refused(400, ErrorCode.INVALID_REQUEST, "\"pipeline\" must name a pipeline"))
+    else:
+        pipeline = said.of(find_pipeline, config, name)
+    given = params = None
+    if pipeline is not None:
+        given = said.of(inputs, config, body.get("inputs", {}), pipeline)
+        params = said.of(job_params, config, body.get("params", {}), pipeline)
+    timeout = said.of(timeout_s, body.get("timeout_s"))
+    rank = said.of(priority, body.get("priority"))
+    said.check()
+    assert pipeline is not None and given is not None and params is not None and rank is not None
+    return Submission(pipeline, given[0], params, given[1], owner_uid, timeout, priority=rank)
+
+
+def timeout_s(raw: Any) -> float | None:
+    """A job's `timeout_s`: seconds in (0, MAX_TIMEOUT_S], or None."""
+    # A range check, not math.isfinite: that overflows on a 400-digit integer.
+    if raw is not None and (isinstance(raw, bool) or not isinstance(raw, (int, float))
+                            or not 0 < raw <= MAX_TIMEOUT_S):
+        raise Refused(400, ErrorCode.INVALID_REQUEST, f"\"timeout_s\" must be a number of seconds in "
+                      f"(0, {MAX_TIMEOUT_S:.0f}], not {raw!r}", input="timeout_s")
+    return None if raw is None else float(raw)
 
 
 def priority(raw: Any, field: str = "priority") -> int:
@@ -132,34 +143,40 @@ def find_pipeline(config: Config, name: str, in_path: bool = False) -> PipelineC
 
 def inputs(config: Config, raw: Any, pipeline: PipelineConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """A job's `inputs` as JSON gives them, decoded (files to bytes) and checked for the
-    pipeline's first stages; with the summary the job document shows."""
+    pipeline's first stages; with the summary the job document shows. A refusal names every wrong
+    input (then what the first stages need of them, once each is right)."""
     if not isinstance(raw, dict):
         raise Refused(400, ErrorCode.INVALID_REQUEST, "\"inputs\" must be an object of named inputs")
+    said = Problems()
     found: dict[str, Any] = {}
     summary: dict[str, Any] = {}
     for key, value in raw.items():
-        if not key or len(key) > 128:
-            raise Refused(400, ErrorCode.INVALID_INPUT, f"input name {key!r} is empty or too long")
-        if isinstance(value, (str, int, float, bool)) or value is None:
-            if not plain_value(value):
-                raise Refused(400, ErrorCode.INVALID_INPUT, f"input {key!r} is not a finite number")
-            found[key] = value
-            summary[key] = text_summary(value) if isinstance(value, str) else value
-        elif _is_file(value) or _is_samples(value):
-            found[key], summary[key] = _file_or_samples(key, value)
-        elif isinstance(value, list) and value and all(_is_file(v) or _is_samples(v) for v in value):
-            decoded = [_file_or_samples(f"{key}[{i}]", v) for i, v in enumerate(value)]
-            found[key] = [data for data, _ in decoded]
-            summary[key] = [doc for _, doc in decoded]
-        elif isinstance(value, list) and plain_value(value):
-            found[key] = value
-            summary[key] = list_summary(value)
-        else:
-            raise Refused(400, ErrorCode.INVALID_INPUT, f"input {key!r} must be a string, number, boolean, list of "
-                          "those, a file {\"b64\": ..., \"filename\": ...} or a list of files, or audio samples "
-                          "{\"samples\": [...], \"rate\": HZ}")
+        decoded = said.of(_input, key, value)
+        if decoded is not None:
+            found[key], summary[key] = decoded
+    said.check()
     check_inputs(config, found, summary, pipeline)
     return found, summary
+
+
+def _input(key: str, value: Any) -> tuple[Any, Any]:
+    """One input as JSON gives it: (its value, files decoded to bytes; its summary)."""
+    if not key or len(key) > 128:
+        raise Refused(400, ErrorCode.INVALID_INPUT, f"input name {key!r} is empty or too long")
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        if not plain_value(value):
+            raise Refused(400, ErrorCode.INVALID_INPUT, f"input {key!r} is not a finite number", input=key)
+        return value, text_summary(value) if isinstance(value, str) else value
+    if _is_file(value) or _is_samples(value):
+        return _file_or_samples(key, value)
+    if isinstance(value, list) and value and all(_is_file(v) or _is_samples(v) for v in value):
+        decoded = [_file_or_samples(f"{key}[{i}]", v) for i, v in enumerate(value)]
+        return [data for data, _ in decoded], [doc for _, doc in decoded]
+    if isinstance(value, list) and plain_value(value):
+        return value, list_summary(value)
+    raise Refused(400, ErrorCode.INVALID_INPUT, f"input {key!r} must be a string, number, boolean, list of "
+                  "those, a file {\"b64\": ..., \"filename\": ...} or a list of files, or audio samples "
+                  "{\"samples\": [...], \"rate\": HZ}", input=key)
 
 
 def text_summary(value: str) -> str:
@@ -325,31 +342,41 @@ def _filename(doc: Any) -> str:
 
 
 def job_params(config: Config, raw: Any, pipeline: PipelineConfig) -> dict[str, dict[str, Any]]:
-    """A job's `params` ({"STAGE": {"KEY": value}}), each checked by its stage's engine's rules."""
+    """A job's `params` ({"STAGE": {"KEY": value}}), each checked by its stage's engine's rules; a
+    refusal says every wrong one."""
     if not isinstance(raw, dict):
         raise Refused(400, ErrorCode.INVALID_REQUEST, "\"params\" must be an object: {\"STAGE\": {\"KEY\": value}}")
+    said = Problems()
     out: dict[str, dict[str, Any]] = {}
     for stage_name, values in raw.items():
         if stage_name not in pipeline.stages:
-            raise Refused(400, ErrorCode.INVALID_PARAM, f"pipeline {pipeline.name!r} has no stage {stage_name!r} "
-                          f"(its stages: {', '.join(pipeline.stages)})")
-        if not isinstance(values, dict):
-            raise Refused(400, ErrorCode.INVALID_PARAM, f"params.{stage_name} must be an object")
-        stage = config.stages[stage_name]
-        for key, value in values.items():
-            why = job_param_problem(stage_name, stage.engine, stage.defaults, key, value)
-            if why is None and key in ("adapter", "adapters"):
-                why = adapter_problem(stage_name, stage.engine, stage.adapters, key, value)
-            if why is not None:
-                raise Refused(400, ErrorCode.INVALID_PARAM, why)
-        why = values_problem(stage_name, stage.engine, merged(stage.defaults, values))
-        if why is None and capabilities(stage.engine).context_window:
-            why = prompt_length.max_tokens_problem(stage, values.get("max_tokens"))
-            why = f"stage {stage_name!r}: {why}" if why is not None else None
-        if why is not None:
-            raise Refused(400, ErrorCode.INVALID_PARAM, why)
-        out[stage_name] = dict(values)
+            said.add(Refused(400, ErrorCode.INVALID_PARAM, f"pipeline {pipeline.name!r} has no stage {stage_name!r} "
+                             f"(its stages: {', '.join(pipeline.stages)})"))
+        elif not isinstance(values, dict):
+            said.add(Refused(400, ErrorCode.INVALID_PARAM, f"params.{stage_name} must be an object"))
+        else:
+            out[stage_name] = said.of(_stage_params, config.stages[stage_name], values) or {}
+    said.check()
     return out
+
+
+def _stage_params(stage: StageConfig, values: dict[str, Any]) -> dict[str, Any]:
+    """One stage's params, checked by its engine's rules: each wrong one, else what they make together."""
+    said = Problems()
+    for key, value in values.items():
+        why = job_param_problem(stage.name, stage.engine, stage.defaults, key, value)
+        if why is None and key in ("adapter", "adapters"):
+            why = adapter_problem(stage.name, stage.engine, stage.adapters, key, value)
+        if why is not None:
+            said.add(Refused(400, ErrorCode.INVALID_PARAM, why))
+    said.check()
+    why = values_problem(stage.name, stage.engine, merged(stage.defaults, values))
+    if why is None and capabilities(stage.engine).context_window:
+        why = prompt_length.max_tokens_problem(stage, values.get("max_tokens"))
+        why = f"stage {stage.name!r}: {why}" if why is not None else None
+    if why is not None:
+        raise Refused(400, ErrorCode.INVALID_PARAM, why)
+    return dict(values)
 
 
 # ------------------------------------------------------------------ what a pipeline answers with

@@ -328,7 +328,11 @@ def schemas(config: Config) -> dict[str, Any]:
     return {
         "Error": obj({"error": obj({"code": enum(ErrorCode), "message": STR,
                                     "input": {**STR, "description": "the input a 400 invalid_media or "
-                                                                       "media_not_accepted is about"}},
+                                                                       "media_not_accepted is about"},
+                                    "problems": {"type": "array", "description": "a job wrong in several places: "
+                                                 "each problem (the error's code is the first one's)",
+                                                 "items": obj({"code": enum(ErrorCode), "message": STR, "input": STR},
+                                                              ["code", "message"])}},
                                    ["code", "message"])},
                      ["error"], extra=False),
         "JobRequest": _job_request(config),
