@@ -55,20 +55,22 @@ class Verdict:
 
 
 def host_id() -> str:
-    """This host's name in the baseline: its CPU model, its cores (the ones this process may use)
-    and whether it has AMX (oneDNN's matmuls differ with it)."""
-    model, flags = "unknown CPU", ""
+    """This host's name in the baseline: its CPU model with its family and model numbers (a cloud's
+    "AMD EPYC" names Zen 4 and Zen 5 alike, and the segment row read 7.7-10.4x on one, 5.1-5.6x on
+    the other), its cores (the ones this process may use) and whether it has AMX (oneDNN's matmuls
+    differ with it)."""
+    found: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown CPU":
-                model = " ".join(value.split())
-            elif key.strip() == "flags" and not flags:
-                flags = value
+            found.setdefault(key.strip(), " ".join(value.split()))
     except OSError:
         pass
+    model = found.get("model name", "unknown CPU")
+    if "cpu family" in found and "model" in found:
+        model += f" (family {found['cpu family']}, model {found['model']})"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{model}, {cores} cores" + (", AMX" if "amx_tile" in flags.split() else "")
+    return f"{model}, {cores} cores" + (", AMX" if "amx_tile" in found.get("flags", "").split() else "")
 
 
 def _hosts(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
