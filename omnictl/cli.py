@@ -40,7 +40,7 @@ class OmnictlGroup(click.Group):
         except ApiError as exc:
             # a refusal that passes by itself (429, 503, 507): when to try again, as its Retry-After says
             wait = f" (try again in {exc.retry_after} s)" if exc.retry_after and "try again in" not in exc.message else ""
-            fail(f"{exc.message} ({exc.code}){wait}", ExitCode.REFUSED)
+            fail(f"{_refusal(exc)}{wait}", ExitCode.REFUSED)
         except DaemonUnreachable as exc:
             fail(str(exc), ExitCode.UNREACHABLE)
         except ClientError as exc:
@@ -56,6 +56,17 @@ class OmnictlGroup(click.Group):
             # Requests never raise OSError (the client wraps them); this is a local file we wrote or read.
             where = f": {exc.filename}" if exc.filename else ""
             fail(f"{exc.strerror or exc}{where}", ExitCode.JOB_FAILED)
+
+
+def _refusal(exc: ApiError) -> str:
+    """A refusal as a user reads it: its message and code; a request wrong in several places (the
+    error's `problems`), one line each."""
+    error = exc.body.get("error") if isinstance(exc.body, dict) else None
+    problems = error.get("problems") if isinstance(error, dict) else None
+    if isinstance(problems, list) and len(problems) > 1 and all(isinstance(p, dict) for p in problems):
+        lines = "".join(f"\n  - {p.get('message')} ({p.get('code')})" for p in problems)
+        return f"the request has {len(problems)} problems:{lines}"
+    return f"{exc.message} ({exc.code})"
 
 
 # --- the group: every command, from its module ----------------------------------------------------

@@ -262,6 +262,10 @@ def test_queue_limit_refuses_without_half_accepting(start_daemon: Callable[..., 
     assert [j["id"] for j in after] == [j["id"] for j in before]       # nothing half-accepted
     # The limit is per pipeline.
     assert d.wait(d.submit("other", {"text": "x"}))["state"] == "succeeded"
+    # A submission wrong in two places is told both, a line each (the error's problems)
+    wrong = omnictl(d, "submit", "other", "--input", "text=x", "--param", "zz.a=1", "--param", "yy.b=2")
+    assert wrong.returncode == 4 and "the request has 2 problems:\n  - pipeline 'other' has no stage 'zz'" \
+        in wrong.stderr and "\n  - pipeline 'other' has no stage 'yy'" in wrong.stderr, wrong.stderr
     # Once a queued job is gone, there is room again.
     d.client.cancel(queued[0])
     extra = d.submit("p")
