@@ -144,7 +144,7 @@ def find_pipeline(config: Config, name: str, in_path: bool = False) -> PipelineC
 def inputs(config: Config, raw: Any, pipeline: PipelineConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """A job's `inputs` as JSON gives them, decoded (files to bytes) and checked for the
     pipeline's first stages; with the summary the job document shows. A refusal names every wrong
-    input (then what the first stages need of them, once each is right)."""
+    input, and what the first stages need of the others."""
     if not isinstance(raw, dict):
         raise Refused(400, ErrorCode.INVALID_REQUEST, "\"inputs\" must be an object of named inputs")
     said = Problems()
@@ -154,15 +154,20 @@ def inputs(config: Config, raw: Any, pipeline: PipelineConfig) -> tuple[dict[str
         decoded = said.of(_input, key, value)
         if decoded is not None:
             found[key], summary[key] = decoded
+    wrong = {r.extra.get("input") for r in said.found}
+    needs = Problems()
+    needs.of(check_inputs, config, found, summary, pipeline)
+    for refused in needs.found:         # (what the stages need of an input that is wrong already: said)
+        if refused.extra.get("input") not in wrong:
+            said.add(refused)
     said.check()
-    check_inputs(config, found, summary, pipeline)
     return found, summary
 
 
 def _input(key: str, value: Any) -> tuple[Any, Any]:
     """One input as JSON gives it: (its value, files decoded to bytes; its summary)."""
     if not key or len(key) > 128:
-        raise Refused(400, ErrorCode.INVALID_INPUT, f"input name {key!r} is empty or too long")
+        raise Refused(400, ErrorCode.INVALID_INPUT, f"input name {key!r} is empty or too long", input=key)
     if isinstance(value, (str, int, float, bool)) or value is None:
         if not plain_value(value):
             raise Refused(400, ErrorCode.INVALID_INPUT, f"input {key!r} is not a finite number", input=key)
@@ -328,7 +333,8 @@ def _file_or_samples(key: str, value: dict[str, Any]) -> tuple[bytes, dict[str, 
     try:
         data = base64.b64decode(value["b64"], validate=True)
     except (binascii.Error, ValueError):
-        raise Refused(400, ErrorCode.INVALID_INPUT, f"input {key!r}: \"b64\" is not valid base64") from None
+        raise Refused(400, ErrorCode.INVALID_INPUT, f"input {key!r}: \"b64\" is not valid base64",
+                      input=key.partition("[")[0]) from None
     return data, {"filename": value.get("filename"), "size": len(data)}
 
 

@@ -33,8 +33,8 @@ SNAPSHOTS = Path(__file__).with_name("refusal_snapshots.json")
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/images/generations", "/v1/audio/speech")
 B64_WAV_JUNK = "UklGRg=="       # "RIFF": base64, but no WAV file
 CHAT = [{"role": "user", "content": "hi"}]
-# A job wrong in six places: its answer says each (`problems`), in the order of the body's fields
-EVERY_PROBLEM = {"pipeline": "chat", "colour": "red", "inputs": {"prompt": "x", "extra": {"a": 1}, "n": [{"b": 2}]},
+# A job wrong in nine places: its answer says each (`problems`), in the order of the body's fields
+EVERY_PROBLEM = {"pipeline": "chat", "colour": "red", "inputs": {"prompt": 42, "extra": {"a": 1}, "n": [{"b": 2}]},
                  "params": {"gen": {"temperature": -1, "top_p": 5}, "draw": {}}, "timeout_s": 0, "priority": "high"}
 
 # (name, path, field, body): each refused for one reason (but EVERY_PROBLEM); `field` is what its answer must name: on the
@@ -57,6 +57,7 @@ CASES: list[tuple[str, str, str, Any]] = [
     ("job_timeout_negative", "/v1/jobs", "timeout_s", {"pipeline": "chat", "inputs": {"prompt": "x"}, "timeout_s": -5}),
     ("job_priority_not_integer", "/v1/jobs", "priority", {"pipeline": "chat", "inputs": {"prompt": "x"}, "priority": 0.5}),
     ("job_every_problem_at_once", "/v1/jobs", "params.gen.top_p", EVERY_PROBLEM),
+    ("job_prompt_not_base64", "/v1/jobs", "prompt", {"pipeline": "chat", "inputs": {"prompt": {"b64": "!!"}}}),
     # POST /v1/chat/completions
     ("chat_body_not_an_object", "/v1/chat/completions", "", "hello"),
     ("chat_no_model", "/v1/chat/completions", "model", {"messages": CHAT}),
@@ -192,15 +193,16 @@ def test_a_job_hears_every_problem_at_once(answers: dict[str, dict[str, Any]]) -
     one's code and input on the error itself; a job wrong in one place has no list."""
     error = answers["job_every_problem_at_once"]["body"]["error"]
     problems = error["problems"]
-    words = ["unknown field(s) colour", "input 'extra' must be", "input 'n' must be", "params.gen.temperature",
-             "params.gen.top_p", "no stage 'draw'", "\"timeout_s\"", "\"priority\""]
+    words = ["unknown field(s) colour", "input 'extra' must be", "input 'n' must be", "input \"prompt\" of vllm stage",
+             "params.gen.temperature", "params.gen.top_p", "no stage 'draw'", "\"timeout_s\"", "\"priority\""]
     assert len(problems) == len(words), problems
     for problem, word in zip(problems, words):
         assert word in problem["message"], (word, problem)
         assert problem["message"] in error["message"]
-    assert [p["code"] for p in problems] == ["invalid_request", "invalid_input", "invalid_input", "invalid_param",
-                                             "invalid_param", "invalid_param", "invalid_request", "invalid_request"]
-    assert [p.get("input") for p in problems][1:3] == ["extra", "n"]
+    assert [p["code"] for p in problems] == ["invalid_request", "invalid_input", "invalid_input", "invalid_input",
+                                             "invalid_param", "invalid_param", "invalid_param", "invalid_request",
+                                             "invalid_request"]
+    assert [p.get("input") for p in problems][1:4] == ["extra", "n", "prompt"]
     assert error["code"] == "invalid_request" and "input" not in error
     several = {"job_every_problem_at_once", "job_unknown_field"}     # (that one's job also has no prompt)
     assert len(answers["job_unknown_field"]["body"]["error"]["problems"]) == 2
