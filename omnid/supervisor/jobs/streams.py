@@ -77,7 +77,8 @@ WINDOW_S = 8.0          # the capacity's measuring window
 LOWER_S = 2 * WINDOW_S  # while streams start, the window grows up to this (see Meter.sample)
 MIN_AUDIO_S = 1.0       # a window's audio below this measures nothing (an idle pipeline keeps its figure)
 SMOOTHING = 0.5         # the moving average's weight of a new window
-DEFAULT_STREAM_S = 10.0     # a stream's expected length before one has ended (for estimates)
+DEFAULT_STREAM_S = 10.0     # a stream's expected length before one has ended (for estimates), without a warm-up's
+MIN_WARM_LENGTH_S = 0.1     # a warm-up shorter than this (it failed at once) says nothing of a stream's length
 WARM_GRACE_S = 2.0      # a warm-up's last busy seconds come with the workers' next stats: cold until then
 RAMP_S = 3.0            # `start_slack_s`: the streams that began this recently are waited for,
 MAX_HOLD_S = 1.0        # and for no longer than this (a loaded pipeline's streams gain slack slowly)
@@ -237,6 +238,7 @@ class Streams:
     warming: str | None = None              # the warm-up job in flight
     superseded: set[str] = field(default_factory=set)   # warm-ups of a worker that died since: they warm nothing
     lengths: deque[float] = field(default_factory=lambda: deque(maxlen=32))   # ended streams' durations
+    warm_length: float | None = None        # the last warm-up's duration: the expected length until a stream ends
     refused: int = 0
     held_since: float | None = None         # the next stream has had room, and waited for the ramps, since then
 
@@ -277,7 +279,13 @@ class Streams:
                 if now - began < RAMP_S and job != self.warming and job not in self.superseded]
 
     def expected_length(self) -> float:
-        return sum(self.lengths) / len(self.lengths) if self.lengths else DEFAULT_STREAM_S
+        """A stream's expected duration: the ended streams' mean; before one has ended, the warm-up's
+        (the same pipeline and defaults, measured cold: no shorter than a warm stream), else
+        DEFAULT_STREAM_S. (The demo's tts: 10 s, then about 1 s; its Retry-After and queued starts
+        were ten times too far off until a stream had ended.)"""
+        if self.lengths:
+            return sum(self.lengths) / len(self.lengths)
+        return self.warm_length if self.warm_length is not None else DEFAULT_STREAM_S
 
     def frees_at(self, now: float) -> list[float]:
         """When each slot frees (monotonic), soonest first: running streams end after the expected length."""
@@ -408,6 +416,8 @@ class Gate:
         if job_id == s.warming:
             s.warming = None
             s.warm, s.warm_at = True, time.monotonic()   # (a failed warm-up is the scheduler's to log)
+            if started is not None and s.warm_at - started >= MIN_WARM_LENGTH_S:   # (not one that failed at once)
+                s.warm_length = s.warm_at - started
         self.release(s)
 
     def release(self, s: Streams) -> None:

@@ -260,3 +260,27 @@ def test_a_warm_ups_figure_is_provisional(monkeypatch: pytest.MonkeyPatch) -> No
         g.tick()
     assert s.meter.audio_per_s == pytest.approx(4.0)
     assert not s.meter.provisional
+
+
+def test_before_a_stream_has_ended_estimates_use_the_warm_ups_length() -> None:
+    """A waiting stream's estimate and a refusal's Retry-After come from the streams' expected
+    length: before any has ended, the warm-up's duration (not DEFAULT_STREAM_S); a warm-up that
+    failed at once says nothing; the ended streams' mean once there is one."""
+    g, p, _ = gate()
+    s = g.streams("speech")
+    assert s is not None
+    s.warm = False
+    assert g.admit(FakeJob("quick", p), warm_up=True)
+    g.ended("quick")                                        # failed at once: no length from it
+    assert s.expected_length() == S.DEFAULT_STREAM_S
+    s.warm = False
+    assert g.admit(FakeJob("warm", p), warm_up=True)
+    time.sleep(0.3)
+    g.ended("warm")
+    assert s.warm and 0.3 <= s.expected_length() < 1.5
+    jobs = [FakeJob(f"j{i}", p, order=i) for i in range(4)]
+    assert all(g.admit(j) for j in jobs[:3]) and not g.admit(jobs[3])   # 3 fit; the 4th waits
+    assert 0 < g.waiting("j3")["estimated_start_s"] <= 1.5  # type: ignore[index]
+    s.running["j0"] -= 2.0                                  # j0 ran for 2 s
+    g.ended("j0")
+    assert s.expected_length() == pytest.approx(2.0, abs=0.1)
