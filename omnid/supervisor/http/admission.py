@@ -21,7 +21,7 @@ import base64
 import binascii
 import difflib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, ClassVar
 
@@ -154,7 +154,7 @@ def inputs(config: Config, raw: Any, pipeline: PipelineConfig) -> tuple[dict[str
         decoded = said.of(_input, key, value)
         if decoded is not None:
             found[key], summary[key] = decoded
-    wrong = {r.extra.get("input") for r in said.found}
+    wrong = {r.extra.get("input") for r in said.found} - {None}
     needs = Problems()
     needs.of(check_inputs, config, found, summary, pipeline)
     for refused in needs.found:         # (what the stages need of an input that is wrong already: said)
@@ -366,7 +366,7 @@ def job_params(config: Config, raw: Any, pipeline: PipelineConfig) -> dict[str, 
     return out
 
 
-def _stage_params(stage: StageConfig, values: dict[str, Any]) -> dict[str, Any]:
+def _stage_params(stage: StageConfig, values: Mapping[str, Any]) -> dict[str, Any]:
     """One stage's params, checked by its engine's rules: each wrong one, else what they make together."""
     said = Problems()
     for key, value in values.items():
