@@ -428,6 +428,23 @@ def test_a_response_with_no_user_turn_answers_from_the_instructions(daemon: Runn
     job = daemon.client.job(done["metadata"]["omnid_job"])
     assert json.loads(job["inputs"]["messages"]) == [{"role": "system", "content": "Greet the caller."}]
 
+    async def bare() -> dict[str, Any]:         # no instructions either: it still speaks first
+        http, ws = await _open(daemon, "omni")
+        c = Conn(ws)
+        try:
+            await c.until("session.created")
+            await c.send("response.create")
+            return (await c.until("response.done"))["response"]
+        finally:
+            await ws.close()
+            await http.close()
+
+    done = run(bare())
+    assert (done["status"] == "completed" or done["status_details"]["reason"] == "max_output_tokens") \
+        and done["output"][0]["content"][0]["transcript"], done
+    job = daemon.client.job(done["metadata"]["omnid_job"])
+    assert json.loads(job["inputs"]["messages"]) == [{"role": "system", "content": ""}]
+
 
 # ------------------------------------------------------------------ refusals
 

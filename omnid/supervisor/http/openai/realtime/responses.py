@@ -118,6 +118,8 @@ class Responses:
                     params.setdefault(name, {})[key] = opts.voice
         instructions = opts.instructions if opts.instructions is not None else s.settings.instructions
         messages, parts, dropped = s.conversation.prompt(instructions, reserve)
+        if not messages:        # nothing said yet, no instructions: the model speaks first, as OpenAI's does
+            messages = [{"role": "system", "content": ""}]      # (a chat template takes no empty chat)
         if parts:
             inputs, summary = media_inputs(self.config, self.p, json.dumps(messages), parts)
         else:
