@@ -100,7 +100,7 @@ class Conversation:
     def find(self, item_id: Any) -> Item:
         found = next((i for i in self.items if i.id == item_id), None)
         if found is None:
-            raise EventError("item_not_found", f"no item {item_id!r} in this conversation", "item_id")
+            raise EventError("item_not_found", f"no item {admission.shown(item_id)} in this conversation", "item_id")
         return found
 
     # ------------------------------------------------------------------ what a client adds
@@ -141,7 +141,7 @@ class Conversation:
         if not isinstance(item, dict):
             raise EventError("invalid_value", "conversation.item.create needs \"item\": an object", "item")
         if item.get("type", "message") != "message":
-            raise EventError("unsupported", f"item.type {item.get('type')!r} is not supported: messages only",
+            raise EventError("unsupported", f"item.type {admission.shown(item.get('type'))} is not supported: messages only",
                              "item.type")
         role = item.get("role")
         if role not in ("user", "assistant", "system"):

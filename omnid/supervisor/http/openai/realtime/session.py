@@ -221,7 +221,7 @@ class _Session:
             handler = _HANDLERS.get(kind) if isinstance(kind, str) else None
             if handler is None:
                 raise EventError("invalid_event_type" if kind is not None else "missing_type",
-                                 f"unknown event type {kind!r}; omnid takes "
+                                 f"unknown event type {admission.shown(kind)}; omnid takes "
                                  f"{', '.join(sorted(_HANDLERS))}", "type")
             await handler(self, ev)
         except EventError as e:
@@ -387,7 +387,7 @@ class _Session:
         current = self.runner.current
         if current is None or (wanted is not None and wanted != current.id):
             raise EventError("response_cancel_not_active", "there is no response under way to cancel"
-                             + (f" with id {wanted!r}" if wanted is not None else ""), "response_id")
+                             + (f" with id {admission.shown(wanted)}" if wanted is not None else ""), "response_id")
         if not await self.runner.cancel("client_cancelled"):
             raise EventError("response_cancel_not_active", "the response had ended already", "response_id")
 

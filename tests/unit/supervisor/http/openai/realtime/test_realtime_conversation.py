@@ -223,3 +223,10 @@ def test_items_as_openai_writes_them() -> None:
         "content": [{"type": "output_audio", "transcript": "yo"}]}
     assert Item("i5", "assistant", "yo").doc()["content"] == [{"type": "output_text", "text": "yo"}]
     assert Item("i6", "system", "be").doc()["content"] == [{"type": "input_text", "text": "be"}]
+
+
+def test_a_huge_wrong_value_is_cut_in_the_error() -> None:
+    """A client's wrong value is shown cut, never echoed whole (an event may hold megabytes)."""
+    c = conversation()
+    for e in (refused(c.find, "x" * 1_000_000), refused(c.new_item, {"item": {"type": "y" * 1_000_000}})):
+        assert len(e.message) < 200 and "characters)" in e.message, e.message[:300]
