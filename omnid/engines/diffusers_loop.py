@@ -29,8 +29,9 @@ stage's rows still join at a step and share the step's loop, but its transformer
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from omnid.engines.base import RequestContext
 
@@ -79,19 +80,19 @@ class Driver:
         self.per_row = per_row          # a cache hook on the transformer: one context per row
         self.counter = counter          # the hook's `_CacheCounter`, when it counts hits
 
-    def takes(self, params: dict[str, Any], extra: dict[str, Any], negative: str | None) -> bool:
+    def takes(self, params: Mapping[str, Any], extra: Mapping[str, Any], negative: str | None) -> bool:
         """The loop can run a request of these parameters (else: a pipeline call)."""
         return not extra and set(params) <= self.params and int(params.get("num_images_per_prompt", 1) or 1) == 1
 
-    def key(self, params: dict[str, Any]) -> str:
+    def key(self, params: Mapping[str, Any]) -> str:
         """Rows of equal keys can share one forward."""
         height, width = self.size(params)
         return f"{height}x{width}"
 
-    def size(self, params: dict[str, Any]) -> tuple[int, int]:
+    def size(self, params: Mapping[str, Any]) -> tuple[int, int]:
         raise NotImplementedError
 
-    def prepare(self, ctx: RequestContext, key: str, adapters: tuple[tuple[str, float], ...], params: dict[str, Any],
+    def prepare(self, ctx: RequestContext, key: str, adapters: tuple[tuple[str, float], ...], params: Mapping[str, Any],
                 negative: str | None, generator: Any) -> Row:
         raise NotImplementedError
 
@@ -136,11 +137,11 @@ class StableDiffusionDriver(Driver):
 
     params = _SD_PARAMS
 
-    def size(self, params: dict[str, Any]) -> tuple[int, int]:
+    def size(self, params: Mapping[str, Any]) -> tuple[int, int]:
         default = self.pipe.unet.config.sample_size * self.pipe.vae_scale_factor
         return int(params.get("height") or default), int(params.get("width") or default)
 
-    def prepare(self, ctx: RequestContext, key: str, adapters: tuple[tuple[str, float], ...], params: dict[str, Any],
+    def prepare(self, ctx: RequestContext, key: str, adapters: tuple[tuple[str, float], ...], params: Mapping[str, Any],
                 negative: str | None, generator: Any) -> Row:
         from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
 
@@ -206,11 +207,11 @@ class FluxDriver(Driver):
 
     params = _FLUX_PARAMS
 
-    def size(self, params: dict[str, Any]) -> tuple[int, int]:
+    def size(self, params: Mapping[str, Any]) -> tuple[int, int]:
         default = self.pipe.default_sample_size * self.pipe.vae_scale_factor
         return int(params.get("height") or default), int(params.get("width") or default)
 
-    def prepare(self, ctx: RequestContext, key: str, adapters: tuple[tuple[str, float], ...], params: dict[str, Any],
+    def prepare(self, ctx: RequestContext, key: str, adapters: tuple[tuple[str, float], ...], params: Mapping[str, Any],
                 negative: str | None, generator: Any) -> Row:
         import numpy as np
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps

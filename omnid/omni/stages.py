@@ -32,7 +32,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,7 @@ def _cached(kind: str, model_dir: Path) -> Any:
         return _parts[key]
 
 
-def _speaker(speakers: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+def _speaker(speakers: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
     name = str(params.get("speaker", DEFAULT_SPEAKER))
     if name not in speakers:
         raise ValueError(f"no speaker {name!r}; the checkpoint has {sorted(speakers)}")
@@ -82,7 +82,7 @@ def _flat(value: Any) -> list[int]:
     return [int(t) for t in torch.as_tensor(value).reshape(-1).tolist()]
 
 
-def _check_talker_inputs(inputs: dict[str, Any]) -> None:
+def _check_talker_inputs(inputs: Mapping[str, Any]) -> None:
     for key in ("prompt_ids", "ids", "states"):
         if key not in inputs:
             raise ValueError(f"the talker needs input {key!r} (map prompt_ids = \"prompt_token_ids\", "
@@ -95,7 +95,7 @@ def _bound_codes(session: TalkerSession, per_token: Any, n_text: int) -> None:
         session.max_codes = min(session.max_codes, max(1, int(float(per_token) * n_text)))
 
 
-def talker(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> Iterator[dict[str, Any] | None]:
+def talker(inputs: Mapping[str, Any], params: Mapping[str, Any], ctx: Any) -> Iterator[dict[str, Any] | None]:
     import torch
 
     _check_talker_inputs(inputs)
@@ -186,7 +186,7 @@ _END = object()
 class _TalkerJob:
     """One job in the talker stage: its thinker inputs as they come, then its TalkerSession."""
 
-    def __init__(self, inputs: dict[str, Any], params: dict[str, Any], speaker: dict[str, Any]) -> None:
+    def __init__(self, inputs: Mapping[str, Any], params: Mapping[str, Any], speaker: dict[str, Any]) -> None:
         self.prompt_in, self.ids_in, self.states_in = (_Feed(inputs[k]) for k in ("prompt_ids", "ids", "states"))
         self.speaker = speaker
         self.max_codes = int(params.get("max_codes", DEFAULT_MAX_CODES))
@@ -250,7 +250,7 @@ class Talker:
         # a slot (KV cache rows) for each job the stage runs at once
         self.batch = TalkerBatch(self.model, slots=max(1, int(load.max_inflight)))
 
-    def open(self, inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> _TalkerJob:
+    def open(self, inputs: Mapping[str, Any], params: Mapping[str, Any], ctx: Any) -> _TalkerJob:
         _check_talker_inputs(inputs)
         return _TalkerJob(inputs, params, _speaker(self.speakers, params))
 
@@ -361,7 +361,7 @@ def pcm16(samples: Any) -> bytes:
     return bytes((torch.as_tensor(samples).float().clamp(-1, 1) * 32767).round().to(torch.int16).numpy().tobytes())
 
 
-def _decoder(model: Any, speakers: dict[str, Any], inputs: dict[str, Any], params: dict[str, Any]) -> StreamingCode2Wav:
+def _decoder(model: Any, speakers: Mapping[str, Any], inputs: Mapping[str, Any], params: Mapping[str, Any]) -> StreamingCode2Wav:
     """A job's code2wav decoder, from its parameters."""
     if "codes" not in inputs:
         raise ValueError("code2wav needs input 'codes' (the talker's codec tokens)")
@@ -396,7 +396,7 @@ def _codec_codes(window: Any, offset: int, n_codes: int) -> list[int]:
     return codes
 
 
-def code2wav(inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> Iterator[dict[str, Any] | None]:
+def code2wav(inputs: Mapping[str, Any], params: Mapping[str, Any], ctx: Any) -> Iterator[dict[str, Any] | None]:
     model, speakers = _cached("token2wav", _model_dir(ctx))
     decoder = _decoder(model, speakers, inputs, params)
     offset = int(params.get("code_offset", 0))
@@ -502,7 +502,7 @@ class Code2Wav:
         self.n_codes = int(self.model.code2wav_dit_model.config.num_embeds)
         self.live: set[_Code2WavJob] = set()    # the sessions open (streams playing or about to)
 
-    def open(self, inputs: dict[str, Any], params: dict[str, Any], ctx: Any) -> _Code2WavJob:
+    def open(self, inputs: Mapping[str, Any], params: Mapping[str, Any], ctx: Any) -> _Code2WavJob:
         decoder = _decoder(self.model, self.speakers, inputs, params)
         busy_first = params.get("busy_first")
         if busy_first is not None and self.live and int(busy_first) > decoder.ramp[0]:
