@@ -12,7 +12,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
@@ -132,7 +132,7 @@ def _pipeline_sinks(client: Client, name: str) -> list[str]:
     return []
 
 
-def _write_results(settings: Settings, client: Client, job: dict[str, Any], output_dir: Path | None) -> NoReturn:
+def _write_results(settings: Settings, client: Client, job: Mapping[str, Any], output_dir: Path | None) -> NoReturn:
     """Write a finished job's outputs, list them, end with its state line, and exit by its state."""
     directory = output_dir if output_dir is not None else Path(str(job.get("id")))
     paths = client.save_outputs(job, directory)
@@ -164,7 +164,7 @@ def submit(
     pipeline: str,
     prompt: str | None,
     inputs: dict[str, str],
-    files: dict[str, Any],
+    files: Mapping[str, Any],
     params: dict[str, dict[str, Any]],
     timeout_s: float | None,
     priority: int | None,

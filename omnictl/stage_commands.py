@@ -9,7 +9,7 @@ while a restarted or woken stage comes up; without limit while following logs). 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import click
@@ -70,7 +70,7 @@ def stage_restart(settings: Settings, name: str, no_wait: bool, timeout: float) 
             click.echo(f"{name}: restarting")
         return
 
-    def replaced(snap: dict[str, Any]) -> bool:     # ready, every replica a new process
+    def replaced(snap: Mapping[str, Any]) -> bool:     # ready, every replica a new process
         pids = _replica_pids(snap)
         return snap.get("state") in (WorkerState.READY, WorkerState.BUSY) and bool(pids) and None not in pids \
             and not old_pids & set(pids)
@@ -101,7 +101,7 @@ def _wait_for_stage(settings: Settings, client: Client, name: str, timeout: floa
         time.sleep(0.2)
 
 
-def _replica_pids(snap: dict[str, Any]) -> list[Any]:
+def _replica_pids(snap: Mapping[str, Any]) -> list[Any]:
     replicas = snap.get("replicas")
     if isinstance(replicas, list) and replicas:
         return [r.get("pid") for r in replicas if isinstance(r, dict)]

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import wave
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +122,7 @@ class Talk:
         return event
 
     @staticmethod
-    def _why(event: dict[str, Any], ws: Any) -> str:
+    def _why(event: Mapping[str, Any], ws: Any) -> str:
         if event.get("type") == "error":
             err = event["error"]
             return f"{err.get('message')} ({err.get('code')})"

@@ -40,7 +40,7 @@ class Rule:
     valid (or None); `schema` is the same rule as JSON Schema (for `GET /v1/pipelines/{name}` and
     the OpenAPI document), built from the very arguments the check uses."""
 
-    def __init__(self, check: Callable[[Any], str | None], schema: dict[str, Any]) -> None:
+    def __init__(self, check: Callable[[Any], str | None], schema: Mapping[str, Any]) -> None:
         self.check = check
         self.schema = schema
 

@@ -39,7 +39,7 @@ import os
 import shutil
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -81,7 +81,7 @@ SCHEMA_VERSION = 3
 WRITE_RETRY_S = 1.0     # while writes fail (a full disk), how often a write tries again (the daemon's tick too)
 
 
-def _encode_inputs(inputs: dict[str, Any]) -> str:
+def _encode_inputs(inputs: Mapping[str, Any]) -> str:
     """A job's inputs as JSON; file inputs (bytes, alone or in a list) as {"__b64__": ...}."""
     def enc(v: Any) -> Any:
         if isinstance(v, list):
@@ -298,7 +298,7 @@ class JobStore:
         self._dirty[job.id] = job
         self._written()
 
-    def keep_inputs(self, job_id: str, inputs: dict[str, Any], attempts: int = 0) -> None:
+    def keep_inputs(self, job_id: str, inputs: Mapping[str, Any], attempts: int = 0) -> None:
         """Keep a live job's whole inputs (and retries used), so it can run again after a restart."""
         self._inputs[job_id] = (_encode_inputs(inputs), attempts)
         self._written()

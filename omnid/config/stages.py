@@ -289,7 +289,7 @@ def _check_engine_keys(c: Checker, st: StageTable, path: str, devices: list[int]
                 c.add(f"{path}.defaults.{k}", f"{why}, not {v!r}")
 
 
-def _parse_produces(c: Checker, s: dict[str, Any], path: str, engine: str | None, python: bool,
+def _parse_produces(c: Checker, s: Mapping[str, Any], path: str, engine: str | None, python: bool,
                     ref: str | None, python_path: tuple[Path, ...]) -> tuple[str, ...] | None:
     """A python stage's kinds of output: its `produces` key, else what its function or class declares
     (`declared_produces`); None when neither says."""

@@ -121,7 +121,7 @@ class RequestContext:
                              finish_reason=self.finish_reason if is_last else None))
         self.segments += 1
 
-    def finish(self, outputs: dict[str, Any]) -> None:
+    def finish(self, outputs: Mapping[str, Any]) -> None:
         if self.outcome is None:
             if not isinstance(outputs, dict):
                 self.fail(f"stage returned {type(outputs).__name__}, not a dict of named outputs")
@@ -241,7 +241,7 @@ class Engine(abc.ABC):
         """Release the model (the worker exits right after)."""
 
 
-def audio_seconds(outputs: dict[str, Any], wav: dict[str, int]) -> float:
+def audio_seconds(outputs: Mapping[str, Any], wav: dict[str, int]) -> float:
     """Seconds of audio in one segment's bytes values: a streamed WAV's chunks (the first one starts
     with its RIFF header, which says the rate; `wav` remembers it by output name for the next)."""
     total = 0.0

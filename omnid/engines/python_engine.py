@@ -50,7 +50,7 @@ import importlib
 import inspect
 import sys
 import traceback
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,7 +93,7 @@ def user_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}{where}"
 
 
-def merge_segment(acc: dict[str, Any], seg: dict[str, Any]) -> None:
+def merge_segment(acc: dict[str, Any], seg: Mapping[str, Any]) -> None:
     for k, v in seg.items():
         prev = acc.get(k)
         if isinstance(v, str) and isinstance(prev, str):

@@ -49,7 +49,7 @@ leaving between steps (continuous batching). The class gives that to any python 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,7 +132,7 @@ class SessionRunner:
             self._impl = self._factory()
         return self._impl
 
-    def open(self, ctx: RequestContext, params: dict[str, Any]) -> None:
+    def open(self, ctx: RequestContext, params: Mapping[str, Any]) -> None:
         ahead: dict[str, float] = {}            # pace_ahead_s and yield_ahead_s (0 or less: never)
         for key, default in (("pace_ahead_s", DEFAULT_PACE_AHEAD_S), ("yield_ahead_s", DEFAULT_YIELD_AHEAD_S)):
             try:

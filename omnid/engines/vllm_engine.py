@@ -242,7 +242,7 @@ def eager_if_no_room(args: dict[str, Any], stage_args: Mapping[str, Any]) -> str
             f"runs eager (slower steps). Free space there, or set enforce_eager in the stage's args")
 
 
-def cpu_threads(stage: StageConfig, args: dict[str, Any], environ: Any) -> int | None:
+def cpu_threads(stage: StageConfig, args: Mapping[str, Any], environ: Any) -> int | None:
     """The model's OpenMP threads on a CPU: all of the worker's CPUs but one, as vLLM's own CPU
     executor reserves one for its scheduler and server. Here that one serves the worker's and the
     supervisor's work on each step's outputs; with every CPU in the forward, their turns preempt

@@ -12,6 +12,7 @@ is imported where the processor is loaded, once, at the engine's load.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from omnid import media as M
@@ -34,7 +35,7 @@ def chat_prompt(tokenizer: Any, model: object, messages: Any) -> dict[str, Any]:
     return {"prompt_token_ids": list(tokenizer.encode(text, add_special_tokens=False))}
 
 
-def tensor_prompt(inputs: dict[str, Any], stage: StageConfig, engine: Any, hidden: int,
+def tensor_prompt(inputs: Mapping[str, Any], stage: StageConfig, engine: Any, hidden: int,
                   max_len: int) -> dict[str, Any] | None:
     """The job's prompt_embeds or prompt_token_ids as vLLM takes them, or None if it gives neither;
     TensorInputError says what is wrong with one. `engine`: vLLM's (its model's dtype and vocabulary)."""
@@ -66,7 +67,7 @@ def load_processor(stage: StageConfig) -> tuple[Any, int | None]:
     return processor, rate if isinstance(rate, int) and rate > 0 else None
 
 
-def media_inputs(inputs: dict[str, Any], stage: StageConfig, audio_rate: int) -> dict[str, list[Any]]:
+def media_inputs(inputs: Mapping[str, Any], stage: StageConfig, audio_rate: int) -> dict[str, list[Any]]:
     """The job's media inputs, decoded as vLLM takes them, by kind; MediaError names the input.
 
     The door checked a job's own files already; this is the check of what arrives through an

@@ -28,6 +28,7 @@ samples of its final frames alone are kept.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +62,7 @@ class StreamingCode2Wav:
     context and 1 of look-ahead, where one block a window decodes 96 for 24). `chunk_blocks` instead
     gives the fixed windows of that many blocks, each with `lookahead_blocks` of look-ahead."""
 
-    def __init__(self, token2wav: Any, speaker: dict[str, Any], *, num_steps: int = 10,
+    def __init__(self, token2wav: Any, speaker: Mapping[str, Any], *, num_steps: int = 10,
                  guidance_scale: float = 0.5, sway_coefficient: float = -1.0, chunk_blocks: int | None = None,
                  ramp: tuple[int, ...] | list[int] | None = None, first_lookahead_codes: int | None = None,
                  context_blocks: int = 2, lookahead_blocks: int = 1, overlap_frames: int = 8, seed: int = 0) -> None:

@@ -9,6 +9,7 @@ the safetensors files (one file, or shards listed in `model.safetensors.index.js
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ def read_tensors(model_dir: Path, prefixes: tuple[str, ...]) -> dict[str, Any]:
     return found
 
 
-def _load_into(module: Any, tensors: dict[str, Any], prefix: str, what: str) -> None:
+def _load_into(module: Any, tensors: Mapping[str, Any], prefix: str, what: str) -> None:
     state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
     missing, unexpected = module.load_state_dict(state, strict=False)
     # Buffers that are computed, not saved (rope frequencies), may be missing; weights may not.

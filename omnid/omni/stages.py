@@ -186,7 +186,7 @@ _END = object()
 class _TalkerJob:
     """One job in the talker stage: its thinker inputs as they come, then its TalkerSession."""
 
-    def __init__(self, inputs: Mapping[str, Any], params: Mapping[str, Any], speaker: dict[str, Any]) -> None:
+    def __init__(self, inputs: Mapping[str, Any], params: Mapping[str, Any], speaker: Mapping[str, Any]) -> None:
         self.prompt_in, self.ids_in, self.states_in = (_Feed(inputs[k]) for k in ("prompt_ids", "ids", "states"))
         self.speaker = speaker
         self.max_codes = int(params.get("max_codes", DEFAULT_MAX_CODES))

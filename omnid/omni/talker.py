@@ -23,6 +23,7 @@ transformers' generate (repetition penalty, the codec bos suppressed), so a sess
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 DEFAULT_REPETITION_PENALTY = 1.05       # transformers' Qwen2.5-Omni generate default
@@ -32,7 +33,7 @@ DEFAULT_MAX_CODES = 4096
 class TalkerSession:
     """One job's talker state: KV cache, positions, codes so far, thinker vectors not yet used."""
 
-    def __init__(self, talker: Any, text_embedding: Any, speaker: dict[str, Any], prompt_ids: Any,
+    def __init__(self, talker: Any, text_embedding: Any, speaker: Mapping[str, Any], prompt_ids: Any,
                  prompt_hidden: Any, first_id: int, first_hidden: Any, *,
                  repetition_penalty: float = DEFAULT_REPETITION_PENALTY, max_codes: int = DEFAULT_MAX_CODES) -> None:
         """Prefill from the prompt's rows (`prompt_ids` (L,), `prompt_hidden` (L, D)) and the first

@@ -18,7 +18,7 @@ import io
 import json
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -120,7 +120,7 @@ class StreamWriter:
         self.prefix = prefix
         self._files: dict[str, BinaryIO] = {}
 
-    def append(self, segment: dict[str, Any]) -> None:
+    def append(self, segment: Mapping[str, Any]) -> None:
         for name, value in segment.items():
             if isinstance(value, str):
                 data = value.encode("utf-8")
@@ -145,12 +145,12 @@ class StreamWriter:
         self._files.clear()
 
 
-def write_outputs(job: str, job_dir: Path, outputs: dict[str, Any], prefix: str = "") -> list[Output]:
+def write_outputs(job: str, job_dir: Path, outputs: Mapping[str, Any], prefix: str = "") -> list[Output]:
     """Write every output of a sink stage; return one `Output` event per file."""
     return write_planned(job, job_dir, plan_outputs(outputs, prefix))
 
 
-def plan_outputs(outputs: dict[str, Any], prefix: str = "") -> list[PlannedFile]:
+def plan_outputs(outputs: Mapping[str, Any], prefix: str = "") -> list[PlannedFile]:
     """Each output value encoded into its file(s), named, but not written (a Ray-placed sink encodes
     here, on its node, and the supervisor writes them into the job's folder: `write_planned`)."""
     planned: list[PlannedFile] = []
@@ -206,9 +206,9 @@ class Sink:
         if self.is_for(pipeline) and self.live:
             clear_stream(self.jobs_dir / job, self.prefix(pipeline))
 
-    def write(self, job: str, pipeline: PipelineConfig, outputs: dict[str, Any]) -> list[Output]:
+    def write(self, job: str, pipeline: PipelineConfig, outputs: Mapping[str, Any]) -> list[Output]:
         """The request's outputs that are the job's, as files; one `Output` event each."""
         return self.write_files(job, pipeline.kept(self.stage, outputs), self.prefix(pipeline))
 
-    def _write_here(self, job: str, outputs: dict[str, Any], prefix: str) -> list[Output]:
+    def _write_here(self, job: str, outputs: Mapping[str, Any], prefix: str) -> list[Output]:
         return write_outputs(job, self.jobs_dir / job, outputs, prefix)

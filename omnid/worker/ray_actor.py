@@ -45,7 +45,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import ray
@@ -316,7 +316,7 @@ class StageActor:
     def _main(self) -> None:
         RayStart(self).run()
 
-    def _write_sink(self, job: str, outputs: dict[str, Any], prefix: str) -> list[P.Output]:
+    def _write_sink(self, job: str, outputs: Mapping[str, Any], prefix: str) -> list[P.Output]:
         """A last stage's outputs: encoded into files here, written by the supervisor into the job's
         folder (on its machine); the `Output` events come back."""
         from omnid.worker.outputs import plan_outputs

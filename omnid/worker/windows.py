@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from omnid.engines.base import Cancelled
@@ -121,7 +121,7 @@ class EdgeStream:
         self.ended = False          # the last window arrived
         self.cancelled = False
 
-    def put(self, index: int, values: dict[str, Any], last: bool) -> bool | None:
+    def put(self, index: int, values: Mapping[str, Any], last: bool) -> bool | None:
         """A window arrived (a data-plane thread). True: taken (or taken before); None: no room."""
         with self._cv:
             if index < self.next_index:

@@ -196,7 +196,7 @@ def list_summary(value: list[Any]) -> list[Any] | str:
     return value if size <= SUMMARY_CHARS else f"[a list of {len(value)} values, {size} bytes of JSON]"
 
 
-def check_inputs(config: Config, found: dict[str, Any], summary: dict[str, Any], pipeline: PipelineConfig) -> None:
+def check_inputs(config: Config, found: Mapping[str, Any], summary: Mapping[str, Any], pipeline: PipelineConfig) -> None:
     """What the pipeline's first stages need of a job's (decoded) inputs: the text `prompt` of an
     engine that needs one, the media of one that takes them within its limits (each file's type and
     size read from its header; `summary` gains what was read). Refused names the input."""
@@ -228,7 +228,7 @@ def _kind_of(value: Any) -> str:
     return "a list" if isinstance(value, list) else "null" if value is None else type(value).__name__
 
 
-def _what_was_given(found: dict[str, Any]) -> str:
+def _what_was_given(found: Mapping[str, Any]) -> str:
     """What a job without its `prompt` gave instead: its inputs' names, a near miss named."""
     if not found:
         return "; the job has no inputs"
@@ -238,7 +238,7 @@ def _what_was_given(found: dict[str, Any]) -> str:
     return f"; the job's inputs are {', '.join(repr(n) for n in names)}{hint}"
 
 
-def _check_lengths(config: Config, found: dict[str, Any], pipeline: PipelineConfig) -> None:
+def _check_lengths(config: Config, found: Mapping[str, Any], pipeline: PipelineConfig) -> None:
     """A text prompt (or a chat's text) that cannot fit a first stage's context window: 400, the
     input named, before a job is made of it (`prompt_length`)."""
     prompt, messages = found.get("prompt"), found.get("messages")
@@ -261,8 +261,8 @@ def _check_lengths(config: Config, found: dict[str, Any], pipeline: PipelineConf
             raise Refused(400, ErrorCode.PROMPT_TOO_LONG, f"input {name!r} is too long: {why}", input=name)
 
 
-def _check_media(stage: StageConfig, pipeline: PipelineConfig, found: dict[str, Any],
-                 summary: dict[str, Any]) -> bool:
+def _check_media(stage: StageConfig, pipeline: PipelineConfig, found: Mapping[str, Any],
+                 summary: Mapping[str, Any]) -> bool:
     """A first stage's media inputs against its `media` limits; True if the job has any."""
     any_media = False
     for kind in media.MEDIA_KINDS:
@@ -319,7 +319,7 @@ def _is_samples(value: Any) -> bool:
     return isinstance(value, dict) and set(value) == {"samples", "rate"}
 
 
-def _file_or_samples(key: str, value: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+def _file_or_samples(key: str, value: Mapping[str, Any]) -> tuple[bytes, dict[str, Any]]:
     """A file input's bytes, or audio samples as a WAV file; and the summary the job shows of it."""
     if "samples" in value:
         rate = value["rate"]

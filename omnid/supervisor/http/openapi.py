@@ -15,6 +15,7 @@ listed, described by its handler's docstring.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -103,7 +104,7 @@ def describe_pipeline(config: Config, pipeline: PipelineConfig) -> PipelineDescr
 # ------------------------------------------------------------------ operations
 
 
-def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+def _json(schema: Mapping[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
@@ -116,11 +117,11 @@ def _path_param(name: str, description: str) -> dict[str, Any]:
     return {"name": name, "in": "path", "required": True, "schema": STR, "description": description}
 
 
-def _query(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
+def _query(name: str, schema: Mapping[str, Any], description: str) -> dict[str, Any]:
     return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
 
 
-def _op(summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any]:
+def _op(summary: str, responses: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
     return {"summary": summary, **extra, "responses": {**responses, "default": _ERROR}}
 
 
@@ -276,11 +277,11 @@ def _with_resource_refusals(method: str, path: str, op: dict[str, Any]) -> dict[
 _OPENAI_ERROR = {"$ref": "#/components/responses/OpenAIError"}
 
 
-def _openai_op(summary: str, responses: dict[str, Any], **extra: Any) -> dict[str, Any]:
+def _openai_op(summary: str, responses: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
     return {"summary": summary, **extra, "responses": {**responses, "default": _OPENAI_ERROR}}
 
 
-def _body(schema: dict[str, Any]) -> dict[str, Any]:
+def _body(schema: Mapping[str, Any]) -> dict[str, Any]:
     return {"required": True, "content": {"application/json": {"schema": schema}}}
 
 

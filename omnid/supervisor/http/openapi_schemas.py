@@ -63,7 +63,7 @@ def enum(values: Iterable[str]) -> dict[str, Any]:
     return {"type": "string", "enum": [str(v) for v in values]}
 
 
-def nullable(schema: dict[str, Any]) -> dict[str, Any]:
+def nullable(schema: Mapping[str, Any]) -> dict[str, Any]:
     return {"anyOf": [schema, {"type": "null"}]}
 
 
@@ -173,7 +173,7 @@ _JOB_VALUES = {
 }
 
 
-def _placed(node: Any, defs: dict[str, Any]) -> Any:
+def _placed(node: Any, defs: Mapping[str, Any]) -> Any:
     """A generated schema with its $refs to the documents' classes named as components, the rest in place."""
     if isinstance(node, list):
         return [_placed(item, defs) for item in node]
@@ -228,7 +228,7 @@ def _attribute_docs(cls: Any) -> dict[str, str]:
     return docs
 
 
-def _describe(schema: dict[str, Any], docs: dict[str, str]) -> None:
+def _describe(schema: Mapping[str, Any], docs: dict[str, str]) -> None:
     for name, prop in schema.get("properties", {}).items():
         if name in docs and "description" not in prop:
             prop["description"] = docs[name]

@@ -35,6 +35,7 @@ import signal
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -486,7 +487,7 @@ def _actor_error(error: BaseException) -> str:
     return error_summary(text, 300) or type(error).__name__
 
 
-def _printable(options: dict[str, Any]) -> dict[str, Any]:
+def _printable(options: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k not in ("runtime_env",) and v is not None}
 
 

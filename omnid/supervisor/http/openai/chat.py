@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import structlog
@@ -303,7 +304,7 @@ class Chat(Endpoint):
         resp = await sse_response(request)
         reader = LiveAudio(self.api.store.job_dir(job.id))
 
-        def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        def chunk(delta: Mapping[str, Any], finish: str | None = None) -> dict[str, Any]:
             return {**head, "choices": [{"index": 0, "logprobs": None, "finish_reason": finish, "delta": delta}],
                     **({"usage": None} if include_usage else {})}
 

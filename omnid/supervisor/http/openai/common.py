@@ -139,11 +139,11 @@ _NULL = {"type": "null"}
 B = TypeVar("B", bound="RequestBody")
 
 
-def _maybe(schema: dict[str, Any]) -> dict[str, Any]:
+def _maybe(schema: Mapping[str, Any]) -> dict[str, Any]:
     return {"anyOf": [schema, _NULL]}
 
 
-def checked_later(schema: dict[str, Any]) -> Any:
+def checked_later(schema: Mapping[str, Any]) -> Any:
     """A field (null by default) described as `schema`, its value checked by a rule of its own: the
     token stage's sampling params and the body's `priority` later, by the config's rules."""
     return Field(None, json_schema_extra=_maybe(schema))
@@ -180,7 +180,7 @@ class RequestBody(CheckedBody):
     priority: Any = checked_later(PRIORITY_SCHEMA)     # (read_body reads it: admission.priority)
 
     @classmethod
-    def parse(cls: type[B], body: dict[str, Any]) -> B:
+    def parse(cls: type[B], body: Mapping[str, Any]) -> B:
         """The body as this model; OpenAiError 400 saying each problem, the first one's field as `param`."""
         try:
             return cls.model_validate(body)
@@ -256,7 +256,7 @@ async def read_body(request: web.Request) -> dict[str, Any]:
 
 
 def sampling(config: Config, p: PipelineConfig, given: Mapping[str, Any],
-             extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
+             extra: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """The OpenAI sampling fields `given` (by their names: `TextBody.sampling_values`) as the token
     stage's params, each checked by omnid's rules."""
     stage = admission.token_stage(config, p)

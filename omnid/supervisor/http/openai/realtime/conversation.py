@@ -14,6 +14,7 @@ import base64
 import binascii
 import io
 import wave
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,7 +136,7 @@ class Conversation:
         pcm, self.buffer = bytes(self.buffer), bytearray()
         return Item(item_id or new_id("item"), "user", audio=wav(pcm), audio_ms=len(pcm) * 1000 // (2 * INPUT_RATE))
 
-    def new_item(self, ev: dict[str, Any]) -> Item:
+    def new_item(self, ev: Mapping[str, Any]) -> Item:
         """`conversation.item.create`'s item, checked (a message at the end: text; a user's audio)."""
         item = ev.get("item")
         if not isinstance(item, dict):
@@ -176,7 +177,7 @@ class Conversation:
             new.audio, new.audio_ms = wav(audio), len(audio) * 1000 // (2 * INPUT_RATE)
         return new
 
-    def truncation(self, ev: dict[str, Any]) -> tuple[Item, int]:
+    def truncation(self, ev: Mapping[str, Any]) -> tuple[Item, int]:
         """`conversation.item.truncate`'s item and `audio_end_ms`, checked."""
         item = self.find(ev.get("item_id"))
         end = ev.get("audio_end_ms")

@@ -16,7 +16,7 @@ import asyncio
 import base64
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -58,7 +58,7 @@ class ResponseSession(Protocol):
     conversation: Conversation
     settings: SessionSettings
 
-    async def send(self, ev: dict[str, Any]) -> None:
+    async def send(self, ev: Mapping[str, Any]) -> None:
         """One event to the client (nothing when the socket is closed)."""
 
     @property
@@ -97,7 +97,7 @@ class Responses:
         self.current: Response | None = None
         self.count = 0
 
-    async def send(self, ev: dict[str, Any]) -> None:
+    async def send(self, ev: Mapping[str, Any]) -> None:
         await self.session.send(ev)
 
     async def start(self, opts: ResponseOptions) -> None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
@@ -158,7 +159,7 @@ class _Session:
     def closed(self) -> bool:
         return self.ws.closed
 
-    async def send(self, ev: dict[str, Any]) -> None:
+    async def send(self, ev: Mapping[str, Any]) -> None:
         """One event (a frame is written whole; a full socket waits here)."""
         if not self.ws.closed:
             await self.ws.send_str(json.dumps(ev))
@@ -241,7 +242,7 @@ class _Session:
     def session_doc(self) -> dict[str, Any]:
         return self.settings.doc(self.id)
 
-    async def on_session_update(self, ev: dict[str, Any]) -> None:
+    async def on_session_update(self, ev: Mapping[str, Any]) -> None:
         ignored = self.settings.update(ev.get("session"))
         if ignored:
             log.info("realtime session.update: optional features omnid lacks are left off", session=self.id,
@@ -268,10 +269,10 @@ class _Session:
             prompt = asked.get("prompt")
             self.transcripts.start(item, prompt if isinstance(prompt, str) and prompt else None)
 
-    async def on_item_create(self, ev: dict[str, Any]) -> None:
+    async def on_item_create(self, ev: Mapping[str, Any]) -> None:
         await self.add(self.conversation.new_item(ev))
 
-    async def on_buffer_append(self, ev: dict[str, Any]) -> None:
+    async def on_buffer_append(self, ev: Mapping[str, Any]) -> None:
         turn = self.settings.turn
         if turn is None:
             self.conversation.buffer_append(ev.get("audio"))
@@ -335,7 +336,7 @@ class _Session:
             else:
                 log.debug("realtime turn not answered: a response is under way", session=self.id, item=item.id)
 
-    async def on_buffer_commit(self, ev: dict[str, Any]) -> None:
+    async def on_buffer_commit(self, ev: Mapping[str, Any]) -> None:
         item = self.conversation.commit(self.speech_item)
         self.speech_item = None
         if self.vad is not None:
@@ -344,14 +345,14 @@ class _Session:
                                 item_id=item.id))
         await self.add(item)
 
-    async def on_buffer_clear(self, ev: dict[str, Any]) -> None:
+    async def on_buffer_clear(self, ev: Mapping[str, Any]) -> None:
         self.conversation.buffer = bytearray()
         self.speech_item = None
         if self.vad is not None:
             self.vad.reset()
         await self.send(E.event("input_audio_buffer.cleared"))
 
-    async def on_item_truncate(self, ev: dict[str, Any]) -> None:
+    async def on_item_truncate(self, ev: Mapping[str, Any]) -> None:
         """The client played `audio_end_ms` of an assistant's speech: its transcript is cut to the
         words heard (in proportion to the speech sent), and that is what the history keeps."""
         item, end = self.conversation.truncation(ev)
@@ -360,19 +361,19 @@ class _Session:
         self.conversation.truncate(item, end)
         await self.send(E.event("conversation.item.truncated", item_id=item.id, content_index=0, audio_end_ms=end))
 
-    async def on_item_delete(self, ev: dict[str, Any]) -> None:
+    async def on_item_delete(self, ev: Mapping[str, Any]) -> None:
         item = self.conversation.find(ev.get("item_id"))
         if self.runner.current is not None and self.runner.current.item is item:
             await self.runner.cancel("client_cancelled")
         self.conversation.items.remove(item)
         await self.send(E.event("conversation.item.deleted", item_id=item.id))
 
-    async def on_item_retrieve(self, ev: dict[str, Any]) -> None:
+    async def on_item_retrieve(self, ev: Mapping[str, Any]) -> None:
         await self.send(E.event("conversation.item.retrieved", item=self.conversation.find(ev.get("item_id")).doc()))
 
     # ------------------------------------------------------------------ responses
 
-    async def on_response_create(self, ev: dict[str, Any]) -> None:
+    async def on_response_create(self, ev: Mapping[str, Any]) -> None:
         r = ev.get("response") or {}
         if not isinstance(r, dict):
             raise EventError("invalid_value", "response must be an object", "response")
@@ -382,7 +383,7 @@ class _Session:
         # no user turn yet (the agent greets first): the model answers from the instructions alone
         await self.runner.start(self.settings.response_options(r))
 
-    async def on_response_cancel(self, ev: dict[str, Any]) -> None:
+    async def on_response_cancel(self, ev: Mapping[str, Any]) -> None:
         wanted = ev.get("response_id")
         current = self.runner.current
         if current is None or (wanted is not None and wanted != current.id):

@@ -16,6 +16,7 @@ client's mistake is an `EventError` (events.py).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,7 +198,7 @@ class SessionSettings:
             self.max_tokens = max_tokens
         return ignored
 
-    def response_options(self, r: dict[str, Any]) -> ResponseOptions:
+    def response_options(self, r: Mapping[str, Any]) -> ResponseOptions:
         """`response.create`'s `response` (an object), checked; what it leaves out is the session's."""
         unknown = sorted(set(r) - _RESPONSE_KEYS)
         if unknown:
