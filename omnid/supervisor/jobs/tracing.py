@@ -13,6 +13,7 @@ token. Only built when tracing is on.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from omnid.tracing import Event, Tracing
@@ -62,7 +63,7 @@ class JobTrace:
         elif kind in (EventType.STAGE_WAKING, EventType.STAGE_AWAKE):
             self._events.append((str(kind), _ns(event["ts"]), {"omnid.stage": str(event.get("stage"))}))
 
-    def _state(self, state: JobState, ts: int, error: dict[str, Any] | None) -> None:
+    def _state(self, state: JobState, ts: int, error: Mapping[str, Any] | None) -> None:
         if state is JobState.RUNNING:
             if self._running is None:
                 self._running = ts

@@ -13,7 +13,7 @@ nothing blocks. Every answer on the OpenAI paths names its job in `X-Omnid-Job` 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
@@ -159,7 +159,7 @@ class OpenAiJobs:
         return text
 
     async def sse_answer(self, request: web.Request, resp: web.StreamResponse, job: JobRecord, gen: Generation,
-                         usage_head: dict[str, Any] | None, piece: Callable[[str], dict[str, Any]],
+                         usage_head: Mapping[str, Any] | None, piece: Callable[[str], dict[str, Any]],
                          last: Callable[[], dict[str, Any]],
                          on_event: Callable[[], Awaitable[None]] | None = None,
                          opening: Opening | None = None,

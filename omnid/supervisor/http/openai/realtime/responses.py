@@ -136,7 +136,7 @@ class Responses:
         resp.task = asyncio.get_running_loop().create_task(self._answer(resp), name=f"realtime-{resp.id}")
 
     def doc(self, r: Response, status: str, reason: str | None = None,
-            error: dict[str, Any] | None = None) -> dict[str, Any]:
+            error: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The response as OpenAI's RealtimeResponse (its usage once it ended)."""
         doc: dict[str, Any] = {
             "id": r.id, "object": "realtime.response", "status": status, "conversation_id": self.session.id,
@@ -230,7 +230,7 @@ class Responses:
             await self.send(E.event("response.output_audio.delta", **r.head(),
                                     delta=base64.b64encode(chunk).decode("ascii")))
 
-    async def finish(self, r: Response, status: str, reason: str | None, error: dict[str, Any] | None) -> None:
+    async def finish(self, r: Response, status: str, reason: str | None, error: Mapping[str, Any] | None) -> None:
         """A response's last events: its text (or transcript) done, its part and item done, `response.done`."""
         head = r.head()
         r.item.status = "completed" if status == "completed" else "incomplete"
@@ -249,7 +249,7 @@ class Responses:
         await self.send(E.event("conversation.item.done", item=r.item.doc()))
         await self.send(E.event("response.done", response=self.doc(r, status, reason, error)))
 
-    async def cancel(self, reason: str | None, first: dict[str, Any] | None = None) -> bool:
+    async def cancel(self, reason: str | None, first: Mapping[str, Any] | None = None) -> bool:
         """Stop the response under way: its task (no delta after this), its job in every stage, then
         `first` if given (server VAD's speech_started), then its last events with `cancelled`
         (`reason` None: the socket is gone, nothing is sent)."""
