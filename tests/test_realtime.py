@@ -408,42 +408,28 @@ def test_audio_in_on_an_audio_language_pipeline(daemon: RunningDaemon, turns: st
 
 
 def test_a_response_with_no_user_turn_answers_from_the_instructions(daemon: RunningDaemon) -> None:
-    """The agent greets first: `response.create` before any user turn, as OpenAI takes it."""
-    async def go() -> dict[str, Any]:
+    """The agent greets first: `response.create` before any user turn, as OpenAI takes it; with no
+    instructions either, it still speaks first (from an empty system message)."""
+    async def greet(instructions: str | None) -> dict[str, Any]:
         http, ws = await _open(daemon, "omni")
         c = Conn(ws)
         try:
             await c.until("session.created")
-            await c.send("session.update", session={"type": "realtime", "instructions": "Greet the caller."})
-            await c.until("session.updated")
+            if instructions is not None:
+                await c.send("session.update", session={"type": "realtime", "instructions": instructions})
+                await c.until("session.updated")
             await c.send("response.create")
             return (await c.until("response.done"))["response"]
         finally:
             await ws.close()
             await http.close()
 
-    done = run(go())
-    assert (done["status"] == "completed" or done["status_details"]["reason"] == "max_output_tokens") \
-        and done["output"][0]["content"][0]["transcript"], done
-    job = daemon.client.job(done["metadata"]["omnid_job"])
-    assert json.loads(job["inputs"]["messages"]) == [{"role": "system", "content": "Greet the caller."}]
-
-    async def bare() -> dict[str, Any]:         # no instructions either: it still speaks first
-        http, ws = await _open(daemon, "omni")
-        c = Conn(ws)
-        try:
-            await c.until("session.created")
-            await c.send("response.create")
-            return (await c.until("response.done"))["response"]
-        finally:
-            await ws.close()
-            await http.close()
-
-    done = run(bare())
-    assert (done["status"] == "completed" or done["status_details"]["reason"] == "max_output_tokens") \
-        and done["output"][0]["content"][0]["transcript"], done
-    job = daemon.client.job(done["metadata"]["omnid_job"])
-    assert json.loads(job["inputs"]["messages"]) == [{"role": "system", "content": ""}]
+    for instructions, system in (("Greet the caller.", "Greet the caller."), (None, "")):
+        done = run(greet(instructions))
+        assert (done["status"] == "completed" or done["status_details"]["reason"] == "max_output_tokens") \
+            and done["output"][0]["content"][0]["transcript"], done
+        job = daemon.client.job(done["metadata"]["omnid_job"])
+        assert json.loads(job["inputs"]["messages"]) == [{"role": "system", "content": system}]
 
 
 # ------------------------------------------------------------------ refusals
