@@ -32,6 +32,7 @@ class Refused(Exception):
     def __init__(self, status: int, code: ErrorCode, message: str, **extra: Any) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.extra = status, code, message, extra
+        self.parts: list[Refused] = []          # a refusal of several problems (`Problems`): each one
 
 
 T = TypeVar("T")
@@ -45,12 +46,7 @@ class Problems:
         self.found: list[Refused] = []
 
     def add(self, refused: Refused) -> None:
-        inner = refused.extra.get("problems")
-        if isinstance(inner, list):         # (a part's own gathered answer: its problems, one by one)
-            self.found += [Refused(refused.status, ErrorCode(p["code"]), p["message"],
-                                   **{k: v for k, v in p.items() if k not in ("code", "message")}) for p in inner]
-        else:
-            self.found.append(refused)
+        self.found += refused.parts or [refused]    # (a part's own gathered answer: its problems, one by one)
 
     def of(self, check: Callable[..., T], *args: Any) -> T | None:
         """What `check(*args)` gives; None, its refusal kept, when it refuses."""
@@ -66,6 +62,8 @@ class Problems:
             raise self.found[0]
         if self.found:
             first = self.found[0]
-            raise Refused(first.status, first.code, "; ".join(dict.fromkeys(r.message for r in self.found)),
-                          **first.extra, problems=[{"code": str(r.code), "message": r.message, **r.extra}
-                                                   for r in self.found])
+            gathered = Refused(first.status, first.code, "; ".join(dict.fromkeys(r.message for r in self.found)),
+                               **first.extra, problems=[{"code": str(r.code), "message": r.message, **r.extra}
+                                                        for r in self.found])
+            gathered.parts = self.found
+            raise gathered

@@ -154,12 +154,11 @@ def inputs(config: Config, raw: Any, pipeline: PipelineConfig) -> tuple[dict[str
         decoded = said.of(_input, key, value)
         if decoded is not None:
             found[key], summary[key] = decoded
-    wrong = {r.extra.get("input") for r in said.found} - {None}
-    needs = Problems()
-    needs.of(check_inputs, config, found, summary, pipeline)
-    for refused in needs.found:         # (what the stages need of an input that is wrong already: said)
-        if refused.extra.get("input") not in wrong:
-            said.add(refused)
+    try:
+        check_inputs(config, found, summary, pipeline)
+    except Refused as need:             # (what the stages need of an input that is wrong already: said)
+        if need.extra.get("input") not in {r.extra.get("input") for r in said.found} - {None}:
+            said.add(need)
     said.check()
     return found, summary
 

@@ -325,14 +325,13 @@ SERVICE_SCHEMAS = {"Health": generated(HealthDoc), "Ready": generated(ReadyDoc)}
 
 def schemas(config: Config) -> dict[str, Any]:
     """`components.schemas`: every document the API answers, and the job request."""
+    # one refusal: its code and words, and the input (or field) it is about
+    problem = {"code": enum(ErrorCode), "message": STR, "input": {**STR, "description": "the input or field the "
+                                                                   "problem is about"}}
     return {
-        "Error": obj({"error": obj({"code": enum(ErrorCode), "message": STR,
-                                    "input": {**STR, "description": "the input a 400 invalid_media or "
-                                                                       "media_not_accepted is about"},
-                                    "problems": {"type": "array", "description": "a job wrong in several places: "
-                                                 "each problem (the error's code is the first one's)",
-                                                 "items": obj({"code": enum(ErrorCode), "message": STR, "input": STR},
-                                                              ["code", "message"])}},
+        "Error": obj({"error": obj({**problem, "problems": {
+                         "type": "array", "description": "a job wrong in several places: each problem (the "
+                         "error's code and input are the first one's)", "items": obj(problem, ["code", "message"])}},
                                    ["code", "message"])},
                      ["error"], extra=False),
         "JobRequest": _job_request(config),
