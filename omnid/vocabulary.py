@@ -24,6 +24,7 @@ Every state change of a job or of a stage run goes through `JobRecord.set_state`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
@@ -261,7 +262,7 @@ class StageRun:
         return doc
 
     @classmethod
-    def from_doc(cls, doc: dict[str, Any]) -> StageRun:
+    def from_doc(cls, doc: Mapping[str, Any]) -> StageRun:
         fields = _known(cls, doc)
         fields["state"] = _RUN_STATES.get(doc["state"]) or StageRunState(doc["state"])
         fields["segments"] = int(doc.get("segments", 0))
@@ -292,7 +293,7 @@ class JobError:
         return doc
 
     @classmethod
-    def from_doc(cls, doc: dict[str, Any]) -> JobError:
+    def from_doc(cls, doc: Mapping[str, Any]) -> JobError:
         try:
             code = ErrorCode(str(doc.get("code")))
         except ValueError:          # (a code this version no longer has, in an old record)
@@ -346,7 +347,7 @@ class JobRecord:
         return doc
 
     @classmethod
-    def from_doc(cls, doc: dict[str, Any]) -> JobRecord:
+    def from_doc(cls, doc: Mapping[str, Any]) -> JobRecord:
         fields = _known(cls, doc)
         fields["state"] = _JOB_STATES.get(doc["state"]) or JobState(doc["state"])
         fields["owner_uid"] = int(doc["owner_uid"])
@@ -357,11 +358,11 @@ class JobRecord:
         return cls(**fields)
 
 
-def _known(cls: type, doc: dict[str, Any]) -> dict[str, Any]:
+def _known(cls: type, doc: Mapping[str, Any]) -> dict[str, Any]:
     """The keys of a stored document that are fields of `cls` (an older record may lack some: their
     defaults stand; a key this version no longer has is dropped)."""
     names = _FIELD_NAMES[cls]
-    return doc.copy() if doc.keys() <= names else {k: v for k, v in doc.items() if k in names}
+    return dict(doc) if doc.keys() <= names else {k: v for k, v in doc.items() if k in names}
 
 
 _FIELD_NAMES: dict[type, frozenset[str]] = {cls: frozenset(f.name for f in fields(cls)) for cls in (StageRun, JobRecord)}

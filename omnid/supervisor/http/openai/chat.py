@@ -298,7 +298,7 @@ class Chat(Endpoint):
             self.jobs.abandon(request, job.id)
 
     async def _stream_speech(self, request: web.Request, job: JobRecord, gen: Generation,
-                           head: dict[str, Any], include_usage: bool, audio_id: str,
+                           head: Mapping[str, Any], include_usage: bool, audio_id: str,
                            expires: int) -> web.StreamResponse:
         head = {**head, "object": "chat.completion.chunk"}
         resp = await sse_response(request)

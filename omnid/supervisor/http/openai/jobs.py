@@ -215,7 +215,7 @@ class OpenAiJobs:
         finally:
             self.abandon(request, job.id)
 
-    async def _stream_text(self, request: web.Request, job: JobRecord, gen: Generation, head: dict[str, Any],
+    async def _stream_text(self, request: web.Request, job: JobRecord, gen: Generation, head: Mapping[str, Any],
                            chat: bool, include_usage: bool, echo: str) -> web.StreamResponse:
         """Server-sent events: one chunk per text segment, a last one with `finish_reason`, `[DONE]`."""
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
