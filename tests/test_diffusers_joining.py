@@ -122,17 +122,40 @@ def test_a_job_arriving_mid_batch_starts_within_two_steps_with_its_image_alone(d
     _joins_mid_batch(d, "join", "solo")
 
 
-def test_the_job_nearest_its_end_steps_first(d: RunningDaemon) -> None:
-    """Three jobs at once on the CPU: a forward takes at most two rows (CPU_FORWARD_ROWS), the rows
-    with the fewest steps left first; so the first two run to their end while the third waits after
-    its first step (all three in one forward, or in turns, would end together)."""
-    jobs = [d.submit("join", {"prompt": f"a fox {i}"}, {"join": {"seed": i}}) for i in range(3)]
-    events = [d.events(job, timeout=120) for job in jobs]
-    for job in jobs:
+def test_a_long_forward_gives_way_to_a_job_that_arrives_in_it(d: RunningDaemon) -> None:
+    """On the CPU a forward of 3 rows at 128 px takes longer than a lone job's prepare and first step:
+    a job submitted as one begins is taken at once (the forward given up), its first step runs, then
+    the forward again; the given-up forward moved no row, so the batch's images are their own."""
+    wide = {"height": 128, "width": 128}
+    d.wait(d.submit("join", {"prompt": "warm"}, {"join": {**wide, "num_inference_steps": 4}}), timeout=120)
+    batch = [d.submit("join", {"prompt": f"a wide fox {i}"}, {"join": {**wide, "seed": 40 + i, "num_inference_steps": 24}})
+             for i in range(3)]
+    _after(d, batch[0], 3)                  # (3 rows stepped together twice: their forward is timed)
+    newcomers: list[tuple[str, float]] = []
+    for ev in d.follow(batch[0], 120, "the batch's steps"):
+        if ev["type"] != "progress" or ev["done"] < 4:
+            continue
+        if ev["done"] % 4 == 0 and len(newcomers) < 3:      # as a forward of the batch begins
+            newcomers.append((d.submit("join", {"prompt": f"a quick bird {ev['done']}"},
+                                       {"join": {**wide, "seed": 50, "num_inference_steps": 1}}), time.time()))
+            d.wait(newcomers[-1][0], timeout=120)
+    batch_steps = _steps(d.events(batch[0], timeout=120))
+    for job in batch + [job for job, _ in newcomers]:
         assert d.client.job(job)["state"] == "succeeded", d.diagnose(job)
-    ends = [next(e["ts"] for e in ev if e["type"] == "stage_finished") for ev in events]
-    third = _steps(events[2])
-    assert max(ends[:2]) < third[1], (ends, third)     # its second step came after both others ended
+
+    def given_up() -> int | None:
+        info = d.stages()["join"]["info"]
+        return info.get("gave_way") or None
+
+    assert wait_for(given_up, 10, "a forward given up in the stage's info") >= 1
+    forward_ms = d.stages()["join"]["info"]["forward_ms"]["128x128"]
+    assert {"prepare", "1", "3"} <= set(forward_ms), forward_ms
+    # a newcomer's first step came before the batch's next step: the forward in progress gave way
+    first_steps = [(sent, _steps(d.events(job))[0]) for job, sent in newcomers]
+    assert any(not [t for t in batch_steps if sent < t < first] for sent, first in first_steps), \
+        (first_steps, batch_steps, forward_ms)
+    alone, _ = _alone(d, "solo", "a wide fox 1", {**wide, "seed": 41, "num_inference_steps": 24})
+    _same(_pixels(d, batch[1]), alone)
 
 
 def test_a_dit_job_joins_with_its_own_cache(d: RunningDaemon) -> None:

@@ -223,6 +223,10 @@ class Engine(abc.ABC):
         so that what each reported stays its own events (a token is one segment event). Others:
         nothing (a `step` is one step)."""
 
+    def on_input_waiting(self, waiting: Callable[[], bool]) -> None:
+        """The worker's probe, which a step may call: True while a job waits in the worker's input
+        queue (a diffusers stage's step loop gives a long forward up for it). Others: nothing."""
+
     def set_adapters(self, adapters: Mapping[str, Path]) -> None:
         """The stage's LoRA adapters in force changed (added or removed at run time): serve these
         from now on. Jobs already running keep the adapter they started with. Others: nothing."""

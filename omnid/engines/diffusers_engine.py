@@ -15,8 +15,12 @@ all in the main thread. One `step()` admits the queued requests that can join (t
 max_inflight rows, all of one adapter set; the first that cannot join stops the ones behind it),
 then runs one denoising step of some rows of one latent shape: one forward for them, each at its
 own timestep. Which rows (`_next_forward`): those that just joined first, by themselves, then the
-fewest steps left; on a GPU every row of that shape, on the CPU at most CPU_FORWARD_ROWS (a CPU's
-forward takes about as long per row at any batch size, so a smaller one lets a new job in sooner). A row whose schedule ended is decoded and delivered
+fewest steps left; every row of that shape. On the CPU, where a forward's time grows with its rows,
+a job that arrives during a forward it could join makes it give way (`_give_way`, a pre-hook of the
+denoiser's blocks) while more of it is left than the newcomer's own way to its first step: the
+forward is given up (no row moved), the newcomer is taken and its first step runs, then the forward
+again, which does not give way twice (`ForwardTimes` has the measured times; not a DiT with a
+`cache`, whose hooks keep state inside a forward). A row whose schedule ended is decoded and delivered
 in that `step()`; a cancelled one leaves before the next. A request the loop does not take
 (other inputs, several images per prompt) waits for the loop to empty and runs as a call, below.
 
@@ -52,14 +56,16 @@ from __future__ import annotations
 import inspect
 import queue
 import threading
+import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from omnid.config_types import StageConfig
 from omnid.engines.base import Cancelled, Engine, RequestContext
 from omnid.engines.capabilities import DIFFUSERS, check_param
-from omnid.engines.diffusers_loop import Driver, Row, driver_for
+from omnid.engines.diffusers_loop import Driver, ForwardTimes, Row, driver_for
 from omnid.lora import job_adapters
 from omnid.params import merged
 from omnid.vocabulary import ErrorCode
@@ -80,7 +86,6 @@ _BATCHED_TENSORS = ("latents", "prompt_embeds", "add_text_embeds", "add_time_ids
 
 
 # Kinds whose hooks keep state per `transformer.cache_context(...)`: the pipeline must open one.
-CPU_FORWARD_ROWS = 2       # the step loop's rows in one forward on the CPU (see DiffusersEngine.__init__)
 _CONTEXT_KINDS = frozenset({"first_block", "mag_cache", "sea_cache", "taylorseer"})
 # Kinds that read the denoising loop's timestep through a callback (`pipe.current_timestep`).
 _TIMESTEP_KINDS = frozenset({"pyramid_attention_broadcast", "faster_cache"})
@@ -192,6 +197,10 @@ def _state_fields(state_class: Any) -> set[str]:
         return set()
 
 
+class _GaveWay(Exception):
+    """A forward given up for a job that came in during it (`DiffusersEngine._give_way`)."""
+
+
 @dataclass
 class _Request:
     """One admitted request, its values checked."""
@@ -224,6 +233,11 @@ class _Batch:
 
 class DiffusersEngine(Engine):
     capabilities = DIFFUSERS          # (engines/capabilities.py: what it can do)
+    # the step loop's give-way on the CPU (`_give_way_setup`)
+    _times: ForwardTimes | None
+    _input_waiting: Callable[[], bool]
+    _give_way_before: float | None
+    gave_way: int
 
     def __init__(self, stage: StageConfig) -> None:
         warnings.filterwarnings("ignore", category=FutureWarning)
@@ -260,10 +274,7 @@ class DiffusersEngine(Engine):
                                                         _CONTEXT_KINDS)
         self._rows: list[Row] = []
         self._loop_adapters: tuple[tuple[str, float], ...] = ()
-        # rows in one forward: all of them on a GPU; on the CPU, a forward's time grows with its rows (measured,
-        # the tiny SD at 64 px: 39, 35, 34 and 37 ms a row at 1, 2, 4 and 8 rows), so a batch of 8 there is a
-        # step 8x as long for a job that arrives during it; 2 rows at a time take the same time a row
-        self._forward_rows = self.max_batch if self.device != "cpu" else min(self.max_batch, CPU_FORWARD_ROWS)
+        self._give_way_setup(stage, torch)
         # LoRA adapters: each loaded once (`load_lora_weights(..., adapter_name=name)`), those of a
         # call set before it (`set_adapters` with the call's weights), none for a call without:
         # a job's adapters never reach the next call. Removed ones are deleted once no queued or
@@ -652,17 +663,30 @@ class DiffusersEngine(Engine):
         """Main thread: admit what can join, then one denoising step of one shape's rows; rows whose
         schedule ended are decoded and delivered, cancelled ones leave."""
         assert self._loop is not None
+        self._woken.clear()                     # (what came in before is taken: the worker's loop took it)
         self._admit()
         self._rows = [row for row in self._rows if not self._left(row)]
         if not self._rows:
             self._loop_idle()
             return
         group = self._next_forward()
+        started = time.perf_counter()
+        self._give_way_before = self._gives_way_until(group, started)
         try:
             self._loop.step(group)
+        except _GaveWay:
+            self.gave_way += 1
+            self._gave_way = True               # (its rows did not move: the newcomer's first step, then it again)
+            return
         except Exception as e:                  # noqa: BLE001 - it fails the rows of that forward
             for row in group:
                 row.ctx.fail(f"{type(e).__name__}: {e}")
+        else:
+            if self._times is not None:
+                self._times.ran(group[0].key, len(group), time.perf_counter() - started)
+        finally:
+            self._give_way_before = None
+        self._gave_way = False
         for row in group:
             if row.error is not None:
                 row.ctx.fail(row.error)
@@ -678,14 +702,58 @@ class DiffusersEngine(Engine):
         if not self._rows:
             self._loop_idle()
 
+    def _give_way_setup(self, stage: StageConfig, torch: Any) -> None:
+        """A forward on the CPU gives way to a job that arrives during it (`_give_way`, a pre-hook of each
+        of the denoiser's blocks). Not on a GPU, where a batch costs about what a row does (and a forward's
+        time is not known before it synchronizes); not a DiT with a cache, whose hooks keep state inside a
+        forward."""
+        self._times = ForwardTimes() if self.device == "cpu" and self._loop is not None and not stage.cache else None
+        self._woken = threading.Event()         # something came in (`wake`, any thread)
+        self._input_waiting = lambda: False     # (the worker's probe)
+        self._give_way_before = None            # the forward in progress gives way until then
+        self._gave_way = False                  # the last forward gave way: this one does not
+        self.gave_way = 0                       # forwards given up
+        if self._times is not None:
+            denoiser = getattr(self.pipe, "unet", None) or self.pipe.transformer
+            for child in denoiser.children():
+                for block in child if isinstance(child, torch.nn.ModuleList) else [child]:
+                    block.register_forward_pre_hook(self._give_way)
+
+    def _gives_way_until(self, group: list[Row], started: float) -> float | None:
+        """Until when this forward gives way to a job that comes in: while more than a lone job's way
+        to its first step is left of it, when that job could join and the last forward did not give way
+        (None: it does not)."""
+        if self._times is None or self._gave_way or self._queue or len(self._rows) >= self.max_batch:
+            return None
+        took, join = self._times.took(group[0].key, len(group)), self._times.join_time(group[0].key)
+        if took is None or join is None or took <= join:
+            return None
+        return started + took - join
+
+    def _give_way(self, _module: Any, _args: Any) -> None:
+        """A forward pre-hook of each of the denoiser's blocks."""
+        if self._give_way_before is not None and self._woken.is_set() \
+                and time.perf_counter() < self._give_way_before and self._input_waiting():
+            raise _GaveWay
+
+    def wake(self) -> None:
+        self._woken.set()
+
+    def on_input_waiting(self, waiting: Callable[[], bool]) -> None:
+        self._input_waiting = waiting
+
+    def live_info(self) -> dict[str, Any]:
+        if self._times is None:
+            return {}
+        return {"forward_ms": self._times.timed(), "gave_way": self.gave_way}
+
     def _next_forward(self) -> list[Row]:
-        """The rows of the next forward, in the loop's order: rows that have not stepped yet first, by
-        themselves (a job's first step comes at the next boundary, as soon as it would alone), then the
-        fewest steps left (the job nearest its end ends first), then the oldest; the first row's shape,
-        up to `_forward_rows` rows."""
+        """The rows of the next forward: rows that have not stepped yet first, by themselves (a job's
+        first step comes at the next boundary, as soon as it would alone), else all the others; of the
+        shape of the row with the fewest steps left (the job nearest its end ends first), then the oldest."""
         order = sorted(self._rows, key=lambda r: (r.done > 0, len(r.timesteps) - r.done))   # (stable: oldest first)
         first = order[0]
-        return [r for r in order if r.key == first.key and (r.done > 0) == (first.done > 0)][:self._forward_rows]
+        return [r for r in order if r.key == first.key and (r.done > 0) == (first.done > 0)]
 
     def _admit(self) -> None:
         """Queued requests join the loop, oldest first, while they can: up to max_inflight rows, all of
@@ -709,12 +777,15 @@ class DiffusersEngine(Engine):
                 generator.manual_seed(request.seed)
             else:
                 generator.seed()
+            started = time.perf_counter()
             try:
                 row = self._loop.prepare(request.ctx, self._loop.key(request.params), request.adapters,
                                          request.params, request.negative_prompt, generator)
             except Exception as e:              # noqa: BLE001 - this request's values: it fails alone
                 request.ctx.fail(f"{type(e).__name__}: {e}")
                 continue
+            if self._times is not None:
+                self._times.prepared(row.key, time.perf_counter() - started)
             self._rows.append(row)
 
     def _left(self, row: Row) -> bool:

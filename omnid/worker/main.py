@@ -244,6 +244,7 @@ class StageWorker:
     def run(self) -> None:
         engine, handoff = self.engine, self.handoff
         engine.on_step_ended(self.end_step)     # (an engine that takes several steps of its own in one)
+        engine.on_input_waiting(lambda: self.intake.queue.qsize() > 0)
         while not self.shutting_down.is_set():
             handoff.handle_resends(on_wait=self._step, busy=engine.has_work)
             # 1. take input: block briefly only when the engine has nothing to do; take none while
