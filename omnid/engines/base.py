@@ -224,8 +224,9 @@ class Engine(abc.ABC):
         nothing (a `step` is one step)."""
 
     def on_input_waiting(self, waiting: Callable[[], bool]) -> None:
-        """The worker's probe, which a step may call: True while a job waits in the worker's input
-        queue (a diffusers stage's step loop gives a long forward up for it). Others: nothing."""
+        """The worker's probe, which a step may call (in the main thread): True while a job waits in
+        the worker's input queue that its busy loop would take right after this step (a diffusers
+        stage's step loop gives a long forward up for it). Others: nothing."""
 
     def set_adapters(self, adapters: Mapping[str, Path]) -> None:
         """The stage's LoRA adapters in force changed (added or removed at run time): serve these

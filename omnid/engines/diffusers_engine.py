@@ -16,11 +16,12 @@ max_inflight rows, all of one adapter set; the first that cannot join stops the 
 then runs one denoising step of some rows of one latent shape: one forward for them, each at its
 own timestep. Which rows (`_next_forward`): those that just joined first, by themselves, then the
 fewest steps left; every row of that shape. On the CPU, where a forward's time grows with its rows,
-a job that arrives during a forward it could join makes it give way (`_give_way`, a pre-hook of the
-denoiser's blocks) while more of it is left than the newcomer's own way to its first step: the
-forward is given up (no row moved), the newcomer is taken and its first step runs, then the forward
-again, which does not give way twice (`ForwardTimes` has the measured times; not a DiT with a
-`cache`, whose hooks keep state inside a forward). A row whose schedule ended is decoded and delivered
+a job that arrives during a forward, and that the worker would take at once (a slot free), makes
+it give way (`_give_way`, a pre-hook of the denoiser's blocks) while more of it is left than the
+newcomer's own way to its first step: the forward is given up (no row moved), the newcomer is taken
+and its first step runs, then the forward again; a row's forward gives way once, the next one with
+that row does not (`ForwardTimes` has the measured times; not a DiT with a `cache`, whose hooks
+keep state inside a forward). A row whose schedule ended is decoded and delivered
 in that `step()`; a cancelled one leaves before the next. A request the loop does not take
 (other inputs, several images per prompt) waits for the loop to empty and runs as a call, below.
 
@@ -663,7 +664,7 @@ class DiffusersEngine(Engine):
         """Main thread: admit what can join, then one denoising step of one shape's rows; rows whose
         schedule ended are decoded and delivered, cancelled ones leave."""
         assert self._loop is not None
-        self._woken.clear()                     # (what came in before is taken: the worker's loop took it)
+        self._woken.clear()                     # (only what comes in from now on counts)
         self._admit()
         self._rows = [row for row in self._rows if not self._left(row)]
         if not self._rows:
@@ -676,7 +677,8 @@ class DiffusersEngine(Engine):
             self._loop.step(group)
         except _GaveWay:
             self.gave_way += 1
-            self._gave_way = True               # (its rows did not move: the newcomer's first step, then it again)
+            for row in group:                   # (they did not move: the newcomer's first step, then they again)
+                row.gave_way = True
             return
         except Exception as e:                  # noqa: BLE001 - it fails the rows of that forward
             for row in group:
@@ -686,8 +688,8 @@ class DiffusersEngine(Engine):
                 self._times.ran(group[0].key, len(group), time.perf_counter() - started)
         finally:
             self._give_way_before = None
-        self._gave_way = False
         for row in group:
+            row.gave_way = False
             if row.error is not None:
                 row.ctx.fail(row.error)
             if row.ctx.done:
@@ -711,7 +713,6 @@ class DiffusersEngine(Engine):
         self._woken = threading.Event()         # something came in (`wake`, any thread)
         self._input_waiting = lambda: False     # (the worker's probe)
         self._give_way_before = None            # the forward in progress gives way until then
-        self._gave_way = False                  # the last forward gave way: this one does not
         self.gave_way = 0                       # forwards given up
         if self._times is not None:
             denoiser = getattr(self.pipe, "unet", None) or self.pipe.transformer
@@ -721,9 +722,11 @@ class DiffusersEngine(Engine):
 
     def _gives_way_until(self, group: list[Row], started: float) -> float | None:
         """Until when this forward gives way to a job that comes in: while more than a lone job's way
-        to its first step is left of it, when that job could join and the last forward did not give way
-        (None: it does not)."""
-        if self._times is None or self._gave_way or self._queue or len(self._rows) >= self.max_batch:
+        to its first step is left of it, when a job could join (a free slot, no adapter set waiting,
+        none queued) and none of its rows gave way already (None: it does not; so every row moves
+        at least every other forward it is in)."""
+        if self._times is None or self._queue or len(self._rows) >= self.max_batch or self._pending is not None \
+                or any(row.gave_way for row in group):
             return None
         took, join = self._times.took(group[0].key, len(group)), self._times.join_time(group[0].key)
         if took is None or join is None or took <= join:
@@ -731,7 +734,8 @@ class DiffusersEngine(Engine):
         return started + took - join
 
     def _give_way(self, _module: Any, _args: Any) -> None:
-        """A forward pre-hook of each of the denoiser's blocks."""
+        """A forward pre-hook of each of the denoiser's blocks: something came in during the forward
+        (`wake`), and the worker says it would take a job from its input queue next."""
         if self._give_way_before is not None and self._woken.is_set() \
                 and time.perf_counter() < self._give_way_before and self._input_waiting():
             raise _GaveWay

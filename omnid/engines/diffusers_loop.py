@@ -113,6 +113,7 @@ class Row:
     misses: int = 0
     context: str = field(default_factory=lambda: f"row-{next(_names)}")
     error: str | None = None        # its own scheduler step failed (the engine fails its job)
+    gave_way: bool = False          # a forward with it gave way: the next one with it does not
 
     @property
     def finished(self) -> bool:

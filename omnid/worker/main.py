@@ -114,6 +114,7 @@ class StageWorker:
         # engine was last given; the main thread gives the engine a new set between two steps.
         self._adapters: Mapping[str, Path] = dict(self.stage.adapters)
         self._engine_adapters: Mapping[str, Path] = dict(self.stage.adapters)
+        self._loop_stepping = False             # the busy loop's own engine step runs (`_input_next`)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -244,7 +245,7 @@ class StageWorker:
     def run(self) -> None:
         engine, handoff = self.engine, self.handoff
         engine.on_step_ended(self.end_step)     # (an engine that takes several steps of its own in one)
-        engine.on_input_waiting(lambda: self.intake.queue.qsize() > 0)
+        engine.on_input_waiting(self._input_next)
         while not self.shutting_down.is_set():
             handoff.handle_resends(on_wait=self._step, busy=engine.has_work)
             # 1. take input: block briefly only when the engine has nothing to do; take none while
@@ -262,7 +263,11 @@ class StageWorker:
                 except Exception:
                     logging.getLogger("omnid.worker").exception("changing the stage's adapters failed")
             # 2. abort what was cancelled, step the engine
-            self._step()
+            self._loop_stepping = True
+            try:
+                self._step()
+            finally:
+                self._loop_stepping = False
             # 3. emit outputs of the requests that completed (the same: the rest after the next step)
             for job in [j for j, running in self.running.items() if running.request.done]:
                 self._complete(self.running.pop(job))     # (no local keeps the job's inputs alive)
@@ -276,6 +281,13 @@ class StageWorker:
             if engine.has_work() and not engine.ready():
                 self.wakeup.wait(0.05)
         engine.close()
+
+    def _input_next(self) -> bool:
+        """The engine's probe (main thread, in a step): a job waits in the input queue that the busy
+        loop takes right after this step (its own step, not one a hand-off or a resend waits in; a
+        place free, no downstream backlog)."""
+        return self._loop_stepping and not self.handoff.backlog() and self.intake.queue.qsize() > 0 \
+            and sum(not job.request.done for job in self.running.values()) < self.stage.max_inflight
 
     def _take_input(self) -> bool:
         """Move one item from the input queue into the engine; False when there is none.
