@@ -412,6 +412,7 @@ class Scheduler:
         admitted = job.admitted_at.get(stage)
         if admitted is not None and self.metrics:
             self.metrics.stage_queue_wait(stage, max(0.0, now - admitted), exemplar(job))
+        self.sleeper.started(job, stage)
         job.events.emit(EventType.STAGE_STARTED, stage=stage)
         if job.record.state is JobState.QUEUED:
             if self.metrics:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable
 
 from omnid import protocol as P
@@ -28,6 +29,8 @@ class SleepTender:
     def __init__(self, jobs: SleepControl, worker_slept: Callable[[StageHandle], None]) -> None:
         self._jobs = jobs
         self._worker_slept = worker_slept
+        # (job, stage) -> when the job heard `stage_waking`: its `stage_awake` is still to come
+        self._waking: dict[tuple[str, str], float] = {}
         self._sleeps: set[asyncio.Task[None]] = set()
 
     def has_work(self, stage: str) -> bool:
@@ -52,17 +55,28 @@ class SleepTender:
             group.touch()
             if group.resting:
                 job.events.emit(EventType.STAGE_WAKING, stage=name)
+                self._waking[(job.id, name)] = time.monotonic()
                 task = group.wake_soon()
                 task.add_done_callback(functools.partial(self._woke, job.id, name))
 
+    def started(self, job: LiveJob, stage: str) -> None:
+        """The job's input was taken by a stage it woke (its `Started`): `stage_awake` comes first, if
+        the wake's own end has not said it yet. (The worker takes the input that waited at its address
+        as soon as it listens, which can be before the wake's task ends here.)"""
+        since = self._waking.pop((job.id, stage), None)
+        if since is not None:
+            job.events.emit(EventType.STAGE_AWAKE, stage=stage, wake_s=round(time.monotonic() - since, 3))
+
     def _woke(self, job_id: str, stage: str, task: asyncio.Task[bool]) -> None:
+        pending = self._waking.pop((job_id, stage), None) is not None
         job = self._jobs.live_jobs.get(job_id)
         if job is None or task.cancelled():     # cancelled: the daemon stops (the job is kept for its next start)
             return
         group = self._jobs.stages[stage]
         ok = task.exception() is None and task.result()
         if ok:
-            job.events.emit(EventType.STAGE_AWAKE, stage=stage, wake_s=group.wake_s)
+            if pending:
+                job.events.emit(EventType.STAGE_AWAKE, stage=stage, wake_s=group.wake_s)
             return
         why = group.sleep_error or group.last_error or "it could not load"
         self._jobs.finish(job, JobState.FAILED, JobError(ErrorCode.WAKE_FAILED, f"stage {stage!r} was asleep and "

@@ -149,3 +149,25 @@ def test_a_job_wakes_its_sleeping_stage_and_fails_when_it_cannot_wake() -> None:
         assert error == JobError(ErrorCode.WAKE_FAILED, error.message, "bad") and "no GPU" in error.message
         assert "fine" in jobs.live_jobs
     run(main)
+
+
+def test_stage_awake_comes_before_stage_started_even_when_the_input_is_taken_before_the_wake_ends() -> None:
+    """The woken worker takes the input that waited at its address as soon as it listens, so its
+    `Started` can reach the scheduler before the wake's task has ended here: `stage_awake` goes first,
+    once."""
+    async def main() -> None:
+        group = Group("z", resting=True, sleeping=True)
+        jobs = Jobs([group])
+        tender = SleepTender(jobs, lambda handle: None)     # type: ignore[arg-type]
+        early, late = live_job(jobs, "early", ("z",)), live_job(jobs, "late", ("z",))
+        tender.wake_for(early)
+        tender.wake_for(late)
+        tender.started(early, "z")          # (what Scheduler.on_started calls before its stage_started)
+        assert [e["type"] for e in jobs.store.events if e["job"] == "early"][-1] == "stage_awake"
+        assert group.woken == 0             # (said before the wake's task even ran)
+        await asyncio.sleep(0.01)           # the wake's task ends
+        tender.started(late, "z")
+        kinds = [(e["job"], e["type"]) for e in jobs.store.events if e["type"].startswith("stage_")]
+        assert [k for k in kinds if k[0] == "early"] == [("early", "stage_waking"), ("early", "stage_awake")]
+        assert [k for k in kinds if k[0] == "late"] == [("late", "stage_waking"), ("late", "stage_awake")]
+    run(main)
